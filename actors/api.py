@@ -1,0 +1,117 @@
+"""Request, chunk and stats types exchanged between the serving layer and the Coordinator.
+
+These are the only objects that cross the Serve ingress <-> Coordinator boundary. They are
+pydantic models with ``extra="forbid"`` so a bad field is named in the error, and they are
+plain data (picklable) so they travel through Ray unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Strategy = Literal["ar", "sd", "multi_draft", "ensemble", "se"]
+SingleDraftMethod = Literal["token", "block", "greedy_block"]
+MultiDraftMethod = Literal["spectr", "spectr_gbv"]
+EnsembleKind = Literal["weighted", "contrastive"]
+FinishReason = Literal["stop", "length", "error"]
+
+MAX_GAMMA = 32
+MAX_DRAFTS = 8
+
+
+class InvalidRequestError(ValueError):
+    """A request parameter is invalid. ``field`` names it (dotted path), so the HTTP layer can
+    answer 400 and the gRPC layer INVALID_ARGUMENT with a message that names the field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingParams(_Frozen):
+    """How tokens are drawn. Every strategy samples from exactly this law (losslessness)."""
+
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 means greedy (argmax).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1 disables it.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables it.")
+    max_tokens: int = Field(64, ge=1, description="Maximum number of generated tokens.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings; generation ends before the first match.")
+    seed: int | None = Field(None, ge=0, description="Seed of every random stream of the request; None picks one.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+
+
+class SpeculationParams(_Frozen):
+    """Which decoding strategy serves the request. Unset fields take the deployment's defaults."""
+
+    strategy: Strategy | None = Field(None, description="ar | sd | multi_draft | ensemble | se.")
+    method: str | None = Field(
+        None,
+        description="Verification rule: token | block | greedy_block (sd, se); spectr | spectr_gbv (multi_draft).",
+    )
+    gamma: int | None = Field(None, ge=1, le=MAX_GAMMA, description="Draft block length (sd, multi_draft).")
+    num_drafts: int | None = Field(None, ge=1, le=MAX_DRAFTS, description="K i.i.d. drafts (multi_draft).")
+    ensemble: EnsembleKind | None = Field(None, description="weighted | contrastive (ensemble, se).")
+    weights: list[float] | None = Field(None, description="Weighted ensemble weights, one per member, summing to 1.")
+    mu: float | None = Field(None, ge=0.0, description="Contrastive strength: softmax(expert - mu * amateur).")
+    gammas: list[int] | None = Field(None, description="Per-member proposal lengths (se).")
+    members: list[str] | None = Field(None, description="Names of the ensemble members to use, in order.")
+
+
+class GenerationRequest(_Frozen):
+    """One generation request as the Coordinator receives it."""
+
+    request_id: str = Field(..., min_length=1, description="Unique id, used in logs and session names.")
+    prompt: str | None = Field(None, description="Prompt text (tokenized by the coordinator).")
+    prompt_ids: list[int] | None = Field(None, description="Prompt token ids (instead of prompt).")
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling parameters.")
+    speculation: SpeculationParams = Field(
+        default_factory=SpeculationParams, description="Strategy overrides; unset fields use the deployment defaults."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> GenerationRequest:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("exactly one of prompt and prompt_ids must be given")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        return self
+
+
+class RequestStats(_Frozen):
+    """Per-request measurements, reported with the final chunk."""
+
+    strategy: str
+    method: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    target_calls: int = Field(0, description="Forward calls of the target (or of the verifying members).")
+    model_calls: dict[str, int] = Field(default_factory=dict, description="Forward calls per model name.")
+    accepted_lengths: list[int] = Field(default_factory=list, description="Accepted draft tokens per iteration.")
+    block_efficiency: float = Field(0.0, description="Generated tokens per target call.")
+    tokens_per_second: float = 0.0
+    time_draft_s: float = 0.0
+    time_target_s: float = 0.0
+    time_verify_s: float = 0.0
+    time_coordination_s: float = 0.0
+    bytes_moved: int = Field(0, description="Bytes of probability rows moved between actors.")
+
+
+class GenerationChunk(_Frozen):
+    """A streamed piece of output: tokens accepted since the previous chunk."""
+
+    request_id: str
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stats: RequestStats | None = None
+    error: str | None = Field(None, description="Set when the request failed; the chunk is then final.")

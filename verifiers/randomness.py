@@ -1,0 +1,121 @@
+"""Every random choice in specserve goes through a :class:`RandomSource`.
+
+Verification rules and decode loops never call ``torch.rand`` or ``torch.multinomial``
+themselves: they ask a source for a Bernoulli draw (accept / reject) or a categorical draw
+(a token). In production the source wraps an explicit ``torch.Generator``
+(:class:`TorchRandomSource`); in the exactness tests it is an enumerating source
+(:mod:`verifiers.exact`) that follows every branch with its probability, so the exact
+output law of the *same code* that serves requests can be computed in float64.
+
+Contract (both implementations honour it):
+
+* ``bernoulli(prob)`` takes a probability tensor of any shape ``[...]`` (values in [0, 1])
+  and returns a bool tensor ``[...]``; ``True`` with exactly that probability.
+* ``categorical(probs)`` takes ``[..., V]`` rows that each sum to 1 (non-negative) and
+  returns int64 indices ``[...]``; index ``v`` with probability ``probs[..., v]``.
+
+A row's probabilities are used as given: no epsilon is added anywhere, so a zero
+probability is never drawn and the law is not biased.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class RandomSource(Protocol):
+    """Source of the only two kinds of random choice the algorithms make."""
+
+    def bernoulli(self, prob: torch.Tensor) -> torch.Tensor:
+        """``prob [...]`` in [0, 1] -> bool ``[...]``, True with probability ``prob``."""
+        ...
+
+    def categorical(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs [..., V]`` (rows sum to 1) -> int64 ``[...]`` drawn from each row."""
+        ...
+
+
+class TorchRandomSource:
+    """A :class:`RandomSource` driven by an explicit ``torch.Generator`` (CPU).
+
+    The order in which draws consume the generator is part of the contract: two runs that
+    make the same calls with the same shapes from the same seed draw the same values, which
+    is what lets the distributed coordinator reproduce :mod:`verifiers.reference` token for
+    token.
+    """
+
+    def __init__(self, generator: torch.Generator):
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        self.generator = generator
+
+    def bernoulli(self, prob: torch.Tensor) -> torch.Tensor:
+        prob = torch.as_tensor(prob, dtype=torch.float64)
+        uniform = torch.rand(prob.shape, generator=self.generator, dtype=torch.float64)  # [...]
+        # U ~ [0, 1): P(U < prob) = prob exactly, including prob = 0 and prob = 1.
+        return uniform < prob
+
+    def categorical(self, probs: torch.Tensor) -> torch.Tensor:
+        probs = torch.as_tensor(probs)
+        batch_shape, vocab = probs.shape[:-1], probs.shape[-1]
+        flat = probs.reshape(-1, vocab).to(torch.float64).cpu()  # [N, V]
+        # Inverse-CDF sampling with one uniform per row: exact in float64, one code path for
+        # every caller, and independent of torch.multinomial's internal algorithm.
+        uniform = torch.rand((flat.shape[0], 1), generator=self.generator, dtype=torch.float64)
+        cdf = torch.cumsum(flat, dim=-1)  # [N, V]
+        total = cdf[:, -1:]  # [N, 1]; 1 up to rounding
+        index = torch.searchsorted(cdf, uniform * total, right=True)  # [N, 1]
+        index = _skip_zero_mass(flat, index.clamp_(max=vocab - 1))
+        return index.reshape(batch_shape).to(torch.int64)
+
+
+def _skip_zero_mass(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Move an index that landed on a zero-probability entry (possible only through rounding
+    at the top of the CDF) to the last entry with positive mass, so zero mass is never drawn."""
+    chosen = flat.gather(-1, index)  # [N, 1]
+    if bool((chosen > 0).all()):
+        return index
+    positions = torch.arange(flat.shape[-1]).expand_as(flat)  # [N, V]
+    last_positive = torch.where(flat > 0, positions, -1).max(dim=-1, keepdim=True).values
+    return torch.where(chosen > 0, index, last_positive)
+
+
+def as_random_source(generator: torch.Generator | RandomSource) -> RandomSource:
+    """Accept either a ``torch.Generator`` (wrapped) or a ready :class:`RandomSource`."""
+    if isinstance(generator, torch.Generator):
+        return TorchRandomSource(generator)
+    if isinstance(generator, RandomSource):
+        return generator
+    raise TypeError(
+        f"generator must be a torch.Generator or a RandomSource, got {type(generator).__name__}"
+    )
+
+
+def stream_seeds(seed: int, count: int) -> list[int]:
+    """Seeds of ``count`` independent random streams derived from one request seed.
+
+    Stream layout (the contract between :mod:`verifiers.reference` and the distributed
+    coordinator, which gives each seed to the actor that owns the stream):
+
+    * speculative decoding: stream 0 = draft-token sampling, stream 1 = verification;
+    * ensembles over n members: stream i = member i's sampling (i < n), stream n = verification.
+    """
+    generator = torch.Generator().manual_seed(int(seed))
+    return [int(torch.randint(0, 2**62, (1,), generator=generator)) for _ in range(count)]
+
+
+def split_sources(generator: torch.Generator | RandomSource, count: int) -> list[RandomSource]:
+    """``count`` independent streams from one generator (see :func:`stream_seeds` for the layout).
+
+    A ``torch.Generator`` yields fresh generators seeded from it in order, exactly as
+    :func:`stream_seeds` does from ``initial_seed``-style integer seeds; any other source (the
+    exact enumerator) is shared by every stream, which keeps enumeration exact.
+    """
+    if isinstance(generator, torch.Generator):
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=generator)) for _ in range(count)]
+        return [TorchRandomSource(torch.Generator().manual_seed(s)) for s in seeds]
+    source = as_random_source(generator)
+    return [source] * count
