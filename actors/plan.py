@@ -1,0 +1,214 @@
+"""Resolve a request's speculation parameters against the deployment defaults.
+
+A :class:`DecodingPlan` is the frozen, fully specified description of how one request is
+decoded: which strategy, which verification rule, which models and block lengths. It is built
+once per request by :func:`resolve_plan` before any model work, and every invalid value raises
+:class:`actors.api.InvalidRequestError` naming the offending field, so the serving layer can
+answer 400 / INVALID_ARGUMENT. The deployment's own defaults are validated with the same code
+when the configuration is loaded (``cluster.config``), so a bad YAML fails at start-up with the
+same message a bad request would get.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from actors.api import MAX_DRAFTS, MAX_GAMMA, InvalidRequestError, SpeculationParams
+
+ModelRole = str  # "target" | "draft" | "member"
+
+#: Verification rules each strategy accepts (the first one is the strategy's default rule).
+STRATEGY_METHODS: dict[str, tuple[str, ...]] = {
+    "ar": (),
+    "sd": ("block", "token", "greedy_block"),
+    "multi_draft": ("spectr", "spectr_gbv"),
+    "ensemble": (),
+    "se": ("token", "block"),
+}
+
+WEIGHT_SUM_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class DecodingDefaults:
+    """Deployment-wide defaults for every field of :class:`actors.api.SpeculationParams`."""
+
+    strategy: str = "sd"
+    method: str | None = None
+    gamma: int = 4
+    num_drafts: int = 2
+    ensemble: str = "weighted"
+    members: tuple[str, ...] | None = None
+    weights: tuple[float, ...] | None = None
+    mu: float = 0.1
+    gammas: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class DecodingPlan:
+    """How one request is decoded (all defaults applied, all values checked).
+
+    target / draft: model names of the verifier and the proposer (sd, multi_draft; the target
+    alone for ar). members / weights / gammas: ensemble members in order (ensemble, se);
+    ``gammas[i]`` is member i's proposal length (se); for contrastive, members[0] is the expert
+    and members[1] the amateur.
+    """
+
+    strategy: str
+    method: str | None
+    target: str | None
+    draft: str | None
+    gamma: int
+    num_drafts: int
+    ensemble: str | None
+    members: tuple[str, ...]
+    weights: tuple[float, ...] | None
+    mu: float
+    gammas: tuple[int, ...]
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Every model the plan uses, each once, in a stable order."""
+        names = [n for n in (self.target, self.draft) if n is not None] + list(self.members)
+        return tuple(dict.fromkeys(names))
+
+
+def _pick(value, default):
+    return default if value is None else value
+
+
+def _check_method(strategy: str, requested: str | None, default: str | None) -> str | None:
+    valid = STRATEGY_METHODS[strategy]
+    if not valid:
+        if requested is not None:
+            raise InvalidRequestError("speculation.method", f"strategy {strategy!r} takes no method, got {requested!r}")
+        return None
+    if requested is not None:
+        if requested not in valid:
+            raise InvalidRequestError(
+                "speculation.method",
+                f"unknown method {requested!r} for strategy {strategy!r}; expected one of {', '.join(valid)}",
+            )
+        return requested
+    # The deployment's default method belongs to its default strategy; another strategy that
+    # does not accept it falls back to its own default rule.
+    if default is not None and default in valid:
+        return default
+    return valid[0]
+
+
+def _check_range(field: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise InvalidRequestError(field, f"must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _resolve_members(requested, default, models: Mapping[str, ModelRole], strategy: str, ensemble: str) -> tuple[str, ...]:
+    members = _pick(requested, default)
+    if members is None:
+        target = [name for name, role in models.items() if role == "target"]
+        others = [name for name, role in models.items() if role == "member"]
+        members = target + others
+    members = tuple(members)
+    unknown = [m for m in members if m not in models]
+    if unknown:
+        raise InvalidRequestError(
+            "speculation.members",
+            f"members {unknown} are not in the deployment; available models: {', '.join(models)}",
+        )
+    if len(set(members)) != len(members):
+        raise InvalidRequestError("speculation.members", f"members must be distinct, got {list(members)}")
+    if len(members) < 2:
+        raise InvalidRequestError("speculation.members", f"strategy {strategy!r} needs at least 2 members, got {list(members)}")
+    if ensemble == "contrastive" and len(members) != 2:
+        raise InvalidRequestError(
+            "speculation.members",
+            f"contrastive ensembles take exactly 2 members (expert, amateur), got {list(members)}",
+        )
+    return members
+
+
+def _resolve_weights(requested, default, members: tuple[str, ...], ensemble: str) -> tuple[float, ...] | None:
+    weights = requested if requested is not None else (default if default is not None and len(default) == len(members) else None)
+    if weights is None:
+        return None if ensemble == "contrastive" else tuple(1.0 / len(members) for _ in members)
+    if ensemble == "contrastive":
+        raise InvalidRequestError("speculation.weights", "weights apply to weighted ensembles only")
+    weights = tuple(float(w) for w in weights)
+    if len(weights) != len(members):
+        raise InvalidRequestError(
+            "speculation.weights", f"expected {len(members)} weights (one per member), got {len(weights)}"
+        )
+    if any(not math.isfinite(w) or w < 0 for w in weights):
+        raise InvalidRequestError("speculation.weights", f"weights must be finite and >= 0, got {list(weights)}")
+    if abs(sum(weights) - 1.0) > WEIGHT_SUM_TOLERANCE:
+        raise InvalidRequestError("speculation.weights", f"weights must sum to 1, got sum {sum(weights)!r}")
+    return weights
+
+
+def _resolve_gammas(requested, default, members: tuple[str, ...], gamma: int) -> tuple[int, ...]:
+    gammas = requested if requested is not None else (default if default is not None and len(default) == len(members) else None)
+    if gammas is None:
+        return tuple(gamma for _ in members)
+    gammas = tuple(int(g) for g in gammas)
+    if len(gammas) != len(members):
+        raise InvalidRequestError(
+            "speculation.gammas", f"expected {len(members)} gammas (one per member), got {len(gammas)}"
+        )
+    for g in gammas:
+        _check_range("speculation.gammas", g, 1, MAX_GAMMA)
+    return gammas
+
+
+def _role_model(models: Mapping[str, ModelRole], role: str, strategy: str) -> str:
+    names = [name for name, model_role in models.items() if model_role == role]
+    if not names:
+        raise InvalidRequestError("speculation.strategy", f"strategy {strategy!r} needs a {role} model; the deployment has none")
+    return names[0]
+
+
+def resolve_plan(
+    speculation: SpeculationParams, defaults: DecodingDefaults, models: Mapping[str, ModelRole]
+) -> DecodingPlan:
+    """Apply ``defaults`` to the unset fields of ``speculation`` and check the result against
+    the deployment's ``models`` (name -> role). Raises InvalidRequestError naming the field."""
+    strategy = _pick(speculation.strategy, defaults.strategy)
+    if strategy not in STRATEGY_METHODS:
+        raise InvalidRequestError(
+            "speculation.strategy", f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGY_METHODS)}"
+        )
+    method = _check_method(strategy, speculation.method, defaults.method)
+    gamma = _check_range("speculation.gamma", _pick(speculation.gamma, defaults.gamma), 1, MAX_GAMMA)
+    num_drafts = _check_range("speculation.num_drafts", _pick(speculation.num_drafts, defaults.num_drafts), 1, MAX_DRAFTS)
+    mu = float(_pick(speculation.mu, defaults.mu))
+    if not math.isfinite(mu) or mu < 0:
+        raise InvalidRequestError("speculation.mu", f"must be finite and >= 0, got {mu}")
+    target = draft = ensemble = weights = None
+    members: tuple[str, ...] = ()
+    gammas: tuple[int, ...] = ()
+    if strategy in ("ar", "sd", "multi_draft"):
+        target = _role_model(models, "target", strategy)
+        if strategy != "ar":
+            draft = _role_model(models, "draft", strategy)
+    else:
+        ensemble = _pick(speculation.ensemble, defaults.ensemble)
+        if ensemble not in ("weighted", "contrastive"):
+            raise InvalidRequestError("speculation.ensemble", f"expected weighted or contrastive, got {ensemble!r}")
+        members = _resolve_members(speculation.members, defaults.members, models, strategy, ensemble)
+        weights = _resolve_weights(speculation.weights, defaults.weights, members, ensemble)
+        gammas = _resolve_gammas(speculation.gammas, defaults.gammas, members, gamma)
+    return DecodingPlan(
+        strategy=strategy,
+        method=method,
+        target=target,
+        draft=draft,
+        gamma=gamma,
+        num_drafts=num_drafts if strategy == "multi_draft" else 1,
+        ensemble=ensemble,
+        members=members,
+        weights=weights,
+        mu=mu,
+        gammas=gammas,
+    )

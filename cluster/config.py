@@ -1,0 +1,304 @@
+"""Schema of the specserve application ``args`` in Ray Serve YAML files, and its frozen form.
+
+``deploy/*.yaml`` are Ray Serve config files::
+
+    applications:
+      - name: specserve
+        route_prefix: /
+        import_path: cluster.app:build_app
+        args: {models: ..., defaults: ..., resources: ..., limits: ..., server: ...}
+        deployments: [...]
+
+:class:`SpecServeArgs` validates ``args`` (pydantic, ``extra="forbid"``, every field
+described; errors name the bad key and value) and :meth:`SpecServeArgs.freeze` translates it
+once into the frozen :class:`GroupConfig` that bring-up, the coordinator and the serving layer
+use. :func:`load_app_args` reads one application's ``args`` from a YAML file.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from actors.api import MAX_DRAFTS, MAX_GAMMA, EnsembleKind, InvalidRequestError, SpeculationParams, Strategy
+from actors.plan import DecodingDefaults, resolve_plan
+
+ModelRole = Literal["target", "draft", "member"]
+DType = Literal["float32", "float16", "bfloat16"]
+
+
+class ConfigError(ValueError):
+    """The deployment configuration is invalid; the message names the key and the value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelArgs(_Strict):
+    """One model of the group; each runs in its own ModelWorker actor."""
+
+    path: str = Field(..., min_length=1, description="Hub id, local checkpoint directory, or embedded:<name>.")
+    role: ModelRole = Field(
+        ...,
+        description="target (the verifier, also the ar baseline), draft (the sd/multi_draft proposer) "
+        "or member (an ensemble member; the target can be an ensemble member too).",
+    )
+    dtype: DType = Field("float32", description="Weights dtype once loaded (float32 on CPU is the safe choice).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for hub ids.")
+    max_context: int | None = Field(
+        None, ge=2, description="Context length override; default: the model's max_position_embeddings."
+    )
+
+
+class DefaultsArgs(_Strict):
+    """Strategy settings used when a request leaves a field unset (see actors.api.SpeculationParams)."""
+
+    strategy: Strategy = Field("sd", description="ar | sd | multi_draft | ensemble | se.")
+    method: str | None = Field(
+        None,
+        description="Verification rule of the default strategy: token | block | greedy_block (sd), "
+        "spectr | spectr_gbv (multi_draft), token | block (se). Unset: the strategy's first rule.",
+    )
+    gamma: int = Field(4, ge=1, le=MAX_GAMMA, description="Draft block length (sd, multi_draft; se default per member).")
+    num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")
+    ensemble: EnsembleKind = Field("weighted", description="weighted | contrastive (ensemble, se).")
+    members: list[str] | None = Field(
+        None, description="Ensemble members in order (contrastive: expert, amateur). Unset: target then members."
+    )
+    weights: list[float] | None = Field(None, description="Weighted-ensemble weights, one per member, summing to 1.")
+    mu: float = Field(0.1, ge=0.0, description="Contrastive strength: softmax(expert - mu * amateur).")
+    gammas: list[int] | None = Field(None, description="Per-member proposal lengths (se). Unset: gamma for each.")
+
+
+class ModelResourceArgs(_Strict):
+    """Resource override for one model."""
+
+    gpus: float | None = Field(None, ge=0.0, description="GPUs for this model's worker.")
+    cpus: float | None = Field(None, ge=0.0, description="CPUs for this model's worker.")
+
+
+class ResourcesArgs(_Strict):
+    """What each actor of a model group asks Ray for."""
+
+    gpus_per_model: float = Field(0.0, ge=0.0, description="GPUs per model worker (1 on a GPU cluster).")
+    cpus_per_model: float = Field(
+        0.25, ge=0.0, description="CPUs per model worker (small on CPU so a whole group fits on 2 cores)."
+    )
+    coordinator_cpus: float = Field(0.0, ge=0.0, description="CPUs reserved for the coordinator actor.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU model worker.")
+    per_model: dict[str, ModelResourceArgs] = Field(
+        default_factory=dict, description="Per-model overrides keyed by model name."
+    )
+
+
+class LimitsArgs(_Strict):
+    """Admission and session limits of one model group."""
+
+    max_concurrent_requests: int = Field(16, ge=1, description="Requests decoded at once by one coordinator.")
+    session_idle_timeout_s: float = Field(
+        300.0, gt=0.0, description="A worker frees a request's KV cache after this long without a call."
+    )
+
+
+class ServerArgs(_Strict):
+    """Where the HTTP and gRPC servers listen (used by `specserve serve`)."""
+
+    host: str = Field("127.0.0.1", description="Bind address of the HTTP and gRPC servers.")
+    http_port: int = Field(8000, ge=1, le=65535, description="HTTP (OpenAI-compatible) port.")
+    grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
+
+
+class SpecServeArgs(_Strict):
+    """The ``args`` of a specserve application in a Ray Serve YAML file."""
+
+    models: dict[str, ModelArgs] = Field(..., min_length=1, description="Model name -> model; one per worker actor.")
+    tokenizer: str | None = Field(
+        None, description="Tokenizer path/hub id/embedded:<name>; default: the target's (else the first model's)."
+    )
+    defaults: DefaultsArgs = Field(default_factory=DefaultsArgs, description="Default strategy settings.")
+    resources: ResourcesArgs = Field(default_factory=ResourcesArgs, description="Per-actor resources.")
+    limits: LimitsArgs = Field(default_factory=LimitsArgs, description="Admission and session limits.")
+    server: ServerArgs = Field(default_factory=ServerArgs, description="HTTP/gRPC bind address and ports.")
+
+    @field_validator("models")
+    @classmethod
+    def _one_target_at_most_one_draft(cls, models: dict[str, ModelArgs]) -> dict[str, ModelArgs]:
+        for name in models:
+            if not name or not name.replace("_", "").replace("-", "").isalnum():
+                raise ValueError(f"model name {name!r} must be non-empty letters, digits, '-' or '_'")
+        targets = [name for name, model in models.items() if model.role == "target"]
+        drafts = [name for name, model in models.items() if model.role == "draft"]
+        if len(targets) > 1:
+            raise ValueError(f"at most one model may have role 'target', got {targets}")
+        if len(drafts) > 1:
+            raise ValueError(f"at most one model may have role 'draft', got {drafts}")
+        return models
+
+    @model_validator(mode="after")
+    def _defaults_fit_models(self) -> SpecServeArgs:
+        unknown = [name for name in self.resources.per_model if name not in self.models]
+        if unknown:
+            raise ValueError(f"resources.per_model: unknown models {unknown}; models are {list(self.models)}")
+        roles = {name: model.role for name, model in self.models.items()}
+        try:
+            resolve_plan(SpeculationParams(), self.decoding_defaults(), roles)
+        except InvalidRequestError as error:
+            field = error.field.replace("speculation.", "defaults.")
+            raise ValueError(f"{field}: {error.message}") from None
+        return self
+
+    def decoding_defaults(self) -> DecodingDefaults:
+        d = self.defaults
+        return DecodingDefaults(
+            strategy=d.strategy,
+            method=d.method,
+            gamma=d.gamma,
+            num_drafts=d.num_drafts,
+            ensemble=d.ensemble,
+            members=tuple(d.members) if d.members is not None else None,
+            weights=tuple(d.weights) if d.weights is not None else None,
+            mu=d.mu,
+            gammas=tuple(d.gammas) if d.gammas is not None else None,
+        )
+
+    def freeze(self) -> GroupConfig:
+        """Translate into the frozen objects the rest of the system uses (paths resolved)."""
+        from models import resolve_model_path
+
+        models = tuple(
+            ModelSpec(
+                name=name,
+                path=resolve_model_path(model.path),
+                role=model.role,
+                dtype=model.dtype,
+                revision=model.revision,
+                max_context=model.max_context,
+                num_gpus=_override(self.resources.per_model.get(name), "gpus", self.resources.gpus_per_model),
+                num_cpus=_override(self.resources.per_model.get(name), "cpus", self.resources.cpus_per_model),
+                torch_threads=self.resources.torch_threads,
+            )
+            for name, model in self.models.items()
+        )
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            target = [m for m in models if m.role == "target"]
+            tokenizer_path = (target or list(models))[0].path
+        else:
+            tokenizer_path = resolve_model_path(tokenizer)
+        return GroupConfig(
+            models=models,
+            tokenizer_path=tokenizer_path,
+            defaults=self.decoding_defaults(),
+            coordinator_cpus=self.resources.coordinator_cpus,
+            max_concurrent_requests=self.limits.max_concurrent_requests,
+            session_idle_timeout_s=self.limits.session_idle_timeout_s,
+            host=self.server.host,
+            http_port=self.server.http_port,
+            grpc_port=self.server.grpc_port,
+        )
+
+
+def _override(override: ModelResourceArgs | None, field: str, default: float) -> float:
+    value = None if override is None else getattr(override, field)
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model worker: what to load and what to ask Ray for."""
+
+    name: str
+    path: str
+    role: str
+    dtype: str = "float32"
+    revision: str | None = None
+    max_context: int | None = None
+    num_gpus: float = 0.0
+    num_cpus: float = 0.25
+    torch_threads: int = 1
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """A whole model group (workers + coordinator), frozen from :class:`SpecServeArgs`."""
+
+    models: tuple[ModelSpec, ...]
+    tokenizer_path: str
+    defaults: DecodingDefaults
+    coordinator_cpus: float = 0.0
+    max_concurrent_requests: int = 16
+    session_idle_timeout_s: float = 300.0
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 9000
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """Model name -> role."""
+        return {model.name: model.role for model in self.models}
+
+    def model(self, name: str) -> ModelSpec:
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise KeyError(f"no model named {name!r}; models are {[m.name for m in self.models]}")
+
+
+def _describe_validation_error(error: ValidationError, where: str) -> str:
+    lines = [f"invalid specserve args in {where}:"]
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "<args>"
+        value = item.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        lines.append(f"  {key} = {shown}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def parse_app_args(args: dict[str, Any] | SpecServeArgs, where: str = "args") -> SpecServeArgs:
+    """Validate a raw ``args`` mapping; raises :class:`ConfigError` naming each bad key and value."""
+    if isinstance(args, SpecServeArgs):
+        return args
+    try:
+        return SpecServeArgs.model_validate(args)
+    except ValidationError as error:
+        raise ConfigError(_describe_validation_error(error, where)) from None
+
+
+def read_serve_config(yaml_path: str | pathlib.Path) -> dict[str, Any]:
+    """Read a Ray Serve YAML config file and check its ``applications`` list exists."""
+    path = pathlib.Path(yaml_path)
+    try:
+        document = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("applications"), list):
+        raise ConfigError(f"{path}: a Ray Serve config needs a top-level 'applications' list")
+    return document
+
+
+def select_application(document: dict[str, Any], app_name: str | None, where: str) -> dict[str, Any]:
+    """The application named ``app_name``, or the only one when ``app_name`` is None."""
+    applications = document["applications"]
+    names = [app.get("name") for app in applications if isinstance(app, dict)]
+    if app_name is None:
+        if len(applications) != 1:
+            raise ConfigError(f"{where}: {len(applications)} applications {names}; pass the name of one")
+        return applications[0]
+    for app in applications:
+        if isinstance(app, dict) and app.get("name") == app_name:
+            return app
+    raise ConfigError(f"{where}: no application named {app_name!r}; applications are {names}")
+
+
+def load_app_args(yaml_path: str | pathlib.Path, app_name: str | None = None) -> SpecServeArgs:
+    """Read and validate the ``args`` of one application of a Ray Serve YAML file."""
+    document = read_serve_config(yaml_path)
+    app = select_application(document, app_name, str(yaml_path))
+    return parse_app_args(app.get("args") or {}, where=f"{yaml_path} application {app.get('name')!r} args")
