@@ -1,0 +1,265 @@
+"""From run records to per-case summaries, ratios and the checks against the project's targets.
+
+Every figure is a median over prompts (and repeats): the machine is noisy. Speedups are
+*paired*: for each prompt, tokens/s of the case divided by tokens/s of its baseline measured on
+the same prompt in the same interleaved pass, then the median of those ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+from benchmarks.records import RunRecord
+from benchmarks.suite import BenchCase, BenchSettings
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+@dataclass(frozen=True)
+class CaseSummary:
+    """Medians over the prompts of one case."""
+
+    key: str
+    mode: str
+    label: str
+    group: str
+    baseline: str | None
+    runs: int
+    tokens_per_second: float
+    block_efficiency: float
+    mean_accepted: float | None
+    speedup: float | None
+    target_calls_per_token: float
+    model_calls_per_token: dict[str, float]
+    ms_per_iteration: dict[str, float]
+    bytes_per_token: float
+    block_efficiency_by_kind: dict[str, float] = field(default_factory=dict)
+    tokens_per_second_by_kind: dict[str, float] = field(default_factory=dict)
+
+
+def _pair_key(record: RunRecord) -> tuple[str, int]:
+    return record.prompt_id, record.repeat
+
+
+def paired_ratios(
+    records: list[RunRecord], numerator: str, denominator: str, value: Callable[[RunRecord], float]
+) -> list[float]:
+    """value(numerator run) / value(denominator run) for every prompt both ran on."""
+    by_pair: dict[str, dict[tuple[str, int], RunRecord]] = defaultdict(dict)
+    for record in records:
+        if record.case in (numerator, denominator):
+            by_pair[record.case][_pair_key(record)] = record
+    ratios = []
+    for pair, top in by_pair[numerator].items():
+        bottom = by_pair[denominator].get(pair)
+        if bottom is not None and value(bottom) > 0:
+            ratios.append(value(top) / value(bottom))
+    return ratios
+
+
+def _per_iteration_ms(record: RunRecord) -> dict[str, float]:
+    iterations = max(record.iterations, 1)
+    return {
+        "draft": 1e3 * record.time_draft_s / iterations,
+        "target": 1e3 * record.time_target_s / iterations,
+        "verify": 1e3 * record.time_verify_s / iterations,
+        "coordination": 1e3 * record.time_coordination_s / iterations,
+        "total": 1e3 * record.wall_s / iterations,
+    }
+
+
+def summarize_case(case: BenchCase, records: list[RunRecord]) -> CaseSummary | None:
+    own = [r for r in records if r.case == case.key]
+    if not own:
+        return None
+    speedup = None
+    if case.baseline is not None:
+        speedup = median(paired_ratios(records, case.key, case.baseline, lambda r: r.tokens_per_second))
+    splits = [_per_iteration_ms(r) for r in own]
+    model_names = sorted({name for r in own for name in r.model_calls})
+    by_kind: dict[str, list[RunRecord]] = defaultdict(list)
+    for record in own:
+        by_kind[record.prompt_kind].append(record)
+    return CaseSummary(
+        key=case.key,
+        mode=case.mode,
+        label=case.label,
+        group=case.group,
+        baseline=case.baseline,
+        runs=len(own),
+        tokens_per_second=median(r.tokens_per_second for r in own),
+        block_efficiency=median(r.block_efficiency for r in own),
+        mean_accepted=median(r.mean_accepted for r in own),
+        speedup=speedup,
+        target_calls_per_token=median(r.target_calls / max(r.completion_tokens, 1) for r in own),
+        model_calls_per_token={
+            name: median(r.model_calls.get(name, 0) / max(r.completion_tokens, 1) for r in own) for name in model_names
+        },
+        ms_per_iteration={part: median(s[part] for s in splits) for part in splits[0]},
+        bytes_per_token=median(r.bytes_moved / max(r.completion_tokens, 1) for r in own),
+        block_efficiency_by_kind={k: median(r.block_efficiency for r in rs) for k, rs in sorted(by_kind.items())},
+        tokens_per_second_by_kind={k: median(r.tokens_per_second for r in rs) for k, rs in sorted(by_kind.items())},
+    )
+
+
+def summarize(cases: list[BenchCase], records: list[RunRecord]) -> list[CaseSummary]:
+    return [s for s in (summarize_case(c, records) for c in cases) if s is not None]
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """Tokens/s of a strategy on separate Ray actors relative to the same strategy in one process."""
+
+    label: str
+    ray_tokens_per_second: float
+    local_tokens_per_second: float
+    ratio: float  # median over prompts of ray / local
+
+
+def distribution_overhead(summaries: list[CaseSummary], records: list[RunRecord]) -> list[Overhead]:
+    by_key = {s.key: s for s in summaries}
+    rows = []
+    for summary in summaries:
+        if summary.mode != "ray" or f"local:{summary.label}" not in by_key:
+            continue
+        local = by_key[f"local:{summary.label}"]
+        ratio = median(paired_ratios(records, summary.key, local.key, lambda r: r.tokens_per_second))
+        rows.append(Overhead(summary.label, summary.tokens_per_second, local.tokens_per_second, ratio))
+    return rows
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    """One of the project's targets, with the measured figure."""
+
+    name: str
+    required: str
+    measured: str
+    met: bool | None  # None: not measured in this run
+    note: str = ""
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _preferred(by_label: dict[str, dict[str, CaseSummary]], label: str, modes=("ray", "local")) -> CaseSummary | None:
+    for mode in modes:
+        found = by_label.get(label, {}).get(mode)
+        if found is not None:
+            return found
+    return None
+
+
+def check_targets(settings: BenchSettings, summaries: list[CaseSummary], overhead: list[Overhead]) -> list[TargetCheck]:
+    """The targets of the project's issue, evaluated on this run's medians."""
+    by_label: dict[str, dict[str, CaseSummary]] = defaultdict(dict)
+    for s in summaries:
+        by_label[s.label][s.mode] = s
+    checks: list[TargetCheck] = []
+    checks.append(_ratio_check(
+        "block efficiency: block vs token at gamma = 8", ">= 1.05",
+        _preferred(by_label, "sd/block/g8"), _preferred(by_label, "sd/token/g8"), 1.05, lambda s: s.block_efficiency,
+    ))
+    gamma = settings.multi_draft_gamma
+    gbv = _preferred(by_label, f"multi_draft/spectr_gbv/k3/g{gamma}")
+    spectr = _preferred(by_label, f"multi_draft/spectr/k3/g{gamma}")
+    token = _preferred(by_label, f"sd/token/g{gamma}")
+    if gbv and spectr and token:
+        values = [gbv.block_efficiency, spectr.block_efficiency, token.block_efficiency]
+        checks.append(TargetCheck(
+            f"block efficiency: spectr_gbv >= spectr >= token at K = 3 (gamma = {gamma})", "ordered",
+            " / ".join(_fmt(v) for v in values), values[0] >= values[1] >= values[2],
+        ))
+    else:
+        checks.append(TargetCheck(f"block efficiency: spectr_gbv >= spectr >= token at K = 3", "ordered", "n/a", None))
+    checks.extend(_peer_checks(summaries))
+    for name, factor in (("weighted/n2", 1.3), ("weighted/n3", 1.3), ("contrastive/n2", 1.1)):
+        for mode in ("ray", "local"):
+            se = by_label.get(f"se/{name}", {}).get(mode)
+            if se is not None:
+                checks.append(TargetCheck(
+                    f"se vs standard ensemble, {name} ({mode})", f">= {factor}x",
+                    f"{_fmt(se.speedup)}x", se.speedup is not None and se.speedup >= factor,
+                ))
+    for row in overhead:
+        checks.append(TargetCheck(
+            f"Ray actors vs one process, {row.label}", ">= 0.85x tokens/s",
+            f"{_fmt(row.ratio)}x ({row.ray_tokens_per_second:.0f} vs {row.local_tokens_per_second:.0f} tok/s)",
+            row.ratio is not None and row.ratio >= 0.85,
+        ))
+    return checks
+
+
+def _ratio_check(name, required, top, bottom, factor, value) -> TargetCheck:
+    if top is None or bottom is None or not value(bottom):
+        return TargetCheck(name, required, "n/a", None)
+    ratio = value(top) / value(bottom)
+    return TargetCheck(name, required, f"{ratio:.3f}x ({value(top):.2f} vs {value(bottom):.2f})", ratio >= factor)
+
+
+@dataclass(frozen=True)
+class PeerComparison:
+    """specserve sd speedup over its ar versus transformers' assisted speedup over its sampling loop."""
+
+    gamma: int
+    mode: str
+    method: str
+    sd_speedup: float | None
+    peer_speedup: float | None
+    ratio: float | None
+    sd_tokens_per_second: float
+    peer_tokens_per_second: float
+
+
+def peer_comparisons(summaries: list[CaseSummary]) -> list[PeerComparison]:
+    by_key = {s.key: s for s in summaries}
+    rows = []
+    for s in summaries:
+        if s.group != "sd":
+            continue
+        _, method, gamma_part = s.label.split("/")
+        peer = by_key.get(f"hf:peer/assisted/{gamma_part}")
+        if peer is None:
+            continue
+        ratio = s.speedup / peer.speedup if s.speedup and peer.speedup else None
+        rows.append(PeerComparison(int(gamma_part[1:]), s.mode, method, s.speedup, peer.speedup, ratio,
+                                   s.tokens_per_second, peer.tokens_per_second))
+    return rows
+
+
+def _peer_checks(summaries: list[CaseSummary]) -> list[TargetCheck]:
+    rows = peer_comparisons(summaries)
+    peers = [s for s in summaries if s.label.startswith("peer/assisted/") and s.speedup is not None]
+    if not rows or not peers:
+        return [TargetCheck("sd speedup vs transformers assisted speedup", ">= 1.15x", "n/a", None)]
+    best_peer = max(peers, key=lambda s: s.speedup)
+    checks = []
+    for mode in ("ray", "local"):
+        candidates = [s for s in summaries if s.group == "sd" and s.mode == mode and s.speedup is not None]
+        if not candidates:
+            continue
+        best = max(candidates, key=lambda s: s.speedup)
+        ratio = best.speedup / best_peer.speedup
+        checks.append(TargetCheck(
+            f"best sd speedup ({mode}) vs best transformers assisted speedup", ">= 1.15x",
+            f"{ratio:.2f}x ({best.label} {best.speedup:.2f}x vs {best_peer.label} {best_peer.speedup:.2f}x)",
+            ratio >= 1.15,
+        ))
+    for row in rows:
+        if row.method == "token" and row.ratio is not None:
+            checks.append(TargetCheck(
+                f"sd token speedup ({row.mode}) vs transformers assisted, gamma = {row.gamma}", ">= 1.15x",
+                f"{row.ratio:.2f}x ({row.sd_speedup:.2f}x vs {row.peer_speedup:.2f}x)", row.ratio >= 1.15,
+            ))
+    return checks
+
+
+def to_jsonable(items) -> list[dict]:
+    return [asdict(item) for item in items]

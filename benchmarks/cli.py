@@ -1,0 +1,93 @@
+"""The ``bench`` subcommand of the ``specserve`` CLI.
+
+    specserve bench [--config deploy/default.yaml] [--quick] --out DIR
+
+Runs the benchmark suite (``benchmarks.suite``) over the committed prompt set and writes
+``results.json``, ``results.md`` and PNG plots under ``DIR``. Progress goes to stderr (a tqdm
+bar and log lines); the paths of the written files are logged at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import shlex
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _mode_list(text: str) -> tuple[str, ...]:
+    modes = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [m for m in modes if m not in ("ray", "local", "hf")]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"modes must be a comma-separated subset of ray,local,hf; got {text!r}")
+    return modes
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``specserve bench`` on the CLI's subparsers; the handler is ``run_bench_command``."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="Benchmark every strategy side by side (and transformers assisted generation).",
+        description="Run every decoding strategy, on separate Ray actors and in one process, and "
+        "transformers assisted generation on the same models and prompts, interleaved by prompt; "
+        "write results.json, results.md and plots under --out.",
+    )
+    parser.add_argument("--config", default="deploy/default.yaml", help="Ray Serve YAML whose application args name the models.")
+    parser.add_argument("--app-name", default=None, help="Application of the YAML to use (when it holds several).")
+    parser.add_argument("--out", type=pathlib.Path, required=True, help="Output directory.")
+    parser.add_argument("--quick", action="store_true", help="Fewer prompts and tokens (same cases): a few minutes.")
+    parser.add_argument("--modes", type=_mode_list, default=None, help="Subset of ray,local,hf (default: all).")
+    parser.add_argument("--num-prompts", type=int, default=None, help="Use the first N prompts.")
+    parser.add_argument("--max-tokens", type=int, default=None, help="Tokens generated per prompt.")
+    parser.add_argument("--repeats", type=int, default=None, help="Passes over the prompt set.")
+    parser.add_argument("--seed", type=int, default=None, help="Base seed.")
+    parser.add_argument("--gammas", type=_int_list, default=None, help="Draft lengths of sd and the peer, e.g. 2,4,8.")
+    parser.add_argument("--temperature", type=float, default=None, help="Sampling temperature (default 1).")
+    parser.add_argument("--plot-prefix", default="", help="Prefix of the plot links in results.md (e.g. img/).")
+    parser.set_defaults(handler=run_bench_command)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace):
+    from benchmarks.suite import QUICK_SETTINGS, BenchSettings
+
+    values: dict = dict(QUICK_SETTINGS) if args.quick else {}
+    overrides = {
+        "modes": args.modes, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+        "repeats": args.repeats, "seed": args.seed, "gammas": args.gammas, "temperature": args.temperature,
+    }
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return BenchSettings(**values)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    """Handler of ``specserve bench``; returns the process exit code."""
+    from cluster.config import load_app_args
+    from benchmarks.run import run_benchmark
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    except ImportError:
+        pass
+    settings = settings_from_args(args)
+    group_args = load_app_args(args.config, args.app_name)
+    command = "specserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "specserve bench"
+    results = run_benchmark(group_args, settings, args.out, command=command, plot_prefix=args.plot_prefix)
+    for check in results.checks:
+        level = logging.WARNING if check.met is False else logging.INFO
+        logger.log(level, "target %s: required %s, measured %s", check.name, check.required, check.measured)
+    logger.info("results in %s", args.out)
+    return 0

@@ -1,0 +1,301 @@
+"""Write a benchmark run: ``results.json``, ``results.md`` (markdown tables) and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.analysis import CaseSummary, Overhead, PeerComparison, TargetCheck, to_jsonable
+from benchmarks.records import RunRecord
+from benchmarks.suite import BenchSettings
+
+logger = logging.getLogger(__name__)
+
+PLOT_FILES = ("block_efficiency.png", "speedup.png", "time_split.png", "distribution_overhead.png")
+
+
+@dataclass(frozen=True)
+class BenchResults:
+    """Everything a run produced."""
+
+    settings: BenchSettings
+    environment: dict[str, Any]
+    command: str
+    summaries: list[CaseSummary]
+    overhead: list[Overhead]
+    peer: list[PeerComparison]
+    checks: list[TargetCheck]
+    records: list[RunRecord]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "command": self.command,
+            "settings": self.settings.model_dump(mode="json"),
+            "environment": self.environment,
+            "summaries": to_jsonable(self.summaries),
+            "distribution_overhead": to_jsonable(self.overhead),
+            "peer_comparison": to_jsonable(self.peer),
+            "target_checks": to_jsonable(self.checks),
+            "records": [r.to_dict() for r in self.records],
+        }
+
+
+def write_results(results: BenchResults, out_dir: pathlib.Path, *, plot_prefix: str = "") -> dict[str, pathlib.Path]:
+    """Write results.json, results.md and the plots under ``out_dir``; return what was written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
+    written["json"].write_text(json.dumps(results.to_json(), indent=1) + "\n", encoding="utf-8")
+    plots = write_plots(results, out_dir)
+    written.update(plots)
+    written["markdown"].write_text(render_markdown(results, {k: plot_prefix + p.name for k, p in plots.items()}),
+                                   encoding="utf-8")
+    logger.info("wrote %s", ", ".join(str(p) for p in written.values()))
+    return written
+
+
+# ----------------------------------------------------------------------------- markdown
+
+def _f(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _case_table(summaries: list[CaseSummary]) -> list[str]:
+    lines = [
+        "| case | mode | block eff. | mean accepted | tok/s | speedup | vs | ms/iter draft / target / verify / coord. / total | bytes/token |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+    ]
+    for s in summaries:
+        split = s.ms_per_iteration
+        split_text = " / ".join(_f(split[k], 1) for k in ("draft", "target", "verify", "coordination", "total"))
+        baseline = (s.baseline or "").split(":", 1)[-1]
+        lines.append(
+            f"| {s.label} | {s.mode} | {_f(s.block_efficiency)} | {_f(s.mean_accepted)} | {_f(s.tokens_per_second, 0)} "
+            f"| {_f(s.speedup, 2, 'x')} | {baseline} | {split_text} | {_f(s.bytes_per_token, 0)} |"
+        )
+    return lines
+
+
+def _kind_table(summaries: list[CaseSummary]) -> list[str]:
+    kinds = sorted({k for s in summaries for k in s.block_efficiency_by_kind})
+    if len(kinds) < 2:
+        return []
+    header = " | ".join(f"block eff. {k} | tok/s {k}" for k in kinds)
+    lines = [f"| case | mode | {header} |", "| --- | --- |" + " ---: | ---: |" * len(kinds)]
+    for s in summaries:
+        cells = " | ".join(
+            f"{_f(s.block_efficiency_by_kind.get(k))} | {_f(s.tokens_per_second_by_kind.get(k), 0)}" for k in kinds
+        )
+        lines.append(f"| {s.label} | {s.mode} | {cells} |")
+    return lines
+
+
+def render_markdown(results: BenchResults, plots: dict[str, str]) -> str:
+    settings, env = results.settings, results.environment
+    groups = defaultdict(list)
+    for s in results.summaries:
+        groups["ensembles" if s.group in ("ensemble", "se") else "decoding"].append(s)
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Command: `{results.command}`",
+        "",
+        f"Prompts: {env.get('num_prompts')} ({env.get('prompt_kinds')}), {settings.max_tokens} tokens each, "
+        f"temperature {settings.temperature}, {settings.repeats} pass(es), seeds from {settings.seed}; "
+        f"warm-up excluded; cases interleaved per prompt in a seeded random order. "
+        f"Machine: {env.get('cpu_count')} CPUs, torch {env.get('torch')}, transformers {env.get('transformers')}, "
+        f"ray {env.get('ray')}; load average at start {env.get('load_average_start')}, at end "
+        f"{env.get('load_average_end')}; wall time {_f(env.get('wall_time_s'), 0)} s.",
+        "",
+        "All figures are medians over prompts. *block eff.* = generated tokens per target call "
+        "(per call of the verifying models for ensembles); *speedup* = median over prompts of "
+        "tokens/s divided by the baseline's tokens/s on the same prompt; *ms/iter* = time per decoding "
+        "iteration (one target call) split into draft / target / verify / coordination (for the "
+        "peer, the rest of transformers' loop is in *coord.*); *bytes/token* = probability-row bytes "
+        "moved between actors per generated token.",
+        "",
+    ]
+    for title, key in (("Speculative decoding, multi-draft and the peer", "decoding"),
+                       ("Ensembles and speculative ensembles", "ensembles")):
+        if groups[key]:
+            lines += [f"## {title}", "", *_case_table(groups[key]), ""]
+    if results.peer:
+        lines += [
+            "## sd versus transformers assisted generation",
+            "",
+            "Speedups over each system's own autoregressive sampling (specserve `ar`; transformers "
+            "`generate(do_sample=True)`), and the ratio of the two.",
+            "",
+            "| gamma | mode | method | sd speedup | peer speedup | ratio | sd tok/s | peer tok/s |",
+            "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for row in results.peer:
+            lines.append(
+                f"| {row.gamma} | {row.mode} | {row.method} | {_f(row.sd_speedup, 2, 'x')} | {_f(row.peer_speedup, 2, 'x')} "
+                f"| {_f(row.ratio, 2, 'x')} | {_f(row.sd_tokens_per_second, 0)} | {_f(row.peer_tokens_per_second, 0)} |"
+            )
+        lines.append("")
+    if results.overhead:
+        lines += [
+            "## Distribution overhead: separate Ray actors versus one process",
+            "",
+            "| strategy | Ray tok/s | one process tok/s | Ray / one process |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for row in results.overhead:
+            lines.append(f"| {row.label} | {row.ray_tokens_per_second:.0f} | {row.local_tokens_per_second:.0f} | {_f(row.ratio, 2, 'x')} |")
+        lines.append("")
+    kind_lines = _kind_table(results.summaries)
+    if kind_lines:
+        lines += ["## By prompt kind", "", *kind_lines, ""]
+    lines += ["## Targets", "", "| target | required | measured | met |", "| --- | --- | --- | --- |"]
+    for check in results.checks:
+        met = {True: "yes", False: "**no**", None: "not measured"}[check.met]
+        lines.append(f"| {check.name} | {check.required} | {check.measured} | {met} |")
+    lines.append("")
+    if plots:
+        lines += ["## Plots", ""]
+        for name, path in plots.items():
+            lines += [f"![{name}]({path})", ""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- plots
+
+def write_plots(results: BenchResults, out_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+    """PNG plots (matplotlib, Agg backend); a plot without data is skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = {}
+    for name, draw in (
+        ("block_efficiency", _plot_block_efficiency),
+        ("speedup", _plot_speedup),
+        ("time_split", _plot_time_split),
+        ("distribution_overhead", _plot_overhead),
+    ):
+        figure = draw(plt, results)
+        if figure is None:
+            continue
+        path = out_dir / f"{name}.png"
+        figure.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(figure)
+        written[name] = path
+    return written
+
+
+def _primary_mode(summaries: list[CaseSummary]) -> str:
+    modes = {s.mode for s in summaries}
+    return "ray" if "ray" in modes else ("local" if "local" in modes else "hf")
+
+
+def _plot_block_efficiency(plt, results: BenchResults):
+    mode = _primary_mode(results.summaries)
+    series: dict[str, dict[int, float]] = defaultdict(dict)
+    multi: list[tuple[str, float]] = []
+    for s in results.summaries:
+        if s.group == "sd" and s.mode == mode:
+            _, method, gamma = s.label.split("/")
+            series[f"sd {method}"][int(gamma[1:])] = s.block_efficiency
+        elif s.label.startswith("peer/assisted/"):
+            series["transformers assisted"][int(s.label.rsplit("/g", 1)[1])] = s.block_efficiency
+        elif s.group == "multi_draft" and s.mode == mode:
+            _, method, k, gamma = s.label.split("/")
+            multi.append((f"{method} {k.upper()} γ={gamma[1:]}", s.block_efficiency))
+    if not series and not multi:
+        return None
+    figure, axes = plt.subplots(1, 2 if multi else 1, figsize=(11 if multi else 6, 4), squeeze=False)
+    left = axes[0][0]
+    for name, points in sorted(series.items()):
+        gammas = sorted(points)
+        left.plot(gammas, [points[g] for g in gammas], marker="o", label=name)
+    left.set_xlabel("gamma (draft tokens per iteration)")
+    left.set_ylabel("block efficiency (tokens per target call)")
+    left.set_title(f"Single draft ({mode})")
+    left.grid(alpha=0.3)
+    left.legend()
+    if multi:
+        right = axes[0][1]
+        right.barh([name for name, _ in multi], [value for _, value in multi], color="tab:purple")
+        right.set_xlabel("block efficiency (tokens per target call)")
+        right.set_title(f"Multi-draft ({mode})")
+        right.grid(alpha=0.3, axis="x")
+    figure.tight_layout()
+    return figure
+
+
+def _plot_speedup(plt, results: BenchResults):
+    labels = []
+    values: dict[str, dict[str, float]] = defaultdict(dict)
+    for s in results.summaries:
+        if s.speedup is None or s.key == s.baseline:
+            continue
+        if s.label not in labels:
+            labels.append(s.label)
+        values[s.mode][s.label] = s.speedup
+    if not labels:
+        return None
+    modes = [m for m in ("ray", "local", "hf") if m in values]
+    height = 0.8 / len(modes)
+    figure, axis = plt.subplots(figsize=(8, 0.32 * len(labels) * max(1, len(modes)) + 1.5))
+    for index, mode in enumerate(modes):
+        positions = [i + index * height for i in range(len(labels))]
+        axis.barh(positions, [values[mode].get(label, 0.0) for label in labels], height=height, label=mode)
+    axis.set_yticks([i + height * (len(modes) - 1) / 2 for i in range(len(labels))])
+    axis.set_yticklabels(labels)
+    axis.invert_yaxis()
+    axis.axvline(1.0, color="black", linewidth=0.8)
+    axis.set_xlabel("speedup (tokens/s vs baseline: ar, the standard ensemble, or transformers sampling)")
+    axis.legend(title="mode")
+    axis.grid(alpha=0.3, axis="x")
+    figure.tight_layout()
+    return figure
+
+
+def _plot_time_split(plt, results: BenchResults):
+    mode = _primary_mode(results.summaries)
+    chosen = [s for s in results.summaries if s.mode == mode or s.mode == "hf"]
+    if not chosen:
+        return None
+    parts = ("draft", "target", "verify", "coordination")
+    figure, axis = plt.subplots(figsize=(8, 0.3 * len(chosen) + 1.5))
+    left = [0.0] * len(chosen)
+    for part in parts:
+        widths = [s.ms_per_iteration.get(part, 0.0) for s in chosen]
+        axis.barh(range(len(chosen)), widths, left=left, label=part)
+        left = [a + b for a, b in zip(left, widths)]
+    axis.set_yticks(range(len(chosen)))
+    axis.set_yticklabels([s.key for s in chosen])
+    axis.invert_yaxis()
+    axis.set_xlabel("ms per iteration (one target call)")
+    axis.legend()
+    axis.grid(alpha=0.3, axis="x")
+    figure.tight_layout()
+    return figure
+
+
+def _plot_overhead(plt, results: BenchResults):
+    if not results.overhead:
+        return None
+    figure, axis = plt.subplots(figsize=(8, 0.3 * len(results.overhead) + 1.5))
+    axis.barh([r.label for r in results.overhead], [r.ratio or 0.0 for r in results.overhead], color="tab:green")
+    axis.axvline(1.0, color="black", linewidth=0.8)
+    axis.axvline(0.85, color="tab:red", linewidth=0.8, linestyle="--", label="target 0.85")
+    axis.invert_yaxis()
+    axis.set_xlabel("tokens/s on separate Ray actors / tokens/s in one process")
+    axis.legend()
+    axis.grid(alpha=0.3, axis="x")
+    figure.tight_layout()
+    return figure
+
+
+def results_from_json(path: pathlib.Path) -> dict[str, Any]:
+    """Read a results.json back (for re-rendering)."""
+    return json.loads(path.read_text(encoding="utf-8"))
+
+

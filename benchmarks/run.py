@@ -1,0 +1,142 @@
+"""``specserve bench``: one benchmark run from a Serve YAML to results.json, results.md and plots.
+
+The models come from the application ``args`` of the YAML (``cluster.config``): the target,
+the draft and the ensemble members by role. The same models run in three modes, side by
+side: ``ray`` (the production path: a model group of separate Ray actors and its
+coordinator), ``local`` (the same coordinator logic with every model in this process), and
+``hf`` (transformers assisted generation, the peer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.analysis import check_targets, distribution_overhead, peer_comparisons, summarize
+from benchmarks.harness import WARMUP_PROMPT, Runner, TokenizedPrompt, run_cases
+from benchmarks.prompts import PROMPTS_PATH, load_prompts
+from benchmarks.report import BenchResults, write_results
+from benchmarks.suite import BenchSettings, build_cases
+
+logger = logging.getLogger(__name__)
+
+RunnerFactory = Callable[[Any, BenchSettings], Runner]
+
+
+def _load_avg() -> str:
+    try:
+        return " ".join(f"{value:.2f}" for value in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def environment_info() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    try:
+        import ray
+
+        ray_version = ray.__version__
+    except ImportError:
+        ray_version = "n/a"
+    return {
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "ray": ray_version,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def make_runner(mode: str, group_args: Any, settings: BenchSettings) -> Runner:
+    """The runner of one mode for the model group described by ``group_args`` (SpecServeArgs)."""
+    config = group_args.freeze()
+    if mode == "hf":
+        from benchmarks.peer import PeerRunner
+
+        target = [m.path for m in config.models if m.role == "target"]
+        draft = [m.path for m in config.models if m.role == "draft"]
+        return PeerRunner(target[0], draft[0], temperature=settings.temperature)
+    if mode == "ray":
+        from benchmarks.runners import RayRunner
+
+        return RayRunner(group_args, temperature=settings.temperature)
+    if mode == "local":
+        from benchmarks.runners import LocalRunner
+
+        return LocalRunner(group_args, temperature=settings.temperature)
+    raise ValueError(f"unknown mode {mode!r}; expected ray, local or hf")
+
+
+def tokenize_prompts(tokenizer_path: str, prompts) -> tuple[list[TokenizedPrompt], list[int]]:
+    """Token ids of every prompt and of the warm-up prompt (one tokenizer for every mode)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=os.path.isdir(tokenizer_path))
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return [TokenizedPrompt(p, encode(p.text)) for p in prompts], encode(WARMUP_PROMPT)
+
+
+def run_benchmark(
+    group_args: Any,
+    settings: BenchSettings,
+    out_dir: pathlib.Path,
+    *,
+    command: str = "specserve bench",
+    prompts_path: pathlib.Path = PROMPTS_PATH,
+    runner_factory: RunnerFactory | None = None,
+    plot_prefix: str = "",
+) -> BenchResults:
+    """Run every case of ``settings`` over the prompt set and write the results under ``out_dir``."""
+    import torch
+
+    started = time.perf_counter()
+    load_start = _load_avg()
+    config = group_args.freeze()
+    # The in-process modes use the workers' thread budget, so the modes compare like for like.
+    torch.set_num_threads(config.models[0].torch_threads)
+    prompts = load_prompts(prompts_path, settings.num_prompts)
+    tokenized, warmup_ids = tokenize_prompts(config.tokenizer_path, prompts)
+    cases = build_cases(settings, config.roles)
+    logger.info("%d cases x %d prompts x %d repeats (+ %d warm-up runs)",
+                len(cases), len(prompts), settings.repeats, len(cases))
+    factory = runner_factory or (lambda mode, s: make_runner(mode, group_args, s))
+    modes = list(dict.fromkeys(case.mode for case in cases))
+    runners: dict[str, Runner] = {}
+    try:
+        for mode in modes:
+            runners[mode] = factory(mode, settings)
+        records = run_cases(cases, tokenized, runners, settings, warmup_ids=warmup_ids)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    summaries = summarize(cases, records)
+    overhead = distribution_overhead(summaries, records)
+    environment = environment_info() | {
+        "num_prompts": len(prompts),
+        "prompt_kinds": ", ".join(f"{sum(p.kind == k for p in prompts)} {k}" for k in ("code", "prose")),
+        "load_average_start": load_start,
+        "load_average_end": _load_avg(),
+        "wall_time_s": time.perf_counter() - started,
+        "models": {m.name: {"path": m.path, "role": m.role} for m in config.models},
+    }
+    results = BenchResults(
+        settings=settings,
+        environment=environment,
+        command=command,
+        summaries=summaries,
+        overhead=overhead,
+        peer=peer_comparisons(summaries),
+        checks=check_targets(settings, summaries, overhead),
+        records=records,
+    )
+    write_results(results, out_dir, plot_prefix=plot_prefix)
+    return results

@@ -1,0 +1,158 @@
+"""What one benchmark run measures: its settings and the list of cases it runs side by side.
+
+A *case* is one way of producing ``max_tokens`` tokens for a prompt, e.g. ``sd`` with block
+verification at gamma 4 on separate Ray actors (``ray:sd/block/g4``), the same in one process
+(``local:sd/block/g4``), or transformers assisted generation (``hf:peer/assisted/g4``). Every
+case names the case its speedup is measured against (``baseline``): ``ar`` of the same mode for
+``sd`` and ``multi_draft``; the standard ensemble of the same kind and members for ``se``;
+transformers' own sampling loop for the peer.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.api import SpeculationParams
+
+Mode = Literal["ray", "local", "hf"]
+MODES: tuple[Mode, ...] = ("ray", "local", "hf")
+SINGLE_DRAFT_METHODS = ("token", "block", "greedy_block")
+MULTI_DRAFT_METHODS = ("spectr", "spectr_gbv")
+
+
+class BenchSettings(BaseModel):
+    """Everything that defines a benchmark run (recorded in results.json)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_prompts: int | None = Field(None, ge=1, description="Use the first N prompts of the set; None: all of them.")
+    max_tokens: int = Field(128, ge=1, description="Tokens generated per prompt by every case (EOS ignored).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of every case (no top-k / top-p).")
+    seed: int = Field(0, ge=0, description="Base seed: prompt i of repeat r uses seed + 1000 * r + i in every case.")
+    repeats: int = Field(1, ge=1, description="Passes over the prompt set (each with its own seeds).")
+    warmup_tokens: int = Field(16, ge=1, description="Tokens of the untimed warm-up run of every case.")
+    modes: tuple[Mode, ...] = Field(MODES, min_length=1, description="ray (separate actors), local (one process), hf (peer).")
+    gammas: tuple[int, ...] = Field((2, 4, 8), min_length=1, description="Draft lengths of sd and of the peer.")
+    sd_methods: tuple[str, ...] = Field(SINGLE_DRAFT_METHODS, description="Single-draft verification rules.")
+    multi_draft_methods: tuple[str, ...] = Field(MULTI_DRAFT_METHODS, description="Multi-draft verification rules.")
+    num_drafts: tuple[int, ...] = Field((2, 3), description="K values of multi_draft.")
+    multi_draft_gamma: int = Field(4, ge=1, description="Draft length of multi_draft.")
+    ensemble_sizes: tuple[int, ...] = Field((2, 3), description="Member counts of the weighted ensembles.")
+    contrastive_mu: float = Field(0.1, ge=0.0, description="Contrastive strength mu (2 members: expert, amateur).")
+    se_gamma: int = Field(4, ge=1, description="Proposal length of every member in se.")
+    se_method: str = Field("token", description="Verification rule of se (token | block).")
+    weighted_members: tuple[str, ...] | None = Field(
+        None, description="Members of the weighted ensembles (first n used); None: the target, then the member models."
+    )
+    contrastive_members: tuple[str, str] | None = Field(
+        None, description="(expert, amateur); None: the target and the last member model."
+    )
+    peer: bool = Field(True, description="Run transformers assisted generation (needs mode hf).")
+
+    @model_validator(mode="after")
+    def _known_methods(self) -> BenchSettings:
+        for method in self.sd_methods:
+            if method not in SINGLE_DRAFT_METHODS:
+                raise ValueError(f"sd_methods: unknown method {method!r}; expected {SINGLE_DRAFT_METHODS}")
+        for method in self.multi_draft_methods:
+            if method not in MULTI_DRAFT_METHODS:
+                raise ValueError(f"multi_draft_methods: unknown method {method!r}; expected {MULTI_DRAFT_METHODS}")
+        if self.se_method not in ("token", "block"):
+            raise ValueError(f"se_method: expected token or block, got {self.se_method!r}")
+        return self
+
+
+QUICK_SETTINGS = {"num_prompts": 4, "max_tokens": 48, "warmup_tokens": 8}
+"""Overrides of ``--quick``: the same cases on fewer prompts and tokens."""
+
+
+class BenchCase(BaseModel):
+    """One way of generating: a strategy (or the peer) in one execution mode."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Mode = Field(..., description="ray | local | hf.")
+    label: str = Field(..., description="Mode-independent name, e.g. 'sd/block/g4'.")
+    group: str = Field(..., description="ar | sd | multi_draft | ensemble | se | peer (table grouping).")
+    speculation: SpeculationParams | None = Field(None, description="Request overrides (ray and local modes).")
+    peer_gamma: int | None = Field(None, description="Assistant tokens per iteration (peer); None: plain sampling.")
+    baseline: str | None = Field(None, description="Key of the case this one's speedup is measured against.")
+
+    @property
+    def key(self) -> str:
+        return f"{self.mode}:{self.label}"
+
+
+def resolve_members(settings: BenchSettings, roles: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, str] | None]:
+    """Weighted-ensemble members (in order) and the contrastive (expert, amateur) pair."""
+    target = [name for name, role in roles.items() if role == "target"]
+    members = [name for name, role in roles.items() if role == "member"]
+    weighted = settings.weighted_members or tuple(target + members)
+    contrastive = settings.contrastive_members
+    if contrastive is None and target and members:
+        contrastive = (target[0], members[-1])
+    return tuple(weighted), contrastive
+
+
+def build_cases(settings: BenchSettings, roles: dict[str, str]) -> list[BenchCase]:
+    """Every case of the run, in a fixed order (the harness shuffles it per prompt)."""
+    has_draft = "draft" in roles.values()
+    cases: list[BenchCase] = []
+    for mode in settings.modes:
+        if mode == "hf":
+            if settings.peer and has_draft:
+                cases.extend(_peer_cases(settings))
+            continue
+        cases.extend(_strategy_cases(settings, roles, mode, has_draft))
+    return cases
+
+
+def _strategy_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode, has_draft: bool) -> list[BenchCase]:
+    ar_key = f"{mode}:ar"
+    cases = [BenchCase(mode=mode, label="ar", group="ar", speculation=SpeculationParams(strategy="ar"), baseline=ar_key)]
+    if has_draft:
+        for method in settings.sd_methods:
+            for gamma in settings.gammas:
+                cases.append(BenchCase(
+                    mode=mode, label=f"sd/{method}/g{gamma}", group="sd", baseline=ar_key,
+                    speculation=SpeculationParams(strategy="sd", method=method, gamma=gamma),
+                ))
+        for method in settings.multi_draft_methods:
+            for num_drafts in settings.num_drafts:
+                cases.append(BenchCase(
+                    mode=mode, label=f"multi_draft/{method}/k{num_drafts}/g{settings.multi_draft_gamma}",
+                    group="multi_draft", baseline=ar_key,
+                    speculation=SpeculationParams(
+                        strategy="multi_draft", method=method, gamma=settings.multi_draft_gamma, num_drafts=num_drafts
+                    ),
+                ))
+    weighted, contrastive = resolve_members(settings, roles)
+    ensembles: list[tuple[str, dict]] = []
+    for size in settings.ensemble_sizes:
+        if len(weighted) >= size:
+            members = list(weighted[:size])
+            ensembles.append((f"weighted/n{size}", {"ensemble": "weighted", "members": members,
+                                                    "weights": [1.0 / size] * size}))
+    if contrastive is not None:
+        ensembles.append(("contrastive/n2", {"ensemble": "contrastive", "members": list(contrastive),
+                                             "mu": settings.contrastive_mu}))
+    for name, params in ensembles:
+        ensemble_key = f"{mode}:ensemble/{name}"
+        cases.append(BenchCase(mode=mode, label=f"ensemble/{name}", group="ensemble", baseline=ensemble_key,
+                               speculation=SpeculationParams(strategy="ensemble", **params)))
+        cases.append(BenchCase(
+            mode=mode, label=f"se/{name}", group="se", baseline=ensemble_key,
+            speculation=SpeculationParams(strategy="se", method=settings.se_method,
+                                          gammas=[settings.se_gamma] * len(params["members"]), **params),
+        ))
+    return cases
+
+
+def _peer_cases(settings: BenchSettings) -> list[BenchCase]:
+    ar_key = "hf:peer/ar"
+    cases = [BenchCase(mode="hf", label="peer/ar", group="peer", baseline=ar_key)]
+    for gamma in settings.gammas:
+        cases.append(BenchCase(mode="hf", label=f"peer/assisted/g{gamma}", group="peer", peer_gamma=gamma, baseline=ar_key))
+    return cases
