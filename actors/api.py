@@ -30,6 +30,11 @@ class InvalidRequestError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):
+        # Pickle by (field, message): the default would call cls(str(self)) and fail, so the
+        # error could not cross a Ray actor boundary.
+        return (type(self), (self.field, self.message))
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
