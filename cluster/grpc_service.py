@@ -1,0 +1,214 @@
+"""gRPC side of the Serve ingress: proto <-> GenerationRequest/GenerationChunk, status codes.
+
+Ray Serve's gRPC proxy deserializes ``specserve.GenerateRequest`` with the committed stubs
+(``protos/specserve_pb2*.py``, registered through ``grpc_options.grpc_servicer_functions:
+["protos.specserve_pb2_grpc.add_SpecServeServicer_to_server"]``) and calls the ingress
+deployment's method of the same name as the rpc (``Generate`` / ``GenerateStream``) with the
+message and a ``grpc_context``. Those methods (``cluster/app.py``) use the functions here:
+
+- :func:`check_wire_types` rejects fields that arrived with the wrong wire type (a client
+  built from a different .proto): protobuf keeps such fields as *unknown fields* instead of
+  failing, so without this check they would silently take their defaults;
+- :func:`to_generation_request` validates presence-aware options and names the bad field
+  (``sampling.temperature``, ``speculation.gamma``) in an :class:`InvalidRequestError`;
+- :func:`chunk_to_response` / :func:`final_response` render chunks and results;
+- :data:`STATUS_INVALID_ARGUMENT` etc. and :func:`status_for_exception` choose status codes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats
+from cluster.openai_api import CompletionAccumulator, build_generation_request
+from protos import specserve_pb2
+
+STATUS_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
+STATUS_NOT_FOUND = grpc.StatusCode.NOT_FOUND
+
+_WIRE_TYPE_NAMES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group start", 4: "group end", 5: "32-bit"}
+_SAMPLING_SCALARS: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+_SPECULATION_SCALARS: tuple[str, ...] = ("strategy", "method", "gamma", "num_drafts", "ensemble", "mu")
+_SPECULATION_LISTS: tuple[str, ...] = ("weights", "gammas", "members")
+
+
+def check_wire_types(message: Message, prefix: str = "") -> None:
+    """Raise :class:`InvalidRequestError` if ``message`` (or a set sub-message) has unknown fields.
+
+    A field sent with a wire type that does not match the .proto (e.g. ``max_tokens`` as a
+    string) is stored by protobuf as an unknown field with the same number; the error names
+    the field. Numbers the .proto does not define are reported as unknown fields.
+    """
+    fields_by_number = message.DESCRIPTOR.fields_by_number
+    for unknown in UnknownFieldSet(message):
+        field = fields_by_number.get(unknown.field_number)
+        wire = _WIRE_TYPE_NAMES.get(unknown.wire_type, str(unknown.wire_type))
+        if field is None:
+            raise InvalidRequestError(f"{prefix}#{unknown.field_number}", f"unknown field number {unknown.field_number}")
+        raise InvalidRequestError(
+            f"{prefix}{field.name}", f"wrong type: sent as {wire}, expected {_proto_type_name(field)}"
+        )
+    for field, value in message.ListFields():
+        if field.message_type is not None and not _is_map(field):
+            values = value if _is_repeated(field) else [value]
+            for item in values:
+                check_wire_types(item, prefix=f"{prefix}{field.name}.")
+
+
+def _is_repeated(field: Any) -> bool:
+    return bool(field.is_repeated)
+
+
+def _is_map(field: Any) -> bool:
+    return field.message_type is not None and field.message_type.GetOptions().map_entry
+
+
+def _proto_type_name(field: Any) -> str:
+    names = {
+        field.TYPE_DOUBLE: "double",
+        field.TYPE_FLOAT: "float",
+        field.TYPE_INT64: "int64",
+        field.TYPE_INT32: "int32",
+        field.TYPE_UINT64: "uint64",
+        field.TYPE_UINT32: "uint32",
+        field.TYPE_BOOL: "bool",
+        field.TYPE_STRING: "string",
+        field.TYPE_BYTES: "bytes",
+        field.TYPE_MESSAGE: "message",
+    }
+    name = names.get(field.type, "value")
+    return f"repeated {name}" if _is_repeated(field) else name
+
+
+def _set_scalars(message: Message, names: tuple[str, ...]) -> dict[str, Any]:
+    """The ``optional`` scalar fields that the client set (proto3 presence)."""
+    return {name: getattr(message, name) for name in names if message.HasField(name)}
+
+
+def sampling_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, Any]:
+    """The sampling options the client set explicitly."""
+    if not request.HasField("sampling"):
+        return {}
+    overrides = _set_scalars(request.sampling, _SAMPLING_SCALARS)
+    if request.sampling.stop:
+        overrides["stop"] = list(request.sampling.stop)
+    return overrides
+
+
+def speculation_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, Any]:
+    """The speculation options the client set explicitly."""
+    if not request.HasField("speculation"):
+        return {}
+    overrides = _set_scalars(request.speculation, _SPECULATION_SCALARS)
+    for name in _SPECULATION_LISTS:
+        values = list(getattr(request.speculation, name))
+        if values:
+            overrides[name] = values
+    return overrides
+
+
+def request_prompt(request: specserve_pb2.GenerateRequest) -> str | list[int]:
+    """Exactly one of ``prompt`` / ``prompt_ids``, validated; raises :class:`InvalidRequestError`."""
+    has_text = request.HasField("prompt")
+    has_ids = len(request.prompt_ids) > 0
+    if has_text and has_ids:
+        raise InvalidRequestError("prompt", "set exactly one of prompt and prompt_ids, not both")
+    if not has_text and not has_ids:
+        raise InvalidRequestError("prompt", "field required (set prompt or prompt_ids)")
+    if has_ids:
+        if any(token_id < 0 for token_id in request.prompt_ids):
+            raise InvalidRequestError("prompt_ids", "token ids must be >= 0")
+        return list(request.prompt_ids)
+    if not request.prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    return request.prompt
+
+
+def to_generation_request(
+    request: specserve_pb2.GenerateRequest, request_id: str, sampling_defaults: dict[str, Any]
+) -> GenerationRequest:
+    """The coordinator request of a gRPC ``GenerateRequest``; raises :class:`InvalidRequestError`."""
+    check_wire_types(request)
+    return build_generation_request(
+        request_id=request_id,
+        prompt=request_prompt(request),
+        sampling_defaults=sampling_defaults,
+        sampling_overrides=sampling_overrides(request),
+        speculation=speculation_overrides(request),
+    )
+
+
+def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, specserve_pb2.SpeculationStats]:
+    """``usage`` and ``speculation`` messages of the final response."""
+    if stats is None:
+        return specserve_pb2.Usage(), specserve_pb2.SpeculationStats()
+    usage = specserve_pb2.Usage(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        total_tokens=stats.prompt_tokens + stats.completion_tokens,
+    )
+    speculation = specserve_pb2.SpeculationStats(
+        strategy=stats.strategy,
+        method=stats.method or "",
+        target_calls=stats.target_calls,
+        model_calls=dict(stats.model_calls),
+        accepted_lengths=list(stats.accepted_lengths),
+        block_efficiency=stats.block_efficiency,
+        tokens_per_second=stats.tokens_per_second,
+        time_draft_s=stats.time_draft_s,
+        time_target_s=stats.time_target_s,
+        time_verify_s=stats.time_verify_s,
+        time_coordination_s=stats.time_coordination_s,
+        bytes_moved=stats.bytes_moved,
+    )
+    return usage, speculation
+
+
+def chunk_to_response(chunk: GenerationChunk, model: str) -> specserve_pb2.GenerateResponse:
+    """One streamed message; the final one carries finish_reason, usage and speculation stats."""
+    response = specserve_pb2.GenerateResponse(
+        request_id=chunk.request_id,
+        model=model,
+        text=chunk.text,
+        token_ids=list(chunk.token_ids),
+        finished=chunk.finished,
+        finish_reason=(chunk.finish_reason or "") if chunk.finished else "",
+    )
+    if chunk.finished:
+        usage, speculation = stats_to_proto(chunk.stats)
+        response.usage.CopyFrom(usage)
+        response.speculation.CopyFrom(speculation)
+    return response
+
+
+def final_response(request_id: str, model: str, result: CompletionAccumulator) -> specserve_pb2.GenerateResponse:
+    """The unary ``Generate`` response: whole text and token ids, usage and speculation stats."""
+    usage, speculation = stats_to_proto(result.stats)
+    return specserve_pb2.GenerateResponse(
+        request_id=request_id,
+        model=model,
+        text=result.text,
+        token_ids=result.token_ids,
+        finished=True,
+        finish_reason=result.finish_reason or "",
+        usage=usage,
+        speculation=speculation,
+    )
+
+
+__all__ = [
+    "STATUS_INVALID_ARGUMENT",
+    "STATUS_NOT_FOUND",
+    "check_wire_types",
+    "chunk_to_response",
+    "final_response",
+    "request_prompt",
+    "sampling_overrides",
+    "speculation_overrides",
+    "stats_to_proto",
+    "to_generation_request",
+]
