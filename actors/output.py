@@ -1,0 +1,131 @@
+"""Turn accepted token ids into the streamed output: EOS, max_tokens, stop strings, text deltas.
+
+Text is emitted only when it decodes cleanly: a byte-level BPE token can hold part of a
+multi-byte character, which decodes to U+FFFD until the rest arrives, so trailing replacement
+characters are held back. Text that could be the beginning of a stop string is held back too,
+so a stop string never leaks into the output; when one appears, the text is cut before it and
+the request finishes with ``finish_reason="stop"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class OutputDelta:
+    """What one batch of accepted tokens adds to the output."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class OutputTracker:
+    """Accumulates generated tokens for one request and decides when it is finished.
+
+    ``eos_token_ids`` end the request (the EOS token itself is not part of the output) unless
+    ``ignore_eos``; ``max_tokens`` caps the number of output tokens; ``stop`` strings end the
+    request with the text cut before the first match. ``tokenizer`` may be None (token ids
+    only, no text; stop strings then cannot be used).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        *,
+        max_tokens: int,
+        stop: list[str] | tuple[str, ...] = (),
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        ignore_eos: bool = False,
+    ):
+        if stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.stop = [s for s in stop if s]
+        self.eos_token_ids = frozenset() if ignore_eos else frozenset(eos_token_ids)
+        self.token_ids: list[int] = []
+        self.sent_text = ""
+        self.finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.token_ids)
+
+    def _decode(self) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, tokens: list[int]) -> OutputDelta:
+        """Take accepted tokens (in order); return the new output and whether it finished."""
+        delta = OutputDelta()
+        if self.finished:
+            return delta
+        text = None
+        for token in tokens:
+            if token in self.eos_token_ids:
+                self.finish_reason = "stop"
+                break
+            self.token_ids.append(int(token))
+            delta.token_ids.append(int(token))
+            if self.stop:
+                text = self._decode()
+                cut = self._stop_position(text)
+                if cut is not None:
+                    text = text[:cut]
+                    self.finish_reason = "stop"
+                    break
+            if len(self.token_ids) >= self.max_tokens:
+                self.finish_reason = "length"
+                break
+        if text is None:
+            text = self._decode()
+        delta.text = self._new_text(text)
+        delta.finish_reason = self.finish_reason
+        return delta
+
+    def finish(self, reason: str) -> OutputDelta:
+        """End the request now (e.g. the context is full); flush held-back text."""
+        if not self.finished:
+            self.finish_reason = reason
+        return OutputDelta(text=self._new_text(self._decode()), finish_reason=self.finish_reason)
+
+    @property
+    def text(self) -> str:
+        return self.sent_text
+
+    def _stop_position(self, text: str) -> int | None:
+        positions = [text.find(s) for s in self.stop]
+        found = [p for p in positions if p >= 0]
+        return min(found) if found else None
+
+    def _new_text(self, text: str) -> str:
+        if not self.finished:
+            text = text[: len(text) - self._held_back(text)]
+        if not text.startswith(self.sent_text):
+            # Decoding more tokens rewrote earlier text (rare tokenizer normalisation); never
+            # retract what was sent, append only what is new past it.
+            new = text[len(self.sent_text):] if len(text) > len(self.sent_text) else ""
+        else:
+            new = text[len(self.sent_text):]
+        self.sent_text += new
+        return new
+
+    def _held_back(self, text: str) -> int:
+        """Characters at the end of ``text`` that may still change or start a stop string."""
+        held = len(text) - len(text.rstrip(REPLACEMENT_CHAR))
+        for stop in self.stop:
+            for length in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:length]):
+                    held = max(held, length)
+                    break
+        return held

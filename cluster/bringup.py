@@ -1,0 +1,136 @@
+"""Bring up Ray and one model group (ModelWorker actors + their Coordinator).
+
+* :func:`init_ray`: connect to the cluster named by ``RAY_ADDRESS`` when it is set, otherwise
+  start a local Ray (no address needed) with the machine's CPU count.
+* :func:`start_model_group`: one ModelWorker actor per model of the configuration (each on its
+  own GPU when ``gpus_per_model`` is set; in the given placement group's bundles when one is
+  passed: model i in bundle ``first_bundle + i``, see :func:`model_group_bundles`) and one
+  Coordinator over them. :meth:`ModelGroup.shutdown` kills them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from actors.coordinator import Coordinator
+from actors.model_worker import ModelWorker
+from cluster.config import GroupConfig, SpecServeArgs, parse_app_args
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, **init_kwargs: Any) -> None:
+    """Start or join Ray unless it is already initialised.
+
+    ``address`` (or the ``RAY_ADDRESS`` environment variable) joins an existing cluster;
+    otherwise a local instance is started with ``num_cpus`` logical CPUs (default: this
+    machine's count, at least 4 so a whole model group fits) and no dashboard.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        logger.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, **init_kwargs)
+        return
+    cpus = num_cpus if num_cpus is not None else max(4, os.cpu_count() or 1)
+    logger.info("starting a local Ray instance with %d CPUs", cpus)
+    init_kwargs.setdefault("include_dashboard", False)
+    ray.init(num_cpus=cpus, **init_kwargs)
+
+
+def as_group_config(args: SpecServeArgs | GroupConfig | dict[str, Any]) -> GroupConfig:
+    """Accept the YAML ``args`` dict, the validated :class:`SpecServeArgs`, or a GroupConfig."""
+    if isinstance(args, GroupConfig):
+        return args
+    return parse_app_args(args).freeze()
+
+
+def model_group_bundles(args: SpecServeArgs | GroupConfig | dict[str, Any]) -> list[dict[str, float]]:
+    """One placement-group bundle per model worker, in the order :func:`start_model_group`
+    places them (the coordinator needs no bundle of its own when ``coordinator_cpus`` is 0)."""
+    config = as_group_config(args)
+    bundles = []
+    for model in config.models:
+        bundle = {"CPU": float(model.num_cpus)}
+        if model.num_gpus:
+            bundle["GPU"] = float(model.num_gpus)
+        bundles.append(bundle)
+    return bundles
+
+
+@dataclass
+class ModelGroup:
+    """The actors serving one group: ``workers`` (model name -> handle) and ``coordinator``."""
+
+    config: GroupConfig
+    workers: dict[str, Any]
+    coordinator: Any
+
+    def shutdown(self) -> None:
+        """Kill the coordinator and every worker (their sessions and KV caches go with them)."""
+        import ray
+
+        for handle in [self.coordinator, *self.workers.values()]:
+            try:
+                ray.kill(handle, no_restart=True)
+            except (ValueError, ray.exceptions.RayError) as error:
+                logger.warning("could not kill an actor: %s", error)
+
+
+def _scheduling(placement_group: Any, bundle_index: int) -> dict[str, Any]:
+    if placement_group is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=bundle_index
+        )
+    }
+
+
+def start_model_group(
+    args: SpecServeArgs | GroupConfig | dict[str, Any],
+    placement_group: Any = None,
+    *,
+    first_bundle: int = 0,
+    worker_cls: type = ModelWorker,
+    wait: bool = True,
+) -> ModelGroup:
+    """Start one ModelWorker per model and a Coordinator over them.
+
+    ``placement_group``: reserve the workers in its bundles (model i in bundle
+    ``first_bundle + i``; build the bundles with :func:`model_group_bundles`); the coordinator
+    goes in any bundle. ``wait``: block until every model is loaded (load errors surface here).
+    ``worker_cls`` lets tests substitute a worker with the same interface.
+    """
+    import ray
+
+    config = as_group_config(args)
+    workers: dict[str, Any] = {}
+    remote_worker = ray.remote(worker_cls)
+    for index, model in enumerate(config.models):
+        options: dict[str, Any] = {"num_cpus": model.num_cpus, "num_gpus": model.num_gpus}
+        options.update(_scheduling(placement_group, first_bundle + index))
+        workers[model.name] = remote_worker.options(**options).remote(model, config.session_idle_timeout_s)
+    coordinator_options: dict[str, Any] = {"num_cpus": config.coordinator_cpus}
+    coordinator_options.update(_scheduling(placement_group, -1))
+    coordinator = ray.remote(Coordinator).options(**coordinator_options).remote(workers, config)
+    group = ModelGroup(config=config, workers=workers, coordinator=coordinator)
+    if wait:
+        try:
+            infos = ray.get([handle.info.remote() for handle in workers.values()])
+            ray.get(coordinator.health.remote())
+        except Exception:
+            group.shutdown()
+            raise
+        for info in infos:
+            logger.info("worker %s (%s): vocab %d, context %d, %s %s", info.name, info.role, info.vocab_size,
+                        info.max_context, info.device, list(info.gpu_ids))
+    return group
