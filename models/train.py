@@ -78,7 +78,7 @@ class ModelSpec(BaseModel):
     batch_size: int = Field(gt=0, description="Sequences per step.")
     seq_len: int = Field(default=256, gt=0, description="Tokens per training sequence.")
     lr: float = Field(gt=0, description="Peak AdamW learning rate (cosine decay to 10%).")
-    warmup_steps: int = Field(default=30, ge=0, description="Linear warm-up steps.")
+    warmup_steps: int = Field(default=15, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(default=0.1, ge=0, description="AdamW weight decay.")
     distill_from: str | None = Field(
         default=None, description="Teacher model name; when set, train by KL to its outputs."
@@ -87,30 +87,39 @@ class ModelSpec(BaseModel):
         default=0.1, ge=0, le=1, description="Weight of the next-token CE term when distilling."
     )
     seed: int = Field(default=SEED, description="Seed for initialisation and batch sampling.")
+    max_minutes: float = Field(
+        gt=0,
+        description="Wall-clock cap. The schedule decays by max(step, time) progress, so a run on "
+        "a slow or busy machine still ends its cosine decay and stops at the cap.",
+    )
 
 
-# Step counts are sized from the throughput measured on a shared 2-core CPU before training
-# (`--stage throughput`: ~150-280 tokens/s for the 12M models, ~400 for the distilled draft,
-# ~600 for partner2), for a wall-clock budget of about 75 minutes for the whole family.
+# Step counts were sized from the throughput measured before training (`--stage throughput`:
+# ~280 tokens/s for the 12M models, ~400 for the distilled draft, ~600 for partner2 on an idle
+# 2-core CPU). The machine was shared with other jobs (load average up to ~17 on 2 cores), so
+# every member also has a wall-clock cap; whichever ends first ends the run (recorded in
+# training_meta.json: `steps_completed`, `stopped_by`).
 FAMILY: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         ModelSpec(
             name="target", hidden_size=384, num_layers=6, intermediate_size=1024, num_heads=6,
-            train_splits=("lib",), steps=340, batch_size=4, lr=2e-3,
+            train_splits=("lib",), steps=400, batch_size=4, lr=2e-3, max_minutes=30,
         ),
         ModelSpec(
             name="draft", hidden_size=128, num_layers=2, intermediate_size=384, num_heads=4,
-            train_splits=("lib",), steps=240, batch_size=4, lr=3e-3, distill_from="target",
-            seed=SEED + 1,
+            train_splits=("lib",), steps=400, batch_size=4, lr=3e-3, distill_from="target",
+            seed=SEED + 1, max_minutes=11,
         ),
         ModelSpec(
             name="partner", hidden_size=384, num_layers=6, intermediate_size=1024, num_heads=6,
-            train_splits=("test",), steps=220, batch_size=4, lr=2e-3, seed=SEED + 2,
+            train_splits=("test",), steps=300, batch_size=4, lr=2e-3, seed=SEED + 2,
+            max_minutes=20,
         ),
         ModelSpec(
             name="partner2", hidden_size=192, num_layers=4, intermediate_size=512, num_heads=4,
-            train_splits=("lib", "test"), steps=260, batch_size=4, lr=3e-3, seed=SEED + 3,
+            train_splits=("lib", "test"), steps=400, batch_size=4, lr=3e-3, seed=SEED + 3,
+            max_minutes=8,
         ),
     )
 }
@@ -323,12 +332,23 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def learning_rate(spec: ModelSpec, step: int) -> float:
-    """Linear warm-up then cosine decay from ``lr`` to ``0.1 * lr`` at ``spec.steps``."""
+def training_progress(spec: ModelSpec, step: int, elapsed_seconds: float) -> float:
+    """Fraction of the run done: the larger of step progress and wall-clock progress."""
+    return max(step / spec.steps, elapsed_seconds / (60.0 * spec.max_minutes))
+
+
+def learning_rate(spec: ModelSpec, step: int, progress: float) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay from ``lr`` to ``0.1 * lr``.
+
+    The decay follows ``progress`` (see :func:`training_progress`), measured from the end of
+    warm-up, so it completes at ``spec.steps`` or at the wall-clock cap, whichever is first.
+    """
     if step < spec.warmup_steps:
         return spec.lr * (step + 1) / spec.warmup_steps
-    progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
-    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    warmup_fraction = spec.warmup_steps / spec.steps
+    decay = (progress - warmup_fraction) / max(1e-9, 1.0 - warmup_fraction)
+    decay = min(1.0, max(0.0, decay))
+    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * decay)))
 
 
 def make_optimizer(model, spec: ModelSpec) -> torch.optim.AdamW:
@@ -440,11 +460,17 @@ def train_model(spec: ModelSpec, checkpoint_every: int) -> None:
     )
     model.train()
     started = time.perf_counter()
-    progress = tqdm(range(start_step, spec.steps), desc=spec.name, initial=start_step,
-                    total=spec.steps, mininterval=30)
-    for step in progress:
+    progress_bar = tqdm(range(start_step, spec.steps), desc=spec.name, initial=start_step,
+                        total=spec.steps, mininterval=30)
+    steps_completed, stopped_by, loss = start_step, "steps", None
+    for step in progress_bar:
+        elapsed = elapsed_before + time.perf_counter() - started
+        progress = training_progress(spec, step, elapsed)
+        if progress >= 1.0:
+            stopped_by = "time"
+            break
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(spec, step)
+            group["lr"] = learning_rate(spec, step, progress)
         inputs, targets = sample_batch(tokens, spec.batch_size, spec.seq_len, spec.seed, step)
         logits = model(inputs).logits  # [B, L, V]
         if teacher is not None:
@@ -457,21 +483,31 @@ def train_model(spec: ModelSpec, checkpoint_every: int) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        progress.set_postfix(loss=f"{loss.item():.3f}")
+        steps_completed = step + 1
+        progress_bar.set_postfix(loss=f"{loss.item():.3f}")
         if (step + 1) % checkpoint_every == 0 or step + 1 == spec.steps:
             elapsed = elapsed_before + time.perf_counter() - started
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "step": step + 1, "elapsed": elapsed}, ckpt_path)
             LOG.info("%s step %d/%d loss %.4f (%.0f s)", spec.name, step + 1, spec.steps, loss.item(), elapsed)
+    progress_bar.close()
     elapsed = elapsed_before + time.perf_counter() - started
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "step": steps_completed, "elapsed": elapsed}, ckpt_path)
+    eval_loss = evaluate_loss(model, load_tokens(("eval_lib",)), spec.seq_len, max_windows=16)
+    LOG.info("%s done: %d steps (%s), %.0f s, eval_lib loss %.4f",
+             spec.name, steps_completed, stopped_by, elapsed, eval_loss)
     meta = {
         "name": spec.name,
         "spec": spec.model_dump(),
         "parameters": count_parameters(model),
-        "training_tokens": spec.steps * spec.batch_size * spec.seq_len,
+        "steps_completed": steps_completed,
+        "stopped_by": stopped_by,
+        "training_tokens": steps_completed * spec.batch_size * spec.seq_len,
         "training_seconds": round(elapsed, 1),
         "torch_threads": torch.get_num_threads(),
-        "final_train_loss": round(loss.item(), 4) if spec.steps > start_step else None,
+        "last_train_loss": round(loss.item(), 4) if loss is not None else None,
+        "eval_lib_loss_16_windows": round(eval_loss, 4),
     }
     export_model(model, spec.name, meta)
     done_marker.write_text("done\n")
