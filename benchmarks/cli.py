@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
 import shlex
 import sys
@@ -33,6 +34,16 @@ def _mode_list(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _strategy_list(text: str) -> tuple[str, ...]:
+    from benchmarks.suite import STRATEGIES
+
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"strategies must be a comma-separated subset of {','.join(STRATEGIES)}; got {text!r}")
+    return names
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``specserve bench`` on the CLI's subparsers; the handler is ``run_bench_command``."""
     parser = subparsers.add_parser(
@@ -47,11 +58,17 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--out", type=pathlib.Path, required=True, help="Output directory.")
     parser.add_argument("--quick", action="store_true", help="Fewer prompts and tokens (same cases): a few minutes.")
     parser.add_argument("--modes", type=_mode_list, default=None, help="Subset of ray,local,hf (default: all).")
+    parser.add_argument("--strategies", type=_strategy_list, default=None,
+                        help="Subset of ar,sd,multi_draft,ensemble,se,peer (default: all).")
     parser.add_argument("--num-prompts", type=int, default=None, help="Use the first N prompts.")
     parser.add_argument("--max-tokens", type=int, default=None, help="Tokens generated per prompt.")
     parser.add_argument("--repeats", type=int, default=None, help="Passes over the prompt set.")
     parser.add_argument("--seed", type=int, default=None, help="Base seed.")
     parser.add_argument("--gammas", type=_int_list, default=None, help="Draft lengths of sd and the peer, e.g. 2,4,8.")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="Keep only the last N tokens of each prompt (small-context models).")
+    parser.add_argument("--prompts", type=pathlib.Path, default=None,
+                        help="Prompt file (JSON lines: id, kind, source, text); default: the committed set.")
     parser.add_argument("--temperature", type=float, default=None, help="Sampling temperature (default 1).")
     parser.add_argument("--plot-prefix", default="", help="Prefix of the plot links in results.md (e.g. img/).")
     parser.set_defaults(handler=run_bench_command)
@@ -63,8 +80,9 @@ def settings_from_args(args: argparse.Namespace):
 
     values: dict = dict(QUICK_SETTINGS) if args.quick else {}
     overrides = {
-        "modes": args.modes, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+        "modes": args.modes, "strategies": args.strategies, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
         "repeats": args.repeats, "seed": args.seed, "gammas": args.gammas, "temperature": args.temperature,
+        "max_prompt_tokens": args.max_prompt_tokens,
     }
     values.update({k: v for k, v in overrides.items() if v is not None})
     return BenchSettings(**values)
@@ -72,8 +90,11 @@ def settings_from_args(args: argparse.Namespace):
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Handler of ``specserve bench``; returns the process exit code."""
-    from cluster.config import load_app_args
+    from benchmarks.prompts import PROMPTS_PATH
     from benchmarks.run import run_benchmark
+    from cluster.config import load_app_args
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the benchmark never downloads anything
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
@@ -85,7 +106,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     group_args = load_app_args(args.config, args.app_name)
     command = "specserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "specserve bench"
-    results = run_benchmark(group_args, settings, args.out, command=command, plot_prefix=args.plot_prefix)
+    results = run_benchmark(group_args, settings, args.out, command=command, plot_prefix=args.plot_prefix,
+                            prompts_path=args.prompts or PROMPTS_PATH)
     for check in results.checks:
         level = logging.WARNING if check.met is False else logging.INFO
         logger.log(level, "target %s: required %s, measured %s", check.name, check.required, check.measured)

@@ -76,12 +76,20 @@ def make_runner(mode: str, group_args: Any, settings: BenchSettings) -> Runner:
     raise ValueError(f"unknown mode {mode!r}; expected ray, local or hf")
 
 
-def tokenize_prompts(tokenizer_path: str, prompts) -> tuple[list[TokenizedPrompt], list[int]]:
-    """Token ids of every prompt and of the warm-up prompt (one tokenizer for every mode)."""
+def tokenize_prompts(
+    tokenizer_path: str, prompts, max_prompt_tokens: int | None = None
+) -> tuple[list[TokenizedPrompt], list[int]]:
+    """Token ids of every prompt and of the warm-up prompt (one tokenizer for every mode),
+    keeping the last ``max_prompt_tokens`` of each when given."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=os.path.isdir(tokenizer_path))
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    keep = max_prompt_tokens or None
+
+    def encode(text: str) -> list[int]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids[-keep:] if keep else ids
+
     return [TokenizedPrompt(p, encode(p.text)) for p in prompts], encode(WARMUP_PROMPT)
 
 
@@ -104,7 +112,7 @@ def run_benchmark(
     # The in-process modes use the workers' thread budget, so the modes compare like for like.
     torch.set_num_threads(config.models[0].torch_threads)
     prompts = load_prompts(prompts_path, settings.num_prompts)
-    tokenized, warmup_ids = tokenize_prompts(config.tokenizer_path, prompts)
+    tokenized, warmup_ids = tokenize_prompts(config.tokenizer_path, prompts, settings.max_prompt_tokens)
     cases = build_cases(settings, config.roles)
     logger.info("%d cases x %d prompts x %d repeats (+ %d warm-up runs)",
                 len(cases), len(prompts), settings.repeats, len(cases))

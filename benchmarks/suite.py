@@ -20,6 +20,7 @@ Mode = Literal["ray", "local", "hf"]
 MODES: tuple[Mode, ...] = ("ray", "local", "hf")
 SINGLE_DRAFT_METHODS = ("token", "block", "greedy_block")
 MULTI_DRAFT_METHODS = ("spectr", "spectr_gbv")
+STRATEGIES = ("ar", "sd", "multi_draft", "ensemble", "se", "peer")
 
 
 class BenchSettings(BaseModel):
@@ -28,6 +29,9 @@ class BenchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     num_prompts: int | None = Field(None, ge=1, description="Use the first N prompts of the set; None: all of them.")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Keep only the last N tokens of each prompt (for small-context models); None: whole prompts."
+    )
     max_tokens: int = Field(128, ge=1, description="Tokens generated per prompt by every case (EOS ignored).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of every case (no top-k / top-p).")
     seed: int = Field(0, ge=0, description="Base seed: prompt i of repeat r uses seed + 1000 * r + i in every case.")
@@ -49,7 +53,9 @@ class BenchSettings(BaseModel):
     contrastive_members: tuple[str, str] | None = Field(
         None, description="(expert, amateur); None: the target and the last member model."
     )
-    peer: bool = Field(True, description="Run transformers assisted generation (needs mode hf).")
+    strategies: tuple[str, ...] = Field(
+        STRATEGIES, min_length=1, description="Strategies to run (ar is always run when sd or multi_draft is)."
+    )
 
     @model_validator(mode="after")
     def _known_methods(self) -> BenchSettings:
@@ -59,6 +65,9 @@ class BenchSettings(BaseModel):
         for method in self.multi_draft_methods:
             if method not in MULTI_DRAFT_METHODS:
                 raise ValueError(f"multi_draft_methods: unknown method {method!r}; expected {MULTI_DRAFT_METHODS}")
+        unknown = [name for name in self.strategies if name not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"strategies: unknown {unknown}; expected a subset of {STRATEGIES}")
         if self.se_method not in ("token", "block"):
             raise ValueError(f"se_method: expected token or block, got {self.se_method!r}")
         return self
@@ -102,7 +111,7 @@ def build_cases(settings: BenchSettings, roles: dict[str, str]) -> list[BenchCas
     cases: list[BenchCase] = []
     for mode in settings.modes:
         if mode == "hf":
-            if settings.peer and has_draft:
+            if "peer" in settings.strategies and has_draft:
                 cases.extend(_peer_cases(settings))
             continue
         cases.extend(_strategy_cases(settings, roles, mode, has_draft))
@@ -110,15 +119,20 @@ def build_cases(settings: BenchSettings, roles: dict[str, str]) -> list[BenchCas
 
 
 def _strategy_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode, has_draft: bool) -> list[BenchCase]:
+    wanted = set(settings.strategies)
     ar_key = f"{mode}:ar"
-    cases = [BenchCase(mode=mode, label="ar", group="ar", speculation=SpeculationParams(strategy="ar"), baseline=ar_key)]
-    if has_draft:
+    cases = []
+    if wanted & {"ar", "sd", "multi_draft"}:
+        cases.append(BenchCase(mode=mode, label="ar", group="ar", speculation=SpeculationParams(strategy="ar"),
+                               baseline=ar_key))
+    if has_draft and "sd" in wanted:
         for method in settings.sd_methods:
             for gamma in settings.gammas:
                 cases.append(BenchCase(
                     mode=mode, label=f"sd/{method}/g{gamma}", group="sd", baseline=ar_key,
                     speculation=SpeculationParams(strategy="sd", method=method, gamma=gamma),
                 ))
+    if has_draft and "multi_draft" in wanted:
         for method in settings.multi_draft_methods:
             for num_drafts in settings.num_drafts:
                 cases.append(BenchCase(
@@ -128,6 +142,13 @@ def _strategy_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode, 
                         strategy="multi_draft", method=method, gamma=settings.multi_draft_gamma, num_drafts=num_drafts
                     ),
                 ))
+    if wanted & {"ensemble", "se"}:
+        cases.extend(_ensemble_cases(settings, roles, mode))
+    return cases
+
+
+def _ensemble_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode) -> list[BenchCase]:
+    """The standard ensemble (always: it is se's baseline) and se, per ensemble configuration."""
     weighted, contrastive = resolve_members(settings, roles)
     ensembles: list[tuple[str, dict]] = []
     for size in settings.ensemble_sizes:
@@ -138,15 +159,17 @@ def _strategy_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode, 
     if contrastive is not None:
         ensembles.append(("contrastive/n2", {"ensemble": "contrastive", "members": list(contrastive),
                                              "mu": settings.contrastive_mu}))
+    cases = []
     for name, params in ensembles:
         ensemble_key = f"{mode}:ensemble/{name}"
         cases.append(BenchCase(mode=mode, label=f"ensemble/{name}", group="ensemble", baseline=ensemble_key,
                                speculation=SpeculationParams(strategy="ensemble", **params)))
-        cases.append(BenchCase(
-            mode=mode, label=f"se/{name}", group="se", baseline=ensemble_key,
-            speculation=SpeculationParams(strategy="se", method=settings.se_method,
-                                          gammas=[settings.se_gamma] * len(params["members"]), **params),
-        ))
+        if "se" in settings.strategies:
+            cases.append(BenchCase(
+                mode=mode, label=f"se/{name}", group="se", baseline=ensemble_key,
+                speculation=SpeculationParams(strategy="se", method=settings.se_method,
+                                              gammas=[settings.se_gamma] * len(params["members"]), **params),
+            ))
     return cases
 
 
