@@ -68,6 +68,10 @@ def add_generate_command(subparsers: Any) -> None:
 #: Subcommand registrars, in help order. Each adds one subparser and sets ``handler``.
 SUBCOMMANDS: list[Callable[[Any], None]] = [add_generate_command]
 
+from cluster.serve_command import add_serve_subcommand  # noqa: E402 - registered next to its peers
+
+SUBCOMMANDS.append(add_serve_subcommand)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Ray-distributed lossless speculative decoding")

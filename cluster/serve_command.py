@@ -1,0 +1,253 @@
+"""``specserve serve``: deploy a Ray Serve config file and serve it until Ctrl-C.
+
+It does what ``serve run deploy/default.yaml`` does (the same ``ServeDeploySchema`` validation
+and controller ``apply_config``; deployments sections, replicas and autoscaling included), plus:
+
+- every specserve application's ``args`` is validated first (:func:`cluster.config.parse_app_args`),
+  so a bad key fails immediately with a message naming the key and the value;
+- the HTTP and gRPC addresses come from, in order: the command-line flags, the YAML's top-level
+  ``http_options`` / ``grpc_options``, the first specserve application's ``args.server``, and the
+  defaults (127.0.0.1, 8000, 9000); the SpecServe gRPC servicer is always registered;
+- Ray is started locally unless ``RAY_ADDRESS`` names a cluster (:func:`cluster.bringup.init_ray`);
+- it waits until every application is RUNNING, prints the addresses, blocks until Ctrl-C (or
+  SIGTERM), then shuts Serve down (and Ray, when it started it).
+
+Note: Ray Serve's gRPC proxy has no host option; it listens on every interface at the gRPC port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.config import ConfigError, parse_app_args, read_serve_config
+
+logger = logging.getLogger(__name__)
+
+SPECSERVE_IMPORT_PATH = "cluster.app:build_app"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 9000
+DEPLOY_TIMEOUT_S = 600.0
+POLL_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class ServerAddresses:
+    """Where the proxies listen."""
+
+    host: str
+    http_port: int
+    grpc_port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+
+def _specserve_apps(document: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        app
+        for app in document["applications"]
+        if isinstance(app, dict) and app.get("import_path") == SPECSERVE_IMPORT_PATH
+    ]
+
+
+def validate_document(document: dict[str, Any], where: str) -> None:
+    """Validate the ``args`` of every specserve application; raises :class:`ConfigError`."""
+    for app in _specserve_apps(document):
+        parse_app_args(app.get("args") or {}, where=f"{where} application {app.get('name')!r} args")
+
+
+def resolve_addresses(
+    document: dict[str, Any], host: str | None = None, http_port: int | None = None, grpc_port: int | None = None
+) -> ServerAddresses:
+    """Flags, then the YAML's ``http_options``/``grpc_options``, then ``args.server``, then defaults."""
+    http_options = document.get("http_options") or {}
+    grpc_options = document.get("grpc_options") or {}
+    server: dict[str, Any] = {}
+    apps = _specserve_apps(document)
+    if apps:
+        server = (apps[0].get("args") or {}).get("server") or {}
+
+    def pick(*values: Any) -> Any:
+        return next(value for value in values if value is not None)
+
+    return ServerAddresses(
+        host=pick(host, http_options.get("host"), server.get("host"), DEFAULT_HOST),
+        http_port=int(pick(http_port, http_options.get("port"), server.get("http_port"), DEFAULT_HTTP_PORT)),
+        grpc_port=int(pick(grpc_port, grpc_options.get("port"), server.get("grpc_port"), DEFAULT_GRPC_PORT)),
+    )
+
+
+def with_addresses(document: dict[str, Any], addresses: ServerAddresses) -> dict[str, Any]:
+    """A copy of the Serve config with the proxies' host/ports set and the gRPC servicer registered."""
+    from cluster.app import GRPC_SERVICER_FUNCTION
+
+    document = copy.deepcopy(document)
+    http_options = dict(document.get("http_options") or {})
+    http_options.update(host=addresses.host, port=addresses.http_port)
+    grpc_options = dict(document.get("grpc_options") or {})
+    servicers = list(grpc_options.get("grpc_servicer_functions") or [])
+    if GRPC_SERVICER_FUNCTION not in servicers:
+        servicers.append(GRPC_SERVICER_FUNCTION)
+    grpc_options.update(port=addresses.grpc_port, grpc_servicer_functions=servicers)
+    document["http_options"] = http_options
+    document["grpc_options"] = grpc_options
+    return document
+
+
+def parse_serve_config(document: dict[str, Any], where: str) -> Any:
+    """Validate the whole document with Ray Serve's own schema (what ``serve run`` accepts)."""
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        return ServeDeploySchema.model_validate(document)
+    except ValidationError as error:
+        raise ConfigError(f"{where}: not a valid Ray Serve config:\n{error}") from None
+
+
+def wait_until_running(app_names: list[str], timeout_s: float = DEPLOY_TIMEOUT_S) -> None:
+    """Block until every application is RUNNING; raise RuntimeError with Serve's message if one fails."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        applications = serve.status().applications
+        statuses = {name: applications.get(name) for name in app_names}
+        failed = {
+            name: status.message
+            for name, status in statuses.items()
+            if status is not None and status.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
+        }
+        if failed:
+            raise RuntimeError(f"deployment failed: {failed}")
+        if all(status is not None and status.status == ApplicationStatus.RUNNING for status in statuses.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"applications not running after {timeout_s:.0f}s: {statuses}")
+        time.sleep(POLL_INTERVAL_S)
+
+
+def deploy(config_path: str, addresses: ServerAddresses, document: dict[str, Any]) -> list[str]:
+    """Start Serve with the given addresses and apply the config; returns the application names."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    schema = parse_serve_config(document, config_path)
+    serve.start(
+        proxy_location=schema.proxy_location,
+        http_options=schema.http_options.model_dump(),
+        grpc_options=schema.grpc_options.model_dump(),
+    )
+    # The same controller call `serve run <config>` makes (it honours the deployments sections).
+    _get_global_client().deploy_apps(schema)
+    names = [app.name for app in schema.applications]
+    wait_until_running(names)
+    return names
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_serve(
+    config_path: str,
+    host: str | None = None,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    block: bool = True,
+) -> int:
+    """The ``serve`` subcommand; returns the process exit code."""
+    import ray
+
+    from cluster.bringup import init_ray
+
+    try:
+        document = read_serve_config(config_path)
+        validate_document(document, config_path)
+        addresses = resolve_addresses(document, host, http_port, grpc_port)
+        document = with_addresses(document, addresses)
+        parse_serve_config(document, config_path)
+    except ConfigError as error:
+        logger.error("%s", error)
+        return 2
+
+    started_ray = not ray.is_initialized()
+    init_ray()
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        names = deploy(config_path, addresses, document)
+        print(f"specserve is serving {', '.join(names)}", flush=True)
+        print(f"HTTP (OpenAI-compatible): {addresses.http_url}/v1", flush=True)
+        print(f"gRPC (specserve.SpecServe): {addresses.grpc_target}", flush=True)
+        if block:
+            logger.info("serving; press Ctrl-C to stop")
+            while True:
+                time.sleep(3600)
+        return 0
+    except KeyboardInterrupt:
+        logger.info("shutting down")
+        return 0
+    except RuntimeError as error:
+        logger.error("%s", error)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        if block:
+            _shutdown(started_ray)
+
+
+def _shutdown(started_ray: bool) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        if started_ray:
+            ray.shutdown()
+    logger.info("stopped")
+
+
+def add_serve_subcommand(subparsers: Any) -> None:
+    """Register ``specserve serve`` on an argparse subparsers object (``cluster.cli.SUBCOMMANDS``)."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a Ray Serve config over HTTP (OpenAI-compatible) and gRPC until Ctrl-C",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--config", default="deploy/default.yaml", help="Ray Serve YAML config (default: %(default)s)")
+    parser.add_argument("--host", default=None, help="HTTP bind address (default: YAML, else 127.0.0.1)")
+    parser.add_argument("--http-port", type=int, default=None, help="HTTP port (default: YAML, else 8000)")
+    parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: YAML, else 9000)")
+    parser.set_defaults(handler=_serve_main)
+
+
+def _serve_main(args: argparse.Namespace) -> int:
+    return run_serve(args.config, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (``python -m cluster.serve_command``), same flags as ``specserve serve``."""
+    parser = argparse.ArgumentParser(prog="specserve")
+    add_serve_subcommand(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
