@@ -72,6 +72,10 @@ from cluster.serve_command import add_serve_subcommand  # noqa: E402 - registere
 
 SUBCOMMANDS.append(add_serve_subcommand)
 
+from benchmarks.cli import add_bench_parser  # noqa: E402 - registered next to its peers
+
+SUBCOMMANDS.append(add_bench_parser)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Ray-distributed lossless speculative decoding")
