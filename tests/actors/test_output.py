@@ -1,0 +1,61 @@
+"""OutputTracker: EOS, max_tokens, stop strings across chunk boundaries, multi-byte pieces."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.output import OutputTracker
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoints):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_checkpoints["target"])
+
+
+def _ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_multibyte_characters_are_emitted_only_when_complete(tokenizer):
+    text = "naïve 你好 ✓ done"
+    ids = _ids(tokenizer, text)
+    tracker = OutputTracker(tokenizer, max_tokens=100)
+    pieces = [tracker.add([token]).text for token in ids]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) + tracker.finish("length").text == text
+    # At least one token holds part of a character (byte-level BPE), so something was held back.
+    assert any(piece == "" for piece in pieces)
+
+
+def test_stop_string_split_across_chunks_never_leaks(tokenizer):
+    ids = _ids(tokenizer, "return value\n\nnext line")
+    tracker = OutputTracker(tokenizer, max_tokens=100, stop=["\n\nnext"])
+    emitted = ""
+    for token in ids:
+        delta = tracker.add([token])
+        emitted += delta.text
+        assert "\n\n" not in emitted
+        if delta.finish_reason:
+            break
+    assert tracker.finish_reason == "stop"
+    assert emitted == "return value"
+
+
+def test_eos_stops_and_is_not_emitted_unless_ignored(tokenizer):
+    ids = _ids(tokenizer, "abc def")
+    eos = tokenizer.eos_token_id
+    tracker = OutputTracker(tokenizer, max_tokens=100, eos_token_ids={eos})
+    delta = tracker.add(ids + [eos] + ids)
+    assert delta.token_ids == ids and delta.finish_reason == "stop" and delta.text == "abc def"
+    tracker = OutputTracker(tokenizer, max_tokens=100, eos_token_ids={eos}, ignore_eos=True)
+    assert tracker.add(ids + [eos] + ids).token_ids == ids + [eos] + ids
+
+
+def test_max_tokens_truncates_a_block():
+    tracker = OutputTracker(None, max_tokens=5)
+    assert tracker.add([1, 2, 3]).finish_reason is None
+    delta = tracker.add([4, 5, 6, 7])
+    assert delta.token_ids == [4, 5] and delta.finish_reason == "length"
+    assert tracker.add([8]).token_ids == []
