@@ -79,7 +79,7 @@ def _pick(value, default):
     return default if value is None else value
 
 
-def _check_method(strategy: str, requested: str | None, default: str | None) -> str | None:
+def _check_method(strategy: str, requested: str | None, default: str | None, default_strategy: str) -> str | None:
     valid = STRATEGY_METHODS[strategy]
     if not valid:
         if requested is not None:
@@ -92,9 +92,9 @@ def _check_method(strategy: str, requested: str | None, default: str | None) -> 
                 f"unknown method {requested!r} for strategy {strategy!r}; expected one of {', '.join(valid)}",
             )
         return requested
-    # The deployment's default method belongs to its default strategy; another strategy that
-    # does not accept it falls back to its own default rule.
-    if default is not None and default in valid:
+    # The deployment's default method belongs to its default strategy; any other strategy
+    # uses its own default rule (the first of STRATEGY_METHODS).
+    if default is not None and strategy == default_strategy and default in valid:
         return default
     return valid[0]
 
@@ -179,7 +179,7 @@ def resolve_plan(
         raise InvalidRequestError(
             "speculation.strategy", f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGY_METHODS)}"
         )
-    method = _check_method(strategy, speculation.method, defaults.method)
+    method = _check_method(strategy, speculation.method, defaults.method, defaults.strategy)
     gamma = _check_range("speculation.gamma", _pick(speculation.gamma, defaults.gamma), 1, MAX_GAMMA)
     num_drafts = _check_range("speculation.num_drafts", _pick(speculation.num_drafts, defaults.num_drafts), 1, MAX_DRAFTS)
     mu = float(_pick(speculation.mu, defaults.mu))

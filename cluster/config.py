@@ -145,8 +145,17 @@ class SpecServeArgs(_Strict):
         if unknown:
             raise ValueError(f"resources.per_model: unknown models {unknown}; models are {list(self.models)}")
         roles = {name: model.role for name, model in self.models.items()}
+        d = self.defaults
+        # The defaults are checked as if a request spelled them all out: for the default
+        # strategy, and (when ensemble settings are given) for the ensemble strategies too.
+        as_request = {"gamma": d.gamma, "num_drafts": d.num_drafts, "ensemble": d.ensemble, "members": d.members,
+                      "weights": d.weights, "mu": d.mu, "gammas": d.gammas}
+        checks = [SpeculationParams(strategy=d.strategy, method=d.method, **as_request)]
+        if d.strategy not in ("ensemble", "se") and any(v is not None for v in (d.members, d.weights, d.gammas)):
+            checks.append(SpeculationParams(strategy="se", **as_request))
         try:
-            resolve_plan(SpeculationParams(), self.decoding_defaults(), roles)
+            for speculation in checks:
+                resolve_plan(speculation, self.decoding_defaults(), roles)
         except InvalidRequestError as error:
             field = error.field.replace("speculation.", "defaults.")
             raise ValueError(f"{field}: {error.message}") from None

@@ -1,0 +1,136 @@
+"""cluster.config: the Serve YAML args schema, its error messages, and the frozen form."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import pytest
+import yaml
+
+from actors.api import InvalidRequestError, SpeculationParams
+from actors.plan import resolve_plan
+from cluster.bringup import model_group_bundles
+from cluster.config import ConfigError, GroupConfig, load_app_args, parse_app_args
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+BASE_ARGS = {
+    "models": {
+        "target": {"path": "embedded:target", "role": "target"},
+        "draft": {"path": "embedded:draft", "role": "draft"},
+        "partner": {"path": "embedded:partner", "role": "member"},
+    },
+    "defaults": {"strategy": "sd", "method": "block", "gamma": 4, "members": ["target", "partner"]},
+}
+
+
+def _with(**changes):
+    args = copy.deepcopy(BASE_ARGS)
+    for dotted, value in changes.items():
+        node = args
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return args
+
+
+def _write(tmp_path, applications) -> pathlib.Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"applications": applications}))
+    return path
+
+
+def test_default_yaml_loads_and_freezes():
+    args = load_app_args(REPO / "deploy" / "default.yaml")
+    config = args.freeze()
+    assert isinstance(config, GroupConfig)
+    assert config.roles == {"target": "target", "draft": "draft", "partner": "member", "partner2": "member"}
+    assert config.model("target").path == str(REPO / "models" / "embedded" / "target")
+    assert config.tokenizer_path == config.model("target").path
+    assert config.defaults.strategy == "sd" and config.defaults.method == "block"
+    with pytest.raises(Exception):
+        config.models[0].name = "other"  # frozen
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "deploy").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_deploy_yaml_validates(path):
+    document = yaml.safe_load(path.read_text())
+    for app in document["applications"]:
+        if app.get("import_path") == "cluster.app:build_app":
+            parse_app_args(app["args"], where=f"{path.name}:{app['name']}").freeze()
+
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (_with(surprise=1), ["surprise", "Extra inputs are not permitted"]),
+        (_with(models__draft__role="drafter"), ["models.draft.role", "'drafter'"]),
+        (_with(models__draft__dtype="int3"), ["models.draft.dtype", "'int3'"]),
+        (_with(models__partner__role="target"), ["at most one model may have role 'target'"]),
+        (_with(defaults__gamma=0), ["defaults.gamma", "0"]),
+        (_with(defaults__members=["target", "ghost"]), ["defaults.members", "ghost"]),
+        (_with(defaults__method="spectr"), ["defaults.method", "spectr"]),
+        (_with(defaults__strategy="ensemble", defaults__method=None, defaults__weights=[0.5, 0.6]),
+         ["defaults.weights", "sum"]),
+        (_with(defaults__strategy="se", defaults__gammas=[2]), ["defaults.gammas", "expected 2"]),
+        (_with(resources__per_model={"ghost": {"gpus": 1}}), ["resources.per_model", "ghost"]),
+        (_with(limits__max_concurrent_requests=0), ["limits.max_concurrent_requests", "0"]),
+    ],
+    ids=["extra-key", "bad-role", "bad-dtype", "two-targets", "gamma", "members", "method", "weights", "gammas",
+         "per-model", "limits"],
+)
+def test_errors_name_the_key_and_value(args, needles):
+    with pytest.raises(ConfigError) as raised:
+        parse_app_args(args)
+    message = str(raised.value)
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_sd_default_without_a_draft_is_rejected():
+    args = _with()
+    del args["models"]["draft"]
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        parse_app_args(args)
+
+
+def test_load_app_args_selects_applications(tmp_path):
+    apps = [
+        {"name": "one", "import_path": "cluster.app:build_app", "route_prefix": "/a", "args": BASE_ARGS},
+        {"name": "two", "import_path": "cluster.app:build_app", "route_prefix": "/b",
+         "args": _with(defaults__strategy="ar", defaults__method=None)},
+    ]
+    path = _write(tmp_path, apps)
+    assert load_app_args(path, "two").defaults.strategy == "ar"
+    with pytest.raises(ConfigError, match="pass the name"):
+        load_app_args(path)
+    with pytest.raises(ConfigError, match="no application named 'three'"):
+        load_app_args(path, "three")
+    with pytest.raises(ConfigError, match="not found"):
+        load_app_args(tmp_path / "missing.yaml")
+
+
+def test_resources_become_bundles():
+    args = _with(resources={"gpus_per_model": 1, "cpus_per_model": 2, "per_model": {"draft": {"gpus": 0.5}}})
+    assert model_group_bundles(args) == [
+        {"CPU": 2.0, "GPU": 1.0},
+        {"CPU": 2.0, "GPU": 0.5},
+        {"CPU": 2.0, "GPU": 1.0},
+    ]
+    assert model_group_bundles(BASE_ARGS) == [{"CPU": 0.25}] * 3
+
+
+def test_plan_falls_back_to_each_strategys_default_method():
+    config = parse_app_args(BASE_ARGS).freeze()
+    plan = resolve_plan(SpeculationParams(), config.defaults, config.roles)
+    assert (plan.strategy, plan.method, plan.target, plan.draft) == ("sd", "block", "target", "draft")
+    plan = resolve_plan(SpeculationParams(strategy="multi_draft"), config.defaults, config.roles)
+    assert plan.method == "spectr" and plan.num_drafts == 2
+    plan = resolve_plan(SpeculationParams(strategy="se"), config.defaults, config.roles)
+    assert plan.method == "token" and plan.members == ("target", "partner") and plan.gammas == (4, 4)  # not sd's block
+    assert plan.weights == (0.5, 0.5)
+    with pytest.raises(InvalidRequestError) as raised:
+        resolve_plan(SpeculationParams(strategy="ensemble", members=["target"]), config.defaults, config.roles)
+    assert raised.value.field == "speculation.members"
