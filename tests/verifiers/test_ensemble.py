@@ -316,7 +316,7 @@ EXACT_CASES = [
     ("weighted-2", (3, 3), (2, 2), 3, {"ensemble": "weighted", "weights": (0.3, 0.7)}, 21),
     ("weighted-2-unequal-gammas", (2, 2), (3, 2), 4, {"ensemble": "weighted"}, 22),
     ("weighted-3", (2, 2, 2), (2, 1, 2), 4, {"ensemble": "weighted", "weights": (0.5, 0.2, 0.3)}, 23),
-    ("weighted-3-gamma3", (2, 2, 2), (3, 2, 2), 3, {"ensemble": "weighted"}, 24),
+    ("weighted-3-middle-member-default", (2, 2, 2), (1, 2, 1), 4, {"ensemble": "weighted"}, 24),
     ("contrastive-2", (3, 3), (2, 2), 3, {"ensemble": "contrastive", "mu": 0.5}, 25),
     ("contrastive-2-amateur-proposes", (2, 2), (2, 3), 4, {"ensemble": "contrastive", "mu": 0.3}, 26),
 ]
