@@ -1,0 +1,65 @@
+"""cluster.bringup with logical GPUs: every model worker gets its own GPU, with and without a
+placement group. It needs a Ray instance with GPUs, so it runs in a subprocess with its own
+Ray (the shared session instance is untouched). The workers are the deterministic fake
+workers of tests/actors/fake_models.py (loading real weights adds nothing to placement)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+SCRIPT = r"""
+import dataclasses, json, logging
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from actors.api import GenerationRequest
+from cluster.bringup import model_group_bundles, start_model_group
+from tests.actors.fake_models import FunctionModelWorker, fake_group_config
+
+logging.basicConfig(level=logging.WARNING)
+ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, log_to_driver=False)
+config = fake_group_config()
+config = dataclasses.replace(
+    config, models=tuple(dataclasses.replace(m, num_gpus=1) for m in config.models if m.name != "partner2"))
+
+def run(group):
+    infos = ray.get([worker.info.remote() for worker in group.workers.values()])
+    request = GenerationRequest(request_id="gpu", prompt_ids=[1, 2, 3], sampling={"max_tokens": 6, "seed": 1})
+    chunks = [ray.get(ref) for ref in group.coordinator.generate.options(num_returns="streaming").remote(request)]
+    return {"gpu_ids": {i.name: [str(g) for g in i.gpu_ids] for i in infos},
+            "devices": sorted({i.device for i in infos}),
+            "tokens": [t for c in chunks for t in c.token_ids], "error": chunks[-1].error}
+
+group = start_model_group(config, worker_cls=FunctionModelWorker)
+plain = run(group)
+group.shutdown()
+pg = placement_group(model_group_bundles(config), strategy="PACK")
+ray.get(pg.ready())
+group = start_model_group(config, placement_group=pg, worker_cls=FunctionModelWorker)
+placed = run(group)
+table = ray.util.placement_group_table(pg)
+group.shutdown()
+remove_placement_group(pg)
+print(json.dumps({"plain": plain, "placed": placed, "bundles": table["bundles"]}))
+"""
+
+
+def test_each_worker_gets_its_own_gpu():
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    for variant in ("plain", "placed"):
+        gpu_ids = report[variant]["gpu_ids"]
+        assert set(gpu_ids) == {"target", "draft", "partner"}
+        assert all(len(ids) == 1 for ids in gpu_ids.values()), gpu_ids
+        assert len({ids[0] for ids in gpu_ids.values()}) == 3, gpu_ids  # distinct GPUs
+        assert report[variant]["devices"] == ["cpu"]  # logical GPUs only: torch has no CUDA here
+        assert report[variant]["error"] is None and len(report[variant]["tokens"]) == 6
+    assert report["plain"]["tokens"] == report["placed"]["tokens"]  # same seed, same output
+    assert all(bundle.get("GPU") == 1.0 for bundle in report["bundles"].values())
