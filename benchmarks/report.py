@@ -63,18 +63,24 @@ def _f(value: float | None, digits: int = 2, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
-def _case_table(summaries: list[CaseSummary]) -> list[str]:
+def _case_table(summaries: list[CaseSummary], *, member_calls: bool = False) -> list[str]:
+    extra_head, extra_rule = (" member calls/token |", " ---: |") if member_calls else ("", "")
     lines = [
-        "| case | mode | block eff. | mean accepted | tok/s | speedup | vs | ms/iter draft / target / verify / coord. / total | bytes/token |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+        "| case | mode | block eff. | mean accepted | tok/s | speedup | vs | ms/iter draft / target / verify / coord. / total "
+        f"| bytes/token |{extra_head}",
+        f"| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |{extra_rule}",
     ]
     for s in summaries:
         split = s.ms_per_iteration
         split_text = " / ".join(_f(split[k], 1) for k in ("draft", "target", "verify", "coordination", "total"))
         baseline = (s.baseline or "").split(":", 1)[-1]
+        extra = ""
+        if member_calls:
+            calls = " + ".join(f"{_f(value)}" for _, value in sorted(s.model_calls_per_token.items()))
+            extra = f" {calls} |"
         lines.append(
             f"| {s.label} | {s.mode} | {_f(s.block_efficiency)} | {_f(s.mean_accepted)} | {_f(s.tokens_per_second, 0)} "
-            f"| {_f(s.speedup, 2, 'x')} | {baseline} | {split_text} | {_f(s.bytes_per_token, 0)} |"
+            f"| {_f(s.speedup, 2, 'x')} | {baseline} | {split_text} | {_f(s.bytes_per_token, 0)} |{extra}"
         )
     return lines
 
@@ -121,7 +127,7 @@ def render_markdown(results: BenchResults, plots: dict[str, str]) -> str:
     for title, key in (("Speculative decoding, multi-draft and the peer", "decoding"),
                        ("Ensembles and speculative ensembles", "ensembles")):
         if groups[key]:
-            lines += [f"## {title}", "", *_case_table(groups[key]), ""]
+            lines += [f"## {title}", "", *_case_table(groups[key], member_calls=key == "ensembles"), ""]
     if results.peer:
         lines += [
             "## sd versus transformers assisted generation",

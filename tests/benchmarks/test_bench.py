@@ -1,0 +1,180 @@
+"""The benchmark harness: case suite, peer bookkeeping, analysis, and a smoke run on tiny models.
+
+The smoke run drives ``specserve bench`` (the ``bench`` subcommand's handler) end to end on
+tiny random checkpoints in all three modes (separate Ray actors, one process, transformers
+assisted generation) with a handful of cases, and checks what it writes. It measures nothing
+about speed (timed assertions do not belong in tests); it checks that every case generated
+exactly the requested tokens and that the bookkeeping is consistent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import pytest
+import yaml
+
+from benchmarks.analysis import check_targets, paired_ratios, summarize
+from benchmarks.cli import add_bench_parser
+from benchmarks.peer import accepted_lengths_from_cache
+from benchmarks.prompts import Prompt, code_prompt, load_prompts, prose_prompts
+from benchmarks.records import RunRecord
+from benchmarks.suite import BenchSettings, build_cases
+from tests.conftest import tiny_args_dict
+
+ROLES = {"target": "target", "draft": "draft", "partner": "member", "partner2": "member"}
+
+
+# ----------------------------------------------------------------------------- suite
+
+def test_full_suite_holds_every_required_case():
+    keys = {case.key for case in build_cases(BenchSettings(), ROLES)}
+    for mode in ("ray", "local"):
+        assert f"{mode}:ar" in keys
+        for method in ("token", "block", "greedy_block"):
+            for gamma in (2, 4, 8):
+                assert f"{mode}:sd/{method}/g{gamma}" in keys
+        for method in ("spectr", "spectr_gbv"):
+            for k in (2, 3):
+                assert f"{mode}:multi_draft/{method}/k{k}/g4" in keys
+        for name in ("weighted/n2", "weighted/n3", "contrastive/n2"):
+            assert f"{mode}:ensemble/{name}" in keys
+            assert f"{mode}:se/{name}" in keys
+    assert {"hf:peer/ar", "hf:peer/assisted/g2", "hf:peer/assisted/g4", "hf:peer/assisted/g8"} <= keys
+
+
+def test_baselines_and_ensemble_parameters():
+    cases = {case.key: case for case in build_cases(BenchSettings(), ROLES)}
+    assert cases["ray:sd/block/g8"].baseline == "ray:ar"
+    assert cases["local:multi_draft/spectr/k3/g4"].baseline == "local:ar"
+    assert cases["ray:se/weighted/n3"].baseline == "ray:ensemble/weighted/n3"
+    assert cases["hf:peer/assisted/g4"].baseline == "hf:peer/ar"
+    weighted = cases["ray:ensemble/weighted/n2"].speculation
+    assert weighted.members == ["target", "partner"] and weighted.weights == [0.5, 0.5]
+    contrastive = cases["ray:se/contrastive/n2"].speculation
+    assert contrastive.members == ["target", "partner2"] and contrastive.mu == 0.1
+    assert contrastive.gammas == [4, 4]
+
+
+def test_strategy_subset_keeps_baselines():
+    keys = {c.key for c in build_cases(BenchSettings(strategies=("se",), modes=("local",)), ROLES)}
+    assert keys == {f"local:{kind}/{name}" for kind in ("ensemble", "se")
+                    for name in ("weighted/n2", "weighted/n3", "contrastive/n2")}
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def test_committed_prompt_set_mixes_code_and_prose():
+    prompts = load_prompts()
+    kinds = [p.kind for p in prompts]
+    assert kinds.count("code") >= 8 and kinds.count("prose") >= 4
+    assert {"code", "prose"} <= set(kinds[:4])  # the --quick prefix holds both kinds
+    assert len({p.id for p in prompts}) == len(prompts)
+
+
+def test_prompt_builders_are_deterministic():
+    source = "import os\n\ndef early():\n    pass\n" + "x = 1\n" * 60 + "def f(a):\n" + "    a += 1\n" * 60
+    assert code_prompt(source).startswith("def f(a):\n")
+    assert code_prompt(source) == code_prompt(source)
+    assert prose_prompts("One. Two.\n\nThree four.") == ["One. Two.", "Three four."]
+
+
+# ----------------------------------------------------------------------------- peer bookkeeping
+
+def test_accepted_lengths_from_the_target_cache():
+    # Prompt of 10 tokens; iteration 0 emits 3 (2 accepted), iteration 1 emits 5 (4 accepted,
+    # gamma 4 all accepted), iteration 2 emits 1 (a rejection at the first position).
+    # Cache before each forward: 0, then (sequence length - 1).
+    cache_lengths = [0, 12, 17]
+    assert accepted_lengths_from_cache(cache_lengths, prompt_len=10, total_len=19) == [2, 4, 0]
+
+
+# ----------------------------------------------------------------------------- analysis
+
+def _record(case: str, prompt: str, tokens_per_s: float, calls: int, accepted=()) -> RunRecord:
+    return RunRecord(case=case, prompt_id=prompt, prompt_kind="code", repeat=0, seed=0, completion_tokens=16,
+                     wall_s=16 / tokens_per_s, target_calls=calls, iterations=calls, accepted_lengths=list(accepted))
+
+
+def test_speedups_are_paired_per_prompt_medians():
+    records = [
+        _record("ray:ar", "a", 100, 16), _record("ray:ar", "b", 50, 16), _record("ray:ar", "c", 80, 16),
+        _record("ray:sd/token/g8", "a", 150, 8), _record("ray:sd/token/g8", "b", 100, 8),
+        _record("ray:sd/token/g8", "c", 80, 4),
+        _record("ray:sd/block/g8", "a", 160, 4), _record("ray:sd/block/g8", "b", 90, 4),
+    ]
+    assert sorted(paired_ratios(records, "ray:sd/token/g8", "ray:ar", lambda r: r.tokens_per_second)) == [1.0, 1.5, 2.0]
+    cases = [c for c in build_cases(BenchSettings(modes=("ray",), strategies=("sd",), gammas=(8,),
+                                                  sd_methods=("token", "block")), ROLES)]
+    summaries = {s.key: s for s in summarize(cases, records)}
+    assert summaries["ray:sd/token/g8"].speedup == 1.5
+    assert summaries["ray:sd/token/g8"].block_efficiency == 2.0
+    assert summaries["ray:ar"].speedup == 1.0
+    checks = {c.name: c for c in check_targets(BenchSettings(), list(summaries.values()), [])}
+    block_check = checks["block efficiency: block vs token at gamma = 8"]
+    assert block_check.met is True and block_check.measured.startswith("2.000x")
+
+
+# ----------------------------------------------------------------------------- smoke run
+
+SMOKE_PROMPTS = [
+    Prompt(id="code-a", kind="code", source="test", text="def add(a, b):\n    return a + b\n\ndef main(argv=None):\n"),
+    Prompt(id="prose-a", kind="prose", source="test", text="The quick brown fox jumps over the lazy dog."),
+]
+
+
+@pytest.mark.timeout(300)
+def test_bench_command_smoke(tiny_checkpoints, ray_session, tmp_path):
+    # Three models (target, draft, partner) keep start-up short: every strategy still runs.
+    app_args = tiny_args_dict({name: tiny_checkpoints[name] for name in ("target", "draft", "partner")})
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{
+        "name": "specserve", "route_prefix": "/", "import_path": "cluster.app:build_app", "args": app_args,
+    }]}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(p.model_dump_json() + "\n" for p in SMOKE_PROMPTS))
+    out = tmp_path / "bench-out"
+    parser = argparse.ArgumentParser(prog="specserve")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([
+        "bench", "--config", str(config), "--out", str(out), "--quick", "--prompts", str(prompts),
+        "--strategies", "ar,sd,ensemble,se,peer", "--gammas", "2", "--max-tokens", "8", "--max-prompt-tokens", "48",
+    ])
+    assert args.handler(args) == 0
+
+    results = json.loads((out / "results.json").read_text())
+    keys = {s["key"] for s in results["summaries"]}
+    for mode in ("ray", "local"):
+        assert {f"{mode}:ar", f"{mode}:sd/block/g2", f"{mode}:ensemble/weighted/n2", f"{mode}:se/weighted/n2"} <= keys
+    assert {"hf:peer/ar", "hf:peer/assisted/g2"} <= keys
+    records = results["records"]
+    assert len(records) == len(keys) * len(SMOKE_PROMPTS)
+    assert all(r["completion_tokens"] == 8 for r in records)
+    summaries = {s["key"]: s for s in results["summaries"]}
+    for key, summary in summaries.items():
+        assert summary["runs"] == len(SMOKE_PROMPTS)
+        assert summary["tokens_per_second"] > 0
+        if summary["group"] in ("ar", "sd", "peer"):
+            assert summary["block_efficiency"] >= 1.0, key
+        elif summary["group"] == "ensemble":  # every member scores every token
+            assert summary["block_efficiency"] == 1.0, key
+            assert sum(summary["model_calls_per_token"].values()) == 2.0, key
+    for key in ("ray:sd/token/g2", "local:sd/token/g2", "hf:peer/assisted/g2"):
+        # one correction/bonus token per target call, at most gamma accepted on top
+        assert 1.0 <= summaries[key]["block_efficiency"] <= 3.0
+        assert 0.0 <= summaries[key]["mean_accepted"] <= 2.0
+    # The same seeds give the same tokens on Ray actors and in one process: same counts.
+    for label in ("sd/block/g2", "sd/greedy_block/g2", "se/contrastive/n2"):
+        assert summaries[f"ray:{label}"]["block_efficiency"] == summaries[f"local:{label}"]["block_efficiency"]
+    assert summaries["ray:sd/block/g2"]["bytes_per_token"] > 0
+    assert {row["label"] for row in results["distribution_overhead"]} >= {"ar", "sd/token/g2", "se/weighted/n2"}
+    assert "ray:ensemble/weighted/n3" not in keys  # two weighted members only in this group
+    assert results["peer_comparison"]
+    markdown = (out / "results.md").read_text()
+    for heading in ("## Speculative decoding", "## Ensembles and speculative ensembles",
+                    "## sd versus transformers assisted generation", "## Distribution overhead", "## Targets"):
+        assert heading in markdown
+    for name in ("block_efficiency.png", "speedup.png", "time_split.png", "distribution_overhead.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
