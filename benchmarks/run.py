@@ -121,7 +121,10 @@ def run_benchmark(
     runners: dict[str, Runner] = {}
     try:
         for mode in modes:
+            mode_started = time.perf_counter()
             runners[mode] = factory(mode, settings)
+            logger.info("%s runner ready in %.1f s", mode, time.perf_counter() - mode_started)
+        setup_s = time.perf_counter() - started
         records = run_cases(cases, tokenized, runners, settings, warmup_ids=warmup_ids)
     finally:
         for runner in runners.values():
@@ -134,6 +137,7 @@ def run_benchmark(
         "load_average_start": load_start,
         "load_average_end": _load_avg(),
         "wall_time_s": time.perf_counter() - started,
+        "setup_time_s": setup_s,
         "models": {m.name: {"path": m.path, "role": m.role} for m in config.models},
     }
     results = BenchResults(
