@@ -20,6 +20,7 @@ All arithmetic is float64; every random choice goes through the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -117,22 +118,19 @@ def verify_token(
 
     Position by position, draft token ``X_i`` is accepted with probability
     ``min(1, target(X_i) / draft(X_i))``; at the first rejection a recovered token is drawn
-    from ``norm(max(target_i - draft_i, 0))``; if all ``gamma`` are accepted the bonus token
-    is drawn from ``target_probs[:, gamma]``.
+    from ``norm(max(target_i - draft_i, 0))`` (Eq. (2)); if all ``gamma`` are accepted the
+    bonus token is drawn from ``target_probs[:, gamma]``.
 
-    Random stream (part of the reproducibility contract): for ``i = 0..gamma-1`` one
+    Random stream (part of the reproducibility contract): for ``i = 1..gamma`` one
     ``bernoulli`` call over the rows still accepting (in batch order), then one
     ``categorical`` call over all rows ``[B, V]`` for the correction-or-bonus tokens.
     Stateless: ``state`` must be None and the result's ``state`` is None.
     """
-    if state is not None:
-        raise ValueError("verify_token is stateless; state must be None")
+    _require_no_state("verify_token", state)
     source = as_random_source(generator)
     block = _validated_block(draft_tokens, draft_probs, target_probs)
-    draft_token_probs = block.draft_token_probs()  # [B, gamma]
-    target_token_probs = block.target_token_probs()  # [B, gamma]
     # min(1, target/draft); draft > 0 was validated, so the ratio is finite.
-    accept_probs = torch.clamp(target_token_probs / draft_token_probs, max=1.0)  # [B, gamma]
+    accept_probs = torch.clamp(block.target_token_probs() / block.draft_token_probs(), max=1.0)  # [B, gamma]
 
     num_accepted = torch.zeros(block.batch, dtype=torch.int64)  # [B]
     still_accepting = torch.ones(block.batch, dtype=torch.bool)  # [B]
@@ -144,21 +142,351 @@ def verify_token(
         num_accepted[rows[accepted_here]] += 1
         still_accepting[rows[~accepted_here]] = False
 
-    last_rows = _last_token_rows(block, num_accepted, _residual_rows)  # [B, V]
+    unit_weights = torch.zeros(block.batch, block.gamma + 1, dtype=torch.float64)  # log 1: Eq. (2)
+    last_rows = _correction_or_bonus_rows(block, block.target_probs, num_accepted, unit_weights)
+    last_tokens = source.categorical(last_rows)  # [B]
+    return VerifyResult(tokens=_assemble(block.draft_tokens, num_accepted, last_tokens), num_accepted=num_accepted)
+
+
+def verify_block(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    *,
+    generator: torch.Generator | RandomSource,
+    state: None = None,
+) -> VerifyResult:
+    """Block verification (Sun et al., ICLR 2025, files 000/003: Alg. 2 with Eq. (3), (4)).
+
+    With ``p_0 = 1`` and ``p_i = min(1, p_{i-1} * target(X_i) / draft(X_i))`` (Alg. 2 line 4),
+    sub-block ``X^i`` is accepted with probability ``h_i`` (Eq. (4)):
+    ``h_gamma = p_gamma`` and, for ``i < gamma``,
+    ``h_i = S_i / (S_i + 1 - p_i)`` where ``S_i = sum_x max(p_i target_i(x) - draft_i(x), 0)``.
+    The accepted prefix is the LONGEST accepted sub-block (``tau``; 0 when none is); the
+    correction token is drawn from ``norm(max(p_tau target_tau - draft_tau, 0))`` (Eq. (3)),
+    or the bonus token from ``target_probs[:, gamma]`` when ``tau = gamma``. Lossless by
+    Theorem 1 of the paper (proved here by exact enumeration in the tests).
+
+    ``p_i`` is kept in log space (products of ratios of tiny probabilities). A sub-block
+    with ``S_i + 1 - p_i = 0`` (``p_i = 1`` and ``target_i == draft_i``) is accepted with
+    probability 1, which is what ``Pr[X^i kept] = draft(X^i) p_i`` (Lemma 3) requires.
+
+    Random stream: the sub-blocks are decided from the longest down (``i = gamma, ...,
+    1``), one ``bernoulli`` call per ``i`` over the rows not yet decided (the first success
+    is the longest accepted sub-block, so this is the same law as Alg. 2's independent
+    uniforms), then one ``categorical`` call over all rows ``[B, V]``. Stateless.
+    """
+    _require_no_state("verify_block", state)
+    source = as_random_source(generator)
+    block = _validated_block(draft_tokens, draft_probs, target_probs)
+    log_token_ratios = torch.log(block.target_token_probs()) - torch.log(block.draft_token_probs())  # [B, gamma]
+    log_p = torch.zeros(block.batch, block.gamma + 1, dtype=torch.float64)  # [B, gamma+1]; log p_0 = 0
+    for i in range(1, block.gamma + 1):
+        log_p[:, i] = torch.clamp(log_p[:, i - 1] + log_token_ratios[:, i - 1], max=0.0)
+    p = torch.exp(log_p)  # [B, gamma+1], in [0, 1]
+
+    accept_probs = torch.empty(block.batch, block.gamma, dtype=torch.float64)  # [B, gamma]; h_1..h_gamma
+    if block.gamma > 0:
+        accept_probs[:, -1] = p[:, block.gamma]
+    for i in range(1, block.gamma):
+        surplus = _scaled_difference(
+            log_p[:, i], block.target_probs[:, i], block.draft_probs[:, i]
+        ).clamp(min=0.0).sum(dim=-1)  # [B]: S_i
+        denominator = surplus + (1.0 - p[:, i])  # [B]
+        accept_probs[:, i - 1] = torch.where(
+            denominator > 0, surplus / torch.where(denominator > 0, denominator, 1.0), 1.0
+        ).clamp(max=1.0)
+
+    num_accepted = _longest_accepted(source, accept_probs)  # [B]
+    last_rows = _correction_or_bonus_rows(block, block.target_probs, num_accepted, log_p)
+    last_tokens = source.categorical(last_rows)  # [B]
+    return VerifyResult(tokens=_assemble(block.draft_tokens, num_accepted, last_tokens), num_accepted=num_accepted)
+
+
+@dataclass(frozen=True)
+class GreedyBlockState:
+    """The distribution modification greedy block verification owes the next iteration
+    (Alg. 5 / Eq. (23) of files 000/003, composed over iterations as in Alg. 6 line 6).
+
+    One "level" per earlier iteration whose modification still covers upcoming positions;
+    levels are ordered oldest first and apply in that order (Alg. 6 modifies the already
+    modified target again). For batch row ``b`` and level ``l``:
+
+    * ``horizon[b, l]``: the modification covers the next call's positions
+      ``0 .. horizon - 1`` (0 = inactive padding);
+    * ``log_ratio[b, l]``: ``log rho``, where ``rho`` is the ratio of JOINT probabilities
+      ``target^{(l)}(emitted | c_l) / draft(emitted | c_l)`` of everything emitted since
+      the start context ``c_l`` of the iteration that created the level, under the target
+      that iteration verified against and the draft. (``+inf`` is allowed: a prefix the
+      draft could not produce.)
+
+    At a position ``j`` of the next call with ``j < horizon`` the level turns the row it
+    receives (``target^{(l)}``) into
+    ``norm(max(rho_j * target^{(l)}_j - draft_j, 0))`` with
+    ``rho_j = rho * prod_{i<j} target^{(l)}_i(X_{i+1}) / draft_i(X_{i+1})`` along the new draft
+    path, i.e. Eq. (23) with joint probabilities of the whole continuation (divided by the
+    common draft joint). Plain data: pass it back as ``state=`` for the same request and
+    batch row order; :meth:`rows` / :meth:`concat` re-batch it.
+    """
+
+    log_ratio: torch.Tensor  # [B, L] float64
+    horizon: torch.Tensor  # [B, L] int64
+
+    @staticmethod
+    def empty(batch: int) -> GreedyBlockState:
+        """No pending modification (a fresh request)."""
+        return GreedyBlockState(
+            log_ratio=torch.zeros(batch, 0, dtype=torch.float64), horizon=torch.zeros(batch, 0, dtype=torch.int64)
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.log_ratio.shape[0]
+
+    def rows(self, index: list[int] | torch.Tensor) -> GreedyBlockState:
+        """The state of the given batch rows (e.g. one request's row)."""
+        index = torch.as_tensor(index, dtype=torch.int64)
+        return GreedyBlockState(log_ratio=self.log_ratio[index], horizon=self.horizon[index])
+
+    @staticmethod
+    def concat(states: list[GreedyBlockState]) -> GreedyBlockState:
+        """Stack the rows of several states (levels padded with inactive entries)."""
+        width = max((s.log_ratio.shape[1] for s in states), default=0)
+
+        def padded(tensor: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+
+        return GreedyBlockState(
+            log_ratio=torch.cat([padded(s.log_ratio) for s in states]),
+            horizon=torch.cat([padded(s.horizon) for s in states]),
+        )
+
+
+def verify_greedy_block(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    *,
+    generator: torch.Generator | RandomSource,
+    state: GreedyBlockState | None = None,
+) -> VerifyResult:
+    """Greedy block verification with distribution modification (Sun et al., file 003,
+    appendix C: Alg. 4, Alg. 5 / Eq. (23), loop of Alg. 6). Stateful.
+
+    1. The target rows this call verifies against are the raw ``target_probs`` modified by
+       ``state`` (the levels of :class:`GreedyBlockState`, oldest first), evaluated along
+       this call's draft path (Alg. 6 footnote 6: score with the original model, then
+       modify).
+    2. Alg. 4 on those rows: ``p~_i = prod_{j<=i} target(X_j) / draft(X_j)`` (joint ratio, no
+       min); sub-block ``X^i`` (``i < gamma``) is accepted with probability ``min(1, h_i)``,
+       ``h_i = sum_x max(p~_i target_i(x) - draft_i(x), 0) / sum_x max(draft_i(x) - p~_i
+       target_i(x), 0)`` (``h_i = 1`` when the denominator is 0); ``X^gamma`` with
+       ``min(1, p~_gamma)``. ``tau`` = the longest accepted sub-block; correction from
+       ``norm(max(p~_tau target_tau - draft_tau, 0))`` (Eq. (22)), or the bonus token from
+       ``target_gamma`` when ``tau = gamma``.
+    3. The returned state: the surviving levels advanced past the ``tau + 1`` emitted tokens,
+       plus a new level with horizon ``gamma - tau - 1`` and ``rho = p~_tau * target_tau(Y) /
+       draft_tau(Y)`` (Alg. 5: the joint ratio of ``(X^tau, Y)``).
+
+    Eq. (23)'s ``M_b``/``M_s`` are read as JOINT probabilities of the continuation from the
+    iteration's start context (that is what the proof of Lemma 6, step (34), uses); the
+    tests prove this reading exact over several iterations by enumeration. A modified row
+    whose positive part is empty belongs to a context that cannot be reached (on a
+    reachable context ``rho_j > 1``); it is left unmodified so no NaN appears.
+
+    Random stream: as :func:`verify_block` (``bernoulli`` from ``i = gamma`` down to 1 over
+    undecided rows, then one ``categorical`` over ``[B, V]``).
+    """
+    source = as_random_source(generator)
+    block = _validated_block(draft_tokens, draft_probs, target_probs)
+    state = _validated_greedy_state(state, block)
+    stage_rows = _modified_target_stages(block, state)  # L + 1 tensors [B, gamma+1, V]
+    target_rows = stage_rows[-1]  # [B, gamma+1, V]: what this iteration verifies against
+
+    log_token_ratios = _log_path_ratios(block, target_rows)  # [B, gamma]
+    log_p_tilde = torch.cat(
+        [torch.zeros(block.batch, 1, dtype=torch.float64), torch.cumsum(log_token_ratios, dim=1)], dim=1
+    )  # [B, gamma+1]
+
+    accept_probs = torch.empty(block.batch, block.gamma, dtype=torch.float64)  # [B, gamma]
+    if block.gamma > 0:
+        accept_probs[:, -1] = torch.exp(log_p_tilde[:, block.gamma]).clamp(max=1.0)
+    for i in range(1, block.gamma):
+        difference = _scaled_difference(log_p_tilde[:, i], target_rows[:, i], block.draft_probs[:, i])  # [B, V]
+        remaining = difference.clamp(min=0.0).sum(dim=-1)  # [B]: p_remain (Eq. 24), scaled
+        rejected = (-difference).clamp(min=0.0).sum(dim=-1)  # [B]: p_rej (Eq. 25), same scale
+        accept_probs[:, i - 1] = torch.where(
+            rejected > 0, remaining / torch.where(rejected > 0, rejected, 1.0), 1.0
+        ).clamp(max=1.0)
+
+    num_accepted = _longest_accepted(source, accept_probs)  # [B]
+    last_rows = _correction_or_bonus_rows(block, target_rows, num_accepted, log_p_tilde)
     last_tokens = source.categorical(last_rows)  # [B]
     tokens = _assemble(block.draft_tokens, num_accepted, last_tokens)
-    return VerifyResult(tokens=tokens, num_accepted=num_accepted)
+    next_state = _next_greedy_state(block, state, stage_rows, log_p_tilde, num_accepted, last_tokens)
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted, state=next_state)
 
 
-def _last_token_rows(block: _Block, num_accepted: torch.Tensor, residual_fn) -> torch.Tensor:
-    """Rows ``[B, V]`` of the correction-or-bonus token: ``residual_fn(target, draft)`` at the
-    first rejected position, the target's bonus row when the whole block was accepted."""
+# ----------------------------------------------------------------------------- helpers
+
+
+def _require_no_state(name: str, state: object) -> None:
+    if state is not None:
+        raise ValueError(f"{name} is stateless; state must be None, got {type(state).__name__}")
+
+
+def _scaled_difference(log_ratio: torch.Tensor, target_rows: torch.Tensor, draft_rows: torch.Tensor) -> torch.Tensor:
+    """``ratio * target - draft`` up to a positive factor, without overflow: returns
+    ``min(1, ratio) * target - min(1, 1/ratio) * draft`` for ``log_ratio [N]`` (``+-inf``
+    allowed) and rows ``[N, V]``. Positive parts and their ratios are what the rules use,
+    and both are invariant to the factor."""
+    target_weight = torch.exp(torch.clamp(log_ratio, max=0.0)).unsqueeze(-1)  # [N, 1]
+    draft_weight = torch.exp(torch.clamp(-log_ratio, max=0.0)).unsqueeze(-1)  # [N, 1]
+    return target_weight * target_rows - draft_weight * draft_rows
+
+
+def _positive_part_rows(difference: torch.Tensor, fallback_rows: torch.Tensor) -> torch.Tensor:
+    """``norm(max(difference, 0))`` per row ``[N, V]``; an empty row (no positive mass, which
+    has probability 0 of being used in exact arithmetic) becomes ``fallback_rows``. No
+    epsilon is added."""
+    positive = difference.clamp(min=0.0)  # [N, V]
+    mass = positive.sum(dim=-1, keepdim=True)  # [N, 1]
+    return torch.where(mass > 0, positive / torch.where(mass > 0, mass, 1.0), fallback_rows)
+
+
+def _log_path_ratios(block: _Block, target_rows: torch.Tensor) -> torch.Tensor:
+    """``log target_i(X_{i+1}) - log draft_i(X_{i+1})`` along the draft path ``[B, gamma]``
+    (``-inf`` where the target gives the draft token zero mass; draft mass is > 0)."""
+    index = block.draft_tokens.unsqueeze(-1)  # [B, gamma, 1]
+    target_token = target_rows[:, : block.gamma].gather(-1, index).squeeze(-1)  # [B, gamma]
+    return torch.log(target_token) - torch.log(block.draft_token_probs())
+
+
+def _longest_accepted(source: RandomSource, accept_probs: torch.Tensor) -> torch.Tensor:
+    """``tau`` = the longest sub-block accepted when sub-block ``X^i`` is accepted
+    independently with probability ``accept_probs[:, i-1]`` ``[B, gamma]``; 0 if none is.
+    Decided from ``i = gamma`` down, one ``bernoulli`` per ``i`` over the undecided rows."""
+    batch, gamma = accept_probs.shape
+    num_accepted = torch.zeros(batch, dtype=torch.int64)  # [B]
+    undecided = torch.ones(batch, dtype=torch.bool)  # [B]
+    for i in range(gamma, 0, -1):
+        rows = undecided.nonzero().squeeze(1)  # [A]
+        if rows.numel() == 0:
+            break
+        accepted_here = source.bernoulli(accept_probs[rows, i - 1])  # [A]
+        num_accepted[rows[accepted_here]] = i
+        undecided[rows[accepted_here]] = False
+    return num_accepted
+
+
+def _correction_or_bonus_rows(
+    block: _Block, target_rows: torch.Tensor, num_accepted: torch.Tensor, log_weights: torch.Tensor
+) -> torch.Tensor:
+    """Rows ``[B, V]`` of the token emitted after the accepted prefix: the target's row after
+    the whole block when ``tau = gamma`` (bonus), else the residual
+    ``norm(max(w_tau * target_tau - draft_tau, 0))`` with ``w = exp(log_weights) [B, gamma+1]``
+    (token: ``w = 1``, Eq. (2); block: ``p_tau``, Eq. (3); greedy: ``p~_tau``, Eq. (22))."""
     batch_index = torch.arange(block.batch)
-    target_rows = block.target_probs[batch_index, num_accepted]  # [B, V]
+    bonus_or_target = target_rows[batch_index, num_accepted]  # [B, V]
     full = num_accepted == block.gamma  # [B]
     if bool(full.all()):
-        return target_rows
-    rejected_at = num_accepted.clamp(max=max(block.gamma - 1, 0))  # [B]
-    draft_rows = block.draft_probs[batch_index, rejected_at]  # [B, V]
-    residual = residual_fn(target_rows, draft_rows)  # [B, V]
-    return torch.where(full.unsqueeze(1), target_rows, residual)
+        return bonus_or_target
+    rejected_at = num_accepted.clamp(max=block.gamma - 1)  # [B]; rows with full=True are masked below
+    log_weight = log_weights[batch_index, rejected_at]  # [B]
+    difference = _scaled_difference(log_weight, bonus_or_target, block.draft_probs[batch_index, rejected_at])
+    residual = _positive_part_rows(difference, bonus_or_target)  # [B, V]
+    return torch.where(full.unsqueeze(1), bonus_or_target, residual)
+
+
+def _validated_greedy_state(state: GreedyBlockState | None, block: _Block) -> GreedyBlockState:
+    if state is None:
+        return GreedyBlockState.empty(block.batch)
+    if not isinstance(state, GreedyBlockState):
+        raise TypeError(f"state must be a GreedyBlockState from the previous call, got {type(state).__name__}")
+    if state.batch != block.batch:
+        raise ValueError(f"state has {state.batch} rows but the call has batch {block.batch}")
+    if bool((state.horizon >= max(block.gamma, 1)).any()):
+        raise ValueError(
+            f"state covers {int(state.horizon.max())} positions, more than gamma - 1 = {block.gamma - 1}: "
+            "was gamma changed within a request?"
+        )
+    return state
+
+
+def _modified_target_stages(block: _Block, state: GreedyBlockState) -> list[torch.Tensor]:
+    """``[raw, after level 0, after level 1, ...]`` target rows ``[B, gamma+1, V]`` along the
+    draft path: each level applies Eq. (23) to the rows the previous stage produced."""
+    stages = [block.target_probs]
+    if state.log_ratio.shape[1] == 0 or block.gamma == 0:
+        return stages
+    positions = torch.arange(block.gamma + 1)  # [gamma+1]
+    # Draft rows padded with a zero row at position gamma (never modified: horizon < gamma).
+    draft_rows = torch.cat([block.draft_probs, torch.zeros_like(block.draft_probs[:, :1])], dim=1)  # [B, gamma+1, V]
+    for level in range(state.log_ratio.shape[1]):
+        rows = stages[-1]  # [B, gamma+1, V]
+        path_log_ratio = torch.cat(
+            [torch.zeros(block.batch, 1, dtype=torch.float64), torch.cumsum(_log_path_ratios(block, rows), dim=1)],
+            dim=1,
+        )  # [B, gamma+1]: log prod_{i<j} rows_i(X_{i+1}) / draft_i(X_{i+1})
+        log_rho = state.log_ratio[:, level : level + 1] + path_log_ratio  # [B, gamma+1]
+        covered = positions.unsqueeze(0) < state.horizon[:, level : level + 1]  # [B, gamma+1]
+        # NaN (inf - inf) or an empty positive part only on unreachable contexts: keep the row.
+        usable = covered & ~torch.isnan(log_rho)  # [B, gamma+1]
+        safe_log_rho = torch.where(usable, log_rho, 0.0)
+        vocab = rows.shape[-1]
+        flat_rows = rows.reshape(-1, vocab)  # [B*(gamma+1), V]
+        difference = _scaled_difference(safe_log_rho.reshape(-1), flat_rows, draft_rows.reshape(-1, vocab))
+        modified = _positive_part_rows(difference, flat_rows).reshape(rows.shape)  # [B, gamma+1, V]
+        stages.append(torch.where(usable.unsqueeze(-1), modified, rows))
+    return stages
+
+
+def _next_greedy_state(
+    block: _Block,
+    state: GreedyBlockState,
+    stage_rows: list[torch.Tensor],
+    log_p_tilde: torch.Tensor,
+    num_accepted: torch.Tensor,
+    last_tokens: torch.Tensor,
+) -> GreedyBlockState:
+    """Advance the surviving levels past the ``tau + 1`` emitted tokens and add this
+    iteration's level (Alg. 5)."""
+    batch_index = torch.arange(block.batch)
+    emitted_count = num_accepted + 1  # [B]
+    # Emitted path: X_1..X_tau then Y; all at positions < gamma whenever a level survives.
+    emitted = block.draft_tokens.clone()  # [B, gamma]
+    if block.gamma > 0:
+        at = num_accepted.clamp(max=block.gamma - 1)
+        emitted[batch_index, at] = torch.where(num_accepted < block.gamma, last_tokens, emitted[batch_index, at])
+    positions = torch.arange(block.gamma)  # [gamma]
+    on_path = positions.unsqueeze(0) < emitted_count.unsqueeze(1)  # [B, gamma]
+    log_draft = torch.log(block.draft_probs.gather(-1, emitted.unsqueeze(-1)).squeeze(-1))  # [B, gamma]
+
+    log_ratios, horizons = [], []
+    for level in range(state.log_ratio.shape[1]):
+        rows = stage_rows[level]  # the target this level modified: [B, gamma+1, V]
+        log_target = torch.log(rows[:, : block.gamma].gather(-1, emitted.unsqueeze(-1)).squeeze(-1))  # [B, gamma]
+        step = torch.where(on_path, log_target - log_draft, 0.0)  # [B, gamma]
+        horizon = state.horizon[:, level] - emitted_count  # [B]
+        alive = horizon > 0
+        log_ratios.append(torch.where(alive, state.log_ratio[:, level] + step.sum(dim=1), 0.0))
+        horizons.append(torch.where(alive, horizon, 0))
+
+    # New level: rho = p~_tau * target_tau(Y) / draft_tau(Y) under this call's target rows.
+    new_horizon = block.gamma - num_accepted - 1  # [B]; <= 0 when tau = gamma
+    if block.gamma > 0:
+        at = num_accepted.clamp(max=block.gamma - 1)
+        target_y = stage_rows[-1][batch_index, at, last_tokens]  # [B]
+        draft_y = block.draft_probs[batch_index, at, last_tokens]  # [B]
+        new_log_ratio = log_p_tilde[batch_index, at] + torch.log(target_y) - torch.log(draft_y)
+        log_ratios.append(torch.where(new_horizon > 0, new_log_ratio, 0.0))
+        horizons.append(new_horizon.clamp(min=0))
+    if not log_ratios:
+        return GreedyBlockState.empty(block.batch)
+    return _compact(GreedyBlockState(log_ratio=torch.stack(log_ratios, dim=1), horizon=torch.stack(horizons, dim=1)))
+
+
+def _compact(state: GreedyBlockState) -> GreedyBlockState:
+    """Drop level columns that are inactive in every row (keeps the state from growing)."""
+    active_columns = (state.horizon > 0).any(dim=0)  # [L]
+    return GreedyBlockState(log_ratio=state.log_ratio[:, active_columns], horizon=state.horizon[:, active_columns])

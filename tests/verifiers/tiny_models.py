@@ -78,13 +78,12 @@ class TinyModel:
     def _logits(self, context: tuple[int, ...]) -> torch.Tensor:
         generator = torch.Generator().manual_seed(_context_seed(self.seed, context))
         own = self.scale * torch.randn(self.vocab, generator=generator, dtype=torch.float64)  # [V]
+        logits = own if self.base is None else torch.as_tensor(self.base(context), dtype=torch.float64) + self.noise * own
         if self.mask_prob > 0:
             masked = torch.rand(self.vocab, generator=generator, dtype=torch.float64) < self.mask_prob
-            masked[int(torch.argmax(own))] = False  # keep at least one token
-            own = own.masked_fill(masked, float("-inf"))
-        if self.base is None:
-            return own
-        return torch.as_tensor(self.base(context), dtype=torch.float64) + self.noise * own
+            masked[int(torch.argmax(logits))] = False  # keep at least one token
+            logits = logits.masked_fill(masked, float("-inf"))
+        return logits
 
 
 def model_pair(
