@@ -103,27 +103,32 @@ class ModelSpec(BaseModel):
 # ~280 tokens/s for the 12M models, ~400 for the distilled draft, ~600 for partner2 on a
 # lightly loaded 2-core CPU, fp32; bf16 autocast roughly doubles that). The machine was shared with other jobs (load average up to ~17 on 2 cores), so
 # every member also has a wall-clock cap; whichever ends first ends the run (recorded in
-# training_meta.json: `steps_completed`, `stopped_by`).
+# training_meta.json: `steps_completed`, `stopped_by`). On an oversubscribed machine one torch
+# thread is much faster than two (a 2-thread OpenMP team stalls at every op when one of its
+# threads is descheduled: 13-26 s per target step with 2 threads vs ~1.5 s with 1 at load ~14),
+# hence `--threads 1` by default. The target's first 80 steps ran with 2 threads and its step
+# count was raised from 400 to 800 at step ~180 while the time cap was already driving its
+# schedule (so its learning rate curve did not change).
 FAMILY: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         ModelSpec(
             name="target", hidden_size=384, num_layers=6, intermediate_size=1024, num_heads=6,
-            train_splits=("lib",), steps=400, batch_size=4, lr=2e-3, max_minutes=28,
+            train_splits=("lib",), steps=800, batch_size=4, lr=2e-3, max_minutes=28,
         ),
         ModelSpec(
             name="draft", hidden_size=128, num_layers=2, intermediate_size=384, num_heads=4,
-            train_splits=("lib",), steps=400, batch_size=4, lr=3e-3, distill_from="target",
+            train_splits=("lib",), steps=800, batch_size=4, lr=3e-3, distill_from="target",
             seed=SEED + 1, max_minutes=10,
         ),
         ModelSpec(
             name="partner", hidden_size=384, num_layers=6, intermediate_size=1024, num_heads=6,
-            train_splits=("test",), steps=300, batch_size=4, lr=2e-3, seed=SEED + 2,
-            max_minutes=18,
+            train_splits=("test",), steps=700, batch_size=4, lr=2e-3, seed=SEED + 2,
+            max_minutes=16,
         ),
         ModelSpec(
             name="partner2", hidden_size=192, num_layers=4, intermediate_size=512, num_heads=4,
-            train_splits=("lib", "test"), steps=400, batch_size=4, lr=3e-3, seed=SEED + 3,
+            train_splits=("lib", "test"), steps=800, batch_size=4, lr=3e-3, seed=SEED + 3,
             max_minutes=7,
         ),
     )
@@ -552,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", default="all",
                         choices=["all", "files", "tokenizer", "data", "throughput", *TRAIN_ORDER])
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--checkpoint-every", type=int, default=20)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
