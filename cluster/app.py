@@ -22,6 +22,7 @@ frees the request's sessions in the workers.
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +47,7 @@ from cluster.openai_api import (
     CompletionRequest,
     completion_response,
     error_body,
+    http_field,
     invalid_request_body,
     models_list,
     parse_body,
@@ -66,6 +68,8 @@ PLACEMENT_STRATEGY = "PACK"
 #: gRPC servicer registration function (for ``grpc_options.grpc_servicer_functions``).
 GRPC_SERVICER_FUNCTION = "protos.specserve_pb2_grpc.add_SpecServeServicer_to_server"
 DEFAULT_MODEL_NAME = "specserve"
+#: Index of the first model-worker bundle in a replica's placement group (bundle 0 = replica).
+MODEL_BUNDLE_OFFSET = 1
 HEALTH_TIMEOUT_S = 10.0
 
 
@@ -80,18 +84,26 @@ class RequestFailed(RuntimeError):
 def replica_bundles(config: GroupConfig) -> list[dict[str, float]]:
     """Placement group bundles of one ingress replica: the replica, then one per model worker.
 
-    Bundle 0 is the ingress replica (Serve places the replica actor there); bundle ``1 + i``
-    reserves ``config.models[i]``'s CPUs/GPUs. A model that asks for no resources gets no
-    bundle of its own (Ray bundles may not be empty); the coordinator's CPUs, if any, are added
-    to bundle 0 so it runs next to the replica.
+    Bundle 0 holds the ingress replica (Serve places the replica actor there) plus the
+    coordinator's CPUs (the coordinator may go in any bundle with room); bundle
+    ``MODEL_BUNDLE_OFFSET + i`` reserves ``config.models[i]`` (see
+    :func:`cluster.bringup.model_group_bundles`).
     """
-    ingress = {"CPU": INGRESS_CPUS + config.coordinator_cpus}
-    bundles = [ingress]
-    for model in config.models:
-        bundle = {key: value for key, value in (("CPU", model.num_cpus), ("GPU", model.num_gpus)) if value > 0}
-        if bundle:
-            bundles.append(bundle)
-    return bundles
+    from cluster.bringup import model_group_bundles
+
+    return [{"CPU": INGRESS_CPUS + config.coordinator_cpus}, *model_group_bundles(config)]
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+MAX_ERROR_CHARS = 1000
+
+
+def brief_error(message: str) -> str:
+    """The client-facing form of an internal error: the last line of a (remote) traceback,
+    without terminal colour codes, at most :data:`MAX_ERROR_CHARS` characters."""
+    lines = [line.strip() for line in _ANSI_ESCAPE.sub("", message).splitlines() if line.strip()]
+    text = lines[-1] if lines else "unknown error"
+    return text[:MAX_ERROR_CHARS]
 
 
 def _unwrap_task_error(error: BaseException) -> BaseException:
@@ -134,7 +146,8 @@ class CoordinatorStream:
             raise _unwrap_task_error(error) from None
         if chunk.error is not None:
             self._finished = True
-            raise RequestFailed(chunk.error)
+            logger.error("request %s failed in the model group: %s", self.request_id, chunk.error)
+            raise RequestFailed(brief_error(chunk.error))
         if chunk.finished:
             self._finished = True
         return chunk
@@ -162,18 +175,20 @@ async def _prime(stream: CoordinatorStream) -> tuple[GenerationChunk | None, Coo
 def _http_error(error: BaseException) -> JSONResponse:
     """HTTP status + OpenAI error body of a failure."""
     if isinstance(error, InvalidRequestError):
-        return JSONResponse(invalid_request_body(error), status_code=400)
+        return JSONResponse(invalid_request_body(http_field(error)), status_code=400)
     if isinstance(error, ModelGroupUnavailable):
         return JSONResponse(error_body(str(error), None, "server_error", "unavailable"), status_code=503)
     if isinstance(error, RequestFailed):
         return JSONResponse(error_body(f"request failed: {error}", None, "server_error", "internal_error"), status_code=500)
     logger.exception("unexpected error while serving a request", exc_info=error)
-    return JSONResponse(error_body(f"internal error: {error}", None, "server_error", "internal_error"), status_code=500)
+    message = f"internal error: {brief_error(str(error))}"
+    return JSONResponse(error_body(message, None, "server_error", "internal_error"), status_code=500)
 
 
 def _grpc_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """gRPC status code and details of a failure."""
     if isinstance(error, InvalidRequestError):
+        error = grpc_service.grpc_field(error)
         return grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}"
     if isinstance(error, LookupError):
         return grpc.StatusCode.NOT_FOUND, str(error.args[0] if error.args else error)
@@ -181,7 +196,7 @@ def _grpc_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(error)
     if isinstance(error, RequestFailed):
         return grpc.StatusCode.INTERNAL, f"request failed: {error}"
-    return grpc.StatusCode.INTERNAL, f"internal error: {error}"
+    return grpc.StatusCode.INTERNAL, f"internal error: {brief_error(str(error))}"
 
 
 class GrpcRequestError(Exception):
@@ -190,6 +205,13 @@ class GrpcRequestError(Exception):
 
 async def _wait(ref: Any, timeout_s: float) -> Any:
     return await asyncio.wait_for(ref, timeout=timeout_s)
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a replica (unit use)
+        return ""
 
 
 def _served_model_name() -> str:
@@ -213,7 +235,7 @@ class SpecServeIngress:
     """One replica: a model group plus the HTTP routes and gRPC methods that feed it."""
 
     def __init__(self, args: dict[str, Any], start_group: Callable[..., Any] | None = None):
-        """``start_group(config, placement_group=...)`` builds the model group (default:
+        """``start_group(config, placement_group=..., first_bundle=...)`` builds the model group (default:
         :func:`cluster.bringup.start_model_group`); it must return an object with a
         ``coordinator`` actor handle and a ``shutdown()`` method."""
         if start_group is None:
@@ -224,12 +246,13 @@ class SpecServeIngress:
         self._model_name = _served_model_name()
         self._sampling_defaults: dict[str, Any] = {}
         placement_group = get_current_placement_group()
+        self._placement_group_id = placement_group.id.hex() if placement_group else None
         logger.info(
             "starting model group %s (placement group %s)",
             [model.name for model in self._config.models],
-            placement_group.id.hex() if placement_group else None,
+            self._placement_group_id,
         )
-        self._group = start_group(self._config, placement_group=placement_group)
+        self._group = start_group(self._config, placement_group=placement_group, first_bundle=MODEL_BUNDLE_OFFSET)
         self._coordinator = self._group.coordinator
 
     # ------------------------------------------------------------------ shared request path
@@ -264,10 +287,32 @@ class SpecServeIngress:
     async def health(self) -> JSONResponse:
         """200 when the replica's coordinator answers, 503 otherwise."""
         try:
-            await _wait(self._coordinator.__ray_ready__.remote(), HEALTH_TIMEOUT_S)
+            await _wait(self._coordinator.health.remote(), HEALTH_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - any failure means unhealthy
             return JSONResponse({"status": "unavailable", "error": str(error)}, status_code=503)
         return JSONResponse({"status": "ok", "model": self._model_name})
+
+    @fastapi_app.get("/v1/status")
+    async def status(self) -> JSONResponse:
+        """This replica's model group: models, defaults, active requests, open sessions per worker."""
+        names = list(self._group.workers)
+        try:
+            description = await self._coordinator.describe.remote()
+            sessions = await asyncio.gather(*(self._group.workers[name].num_sessions.remote() for name in names))
+        except (RayActorError, RayTaskError) as error:
+            return _http_error(_unwrap_task_error(error))
+        return JSONResponse(
+            {
+                "model": self._model_name,
+                "replica": _replica_id(),
+                "replica_actor": ray.get_runtime_context().get_actor_id(),
+                "placement_group": self._placement_group_id,
+                "coordinator": self._coordinator._actor_id.hex(),
+                "workers": {name: handle._actor_id.hex() for name, handle in self._group.workers.items()},
+                "sessions": dict(zip(names, sessions)),
+                **description,
+            }
+        )
 
     @fastapi_app.get("/v1/models")
     async def models(self) -> JSONResponse:
@@ -298,13 +343,15 @@ class SpecServeIngress:
                 result = await self._collect(stream)
             except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
                 return _http_error(error)
-            return JSONResponse(completion_response(request_id, self._model_name, created, result, chat))
+            return JSONResponse(
+                completion_response(request_id, self._model_name, created, result, chat, body.return_token_ids)
+            )
         try:
             first, stream = await _prime(stream)
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
             return _http_error(error)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = self._sse_events(stream, first, request_id, created, chat, include_usage)
+        events = self._sse_events(stream, first, request_id, created, chat, include_usage, body.return_token_ids)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _sse_events(
@@ -315,6 +362,7 @@ class SpecServeIngress:
         created: int,
         chat: bool,
         include_usage: bool,
+        token_ids: bool,
     ) -> AsyncIterator[bytes]:
         """Server-sent events of one request; cancels the coordinator stream if the client leaves."""
         stats = None
@@ -322,7 +370,7 @@ class SpecServeIngress:
             chunk = first
             is_first = True
             while chunk is not None:
-                yield sse_event(stream_chunk(request_id, self._model_name, created, chunk, chat, is_first))
+                yield sse_event(stream_chunk(request_id, self._model_name, created, chunk, chat, is_first, token_ids))
                 is_first = False
                 stats = chunk.stats if chunk.finished else stats
                 chunk = await anext(stream, None)
@@ -405,7 +453,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     deployment = serve.deployment(
         SpecServeIngress,
         name=DEPLOYMENT_NAME,
-        ray_actor_options={"num_cpus": INGRESS_CPUS + config.coordinator_cpus},
+        ray_actor_options={"num_cpus": INGRESS_CPUS},
         placement_group_bundles=replica_bundles(config),
         placement_group_strategy=PLACEMENT_STRATEGY,
         max_ongoing_requests=config.max_concurrent_requests,

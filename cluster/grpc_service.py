@@ -84,6 +84,15 @@ def _proto_type_name(field: Any) -> str:
     return f"repeated {name}" if _is_repeated(field) else name
 
 
+def grpc_field(error: InvalidRequestError) -> InvalidRequestError:
+    """The same error with its field named as in ``GenerateRequest`` (``max_tokens`` ->
+    ``sampling.max_tokens``); the coordinator names some sampling fields without the prefix."""
+    bare_sampling = set(_SAMPLING_SCALARS) | {"stop"}
+    if error.field in bare_sampling:
+        return InvalidRequestError(f"sampling.{error.field}", error.message)
+    return error
+
+
 def _set_scalars(message: Message, names: tuple[str, ...]) -> dict[str, Any]:
     """The ``optional`` scalar fields that the client set (proto3 presence)."""
     return {name: getattr(message, name) for name in names if message.HasField(name)}
@@ -206,6 +215,7 @@ __all__ = [
     "check_wire_types",
     "chunk_to_response",
     "final_response",
+    "grpc_field",
     "request_prompt",
     "sampling_overrides",
     "speculation_overrides",

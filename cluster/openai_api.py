@@ -10,6 +10,7 @@ the ingress answers with HTTP 400 and an OpenAI-style error body (:func:`error_b
 
 Extensions to the OpenAI schema:
 
+- ``return_token_ids`` (each choice then carries ``token_ids``);
 - ``top_k``, ``ignore_eos`` (sampling), and ``speculation`` (an object with the fields of
   :class:`actors.api.SpeculationParams`: strategy, method, gamma, num_drafts, ensemble,
   weights, mu, gammas, members); unset fields take the deployment's defaults.
@@ -73,6 +74,9 @@ class _GenerationFields(BaseModel):
     user: str | None = Field(None, description="End-user id (accepted and logged, not used).")
     speculation: SpeculationParams | None = Field(
         None, description="Decoding strategy overrides (extension); unset fields use the deployment defaults."
+    )
+    return_token_ids: bool = Field(
+        False, description="Add the generated token ids to each choice as `token_ids` (extension)."
     )
 
     @field_validator("n")
@@ -194,6 +198,13 @@ _HTTP_FIELD_NAMES: dict[str, str] = {f"sampling.{name}": name for name in SAMPLI
 _HTTP_FIELD_NAMES.update({"prompt_ids": "prompt"})
 
 
+def http_field(error: InvalidRequestError) -> InvalidRequestError:
+    """The same error with its field named as in the HTTP request (``prompt_ids`` -> ``prompt``,
+    ``sampling.temperature`` -> ``temperature``); the coordinator names GenerationRequest paths."""
+    field = _HTTP_FIELD_NAMES.get(error.field, error.field)
+    return error if field == error.field else InvalidRequestError(field, error.message)
+
+
 def parse_body(model: type[_GenerationFields], raw: bytes) -> _GenerationFields:
     """Validate a JSON request body (strict types); raise :class:`InvalidRequestError`."""
     try:
@@ -304,10 +315,12 @@ class CompletionAccumulator:
         return "".join(self.text_parts)
 
 
-def completion_response(request_id: str, model: str, created: int, result: CompletionAccumulator, chat: bool) -> dict:
-    """A whole ``text_completion`` or ``chat.completion`` object."""
+def completion_response(
+    request_id: str, model: str, created: int, result: CompletionAccumulator, chat: bool, token_ids: bool = False
+) -> dict:
+    """A whole ``text_completion`` or ``chat.completion`` object (``token_ids``: add them to the choice)."""
     if chat:
-        choice = {
+        choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": result.text},
             "finish_reason": result.finish_reason,
@@ -315,6 +328,8 @@ def completion_response(request_id: str, model: str, created: int, result: Compl
         }
     else:
         choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+    if token_ids:
+        choice["token_ids"] = list(result.token_ids)
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
@@ -326,10 +341,19 @@ def completion_response(request_id: str, model: str, created: int, result: Compl
     }
 
 
-def stream_chunk(request_id: str, model: str, created: int, chunk: GenerationChunk, chat: bool, first: bool) -> dict:
+def stream_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    chunk: GenerationChunk,
+    chat: bool,
+    first: bool,
+    token_ids: bool = False,
+) -> dict:
     """One streamed ``text_completion`` / ``chat.completion.chunk`` object.
 
-    The final chunk (``chunk.finished``) also carries ``usage`` and ``speculation``.
+    The final chunk (``chunk.finished``) also carries ``usage`` and ``speculation``;
+    ``token_ids`` adds the chunk's new token ids to the choice.
     """
     finish_reason = chunk.finish_reason if chunk.finished else None
     if chat:
@@ -339,6 +363,8 @@ def stream_chunk(request_id: str, model: str, created: int, chunk: GenerationChu
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
     else:
         choice = {"index": 0, "text": chunk.text, "finish_reason": finish_reason, "logprobs": None}
+    if token_ids:
+        choice["token_ids"] = list(chunk.token_ids)
     body: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -393,6 +419,7 @@ __all__ = [
     "build_generation_request",
     "completion_response",
     "error_body",
+    "http_field",
     "invalid_request_body",
     "invalid_request_from_validation",
     "models_list",

@@ -227,7 +227,7 @@ def add_serve_subcommand(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve a Ray Serve config over HTTP (OpenAI-compatible) and gRPC until Ctrl-C",
-        description=__doc__.splitlines()[0],
+        description="Deploy a Ray Serve config file (default: deploy/default.yaml) and serve it until Ctrl-C.",
     )
     parser.add_argument("--config", default="deploy/default.yaml", help="Ray Serve YAML config (default: %(default)s)")
     parser.add_argument("--host", default=None, help="HTTP bind address (default: YAML, else 127.0.0.1)")

@@ -1,0 +1,72 @@
+"""Scaling: a deployment with ``num_replicas: 2`` runs two complete model groups, each owned by
+its replica and reserved in that replica's placement group.
+
+The second application is added to the session's Serve config and removed again at the end
+(the config is applied declaratively, as `serve deploy` would)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import ray
+
+from cluster.app import INGRESS_CPUS
+from cluster.serve_command import deploy
+
+from .conftest import serve_document, specserve_application
+
+APP = "specserve-two"
+
+
+@pytest.fixture(scope="module")
+def two_replica_app(serve_app, tiny_checkpoints):
+    args = {
+        "models": {
+            "target": {"path": str(tiny_checkpoints["target"]), "role": "target"},
+            "draft": {"path": str(tiny_checkpoints["draft"]), "role": "draft"},
+        },
+        "defaults": {"strategy": "sd", "method": "token", "gamma": 3},
+        "resources": {"cpus_per_model": 0.25, "torch_threads": 1},
+    }
+    both = serve_document(serve_app.document["applications"] + [specserve_application(APP, "/two", args, num_replicas=2)])
+    both.update({key: serve_app.document[key] for key in ("http_options", "grpc_options")})
+    deploy("<two replicas>", serve_app.addresses, both)
+    yield f"{serve_app.http_url}/two"
+    deploy("<session app only>", serve_app.addresses, serve_app.document)  # deletes specserve-two
+
+
+def test_two_replicas_each_own_their_model_actors(two_replica_app):
+    statuses = {}
+    with httpx.Client(base_url=two_replica_app, timeout=60) as http:
+        for _ in range(60):
+            status = http.get("/v1/status").json()
+            statuses[status["replica"]] = status
+            if len(statuses) == 2:
+                break
+    assert len(statuses) == 2, "requests should reach both replicas"
+    first, second = statuses.values()
+    assert first["coordinator"] != second["coordinator"]
+    assert set(first["workers"]) == set(second["workers"]) == {"target", "draft"}
+    assert not set(first["workers"].values()) & set(second["workers"].values())
+
+    actors = ray._private.state.actors()  # GCS actor table (no dashboard needed)
+    pg_table = ray.util.placement_group_table()
+    for status in statuses.values():
+        replica_port = actors[status["replica_actor"]]["Address"]["Port"]
+        for actor_id in [status["coordinator"], *status["workers"].values()]:
+            assert actors[actor_id]["State"] == "ALIVE"
+            assert actors[actor_id]["OwnerAddress"]["Port"] == replica_port  # created (owned) by this replica
+        group = pg_table[status["placement_group"]]
+        assert group["state"] == "CREATED" and group["strategy"] == "PACK"
+        assert [bundle.get("CPU") for bundle in group["bundles"].values()] == [INGRESS_CPUS, 0.25, 0.25]
+    assert first["placement_group"] != second["placement_group"]
+
+
+def test_both_replicas_serve_requests(two_replica_app, greedy_reference):
+    prompt_ids = greedy_reference.encode("for name in ")
+    expected = greedy_reference.continuation(prompt_ids, 6)
+    body = {"prompt": prompt_ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with httpx.Client(base_url=two_replica_app, timeout=120) as http:
+        results = [http.post("/v1/completions", json=body).json() for _ in range(4)]
+    assert all(result["choices"][0]["token_ids"] == expected for result in results)
+    assert all(result["model"] == APP for result in results)

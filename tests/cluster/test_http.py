@@ -1,0 +1,283 @@
+"""The OpenAI-compatible HTTP endpoint of the real Serve application, driven with httpx.
+
+Every request goes HTTP proxy -> SpecServeIngress -> Coordinator -> ModelWorkers (tiny
+checkpoints). At temperature 0 every lossless strategy must return the target's own greedy
+continuation, computed here with transformers directly (``greedy_reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+PROMPT = "def main(argv=None):\n"
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def http(serve_app):
+    with httpx.Client(base_url=serve_app.http_url, timeout=120.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def expected_ids(greedy_reference) -> list[int]:
+    return greedy_reference.continuation(greedy_reference.encode(PROMPT), MAX_TOKENS)
+
+
+def greedy_body(**overrides) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    body.update(overrides)
+    return body
+
+
+def sse_payloads(lines) -> list:
+    """The JSON payloads of a server-sent-event stream, and "[DONE]" as a string."""
+    payloads = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: ") :]
+        payloads.append(data if data == "[DONE]" else json.loads(data))
+    return payloads
+
+
+def assert_text_matches(text: str, token_ids: list[int], reference) -> None:
+    decoded = reference.decode(token_ids)
+    if "\ufffd" not in decoded:  # a cut multi-byte character is withheld, not replaced
+        assert text == decoded
+
+
+def test_health_models_and_status(http, serve_app):
+    assert http.get("/health").json()["status"] == "ok"
+    models = http.get("/v1/models").json()
+    assert [model["id"] for model in models["data"]] == [serve_app.model]
+    status = http.get("/v1/status").json()
+    assert set(status["workers"]) == {"target", "draft", "partner", "partner2"}
+    assert status["defaults"]["strategy"] == "sd"
+
+
+def test_completion_equals_target_greedy_with_stats(http, serve_app, expected_ids, greedy_reference):
+    response = http.post("/v1/completions", json=greedy_body(model=serve_app.model))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and body["model"] == serve_app.model
+    assert choice["token_ids"] == expected_ids
+    assert choice["finish_reason"] == "length"
+    assert_text_matches(choice["text"], expected_ids, greedy_reference)
+    usage, speculation = body["usage"], body["speculation"]
+    assert usage["prompt_tokens"] == len(greedy_reference.encode(PROMPT))
+    assert usage["completion_tokens"] == MAX_TOKENS
+    assert usage["total_tokens"] == usage["prompt_tokens"] + MAX_TOKENS
+    assert (speculation["strategy"], speculation["method"]) == ("sd", "block")
+    assert speculation["target_calls"] >= 1
+    assert speculation["block_efficiency"] == pytest.approx(MAX_TOKENS / speculation["target_calls"])
+    assert len(speculation["accepted_lengths"]) >= 1
+    assert all(0 <= n <= 4 for n in speculation["accepted_lengths"])
+
+
+def test_streaming_completion_sends_sse_chunks_then_done(http, expected_ids, greedy_reference):
+    body = greedy_body(stream=True, stream_options={"include_usage": True})
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        payloads = sse_payloads(response.iter_lines())
+    assert payloads[-1] == "[DONE]"
+    usage_chunk = payloads[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == MAX_TOKENS
+    chunks = payloads[:-2]
+    assert chunks and all(chunk["object"] == "text_completion" for chunk in chunks)
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks][-1] == "length"
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in chunks[:-1])
+    token_ids = [token for chunk in chunks for token in chunk["choices"][0]["token_ids"]]
+    assert token_ids == expected_ids
+    assert_text_matches("".join(chunk["choices"][0]["text"] for chunk in chunks), expected_ids, greedy_reference)
+    assert chunks[-1]["speculation"]["strategy"] == "sd"
+
+
+def test_chat_completion_renders_the_documented_template(http, greedy_reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "import os"}]
+    rendered = "system: Be brief.\nuser: import os\nassistant:"
+    expected = greedy_reference.continuation(greedy_reference.encode(rendered), 8)
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    chat = http.post("/v1/chat/completions", json=body).json()
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["choices"][0]["token_ids"] == expected
+    assert chat["usage"]["prompt_tokens"] == len(greedy_reference.encode(rendered))
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        payloads = sse_payloads(response.iter_lines())
+    chunks = payloads[:-1]
+    assert payloads[-1] == "[DONE]"
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [t for chunk in chunks for t in chunk["choices"][0]["token_ids"]] == expected
+    assert "".join(chunk["choices"][0]["delta"]["content"] for chunk in chunks) == chat["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(
+    "speculation",
+    [
+        {"strategy": "ar"},
+        {"strategy": "sd", "method": "token", "gamma": 3},
+        {"strategy": "sd", "method": "greedy_block", "gamma": 5},
+        {"strategy": "multi_draft", "method": "spectr", "num_drafts": 2, "gamma": 3},
+        {"strategy": "multi_draft", "method": "spectr_gbv", "num_drafts": 3, "gamma": 4},
+    ],
+    ids=lambda spec: "-".join(str(value) for value in spec.values()),
+)
+def test_speculation_extension_selects_the_strategy_losslessly(http, expected_ids, speculation):
+    body = http.post("/v1/completions", json=greedy_body(speculation=speculation)).json()
+    assert body["choices"][0]["token_ids"] == expected_ids, body
+    assert body["speculation"]["strategy"] == speculation["strategy"]
+    assert body["speculation"]["method"] == speculation.get("method")
+    if speculation["strategy"] == "ar":
+        assert body["speculation"]["target_calls"] == MAX_TOKENS
+        assert body["speculation"]["block_efficiency"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "speculation",
+    [
+        {"strategy": "ensemble", "ensemble": "weighted", "members": ["target", "partner"], "weights": [0.5, 0.5]},
+        {"strategy": "se", "method": "token", "members": ["target", "partner", "partner2"], "gammas": [2, 2, 2]},
+        {"strategy": "se", "ensemble": "contrastive", "mu": 0.5, "members": ["target", "partner"]},
+    ],
+    ids=["ensemble-2", "se-3", "se-contrastive"],
+)
+def test_ensemble_strategies_are_served(http, speculation):
+    response = http.post("/v1/completions", json=greedy_body(max_tokens=6, speculation=speculation))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert len(body["choices"][0]["token_ids"]) == 6
+    assert body["speculation"]["strategy"] == speculation["strategy"]
+    assert set(body["speculation"]["model_calls"]) <= set(speculation["members"])
+
+
+LONG_PROMPT_IDS = [5] * 300  # the tiny models' context is 256 tokens
+
+BAD_REQUESTS = [
+    ("invalid-json", b'{"prompt": "x", ', None),
+    ("not-an-object", b"[1, 2]", None),
+    ("unknown-field", {"prompt": "x", "frequency_penalty": 1.0}, "frequency_penalty"),
+    ("missing-prompt", {"max_tokens": 4}, "prompt"),
+    ("empty-prompt", {"prompt": ""}, "prompt"),
+    ("prompt-list-of-strings", {"prompt": ["a", "b"]}, "prompt"),
+    ("max-tokens-zero", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("max-tokens-negative", {"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ("max-tokens-beyond-context", {"prompt": "x", "max_tokens": 10_000}, "max_tokens"),
+    ("max-tokens-string", {"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+    ("temperature-negative", {"prompt": "x", "temperature": -0.1}, "temperature"),
+    ("top-p-zero", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("top-p-above-one", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("n-two", {"prompt": "x", "n": 2}, "n"),
+    ("prompt-too-long", {"prompt": LONG_PROMPT_IDS, "max_tokens": 1}, "prompt"),
+    ("unknown-strategy", {"prompt": "x", "speculation": {"strategy": "beam"}}, "speculation.strategy"),
+    ("unknown-method", {"prompt": "x", "speculation": {"strategy": "sd", "method": "spectr"}}, "speculation.method"),
+    ("unknown-speculation-field", {"prompt": "x", "speculation": {"depth": 3}}, "speculation.depth"),
+    ("gamma-zero", {"prompt": "x", "speculation": {"gamma": 0}}, "speculation.gamma"),
+    ("gamma-too-large", {"prompt": "x", "speculation": {"gamma": 33}}, "speculation.gamma"),
+    ("num-drafts-too-large", {"prompt": "x", "speculation": {"strategy": "multi_draft", "num_drafts": 9}}, "speculation.num_drafts"),
+    ("unknown-member", {"prompt": "x", "speculation": {"strategy": "se", "members": ["target", "nobody"]}}, "speculation.members"),
+    ("weights-not-summing-to-one", {"prompt": "x", "speculation": {"strategy": "ensemble", "members": ["target", "partner"], "weights": [0.9, 0.9]}}, "speculation.weights"),
+]
+
+
+@pytest.mark.parametrize("name, body, param", BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS])
+def test_bad_input_is_400_naming_the_field(http, name, body, param):
+    if isinstance(body, bytes):
+        response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["message"].startswith(f"{param}: ")
+
+
+def test_bad_chat_input_is_400(http):
+    cases = [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user"}]}, "messages.0.content"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
+    ]
+    for body, param in cases:
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+
+
+def test_unknown_model_is_404_and_the_server_keeps_serving(http, expected_ids):
+    response = http.post("/v1/completions", json=greedy_body(model="gpt-4"))
+    assert response.status_code == 404
+    assert response.json()["error"]["param"] == "model"
+    assert http.post("/v1/completions", json=greedy_body()).json()["choices"][0]["token_ids"] == expected_ids
+
+
+def test_concurrent_requests_all_complete_and_bad_ones_do_not_disturb_them(serve_app, expected_ids):
+    def one(index: int):
+        with httpx.Client(base_url=serve_app.http_url, timeout=180.0) as client:
+            if index % 5 == 4:  # a bad request in flight among the good ones
+                return client.post("/v1/completions", json=greedy_body(temperature=-1)).status_code, None
+            if index % 2:
+                with client.stream("POST", "/v1/completions", json=greedy_body(stream=True)) as response:
+                    chunks = [p for p in sse_payloads(response.iter_lines()) if p != "[DONE]"]
+                return response.status_code, [t for c in chunks for t in c["choices"][0]["token_ids"]]
+            response = client.post("/v1/completions", json=greedy_body())
+            return response.status_code, response.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        results = list(pool.map(one, range(10)))
+    assert [status for status, _ in results] == [400 if i % 5 == 4 else 200 for i in range(10)]
+    assert all(ids == expected_ids for i, (_, ids) in enumerate(results) if i % 5 != 4)
+
+
+def _wait_until_idle(http, request_id: str, timeout_s: float) -> float:
+    """Seconds until no session of ``request_id`` is active and every worker is empty."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        status = http.get("/v1/status").json()
+        active = [session for session in status["active_requests"] if session.startswith(request_id)]
+        if not active and not any(status["sessions"].values()):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"request {request_id} still active after {timeout_s}s: {status}")
+
+
+def test_client_disconnect_mid_stream_cancels_the_request(http, serve_app):
+    # `ar` makes one target call per token. Calibrate the per-token time on a short request,
+    # then start a long one (2000 tokens; the session app's target has a 2048 context), read
+    # one chunk and hang up: its sessions must be freed long before it could have finished.
+    def body(max_tokens: int) -> dict:
+        return {"prompt": "x", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "speculation": {"strategy": "ar"}}
+
+    started = time.monotonic()
+    assert http.post("/v1/completions", json=body(100)).status_code == 200
+    lower_bound_full = 20 * (time.monotonic() - started)  # 2000 tokens, each no cheaper than these
+
+    with httpx.Client(base_url=serve_app.http_url, timeout=60.0) as client:
+        with client.stream("POST", "/v1/completions", json={**body(2000), "stream": True}) as response:
+            lines = response.iter_lines()  # keep a reference: dropping it closes the response
+            first = next(lines)
+            while not first:
+                first = next(lines)
+            request_id = json.loads(first[len("data: ") :])["id"]
+            started = time.monotonic()
+            active = http.get("/v1/status").json()["active_requests"]
+            assert any(session.startswith(request_id) for session in active), (request_id, active)
+    # leaving the blocks closed the connection mid-stream
+    _wait_until_idle(http, request_id, timeout_s=lower_bound_full)
+    freed_after = time.monotonic() - started
+    assert freed_after < lower_bound_full / 4, (freed_after, lower_bound_full)
+    assert http.get("/health").status_code == 200
