@@ -23,6 +23,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import ValidationError
+
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats
 from actors.messages import RowSampling, WorkerInfo
 from actors.output import OutputTracker
@@ -144,8 +146,10 @@ class Coordinator:
             return request
         try:
             return GenerationRequest.model_validate(request)
-        except ValueError as error:
-            raise InvalidRequestError("request", str(error)) from None
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = ".".join(str(part) for part in first["loc"]) or "request"
+            raise InvalidRequestError(field, f"{first['msg']} (got {first.get('input')!r})") from None
 
     # ------------------------------------------------------------------ decoding
     async def generate(self, request: GenerationRequest | dict) -> AsyncIterator[GenerationChunk]:

@@ -26,6 +26,12 @@ them: in ``sd`` / ``multi_draft`` the draft's Proposal ref goes straight to the 
 which verifies and returns only tokens. Ensemble strategies verify in the coordinator, which
 is where the members' rows meet (they are float32 logits, the smallest exact form).
 
+Stats: ``target_calls`` counts forward passes of the target (ar, sd, multi_draft); for the
+ensemble strategies it is the call count of the busiest member (every member runs on its own
+actor, so that is the critical path; the standard ensemble has one call per member per token,
+hence block efficiency 1). ``model_calls`` has every model's forward passes, ``bytes_moved``
+the bytes of probability rows / logits that travelled between actors.
+
 Why the target verifies (measured, not assumed): with V = 4096, gamma = 4, two tiny Llamas on
 this 2-core CPU, 6 interleaved requests of 64 tokens each, the median time per sd iteration was
 26.9 ms with verification in the target worker (draft rows travel once, target rows never) and

@@ -260,7 +260,7 @@ def test_out_of_range_gamma_is_rejected_from_a_raw_dict(fake_group):
     raw = {"request_id": "bad", "prompt_ids": [1, 2], "speculation": {"strategy": "sd", "gamma": 0}}
     with pytest.raises(InvalidRequestError) as raised:
         ray.get(fake_group.coordinator.validate.remote(raw))
-    assert "gamma" in str(raised.value)
+    assert raised.value.field == "speculation.gamma"
 
 
 def test_cancelled_stream_frees_sessions(fake_group):
