@@ -54,20 +54,24 @@ class CallTiming:
 
 @dataclass(frozen=True)
 class Proposal:
-    """Tokens a worker sampled and the exact rows they were sampled from.
+    """Tokens a worker sampled and what they were sampled from.
 
     tokens: [K, n] int64 -- K drafts (K = 1 for single-draft), n tokens each.
-    probs:  [K, n, V] float64 or None -- row i of draft k is the law token i was drawn from.
+    logits: [K, n, V] or None -- the logits (shared vocabulary, model dtype) whose row
+            ``logits_to_probs(logits[k, i], <request sampling>)`` token i of draft k was drawn
+            from. The consumer recomputes those rows exactly with the same transform, so the
+            logits are the smallest exact form of the rows (float32 for transformers models:
+            half the bytes of float64 rows).
     """
 
     model: str
     tokens: torch.Tensor
-    probs: torch.Tensor | None
+    logits: torch.Tensor | None
     timing: CallTiming = field(default_factory=CallTiming)
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.probs is None else self.probs.numel() * self.probs.element_size()
+        return 0 if self.logits is None else self.logits.numel() * self.logits.element_size()
 
 
 @dataclass(frozen=True)

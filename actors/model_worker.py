@@ -193,14 +193,15 @@ class ModelWorker:
         append_tokens: list[int],
         num_tokens: int,
         num_drafts: int = 1,
-        return_probs: bool = True,
+        return_logits: bool = True,
         stream: str = "sample",
     ) -> Proposal:
         """Sample ``num_tokens`` tokens for each of ``num_drafts`` drafts, one categorical call
-        per step over the K rows (the reference loops' draft-stream contract)."""
+        per step over the K rows (the reference loops' draft-stream contract). With
+        ``return_logits`` the Proposal carries the logits the rows were computed from."""
         with self._lock:
             return self._guarded(
-                session_id, self._propose, self._get(session_id), append_tokens, num_tokens, num_drafts, return_probs, stream
+                session_id, self._propose, self._get(session_id), append_tokens, num_tokens, num_drafts, return_logits, stream
             )
 
     def score(self, session_id: str, append_tokens: list[int], draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -296,7 +297,7 @@ class ModelWorker:
         return context[keep:]
 
     def _propose(
-        self, session: _Session, append_tokens: list[int], num_tokens: int, num_drafts: int, return_probs: bool, stream: str
+        self, session: _Session, append_tokens: list[int], num_tokens: int, num_drafts: int, return_logits: bool, stream: str
     ) -> Proposal:
         if num_tokens < 1 or num_drafts < 1:
             raise ValueError(f"num_tokens and num_drafts must be >= 1, got {num_tokens}, {num_drafts}")
@@ -306,20 +307,20 @@ class ModelWorker:
         started = time.perf_counter()
         fed_before, calls_before = session.tokens_fed, session.forward_calls
         pending = self._sync(session, append_tokens)
-        logits = self._feed(session, torch.tensor([pending], dtype=torch.int64))[:, -1]  # [1, V]
+        logits = self._shared_vocab(session, self._feed(session, torch.tensor([pending], dtype=torch.int64))[:, -1])  # [1, V]
         if num_drafts > 1:
             session.cache = self.backend.repeat(session.cache, num_drafts)
             logits = logits.expand(num_drafts, -1)  # [K, V]: the K drafts share the first row
         step_tokens: list[torch.Tensor] = []
-        step_rows: list[torch.Tensor] = []
+        step_logits: list[torch.Tensor] = []
         for step in range(num_tokens):
             rows = self._rows(session, logits)  # [K, V]
             tokens = source.categorical(rows)  # [K]
             step_tokens.append(tokens)
-            if return_probs:
-                step_rows.append(rows)
+            if return_logits:
+                step_logits.append(logits)
             if step + 1 < num_tokens:
-                logits = self._feed(session, tokens[:, None])[:, -1]  # [K, V]
+                logits = self._shared_vocab(session, self._feed(session, tokens[:, None])[:, -1])  # [K, V]
         tokens = torch.stack(step_tokens, dim=1)  # [K, n]
         # The cache now holds the context plus the first n-1 tokens of each draft.
         session.cached_rows = [session.context + row[:-1] for row in tokens.tolist()]
@@ -328,8 +329,8 @@ class ModelWorker:
             forward_calls=session.forward_calls - calls_before,
             tokens_fed=session.tokens_fed - fed_before,
         )
-        probs = torch.stack(step_rows, dim=1) if return_probs else None  # [K, n, V]
-        return Proposal(model=self.spec.name, tokens=tokens, probs=probs, timing=timing)
+        logits = torch.stack(step_logits, dim=1) if return_logits else None  # [K, n, V]
+        return Proposal(model=self.spec.name, tokens=tokens, logits=logits, timing=timing)
 
     def _score(self, session: _Session, append_tokens: list[int], draft_tokens: torch.Tensor) -> tuple[torch.Tensor, CallTiming]:
         started = time.perf_counter()
@@ -356,14 +357,17 @@ class ModelWorker:
         source = session.sources.get("verify")
         if source is None:
             raise ValueError(f"session has no 'verify' stream on worker {self.spec.name!r}")
-        if proposal.probs is None:
-            raise ValueError("verification needs the proposal's probability rows")
+        if proposal.logits is None:
+            raise ValueError("verification needs the proposal's logits")
         target_probs, timing = self._score(session, append_tokens, proposal.tokens)  # [K, gamma+1, V]
         started = time.perf_counter()
+        # The draft's rows, recomputed bit for bit from its logits by the same transform it
+        # sampled with (same request sampling parameters, same code, CPU float64).
+        draft_probs = self._rows(session, proposal.logits)  # [K, gamma, V]
         if spec.multi_draft:
-            batched = (proposal.tokens[None], proposal.probs[None], target_probs[None])  # B = 1
+            batched = (proposal.tokens[None], draft_probs[None], target_probs[None])  # B = 1
         else:
-            batched = (proposal.tokens, proposal.probs, target_probs)  # K = 1 is the batch of 1
+            batched = (proposal.tokens, draft_probs, target_probs)  # K = 1 is the batch of 1
         result = spec.verify(*batched, generator=source, state=session.verify_state)
         verify_s = time.perf_counter() - started
         session.verify_state = result.state

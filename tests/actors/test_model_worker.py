@@ -92,12 +92,14 @@ def test_proposal_rows_are_the_rows_tokens_were_drawn_from(worker, full_rows):
     _open(worker, "rows")
     try:
         proposal = worker.propose("rows", [], 4, num_drafts=3)
-        assert proposal.tokens.shape == (3, 4) and proposal.probs.shape[:2] == (3, 4)
+        assert proposal.tokens.shape == (3, 4) and proposal.logits.shape[:2] == (3, 4)
+        assert proposal.logits.dtype == torch.float32  # the smallest exact form of the rows
+        probs = logits_to_probs(proposal.logits, temperature=SAMPLING.temperature)  # [3, 4, V]
         for k in range(3):
             context = PROMPT + proposal.tokens[k].tolist()
             expected = full_rows(context)[len(PROMPT) - 1 : len(PROMPT) + 3]  # [4, V]
-            torch.testing.assert_close(proposal.probs[k], expected, atol=ATOL, rtol=0)
-            drawn = proposal.probs[k].gather(-1, proposal.tokens[k][:, None])
+            torch.testing.assert_close(probs[k], expected, atol=ATOL, rtol=0)
+            drawn = probs[k].gather(-1, proposal.tokens[k][:, None])
             assert bool((drawn > 0).all())
     finally:
         worker.release("rows")
