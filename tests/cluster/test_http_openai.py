@@ -78,8 +78,8 @@ def test_chat_streaming_and_not(client, serve_app):
 def test_sampled_requests_are_reproducible_with_a_seed(client, serve_app):
     def sample():
         return client.completions.create(
-            model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, top_k=50,
-            seed=1234, extra_body=GREEDY,
+            model=serve_app.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=1234,
+            extra_body={**GREEDY, "top_k": 50},
         ).choices[0].model_extra["token_ids"]
 
     assert sample() == sample()
