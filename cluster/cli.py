@@ -141,8 +141,6 @@ def run_generate(args: argparse.Namespace) -> int:
     except (ConfigError, InvalidRequestError, ValueError) as error:
         logger.error("%s", error)
         return 2
-    import ray
-
     init_ray(log_to_driver=not args.json)
     logger.info("starting models %s", [m.name for m in config.models])
     group = start_model_group(config)
