@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/specserve bench --config deploy/default.yaml --out bench-out
+
+# Regenerate the committed gRPC stubs from protos/specserve.proto (tests/protos checks them).
+protos: $(STAMP)
+	$(BIN)/python -m protos.generate
 
 clean:
 	rm -rf $(VENV) bench-out
