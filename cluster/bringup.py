@@ -3,13 +3,14 @@
 * :func:`init_ray`: connect to the cluster named by ``RAY_ADDRESS`` when it is set, otherwise
   start a local Ray (no address needed) with the machine's CPU count.
 * :func:`start_model_group`: one ModelWorker actor per model of the configuration (each on its
-  own GPU when ``gpus_per_model`` is set; in the given placement group's bundles when one is
+  own GPU when the cluster has GPUs and ``gpus_per_model`` is ``auto`` or set; in the given placement group's bundles when one is
   passed: model i in bundle ``first_bundle + i``, see :func:`model_group_bundles`) and one
   Coordinator over them. :meth:`ModelGroup.shutdown` kills them all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -45,10 +46,28 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **init_kwa
 
 
 def as_group_config(args: SpecServeArgs | GroupConfig | dict[str, Any]) -> GroupConfig:
-    """Accept the YAML ``args`` dict, the validated :class:`SpecServeArgs`, or a GroupConfig."""
-    if isinstance(args, GroupConfig):
-        return args
-    return parse_app_args(args).freeze()
+    """Accept the YAML ``args`` dict, the validated :class:`SpecServeArgs`, or a GroupConfig;
+    resolve ``gpus_per_model: auto`` against the connected Ray cluster."""
+    config = args if isinstance(args, GroupConfig) else parse_app_args(args).freeze()
+    return resolve_auto_gpus(config)
+
+
+def cluster_has_gpus() -> bool:
+    """True when Ray is initialised and its cluster has at least one GPU."""
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def resolve_auto_gpus(config: GroupConfig) -> GroupConfig:
+    """Models with ``num_gpus=None`` ('auto') get one GPU each if the cluster has GPUs, else 0."""
+    if all(model.num_gpus is not None for model in config.models):
+        return config
+    gpus = 1.0 if cluster_has_gpus() else 0.0
+    models = tuple(
+        model if model.num_gpus is not None else dataclasses.replace(model, num_gpus=gpus) for model in config.models
+    )
+    return dataclasses.replace(config, models=models)
 
 
 def model_group_bundles(args: SpecServeArgs | GroupConfig | dict[str, Any]) -> list[dict[str, float]]:

@@ -85,7 +85,10 @@ class ModelResourceArgs(_Strict):
 class ResourcesArgs(_Strict):
     """What each actor of a model group asks Ray for."""
 
-    gpus_per_model: float = Field(0.0, ge=0.0, description="GPUs per model worker (1 on a GPU cluster).")
+    gpus_per_model: float | Literal["auto"] = Field(
+        "auto",
+        description="GPUs per model worker; 'auto': one GPU per worker when the Ray cluster has GPUs, else none.",
+    )
     cpus_per_model: float = Field(
         0.25, ge=0.0, description="CPUs per model worker (small on CPU so a whole group fits on 2 cores)."
     )
@@ -139,6 +142,13 @@ class SpecServeArgs(_Strict):
             raise ValueError(f"at most one model may have role 'draft', got {drafts}")
         return models
 
+    @field_validator("resources")
+    @classmethod
+    def _gpus_not_negative(cls, resources: ResourcesArgs) -> ResourcesArgs:
+        if resources.gpus_per_model != "auto" and resources.gpus_per_model < 0:
+            raise ValueError(f"resources.gpus_per_model must be >= 0 or 'auto', got {resources.gpus_per_model}")
+        return resources
+
     @model_validator(mode="after")
     def _defaults_fit_models(self) -> SpecServeArgs:
         unknown = [name for name in self.resources.per_model if name not in self.models]
@@ -187,7 +197,7 @@ class SpecServeArgs(_Strict):
                 dtype=model.dtype,
                 revision=model.revision,
                 max_context=model.max_context,
-                num_gpus=_override(self.resources.per_model.get(name), "gpus", self.resources.gpus_per_model),
+                num_gpus=_override(self.resources.per_model.get(name), "gpus", _auto_none(self.resources.gpus_per_model)),
                 num_cpus=_override(self.resources.per_model.get(name), "cpus", self.resources.cpus_per_model),
                 torch_threads=self.resources.torch_threads,
             )
@@ -212,7 +222,11 @@ class SpecServeArgs(_Strict):
         )
 
 
-def _override(override: ModelResourceArgs | None, field: str, default: float) -> float:
+def _auto_none(value: float | str) -> float | None:
+    return None if value == "auto" else float(value)
+
+
+def _override(override: ModelResourceArgs | None, field: str, default: float | None) -> float | None:
     value = None if override is None else getattr(override, field)
     return default if value is None else value
 
@@ -227,7 +241,7 @@ class ModelSpec:
     dtype: str = "float32"
     revision: str | None = None
     max_context: int | None = None
-    num_gpus: float = 0.0
+    num_gpus: float | None = 0.0  # None: one GPU if the cluster has GPUs (resolved at bring-up)
     num_cpus: float = 0.25
     torch_threads: int = 1
 

@@ -1,5 +1,5 @@
-"""cluster.bringup with logical GPUs: every model worker gets its own GPU, with and without a
-placement group. It needs a Ray instance with GPUs, so it runs in a subprocess with its own
+"""cluster.bringup with logical GPUs: every model worker gets its own GPU (explicitly, with
+``gpus_per_model: auto``, and inside a placement group). It needs a Ray instance with GPUs, so it runs in a subprocess with its own
 Ray (the shared session instance is untouched). The workers are the deterministic fake
 workers of tests/actors/fake_models.py (loading real weights adds nothing to placement)."""
 
@@ -34,8 +34,10 @@ def run(group):
             "devices": sorted({i.device for i in infos}),
             "tokens": [t for c in chunks for t in c.token_ids], "error": chunks[-1].error}
 
-group = start_model_group(config, worker_cls=FunctionModelWorker)
-plain = run(group)
+auto_config = dataclasses.replace(
+    config, models=tuple(dataclasses.replace(m, num_gpus=None) for m in config.models))  # gpus_per_model: auto
+group = start_model_group(auto_config, worker_cls=FunctionModelWorker)
+auto = run(group)
 group.shutdown()
 pg = placement_group(model_group_bundles(config), strategy="PACK")
 ray.get(pg.ready())
@@ -44,7 +46,8 @@ placed = run(group)
 table = ray.util.placement_group_table(pg)
 group.shutdown()
 remove_placement_group(pg)
-print(json.dumps({"plain": plain, "placed": placed, "bundles": table["bundles"]}))
+print(json.dumps({"auto": auto, "placed": placed, "bundles": table["bundles"],
+                  "auto_bundles": model_group_bundles(auto_config)}))
 """
 
 
@@ -54,12 +57,13 @@ def test_each_worker_gets_its_own_gpu():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    for variant in ("plain", "placed"):
+    for variant in ("auto", "placed"):
         gpu_ids = report[variant]["gpu_ids"]
         assert set(gpu_ids) == {"target", "draft", "partner"}
         assert all(len(ids) == 1 for ids in gpu_ids.values()), gpu_ids
         assert len({ids[0] for ids in gpu_ids.values()}) == 3, gpu_ids  # distinct GPUs
         assert report[variant]["devices"] == ["cpu"]  # logical GPUs only: torch has no CUDA here
         assert report[variant]["error"] is None and len(report[variant]["tokens"]) == 6
-    assert report["plain"]["tokens"] == report["placed"]["tokens"]  # same seed, same output
+    assert report["placed"]["tokens"] == report["auto"]["tokens"]  # same seed, same output
+    assert all(bundle.get("GPU") == 1.0 for bundle in report["auto_bundles"])
     assert all(bundle.get("GPU") == 1.0 for bundle in report["bundles"].values())

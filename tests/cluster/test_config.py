@@ -119,7 +119,10 @@ def test_resources_become_bundles():
         {"CPU": 2.0, "GPU": 0.5},
         {"CPU": 2.0, "GPU": 1.0},
     ]
-    assert model_group_bundles(BASE_ARGS) == [{"CPU": 0.25}] * 3
+    assert parse_app_args(BASE_ARGS).freeze().models[0].num_gpus is None  # 'auto' until bring-up
+    assert model_group_bundles(BASE_ARGS) == [{"CPU": 0.25}] * 3  # auto: this machine has no GPU
+    with pytest.raises(ConfigError, match="gpus_per_model"):
+        parse_app_args(_with(resources={"gpus_per_model": -1}))
 
 
 def test_plan_falls_back_to_each_strategys_default_method():
