@@ -49,7 +49,7 @@ def logits_to_probs(
     return probs
 
 
-def sample_token(probs: torch.Tensor, generator: torch.Generator | RandomSource) -> torch.Tensor:
+def sample_token(probs: torch.Tensor, source: torch.Generator | RandomSource) -> torch.Tensor:
     """Draw one token per row of ``probs [..., V]`` -> int64 ``[...]`` through the source's
     ``categorical`` (so exact enumeration sees the draw)."""
     probs = torch.as_tensor(probs)
@@ -57,7 +57,7 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | RandomSource)
         raise ValueError(f"probs must have shape [..., V] with V >= 1, got {tuple(probs.shape)}")
     if bool((probs < 0).any()) or not bool(torch.isfinite(probs).all()):
         raise ValueError("probs must be finite and non-negative")
-    return as_random_source(generator).categorical(probs)
+    return as_random_source(source).categorical(probs)
 
 
 def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:

@@ -85,15 +85,6 @@ def _validated_block(
     return block
 
 
-def _residual_rows(target_rows: torch.Tensor, draft_rows: torch.Tensor) -> torch.Tensor:
-    """``norm(max(target - draft, 0))`` per row ``[N, V]`` (Leviathan et al. Eq. (1); BV
-    paper Alg. 1). A row whose residual is empty (target == draft, rejection impossible in
-    exact arithmetic) falls back to the target row itself; no epsilon is added."""
-    residual = (target_rows - draft_rows).clamp(min=0.0)  # [N, V]
-    mass = residual.sum(dim=-1, keepdim=True)  # [N, 1]
-    return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_rows)
-
-
 def _assemble(
     draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last_tokens: torch.Tensor
 ) -> torch.Tensor:
@@ -143,7 +134,7 @@ def verify_token(
         still_accepting[rows[~accepted_here]] = False
 
     unit_weights = torch.zeros(block.batch, block.gamma + 1, dtype=torch.float64)  # log 1: Eq. (2)
-    last_rows = _correction_or_bonus_rows(block, block.target_probs, num_accepted, unit_weights)
+    last_rows = _correction_or_bonus_rows(block, _rows_at(block.target_probs, num_accepted), num_accepted, unit_weights)
     last_tokens = source.categorical(last_rows)  # [B]
     return VerifyResult(tokens=_assemble(block.draft_tokens, num_accepted, last_tokens), num_accepted=num_accepted)
 
@@ -198,7 +189,7 @@ def verify_block(
         ).clamp(max=1.0)
 
     num_accepted = _longest_accepted(source, accept_probs)  # [B]
-    last_rows = _correction_or_bonus_rows(block, block.target_probs, num_accepted, log_p)
+    last_rows = _correction_or_bonus_rows(block, _rows_at(block.target_probs, num_accepted), num_accepted, log_p)
     last_tokens = source.categorical(last_rows)  # [B]
     return VerifyResult(tokens=_assemble(block.draft_tokens, num_accepted, last_tokens), num_accepted=num_accepted)
 
@@ -300,8 +291,8 @@ def verify_greedy_block(
     source = as_random_source(generator)
     block = _validated_block(draft_tokens, draft_probs, target_probs)
     state = _validated_greedy_state(state, block)
-    stage_rows = _modified_target_stages(block, state)  # L + 1 tensors [B, gamma+1, V]
-    target_rows = stage_rows[-1]  # [B, gamma+1, V]: what this iteration verifies against
+    stages = _modified_target_stages(block, state)  # L + 1 lists of gamma+1 rows [B, V]
+    target_rows = stages[-1]  # what this iteration verifies against, per position [B, V]
 
     log_token_ratios = _log_path_ratios(block, target_rows)  # [B, gamma]
     log_p_tilde = torch.cat(
@@ -312,7 +303,7 @@ def verify_greedy_block(
     if block.gamma > 0:
         accept_probs[:, -1] = torch.exp(log_p_tilde[:, block.gamma]).clamp(max=1.0)
     for i in range(1, block.gamma):
-        difference = _scaled_difference(log_p_tilde[:, i], target_rows[:, i], block.draft_probs[:, i])  # [B, V]
+        difference = _scaled_difference(log_p_tilde[:, i], target_rows[i], block.draft_probs[:, i])  # [B, V]
         remaining = difference.clamp(min=0.0).sum(dim=-1)  # [B]: p_remain (Eq. 24), scaled
         rejected = (-difference).clamp(min=0.0).sum(dim=-1)  # [B]: p_rej (Eq. 25), same scale
         accept_probs[:, i - 1] = torch.where(
@@ -320,10 +311,11 @@ def verify_greedy_block(
         ).clamp(max=1.0)
 
     num_accepted = _longest_accepted(source, accept_probs)  # [B]
-    last_rows = _correction_or_bonus_rows(block, target_rows, num_accepted, log_p_tilde)
+    target_at_tau = _rows_at(target_rows, num_accepted)  # [B, V]
+    last_rows = _correction_or_bonus_rows(block, target_at_tau, num_accepted, log_p_tilde)
     last_tokens = source.categorical(last_rows)  # [B]
     tokens = _assemble(block.draft_tokens, num_accepted, last_tokens)
-    next_state = _next_greedy_state(block, state, stage_rows, log_p_tilde, num_accepted, last_tokens)
+    next_state = _next_greedy_state(block, state, stages, log_p_tilde, num_accepted, last_tokens, target_at_tau)
     return VerifyResult(tokens=tokens, num_accepted=num_accepted, state=next_state)
 
 
@@ -354,12 +346,32 @@ def _positive_part_rows(difference: torch.Tensor, fallback_rows: torch.Tensor) -
     return torch.where(mass > 0, positive / torch.where(mass > 0, mass, 1.0), fallback_rows)
 
 
-def _log_path_ratios(block: _Block, target_rows: torch.Tensor) -> torch.Tensor:
+def _log_path_ratios(block: _Block, target_rows: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """``log target_i(X_{i+1}) - log draft_i(X_{i+1})`` along the draft path ``[B, gamma]``
-    (``-inf`` where the target gives the draft token zero mass; draft mass is > 0)."""
+    (``-inf`` where the target gives the draft token zero mass; draft mass is > 0).
+    ``target_rows`` is ``[B, gamma+1, V]`` or a list of per-position rows ``[B, V]``."""
     index = block.draft_tokens.unsqueeze(-1)  # [B, gamma, 1]
-    target_token = target_rows[:, : block.gamma].gather(-1, index).squeeze(-1)  # [B, gamma]
+    if isinstance(target_rows, torch.Tensor):
+        target_token = target_rows[:, : block.gamma].gather(-1, index).squeeze(-1)  # [B, gamma]
+    else:
+        target_token = _gather_path(target_rows, block.draft_tokens)
     return torch.log(target_token) - torch.log(block.draft_token_probs())
+
+
+def _gather_path(rows: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """``rows[j][b, tokens[b, j]]`` for every position ``j < tokens.shape[1]`` -> ``[B, gamma]``."""
+    if tokens.shape[1] == 0:
+        return torch.zeros(tokens.shape, dtype=torch.float64)
+    return torch.cat([rows[j].gather(-1, tokens[:, j : j + 1]) for j in range(tokens.shape[1])], dim=1)
+
+
+def _rows_at(target_rows: torch.Tensor | list[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    """Row ``positions[b]`` of batch row ``b`` -> ``[B, V]`` (from ``[B, gamma+1, V]`` or a
+    list of per-position rows ``[B, V]``)."""
+    batch_index = torch.arange(positions.shape[0])
+    if isinstance(target_rows, torch.Tensor):
+        return target_rows[batch_index, positions]
+    return torch.stack([target_rows[int(position)][row] for row, position in enumerate(positions.tolist())])
 
 
 def _longest_accepted(source: RandomSource, accept_probs: torch.Tensor) -> torch.Tensor:
@@ -380,22 +392,22 @@ def _longest_accepted(source: RandomSource, accept_probs: torch.Tensor) -> torch
 
 
 def _correction_or_bonus_rows(
-    block: _Block, target_rows: torch.Tensor, num_accepted: torch.Tensor, log_weights: torch.Tensor
+    block: _Block, target_at_tau: torch.Tensor, num_accepted: torch.Tensor, log_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Rows ``[B, V]`` of the token emitted after the accepted prefix: the target's row after
-    the whole block when ``tau = gamma`` (bonus), else the residual
-    ``norm(max(w_tau * target_tau - draft_tau, 0))`` with ``w = exp(log_weights) [B, gamma+1]``
-    (token: ``w = 1``, Eq. (2); block: ``p_tau``, Eq. (3); greedy: ``p~_tau``, Eq. (22))."""
-    batch_index = torch.arange(block.batch)
-    bonus_or_target = target_rows[batch_index, num_accepted]  # [B, V]
+    """Rows ``[B, V]`` of the token emitted after the accepted prefix. ``target_at_tau [B, V]``
+    is the target row at position ``tau``: the bonus row when ``tau = gamma``, else the
+    residual ``norm(max(w_tau * target_tau - draft_tau, 0))`` with
+    ``w = exp(log_weights) [B, gamma+1]`` (token: ``w = 1``, Eq. (2); block: ``p_tau``,
+    Eq. (3); greedy: ``p~_tau``, Eq. (22))."""
     full = num_accepted == block.gamma  # [B]
     if bool(full.all()):
-        return bonus_or_target
+        return target_at_tau
+    batch_index = torch.arange(block.batch)
     rejected_at = num_accepted.clamp(max=block.gamma - 1)  # [B]; rows with full=True are masked below
     log_weight = log_weights[batch_index, rejected_at]  # [B]
-    difference = _scaled_difference(log_weight, bonus_or_target, block.draft_probs[batch_index, rejected_at])
-    residual = _positive_part_rows(difference, bonus_or_target)  # [B, V]
-    return torch.where(full.unsqueeze(1), bonus_or_target, residual)
+    difference = _scaled_difference(log_weight, target_at_tau, block.draft_probs[batch_index, rejected_at])
+    residual = _positive_part_rows(difference, target_at_tau)  # [B, V]
+    return torch.where(full.unsqueeze(1), target_at_tau, residual)
 
 
 def _validated_greedy_state(state: GreedyBlockState | None, block: _Block) -> GreedyBlockState:
@@ -413,70 +425,71 @@ def _validated_greedy_state(state: GreedyBlockState | None, block: _Block) -> Gr
     return state
 
 
-def _modified_target_stages(block: _Block, state: GreedyBlockState) -> list[torch.Tensor]:
-    """``[raw, after level 0, after level 1, ...]`` target rows ``[B, gamma+1, V]`` along the
-    draft path: each level applies Eq. (23) to the rows the previous stage produced."""
-    stages = [block.target_probs]
-    if state.log_ratio.shape[1] == 0 or block.gamma == 0:
-        return stages
-    positions = torch.arange(block.gamma + 1)  # [gamma+1]
-    # Draft rows padded with a zero row at position gamma (never modified: horizon < gamma).
-    draft_rows = torch.cat([block.draft_probs, torch.zeros_like(block.draft_probs[:, :1])], dim=1)  # [B, gamma+1, V]
+def _modified_target_stages(block: _Block, state: GreedyBlockState) -> list[list[torch.Tensor]]:
+    """``[raw, after level 0, after level 1, ...]``: each stage is the list of the
+    ``gamma + 1`` target rows ``[B, V]`` along the draft path; each level applies Eq. (23)
+    to the rows of the previous stage at the positions it covers (only those are
+    recomputed, the others are shared, not copied)."""
+    stages = [list(block.target_probs.unbind(dim=1))]
     for level in range(state.log_ratio.shape[1]):
-        rows = stages[-1]  # [B, gamma+1, V]
-        path_log_ratio = torch.cat(
-            [torch.zeros(block.batch, 1, dtype=torch.float64), torch.cumsum(_log_path_ratios(block, rows), dim=1)],
-            dim=1,
-        )  # [B, gamma+1]: log prod_{i<j} rows_i(X_{i+1}) / draft_i(X_{i+1})
-        log_rho = state.log_ratio[:, level : level + 1] + path_log_ratio  # [B, gamma+1]
-        covered = positions.unsqueeze(0) < state.horizon[:, level : level + 1]  # [B, gamma+1]
-        # NaN (inf - inf) or an empty positive part only on unreachable contexts: keep the row.
-        usable = covered & ~torch.isnan(log_rho)  # [B, gamma+1]
-        safe_log_rho = torch.where(usable, log_rho, 0.0)
-        vocab = rows.shape[-1]
-        flat_rows = rows.reshape(-1, vocab)  # [B*(gamma+1), V]
-        difference = _scaled_difference(safe_log_rho.reshape(-1), flat_rows, draft_rows.reshape(-1, vocab))
-        modified = _positive_part_rows(difference, flat_rows).reshape(rows.shape)  # [B, gamma+1, V]
-        stages.append(torch.where(usable.unsqueeze(-1), modified, rows))
+        rows = stages[-1]
+        horizon = state.horizon[:, level]  # [B]
+        covered_positions = int(horizon.max()) if horizon.numel() else 0
+        if covered_positions <= 0:
+            stages.append(rows)
+            continue
+        path_log_ratio = torch.cumsum(_log_path_ratios(block, rows), dim=1)  # [B, gamma]
+        modified = list(rows)
+        for j in range(covered_positions):  # j < horizon <= gamma - 1: a draft row exists
+            # log rho_j = log rho + sum_{i<j} log rows_i(X_{i+1}) / draft_i(X_{i+1})
+            log_rho = state.log_ratio[:, level] + (path_log_ratio[:, j - 1] if j > 0 else 0.0)  # [B]
+            # NaN (inf - inf) or an empty positive part happen only on unreachable contexts:
+            # such rows are kept as they are.
+            usable = (j < horizon) & ~torch.isnan(log_rho)  # [B]
+            safe_log_rho = torch.where(usable, log_rho, 0.0)
+            difference = _scaled_difference(safe_log_rho, rows[j], block.draft_probs[:, j])  # [B, V]
+            modified[j] = torch.where(usable.unsqueeze(1), _positive_part_rows(difference, rows[j]), rows[j])
+        stages.append(modified)
     return stages
 
 
 def _next_greedy_state(
     block: _Block,
     state: GreedyBlockState,
-    stage_rows: list[torch.Tensor],
+    stages: list[list[torch.Tensor]],
     log_p_tilde: torch.Tensor,
     num_accepted: torch.Tensor,
     last_tokens: torch.Tensor,
+    target_at_tau: torch.Tensor,
 ) -> GreedyBlockState:
     """Advance the surviving levels past the ``tau + 1`` emitted tokens and add this
     iteration's level (Alg. 5)."""
     batch_index = torch.arange(block.batch)
     emitted_count = num_accepted + 1  # [B]
-    # Emitted path: X_1..X_tau then Y; all at positions < gamma whenever a level survives.
+    log_ratios, horizons = [], []
+    if block.gamma == 0:
+        return GreedyBlockState.empty(block.batch)
+    # Emitted path X_1..X_tau, Y: all at positions < gamma whenever a level survives.
+    at = num_accepted.clamp(max=block.gamma - 1)  # [B]
     emitted = block.draft_tokens.clone()  # [B, gamma]
-    if block.gamma > 0:
-        at = num_accepted.clamp(max=block.gamma - 1)
-        emitted[batch_index, at] = torch.where(num_accepted < block.gamma, last_tokens, emitted[batch_index, at])
-    positions = torch.arange(block.gamma)  # [gamma]
-    on_path = positions.unsqueeze(0) < emitted_count.unsqueeze(1)  # [B, gamma]
+    emitted[batch_index, at] = torch.where(num_accepted < block.gamma, last_tokens, emitted[batch_index, at])
+    on_path = torch.arange(block.gamma).unsqueeze(0) < emitted_count.unsqueeze(1)  # [B, gamma]
     log_draft = torch.log(block.draft_probs.gather(-1, emitted.unsqueeze(-1)).squeeze(-1))  # [B, gamma]
 
-    log_ratios, horizons = [], []
     for level in range(state.log_ratio.shape[1]):
-        rows = stage_rows[level]  # the target this level modified: [B, gamma+1, V]
-        log_target = torch.log(rows[:, : block.gamma].gather(-1, emitted.unsqueeze(-1)).squeeze(-1))  # [B, gamma]
-        step = torch.where(on_path, log_target - log_draft, 0.0)  # [B, gamma]
         horizon = state.horizon[:, level] - emitted_count  # [B]
         alive = horizon > 0
+        if not bool(alive.any()):
+            continue
+        log_target = torch.log(_gather_path(stages[level], emitted))  # the rows this level modified
+        step = torch.where(on_path, log_target - log_draft, 0.0)  # [B, gamma]
         log_ratios.append(torch.where(alive, state.log_ratio[:, level] + step.sum(dim=1), 0.0))
         horizons.append(torch.where(alive, horizon, 0))
 
     # New level: rho = p~_tau * target_tau(Y) / draft_tau(Y) under this call's target rows.
-    new_horizon = block.gamma - num_accepted - 1  # [B]; <= 0 when tau = gamma
-    if block.gamma > 0:
-        at = num_accepted.clamp(max=block.gamma - 1)
-        target_y = stage_rows[-1][batch_index, at, last_tokens]  # [B]
+    new_horizon = block.gamma - emitted_count  # [B]; <= 0 when tau = gamma
+    if bool((new_horizon > 0).any()):
+        target_y = target_at_tau.gather(-1, last_tokens.unsqueeze(1)).squeeze(1)  # [B]
         draft_y = block.draft_probs[batch_index, at, last_tokens]  # [B]
         new_log_ratio = log_p_tilde[batch_index, at] + torch.log(target_y) - torch.log(draft_y)
         log_ratios.append(torch.where(new_horizon > 0, new_log_ratio, 0.0))

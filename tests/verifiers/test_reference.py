@@ -143,15 +143,43 @@ def _conditional_reading_verifier():
     return VerifierSpec("greedy_block", verify, multi_draft=False, stateful=True)
 
 
-def test_eq23_read_as_conditionals_is_not_lossless(monkeypatch):
-    """Counterexample kept visible (docs/verifiers.md): only the joint-probability reading
-    of Eq. (23) is exact; the conditional reading biases the law."""
+def _constant_model(row: list[float]):
+    logits = torch.tensor(row, dtype=torch.float64).log()
+    return lambda context: logits.clone()
+
+
+def test_eq23_read_as_conditionals_is_not_lossless_hand_example(monkeypatch):
+    """Counterexample kept visible (docs/verifiers.md): target (0.4, 0.6) and draft (0.8, 0.2)
+    at every position, gamma = 2. P(first two tokens = (1, 0)) must be 0.24; the joint
+    reading of Eq. (23) gives 0.16 (accepted block 10) + 0.4 (tau = 0, Y = 1) * 0.2 (modified
+    row (0.2, 0.8)) = 0.24, the conditional reading makes the modified row a point mass on 1
+    and gives 0.16."""
+    target_fn, draft_fn = _constant_model([0.4, 0.6]), _constant_model([0.8, 0.2])
+    exact = target_law(target_fn, PROMPT, 2)
+    joint = speculative_law(draft_fn, target_fn, PROMPT, 2, gamma=2, method="greedy_block")
+    assert total_variation(joint, exact) < EXACT_TOLERANCE
+    spec = _conditional_reading_verifier()
+    monkeypatch.setattr(reference, "get_verifier", lambda name: spec)
+    conditional = speculative_law(draft_fn, target_fn, PROMPT, 2, gamma=2, method="greedy_block")
+    assert exact[(1, 0)] == pytest.approx(0.24, abs=1e-12)
+    assert conditional[(1, 0)] == pytest.approx(0.16, abs=1e-12)
+    assert total_variation(conditional, exact) == pytest.approx(0.08, abs=1e-12)
+
+
+def test_eq23_read_as_conditionals_is_not_lossless_on_context_dependent_models(monkeypatch):
     spec = _conditional_reading_verifier()
     monkeypatch.setattr(reference, "get_verifier", lambda name: spec)
     vocab, gamma, length, seed, mask_prob = NESTED_CASE
     draft_fn, target_fn = model_pair(vocab, seed, mask_prob=mask_prob)
     law = speculative_law(draft_fn, target_fn, PROMPT, length, gamma=gamma, method="greedy_block")
     assert total_variation(law, target_law(target_fn, PROMPT, length)) > 1e-4
+
+
+def test_reference_re_exports_the_ensemble_loop():
+    from verifiers.reference import ensemble_generate
+    from verifiers.reference_ensemble import ensemble_generate as original
+
+    assert ensemble_generate is original
 
 
 # Sampling: a real torch.Generator through the whole loop. Significance level: the test fails

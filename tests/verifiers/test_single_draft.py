@@ -352,7 +352,7 @@ def test_registry_serves_the_single_draft_rules():
         assert spec.name == name and spec.verify is verify and spec.multi_draft is False
         assert spec.stateful is (name == "greedy_block")
     assert {"token", "block", "greedy_block"} <= {spec.name for spec in available_verifiers()}
-    assert verifier_names() == ["token", "block", "greedy_block", "spectr", "spectr_gbv"]
+    assert verifier_names()[:5] == ["token", "block", "greedy_block", "spectr", "spectr_gbv"]
 
 
 def test_registry_unknown_name_lists_the_valid_ones():
