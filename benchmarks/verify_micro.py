@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import platform
 import statistics
 import time
@@ -104,7 +105,8 @@ def render_markdown(cases: list[Case], timings: dict[int, list[float]], args: ar
         + f" on {time.strftime('%Y-%m-%d')}.",
         "",
         f"- machine: {platform.processor() or platform.machine()}, {_cpu_model()}; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+        f"{os.cpu_count()} cores, load average {args.load_average} at start (a shared machine)",
         f"- V = {args.vocab}, gamma = {args.gamma}, float64 rows; multi-draft rules with K = {args.num_drafts}",
         f"- median of {args.repeats} calls per row (after {args.warmup} warm-up), methods interleaved "
         "within each repeat; IQR = interquartile range",
@@ -159,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
+    args.load_average = ", ".join(f"{value:.1f}" for value in os.getloadavg())
     torch.set_num_threads(args.threads)
     specs = available_verifiers()
     logger.info("verifiers: %s", ", ".join(spec.name for spec in specs))
