@@ -18,6 +18,8 @@ Calls:
   straight from the proposer) and run the registry's verifier on it here, next to the target
   rows, returning only the emitted tokens (rows never travel back).
 - ``next_logits``: the logits of the next position (ensembles combine members' logits).
+- ``rollback``: cut the committed context back explicitly (calls that bring ``append_tokens``
+  roll back implicitly, saving the extra call).
 - ``release``: free the session. Sessions are also freed when a call on them fails and after
   ``idle_timeout_s`` without a call.
 
@@ -161,6 +163,17 @@ class ModelWorker:
             )
             self._sessions[session_id] = session
             return self._guarded(session_id, self._prefill, session)
+
+    def rollback(self, session_id: str, context_length: int) -> int:
+        """Cut the committed context back to ``context_length`` tokens and crop the cache to
+        match (calls that bring ``append_tokens`` do this implicitly); returns the cache length."""
+        with self._lock:
+            session = self._get(session_id)
+            if not 1 <= context_length <= len(session.context):
+                raise ValueError(f"context_length must be in [1, {len(session.context)}], got {context_length}")
+            del session.context[context_length:]
+            self._sync(session, [])
+            return self.backend.cache_length(session.cache)
 
     def release(self, session_id: str) -> bool:
         """Free a session; True if it existed."""

@@ -88,6 +88,21 @@ def test_rolled_back_rows_equal_a_fresh_prefill(worker, full_rows):
             worker.release(session_id)
 
 
+def test_explicit_rollback_matches_a_fresh_prefill(worker):
+    _open(worker, "explicit")
+    try:
+        worker.score("explicit", [1, 2, 3], torch.tensor([[4, 5, 6]]))
+        assert worker.rollback("explicit", len(PROMPT) + 1) == len(PROMPT)  # keeps PROMPT + [1], last unfed
+        rows = worker.score("explicit", [9], torch.tensor([[8]]))
+        _open(worker, "fresh", prompt=PROMPT + [1, 9])
+        torch.testing.assert_close(rows, worker.score("fresh", [], torch.tensor([[8]])), atol=ATOL, rtol=0)
+        with pytest.raises(ValueError, match="context_length"):
+            worker.rollback("explicit", 0)
+    finally:
+        worker.release("explicit")
+        worker.release("fresh")
+
+
 def test_proposal_rows_are_the_rows_tokens_were_drawn_from(worker, full_rows):
     _open(worker, "rows")
     try:
