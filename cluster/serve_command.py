@@ -187,7 +187,11 @@ def run_serve(
 
     started_ray = not ray.is_initialized()
     init_ray()
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # Ctrl-C and SIGTERM both stop the server (SIGINT is set explicitly: a shell that starts
+    # the command in the background leaves SIGINT ignored, and Python keeps it that way).
+    previous_handlers = {
+        signum: signal.signal(signum, _raise_keyboard_interrupt) for signum in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         names = deploy(config_path, addresses, document)
         print(f"specserve is serving {', '.join(names)}", flush=True)
@@ -205,7 +209,8 @@ def run_serve(
         logger.error("%s", error)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
         if block:
             _shutdown(started_ray)
 
