@@ -104,7 +104,9 @@ class Coordinator:
             return [int(t) for t in request.prompt_ids]
         if self.tokenizer is None:
             raise InvalidRequestError("prompt", "this deployment has no tokenizer; send prompt_ids")
-        return list(self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
+        # The tokenizer's own convention (e.g. a BOS token for models trained with one), as
+        # model.generate users would tokenize.
+        return list(self.tokenizer(request.prompt)["input_ids"])
 
     async def _prepare(self, request: GenerationRequest) -> tuple[DecodingPlan, list[int], int, int]:
         """Resolve and check everything about a request; raises InvalidRequestError."""
