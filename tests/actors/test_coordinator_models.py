@@ -117,8 +117,9 @@ def test_greedy_output_equals_the_law_argmax(case, greedy_results, hf_models, to
     assert final.finished and final.error is None, final.error
     assert final.finish_reason == "length"
     tokens = [t for chunk in chunks for t in chunk.token_ids]
-    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
     assert tokens == _expected(case, hf_models, prompt_ids)
+    assert len(chunks) > 2  # streamed as accepted, not in one piece at the end
     # Streamed text deltas add up to the decoded output.
     text = "".join(chunk.text for chunk in chunks)
     assert text == tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
