@@ -32,7 +32,7 @@ class BenchSettings(BaseModel):
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Keep only the last N tokens of each prompt (for small-context models); None: whole prompts."
     )
-    max_tokens: int = Field(128, ge=1, description="Tokens generated per prompt by every case (EOS ignored).")
+    max_tokens: int = Field(96, ge=1, description="Tokens generated per prompt by every case (EOS ignored).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of every case (no top-k / top-p).")
     seed: int = Field(0, ge=0, description="Base seed: prompt i of repeat r uses seed + 1000 * r + i in every case.")
     repeats: int = Field(1, ge=1, description="Passes over the prompt set (each with its own seeds).")
