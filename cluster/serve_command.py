@@ -128,17 +128,27 @@ def wait_until_running(app_names: list[str], timeout_s: float = DEPLOY_TIMEOUT_S
         applications = serve.status().applications
         statuses = {name: applications.get(name) for name in app_names}
         failed = {
-            name: status.message
+            name: _failure_message(status)
             for name, status in statuses.items()
             if status is not None and status.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
         }
         if failed:
-            raise RuntimeError(f"deployment failed: {failed}")
+            raise RuntimeError("deployment failed:\n" + "\n".join(f"  {name}: {text}" for name, text in failed.items()))
         if all(status is not None and status.status == ApplicationStatus.RUNNING for status in statuses.values()):
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"applications not running after {timeout_s:.0f}s: {statuses}")
         time.sleep(POLL_INTERVAL_S)
+
+
+def _failure_message(application_status: Any) -> str:
+    """The application's message plus the last line of each failed deployment's error."""
+    parts = [application_status.message]
+    for name, deployment in (application_status.deployments or {}).items():
+        lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+        if lines:
+            parts.append(f"{name}: {lines[-1]}")
+    return " | ".join(part for part in parts if part)
 
 
 def deploy(config_path: str, addresses: ServerAddresses, document: dict[str, Any]) -> list[str]:
