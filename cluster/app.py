@@ -244,6 +244,8 @@ class SpecServeIngress:
         self._args: SpecServeArgs = parse_app_args(args)
         self._config: GroupConfig = self._args.freeze()
         self._model_name = _served_model_name()
+        # Deployment-wide sampling defaults for unset request fields; none beyond
+        # actors.api.SamplingParams' own today (the YAML args have no sampling section).
         self._sampling_defaults: dict[str, Any] = {}
         placement_group = get_current_placement_group()
         self._placement_group_id = placement_group.id.hex() if placement_group else None
