@@ -26,7 +26,7 @@ from typing import Literal, get_args
 
 from verifiers.types import VerifyResult
 
-MethodName = Literal["token", "block", "greedy_block", "spectr", "spectr_gbv"]
+MethodName = Literal["token", "block", "greedy_block", "spectr", "spectr_gbv", "sequential_gbv"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ _ENTRIES: dict[str, _Entry] = {
     "spectr": _Entry("verifiers.multi_draft", "verify_spectr", multi_draft=True, stateful=False),
     "spectr_gbv": _Entry(
         "verifiers.multi_draft", "verify_spectr_gbv", multi_draft=True, stateful=True
+    ),
+    "sequential_gbv": _Entry(
+        "verifiers.multi_draft", "verify_sequential_gbv", multi_draft=True, stateful=True
     ),
 }
 
