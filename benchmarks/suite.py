@@ -19,7 +19,14 @@ from actors.api import SpeculationParams
 Mode = Literal["ray", "local", "hf"]
 MODES: tuple[Mode, ...] = ("ray", "local", "hf")
 SINGLE_DRAFT_METHODS = ("token", "block", "greedy_block")
-MULTI_DRAFT_METHODS = ("spectr", "spectr_gbv")
+
+
+def multi_draft_methods() -> tuple[str, ...]:
+    """The multi-draft rules the coordinator accepts (``actors.plan.STRATEGY_METHODS``)."""
+    from actors.plan import STRATEGY_METHODS
+
+    return tuple(STRATEGY_METHODS["multi_draft"])
+
 STRATEGIES = ("ar", "sd", "multi_draft", "ensemble", "se", "peer")
 
 
@@ -40,7 +47,9 @@ class BenchSettings(BaseModel):
     modes: tuple[Mode, ...] = Field(MODES, min_length=1, description="ray (separate actors), local (one process), hf (peer).")
     gammas: tuple[int, ...] = Field((2, 4, 8), min_length=1, description="Draft lengths of sd and of the peer.")
     sd_methods: tuple[str, ...] = Field(SINGLE_DRAFT_METHODS, description="Single-draft verification rules.")
-    multi_draft_methods: tuple[str, ...] = Field(MULTI_DRAFT_METHODS, description="Multi-draft verification rules.")
+    multi_draft_methods: tuple[str, ...] | None = Field(
+        None, description="Multi-draft verification rules; None: every rule the coordinator accepts for multi_draft."
+    )
     num_drafts: tuple[int, ...] = Field((2, 3), description="K values of multi_draft.")
     multi_draft_gamma: int = Field(4, ge=1, description="Draft length of multi_draft.")
     ensemble_sizes: tuple[int, ...] = Field((2, 3), description="Member counts of the weighted ensembles.")
@@ -62,9 +71,9 @@ class BenchSettings(BaseModel):
         for method in self.sd_methods:
             if method not in SINGLE_DRAFT_METHODS:
                 raise ValueError(f"sd_methods: unknown method {method!r}; expected {SINGLE_DRAFT_METHODS}")
-        for method in self.multi_draft_methods:
-            if method not in MULTI_DRAFT_METHODS:
-                raise ValueError(f"multi_draft_methods: unknown method {method!r}; expected {MULTI_DRAFT_METHODS}")
+        for method in self.multi_draft_methods or ():
+            if method not in multi_draft_methods():
+                raise ValueError(f"multi_draft_methods: unknown method {method!r}; expected {multi_draft_methods()}")
         unknown = [name for name in self.strategies if name not in STRATEGIES]
         if unknown:
             raise ValueError(f"strategies: unknown {unknown}; expected a subset of {STRATEGIES}")
@@ -133,7 +142,7 @@ def _strategy_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode, 
                     speculation=SpeculationParams(strategy="sd", method=method, gamma=gamma),
                 ))
     if has_draft and "multi_draft" in wanted:
-        for method in settings.multi_draft_methods:
+        for method in settings.multi_draft_methods or multi_draft_methods():
             for num_drafts in settings.num_drafts:
                 cases.append(BenchCase(
                     mode=mode, label=f"multi_draft/{method}/k{num_drafts}/g{settings.multi_draft_gamma}",
