@@ -169,7 +169,7 @@ def _normalized_or_zero(weights: torch.Tensor) -> torch.Tensor:
     """``weights [..., V]`` (non-negative) divided by their sum; rows with no mass stay zero
     (zero rows mark contexts the law reaches with probability zero)."""
     mass = weights.sum(dim=-1, keepdim=True)  # [..., 1]
-    return torch.where(mass > 0, weights / torch.where(mass > 0, mass, 1.0), torch.zeros_like(weights))
+    return weights / torch.where(mass > 0, mass, 1.0)  # a zero row stays zero
 
 
 def _safe_log(values: torch.Tensor) -> torch.Tensor:
@@ -438,17 +438,44 @@ def _modified_rows(
     joint_draft = level.log_draft_prefix + _exclusive_cumsum(path_draft, counted)[:, rows]
     below = law_rows[:, rows]  # [K, R, V]
     drafted = draft_rows[:, rows]  # [K, R, V]
-    reachable = (joint_law > float("-inf")).unsqueeze(-1)  # [K, R, 1]
-    # log( D(path, x) / L(path, x) ), finite only where L(path, x) > 0 and D(path, x) > 0.
-    joint_log_ratio = torch.where(reachable.squeeze(-1), joint_draft - joint_law, float("-inf"))  # [K, R]
-    log_ratio = joint_log_ratio.unsqueeze(-1) + _safe_log(drafted) - torch.log(torch.where(below > 0, below, 1.0))
-    uncovered = (-torch.expm1(log_ratio)).clamp(min=0.0)  # relu(1 - D/L), [K, R, V]
-    if level.power != 1:
-        uncovered = uncovered.pow(level.power)
-    weights = torch.where((below > 0) & reachable, below * uncovered, 0.0)  # [K, R, V]
+    reachable = joint_law > float("-inf")  # [K, R]
+    # log c = log( D(path) / L(path) ) per row; -inf where the draft cannot reach the path.
+    log_joint_ratio = torch.where(reachable, joint_draft - torch.where(reachable, joint_law, 0.0), 0.0)  # [K, R]
+    if level.power == 1:
+        weights = _uncovered_mass(below, drafted, log_joint_ratio, reachable)  # [K, R, V]
+    else:
+        weights = _uncovered_mass_power(below, drafted, log_joint_ratio, level.power)  # [K, R, V]
+        weights = torch.where(reachable.unsqueeze(-1), weights, 0.0)  # unreachable contexts: zero rows
     modified = law_rows.clone()
     modified[:, rows] = _normalized_or_zero(weights)
     return modified
+
+
+def _uncovered_mass(
+    below: torch.Tensor, drafted: torch.Tensor, log_joint_ratio: torch.Tensor, reachable: torch.Tensor
+) -> torch.Tensor:
+    """``relu(L(path, x) - D(path, x))`` up to a positive factor per row, ``[K, R, V]``.
+
+    With ``c = D(path) / L(path)`` (``log_joint_ratio [K, R]``) this is
+    ``relu(min(1, 1/c) L_row - min(1, c) D_row)``: both weights are <= 1, so no joint ratio
+    overflows and ``inf * 0`` cannot occur; normalisation removes the factor. Rows of
+    unreachable contexts (``reachable [K, R]`` False) get weight 0 on L, hence zero rows.
+    """
+    log_c = log_joint_ratio.unsqueeze(-1)  # [K, R, 1]
+    law_weight = torch.where(reachable.unsqueeze(-1), torch.exp((-log_c).clamp(max=0.0)), 0.0)  # min(1, 1/c)
+    draft_weight = torch.exp(log_c.clamp(max=0.0))  # min(1, c)
+    return (law_weight * below - draft_weight * drafted).clamp(min=0.0)
+
+
+def _uncovered_mass_power(
+    below: torch.Tensor, drafted: torch.Tensor, log_joint_ratio: torch.Tensor, power: int
+) -> torch.Tensor:
+    """``L(path, x) * relu(1 - D(path, x) / L(path, x))^power`` up to a positive factor per row
+    (004 Alg. 2 with ``power = K``), formed in log space, ``[K, R, V]``."""
+    positive = below > 0
+    log_ratio = log_joint_ratio.unsqueeze(-1) + _safe_log(drafted) - torch.log(torch.where(positive, below, 1.0))
+    uncovered = (-torch.expm1(log_ratio)).clamp(min=0.0)  # relu(1 - D/L)
+    return torch.where(positive, below * uncovered.pow(power), 0.0)
 
 
 def _exclusive_cumsum(log_probs: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
