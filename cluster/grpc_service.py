@@ -12,23 +12,22 @@ message and a ``grpc_context``. Those methods (``cluster/app.py``) use the funct
 - :func:`to_generation_request` validates presence-aware options and names the bad field
   (``sampling.temperature``, ``speculation.gamma``) in an :class:`InvalidRequestError`;
 - :func:`chunk_to_response` / :func:`final_response` render chunks and results;
-- :data:`STATUS_INVALID_ARGUMENT` etc. and :func:`status_for_exception` choose status codes.
+- :func:`grpc_field` names a coordinator error's field by its proto path.
+
+Status codes (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, INTERNAL) are chosen by the ingress
+(``cluster.app``) and set on Serve's ``grpc_context``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import grpc
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats
 from cluster.openai_api import CompletionAccumulator, build_generation_request
 from protos import specserve_pb2
-
-STATUS_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
-STATUS_NOT_FOUND = grpc.StatusCode.NOT_FOUND
 
 _WIRE_TYPE_NAMES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group start", 4: "group end", 5: "32-bit"}
 _SAMPLING_SCALARS: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
@@ -210,8 +209,6 @@ def final_response(request_id: str, model: str, result: CompletionAccumulator) -
 
 
 __all__ = [
-    "STATUS_INVALID_ARGUMENT",
-    "STATUS_NOT_FOUND",
     "check_wire_types",
     "chunk_to_response",
     "final_response",
