@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import pathlib
 import platform
 import statistics
@@ -174,10 +175,13 @@ def measure(root: pathlib.Path, eval_windows: int, prompt_contexts: int, samples
     tokenizer = family["target"][1]
     models = {name: model for name, (model, _) in family.items()}
     torch.set_num_threads(1)  # latency is specified at 1 thread; 1 is also fastest when shared
+    load_before = os.getloadavg()[0]
     latency = cached_forward_latency(models, (1, 9), rounds)
+    load_after = os.getloadavg()[0]
     eval_sets = {split: windows(split_tokens(split, tokenizer), 257, eval_windows)
                  for split in ("eval_lib", "eval_test")}
-    results: dict = {"models": {}, "latency_rounds": rounds, "eval_windows": eval_windows}
+    results: dict = {"models": {}, "latency_rounds": rounds, "eval_windows": eval_windows,
+                     "load_average": (load_before, load_after)}
     for name, model in models.items():
         meta_path = root / name / "training_meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
@@ -346,7 +350,10 @@ def render(results: dict) -> str:
         f"float32, torch threads = 1, after a {CONTEXT_TOKENS}-token prefix in a `DynamicCache`;",
         f"median of {results['latency_rounds']} interleaved rounds of",
         "`model(input_ids, past_key_values=cache, use_cache=True)`.",
-        f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}.",
+        f"CPU: {platform.processor() or platform.machine()} ({os.cpu_count()} logical cores, "
+        f"shared), torch {torch.__version__}; 1-minute load average {results['load_average'][0]:.1f}"
+        f" before and {results['load_average'][1]:.1f} after the latency runs (other jobs were"
+        " running: absolute times vary with load by up to ~4x here; the ratio is steadier).",
         "",
         "| model | 1 token (ms) | 9 tokens (ms) |",
         "|---|---:|---:|",
