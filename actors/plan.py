@@ -23,7 +23,9 @@ ModelRole = str  # "target" | "draft" | "member"
 STRATEGY_METHODS: dict[str, tuple[str, ...]] = {
     "ar": (),
     "sd": ("block", "token", "greedy_block"),
-    "multi_draft": ("spectr", "spectr_gbv"),
+    # spectr_gbv is the published SpecTr-GBV (experimental: not lossless for K >= 2, see
+    # verifiers.multi_draft); sequential_gbv is the lossless variant.
+    "multi_draft": ("spectr", "sequential_gbv", "spectr_gbv"),
     "ensemble": (),
     "se": ("token", "block"),
 }

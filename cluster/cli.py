@@ -46,7 +46,7 @@ def add_generate_command(subparsers: Any) -> None:
     prompt.add_argument("--prompt-ids", type=_comma_list(int), help="prompt token ids, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=64, help="maximum generated tokens")
     parser.add_argument("--strategy", choices=["ar", "sd", "multi_draft", "ensemble", "se"], help="decoding strategy")
-    parser.add_argument("--method", help="verification rule (token|block|greedy_block, spectr|spectr_gbv)")
+    parser.add_argument("--method", help="verification rule (token|block|greedy_block, spectr|sequential_gbv|spectr_gbv)")
     parser.add_argument("--gamma", type=int, help="draft block length")
     parser.add_argument("--num-drafts", type=int, help="K drafts (multi_draft)")
     parser.add_argument("--ensemble", choices=["weighted", "contrastive"], help="ensemble function (ensemble, se)")

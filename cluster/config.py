@@ -62,7 +62,7 @@ class DefaultsArgs(_Strict):
     method: str | None = Field(
         None,
         description="Verification rule of the default strategy: token | block | greedy_block (sd), "
-        "spectr | spectr_gbv (multi_draft), token | block (se). Unset: the strategy's first rule.",
+        "spectr | sequential_gbv | spectr_gbv (multi_draft), token | block (se). Unset: the strategy's first rule.",
     )
     gamma: int = Field(4, ge=1, le=MAX_GAMMA, description="Draft block length (sd, multi_draft; se default per member).")
     num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")

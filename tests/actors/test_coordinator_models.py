@@ -28,6 +28,7 @@ GREEDY_CASES = {
     "sd-greedy_block": {"strategy": "sd", "method": "greedy_block", "gamma": 3},
     "multi_draft-spectr": {"strategy": "multi_draft", "method": "spectr", "gamma": 3, "num_drafts": 3},
     "multi_draft-spectr_gbv": {"strategy": "multi_draft", "method": "spectr_gbv", "gamma": 4, "num_drafts": 2},
+    "multi_draft-sequential_gbv": {"strategy": "multi_draft", "method": "sequential_gbv", "gamma": 3, "num_drafts": 2},
     "ensemble-weighted": {"strategy": "ensemble", "ensemble": "weighted", "members": ["target", "partner"]},
     "ensemble-contrastive": {"strategy": "ensemble", "ensemble": "contrastive", "members": ["target", "partner2"], "mu": 0.5},
     "se-weighted-token": {"strategy": "se", "method": "token", "ensemble": "weighted", "members": ["target", "partner"],
@@ -74,7 +75,7 @@ def _run(group, requests):
 
 @pytest.fixture(scope="module")
 def greedy_results(model_group):
-    """Every greedy case, run concurrently (also a concurrency test: 11 requests at once)."""
+    """Every greedy case, run concurrently (also a concurrency test: 12 requests at once)."""
     requests = [
         GenerationRequest(
             request_id=name,

@@ -83,6 +83,8 @@ SPECULATIVE_CASES = [
     ("multi_draft", "spectr", 2),
     ("multi_draft", "spectr", 3),
     ("multi_draft", "spectr_gbv", 2),
+    ("multi_draft", "sequential_gbv", 2),
+    ("multi_draft", "sequential_gbv", 3),
 ]
 
 
@@ -168,16 +170,17 @@ def _sample_sequences(group, speculation: dict, count: int, length: int) -> list
     "speculation",
     [
         {"strategy": "sd", "method": "block", "gamma": 2},
-        {"strategy": "multi_draft", "method": "spectr", "gamma": 2, "num_drafts": 2},
+        {"strategy": "multi_draft", "method": "sequential_gbv", "gamma": 2, "num_drafts": 2},
         {"strategy": "se", "method": "token", "ensemble": "weighted", "members": ["target", "partner"], "gammas": [2, 1]},
     ],
-    ids=["sd-block", "multi_draft-spectr", "se-token"],
+    ids=["sd-block", "multi_draft-sequential_gbv", "se-token"],
 )
 def test_sampled_law_through_coordinator(fake_group, speculation):
     """Chi-square goodness of fit of 3-token sequences (vocab 6: 216 outcomes, pooled below 5
     expected) sampled through the coordinator against the exact law; significance 1e-3.
     (spectr_gbv as published is not lossless for K >= 2 -- see verifiers.multi_draft -- so the
-    multi-draft case uses spectr; spectr_gbv is still checked token for token above.)"""
+    multi-draft case uses the lossless sequential_gbv; spectr_gbv is still checked token for
+    token against the reference above.)"""
     length, count = 3, 600
     samples = _sample_sequences(fake_group, speculation, count, length)
     if speculation["strategy"] == "se":
