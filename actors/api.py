@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Strategy = Literal["ar", "sd", "multi_draft", "ensemble", "se"]
 SingleDraftMethod = Literal["token", "block", "greedy_block"]
-MultiDraftMethod = Literal["spectr", "spectr_gbv"]
+MultiDraftMethod = Literal["spectr", "sequential_gbv", "spectr_gbv"]
 EnsembleKind = Literal["weighted", "contrastive"]
 FinishReason = Literal["stop", "length", "error"]
 
@@ -58,7 +58,7 @@ class SpeculationParams(_Frozen):
     strategy: Strategy | None = Field(None, description="ar | sd | multi_draft | ensemble | se.")
     method: str | None = Field(
         None,
-        description="Verification rule: token | block | greedy_block (sd, se); spectr | spectr_gbv (multi_draft).",
+        description="Verification rule: token | block | greedy_block (sd), token | block (se); spectr | sequential_gbv | spectr_gbv (multi_draft).",
     )
     gamma: int | None = Field(None, ge=1, le=MAX_GAMMA, description="Draft block length (sd, multi_draft).")
     num_drafts: int | None = Field(None, ge=1, le=MAX_DRAFTS, description="K i.i.d. drafts (multi_draft).")
