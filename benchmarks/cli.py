@@ -69,6 +69,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="Keep only the last N tokens of each prompt (small-context models).")
     parser.add_argument("--prompts", type=pathlib.Path, default=None,
                         help="Prompt file (JSON lines: id, kind, source, text); default: the committed set.")
+    parser.add_argument("--se-gammas", type=_int_list, default=None,
+                        help="se variants: proposal length of the non-first members (the first proposes 1), e.g. 1,5.")
     parser.add_argument("--temperature", type=float, default=None, help="Sampling temperature (default 1).")
     parser.add_argument("--plot-prefix", default="", help="Prefix of the plot links in results.md (e.g. img/).")
     parser.set_defaults(handler=run_bench_command)
@@ -81,7 +83,7 @@ def settings_from_args(args: argparse.Namespace):
     values: dict = dict(QUICK_SETTINGS) if args.quick else {}
     overrides = {
         "modes": args.modes, "strategies": args.strategies, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-        "repeats": args.repeats, "seed": args.seed, "gammas": args.gammas, "temperature": args.temperature,
+        "repeats": args.repeats, "seed": args.seed, "gammas": args.gammas, "se_gammas": args.se_gammas, "temperature": args.temperature,
         "max_prompt_tokens": args.max_prompt_tokens,
     }
     values.update({k: v for k, v in overrides.items() if v is not None})

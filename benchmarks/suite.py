@@ -39,7 +39,7 @@ class BenchSettings(BaseModel):
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Keep only the last N tokens of each prompt (for small-context models); None: whole prompts."
     )
-    max_tokens: int = Field(96, ge=1, description="Tokens generated per prompt by every case (EOS ignored).")
+    max_tokens: int = Field(64, ge=1, description="Tokens generated per prompt by every case (EOS ignored).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of every case (no top-k / top-p).")
     seed: int = Field(0, ge=0, description="Base seed: prompt i of repeat r uses seed + 1000 * r + i in every case.")
     repeats: int = Field(1, ge=1, description="Passes over the prompt set (each with its own seeds).")
@@ -54,7 +54,12 @@ class BenchSettings(BaseModel):
     multi_draft_gamma: int = Field(4, ge=1, description="Draft length of multi_draft.")
     ensemble_sizes: tuple[int, ...] = Field((2, 3), description="Member counts of the weighted ensembles.")
     contrastive_mu: float = Field(0.1, ge=0.0, description="Contrastive strength mu (2 members: expert, amateur).")
-    se_gamma: int = Field(4, ge=1, description="Proposal length of every member in se.")
+    se_gammas: tuple[int, ...] = Field(
+        (1, 5), min_length=1,
+        description="se variants: proposal length g of every member but the first (the target / expert), which "
+        "proposes 1 token (Fu et al. 2025, Sec. 4.1: gamma in {1, 5} for the proposal model, the other fixed at 1; "
+        "g = 1 everywhere is Corollary 3.7's never-slower setting).",
+    )
     se_method: str = Field("token", description="Verification rule of se (token | block).")
     weighted_members: tuple[str, ...] | None = Field(
         None, description="Members of the weighted ensembles (first n used); None: the target, then the member models."
@@ -173,11 +178,13 @@ def _ensemble_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode) 
         ensemble_key = f"{mode}:ensemble/{name}"
         cases.append(BenchCase(mode=mode, label=f"ensemble/{name}", group="ensemble", baseline=ensemble_key,
                                speculation=SpeculationParams(strategy="ensemble", **params)))
-        if "se" in settings.strategies:
+        if "se" not in settings.strategies:
+            continue
+        for gamma in settings.se_gammas:
+            gammas = [1] + [gamma] * (len(params["members"]) - 1)
             cases.append(BenchCase(
-                mode=mode, label=f"se/{name}", group="se", baseline=ensemble_key,
-                speculation=SpeculationParams(strategy="se", method=settings.se_method,
-                                              gammas=[settings.se_gamma] * len(params["members"]), **params),
+                mode=mode, label=f"se/{name}/g{gamma}", group="se", baseline=ensemble_key,
+                speculation=SpeculationParams(strategy="se", method=settings.se_method, gammas=gammas, **params),
             ))
     return cases
 

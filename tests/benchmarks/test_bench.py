@@ -41,7 +41,7 @@ def test_full_suite_holds_every_required_case():
                 assert f"{mode}:multi_draft/{method}/k{k}/g4" in keys
         for name in ("weighted/n2", "weighted/n3", "contrastive/n2"):
             assert f"{mode}:ensemble/{name}" in keys
-            assert f"{mode}:se/{name}" in keys
+            assert f"{mode}:se/{name}/g1" in keys and f"{mode}:se/{name}/g5" in keys
     assert {"hf:peer/ar", "hf:peer/assisted/g2", "hf:peer/assisted/g4", "hf:peer/assisted/g8"} <= keys
 
 
@@ -49,19 +49,20 @@ def test_baselines_and_ensemble_parameters():
     cases = {case.key: case for case in build_cases(BenchSettings(), ROLES)}
     assert cases["ray:sd/block/g8"].baseline == "ray:ar"
     assert cases["local:multi_draft/spectr/k3/g4"].baseline == "local:ar"
-    assert cases["ray:se/weighted/n3"].baseline == "ray:ensemble/weighted/n3"
+    assert cases["ray:se/weighted/n3/g1"].baseline == "ray:ensemble/weighted/n3"
     assert cases["hf:peer/assisted/g4"].baseline == "hf:peer/ar"
     weighted = cases["ray:ensemble/weighted/n2"].speculation
     assert weighted.members == ["target", "partner"] and weighted.weights == [0.5, 0.5]
-    contrastive = cases["ray:se/contrastive/n2"].speculation
+    contrastive = cases["ray:se/contrastive/n2/g5"].speculation
     assert contrastive.members == ["target", "partner2"] and contrastive.mu == 0.1
-    assert contrastive.gammas == [4, 4]
+    assert contrastive.gammas == [1, 5]  # the expert fixed at 1, the amateur proposes 5
+    assert cases["local:se/weighted/n3/g1"].speculation.gammas == [1, 1, 1]
 
 
 def test_strategy_subset_keeps_baselines():
     keys = {c.key for c in build_cases(BenchSettings(strategies=("se",), modes=("local",)), ROLES)}
-    assert keys == {f"local:{kind}/{name}" for kind in ("ensemble", "se")
-                    for name in ("weighted/n2", "weighted/n3", "contrastive/n2")}
+    names = ("weighted/n2", "weighted/n3", "contrastive/n2")
+    assert keys == {f"local:ensemble/{name}" for name in names} | {f"local:se/{name}/g{g}" for name in names for g in (1, 5)}
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -147,7 +148,7 @@ def test_bench_command_smoke(tiny_checkpoints, ray_session, tmp_path):
     results = json.loads((out / "results.json").read_text())
     keys = {s["key"] for s in results["summaries"]}
     for mode in ("ray", "local"):
-        assert {f"{mode}:ar", f"{mode}:sd/block/g2", f"{mode}:ensemble/weighted/n2", f"{mode}:se/weighted/n2"} <= keys
+        assert {f"{mode}:ar", f"{mode}:sd/block/g2", f"{mode}:ensemble/weighted/n2", f"{mode}:se/weighted/n2/g1"} <= keys
     assert {"hf:peer/ar", "hf:peer/assisted/g2"} <= keys
     records = results["records"]
     assert len(records) == len(keys) * len(SMOKE_PROMPTS)
@@ -166,10 +167,10 @@ def test_bench_command_smoke(tiny_checkpoints, ray_session, tmp_path):
         assert 1.0 <= summaries[key]["block_efficiency"] <= 3.0
         assert 0.0 <= summaries[key]["mean_accepted"] <= 2.0
     # The same seeds give the same tokens on Ray actors and in one process: same counts.
-    for label in ("sd/block/g2", "sd/greedy_block/g2", "se/contrastive/n2"):
+    for label in ("sd/block/g2", "sd/greedy_block/g2", "se/contrastive/n2/g5"):
         assert summaries[f"ray:{label}"]["block_efficiency"] == summaries[f"local:{label}"]["block_efficiency"]
     assert summaries["ray:sd/block/g2"]["bytes_per_token"] > 0
-    assert {row["label"] for row in results["distribution_overhead"]} >= {"ar", "sd/token/g2", "se/weighted/n2"}
+    assert {row["label"] for row in results["distribution_overhead"]} >= {"ar", "sd/token/g2", "se/weighted/n2/g1"}
     assert "ray:ensemble/weighted/n3" not in keys  # two weighted members only in this group
     assert results["peer_comparison"]
     markdown = (out / "results.md").read_text()
