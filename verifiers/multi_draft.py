@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from verifiers.randomness import RandomSource, as_random_source
-from verifiers.types import PAD_TOKEN, VerifyResult
+from verifiers.types import PAD_TOKEN, VerifyResult, validated_verify_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -112,35 +112,9 @@ def _validated_multi_block(
     draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
 ) -> _MultiBlock:
     draft_tokens = torch.as_tensor(draft_tokens)
-    draft_probs = torch.as_tensor(draft_probs)
-    target_probs = torch.as_tensor(target_probs)
-    if draft_tokens.dim() != 3:
-        raise ValueError(f"draft_tokens must be [B, K, gamma], got shape {tuple(draft_tokens.shape)}")
-    batch, num_drafts, gamma = draft_tokens.shape
-    if num_drafts < 1:
-        raise ValueError(f"need at least one draft per row (K >= 1), got K = {num_drafts}")
-    if draft_probs.dim() != 4 or tuple(draft_probs.shape[:3]) != (batch, num_drafts, gamma):
-        raise ValueError(
-            f"draft_probs must be [B, K, gamma, V] = [{batch}, {num_drafts}, {gamma}, V], "
-            f"got {tuple(draft_probs.shape)}"
-        )
-    vocab = draft_probs.shape[3]
-    if tuple(target_probs.shape) != (batch, num_drafts, gamma + 1, vocab):
-        raise ValueError(
-            f"target_probs must be [B, K, gamma+1, V] = [{batch}, {num_drafts}, {gamma + 1}, {vocab}], "
-            f"got {tuple(target_probs.shape)}"
-        )
-    if draft_tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise TypeError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
-    draft_tokens = draft_tokens.to(torch.int64)
-    if gamma > 0 and (bool((draft_tokens < 0).any()) or bool((draft_tokens >= vocab).any())):
-        raise ValueError(f"draft_tokens must lie in [0, {vocab}), got {draft_tokens.tolist()}")
-    block = _MultiBlock(draft_tokens, draft_probs.to(torch.float64), target_probs.to(torch.float64))
-    if gamma > 0:
-        token_probs = block.draft_probs.gather(-1, draft_tokens.unsqueeze(-1))  # [B, K, gamma, 1]
-        if bool((token_probs <= 0).any()):
-            raise ValueError("a draft token has zero probability under draft_probs (rows do not match the draws)")
-    return block
+    if draft_tokens.dim() == 3 and draft_tokens.shape[1] < 1:
+        raise ValueError(f"need at least one draft per row (K >= 1), got K = {draft_tokens.shape[1]}")
+    return _MultiBlock(*validated_verify_inputs(draft_tokens, draft_probs, target_probs, lead_dims=("B", "K")))
 
 
 def _result(

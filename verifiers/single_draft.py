@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from verifiers.randomness import RandomSource, as_random_source
-from verifiers.types import PAD_TOKEN, VerifyResult
+from verifiers.types import PAD_TOKEN, VerifyResult, validated_verify_inputs
 
 
 @dataclass(frozen=True)
@@ -58,31 +58,7 @@ class _Block:
 def _validated_block(
     draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
 ) -> _Block:
-    draft_tokens = torch.as_tensor(draft_tokens)
-    draft_probs = torch.as_tensor(draft_probs)
-    target_probs = torch.as_tensor(target_probs)
-    if draft_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must be [B, gamma], got shape {tuple(draft_tokens.shape)}")
-    batch, gamma = draft_tokens.shape
-    if draft_probs.dim() != 3 or tuple(draft_probs.shape[:2]) != (batch, gamma):
-        raise ValueError(
-            f"draft_probs must be [B, gamma, V] = [{batch}, {gamma}, V], got {tuple(draft_probs.shape)}"
-        )
-    vocab = draft_probs.shape[2]
-    if tuple(target_probs.shape) != (batch, gamma + 1, vocab):
-        raise ValueError(
-            f"target_probs must be [B, gamma+1, V] = [{batch}, {gamma + 1}, {vocab}], "
-            f"got {tuple(target_probs.shape)}"
-        )
-    if draft_tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise TypeError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
-    draft_tokens = draft_tokens.to(torch.int64)
-    if gamma > 0 and (bool((draft_tokens < 0).any()) or bool((draft_tokens >= vocab).any())):
-        raise ValueError(f"draft_tokens must lie in [0, {vocab}), got {draft_tokens.tolist()}")
-    block = _Block(draft_tokens, draft_probs.to(torch.float64), target_probs.to(torch.float64))
-    if gamma > 0 and bool((block.draft_token_probs() <= 0).any()):
-        raise ValueError("a draft token has zero probability under draft_probs (rows do not match the draws)")
-    return block
+    return _Block(*validated_verify_inputs(draft_tokens, draft_probs, target_probs, lead_dims=("B",)))
 
 
 def _assemble(

@@ -1,4 +1,4 @@
-"""Result and state types shared by every verification rule.
+"""Result types and input validation shared by every verification rule.
 
 Vocabulary (defined once; cited by every verifier's docstring):
 
@@ -43,3 +43,52 @@ class VerifyResult:
         """The tokens batch row ``row`` emits: accepted prefix + one correction/bonus token."""
         count = int(self.num_accepted[row]) + 1
         return [int(t) for t in self.tokens[row, :count]]
+
+
+def validated_verify_inputs(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    *,
+    lead_dims: tuple[str, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check one verification call's inputs and return ``(draft_tokens int64, draft_probs
+    float64, target_probs float64)``.
+
+    ``lead_dims`` names the leading dims in front of ``gamma``: ``("B",)`` for the single-draft
+    rules (``draft_tokens [B, gamma]``, ``draft_probs [B, gamma, V]``, ``target_probs
+    [B, gamma+1, V]``), ``("B", "K")`` for the multi-draft rules (``[B, K, gamma]`` and so on).
+    Raises ``ValueError`` naming the offending argument, its expected and actual shape, on a
+    shape mismatch, a draft token outside ``[0, V)`` or a draft token with zero draft
+    probability, and ``TypeError`` on non-integer ``draft_tokens``. Inputs are not modified.
+    """
+    draft_tokens = torch.as_tensor(draft_tokens)
+    draft_probs = torch.as_tensor(draft_probs)
+    target_probs = torch.as_tensor(target_probs)
+    num_lead = len(lead_dims)
+    names = ", ".join(lead_dims)
+    if draft_tokens.dim() != num_lead + 1:
+        raise ValueError(f"draft_tokens must be [{names}, gamma], got shape {tuple(draft_tokens.shape)}")
+    *lead, gamma = draft_tokens.shape
+    sizes = ", ".join(str(size) for size in lead)
+    if draft_probs.dim() != num_lead + 2 or tuple(draft_probs.shape[: num_lead + 1]) != (*lead, gamma):
+        raise ValueError(
+            f"draft_probs must be [{names}, gamma, V] = [{sizes}, {gamma}, V], got {tuple(draft_probs.shape)}"
+        )
+    vocab = draft_probs.shape[-1]
+    if tuple(target_probs.shape) != (*lead, gamma + 1, vocab):
+        raise ValueError(
+            f"target_probs must be [{names}, gamma+1, V] = [{sizes}, {gamma + 1}, {vocab}], "
+            f"got {tuple(target_probs.shape)}"
+        )
+    if draft_tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
+    draft_tokens = draft_tokens.to(torch.int64)
+    if gamma > 0 and (bool((draft_tokens < 0).any()) or bool((draft_tokens >= vocab).any())):
+        raise ValueError(f"draft_tokens must lie in [0, {vocab}), got {draft_tokens.tolist()}")
+    draft_probs = draft_probs.to(torch.float64)
+    if gamma > 0:
+        token_probs = draft_probs.gather(-1, draft_tokens.unsqueeze(-1))  # [*lead, gamma, 1]
+        if bool((token_probs <= 0).any()):
+            raise ValueError("a draft token has zero probability under draft_probs (rows do not match the draws)")
+    return draft_tokens, draft_probs, target_probs.to(torch.float64)
