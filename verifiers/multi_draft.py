@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +106,11 @@ class _MultiBlock:
     @property
     def gamma(self) -> int:
         return self.draft_tokens.shape[2]
+
+    def row(self, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batch row ``row``: ``(draft_tokens [K, gamma], draft_probs [K, gamma, V],
+        target_probs [K, gamma+1, V])``."""
+        return self.draft_tokens[row], self.draft_probs[row], self.target_probs[row]
 
 
 def _validated_multi_block(
@@ -288,9 +293,7 @@ def verify_spectr(
 
 
 def _spectr_row(block: _MultiBlock, row: int, source: RandomSource) -> tuple[int, int, int]:
-    tokens = block.draft_tokens[row]  # [K, gamma]
-    draft_rows = block.draft_probs[row]  # [K, gamma, V]
-    target_rows = block.target_probs[row]  # [K, gamma+1, V]
+    tokens, draft_rows, target_rows = block.row(row)  # [K, gamma], [K, gamma, V], [K, gamma+1, V]
     candidates = list(range(block.num_drafts))
     chosen = 0
     for position in range(block.gamma):
@@ -382,6 +385,26 @@ def _incoming_levels(state: object, row: int, batch: int, gamma: int) -> list[_L
             )
         levels.append(_Level(0, 0, level.window, level.log_target_prefix, level.log_draft_prefix, level.power))
     return levels
+
+
+_GreedyRowRule = Callable[
+    [_MultiBlock, int, list[_Level], RandomSource], tuple[tuple[int, int, int], GreedyModificationState]
+]
+
+
+def _greedy_result(
+    block: _MultiBlock, state: object, source: RandomSource, verify_row: _GreedyRowRule
+) -> VerifyResult:
+    """Run the stateful per-row rule ``verify_row`` over the batch rows in order (the order of
+    the random stream) on each row's incoming modification levels, and assemble the result
+    with one outgoing :class:`GreedyModificationState` per row."""
+    rows, states = [], []
+    for row in range(block.batch):
+        levels = _incoming_levels(state, row, block.batch, block.gamma)
+        outcome, row_state = verify_row(block, row, levels, source)
+        rows.append(outcome)
+        states.append(row_state)
+    return _result(block, rows, tuple(states))
 
 
 def _path_log_probs(rows: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
@@ -574,21 +597,13 @@ def verify_sequential_gbv(
     """
     source = as_random_source(generator)
     block = _validated_multi_block(draft_tokens, draft_probs, target_probs)
-    rows, states = [], []
-    for row in range(block.batch):
-        levels = _incoming_levels(state, row, block.batch, block.gamma)
-        outcome, row_state = _sequential_gbv_row(block, row, levels, source)
-        rows.append(outcome)
-        states.append(row_state)
-    return _result(block, rows, tuple(states))
+    return _greedy_result(block, state, source, _sequential_gbv_row)
 
 
 def _sequential_gbv_row(
     block: _MultiBlock, row: int, levels: list[_Level], source: RandomSource
 ) -> tuple[tuple[int, int, int], GreedyModificationState]:
-    tokens = block.draft_tokens[row]  # [K, gamma]
-    draft_rows = block.draft_probs[row]  # [K, gamma, V]
-    target_rows = block.target_probs[row]  # [K, gamma+1, V]
+    tokens, draft_rows, target_rows = block.row(row)  # [K, gamma], [K, gamma, V], [K, gamma+1, V]
     gamma = block.gamma
     levels = list(levels)
     stack = _law_stack(levels, target_rows, draft_rows, tokens)  # laws along every draft
@@ -681,21 +696,13 @@ def verify_spectr_gbv(
             RuntimeWarning,
             stacklevel=2,
         )
-    rows, states = [], []
-    for row in range(block.batch):
-        levels = _incoming_levels(state, row, block.batch, block.gamma)
-        outcome, row_state = _spectr_gbv_row(block, row, levels, source)
-        rows.append(outcome)
-        states.append(row_state)
-    return _result(block, rows, tuple(states))
+    return _greedy_result(block, state, source, _spectr_gbv_row)
 
 
 def _spectr_gbv_row(
     block: _MultiBlock, row: int, levels: list[_Level], source: RandomSource
 ) -> tuple[tuple[int, int, int], GreedyModificationState]:
-    tokens = block.draft_tokens[row]  # [K, gamma]
-    draft_rows = block.draft_probs[row]  # [K, gamma, V]
-    target_rows = block.target_probs[row]  # [K, gamma+1, V]
+    tokens, draft_rows, target_rows = block.row(row)  # [K, gamma], [K, gamma, V], [K, gamma+1, V]
     gamma, num_drafts = block.gamma, block.num_drafts
     stack = _law_stack(levels, target_rows, draft_rows, tokens)
     laws = stack[-1]  # current target law along every draft, [K, gamma+1, V]
