@@ -235,52 +235,75 @@ def _plot_block_efficiency(plt, results: BenchResults):
     return figure
 
 
+MODE_COLORS = {"ray": "tab:blue", "local": "tab:orange", "hf": "tab:green"}
+
+
 def _plot_speedup(plt, results: BenchResults):
-    labels = []
-    values: dict[str, dict[str, float]] = defaultdict(dict)
+    """Two panels: sd / multi_draft / peer against their ar, se against the standard ensemble;
+    one bar per (case, mode) that ran."""
+    panels = {"decoding": [], "ensembles": []}
     for s in results.summaries:
         if s.speedup is None or s.key == s.baseline:
             continue
-        if s.label not in labels:
-            labels.append(s.label)
-        values[s.mode][s.label] = s.speedup
-    if not labels:
+        panels["ensembles" if s.group == "se" else "decoding"].append(s)
+    panels = {name: rows for name, rows in panels.items() if rows}
+    if not panels:
         return None
-    modes = [m for m in ("ray", "local", "hf") if m in values]
-    height = 0.8 / len(modes)
-    figure, axis = plt.subplots(figsize=(8, 0.32 * len(labels) * max(1, len(modes)) + 1.5))
-    for index, mode in enumerate(modes):
-        positions = [i + index * height for i in range(len(labels))]
-        axis.barh(positions, [values[mode].get(label, 0.0) for label in labels], height=height, label=mode)
-    axis.set_yticks([i + height * (len(modes) - 1) / 2 for i in range(len(labels))])
-    axis.set_yticklabels(labels)
-    axis.invert_yaxis()
-    axis.axvline(1.0, color="black", linewidth=0.8)
-    axis.set_xlabel("speedup (tokens/s vs baseline: ar, the standard ensemble, or transformers sampling)")
-    axis.legend(title="mode")
-    axis.grid(alpha=0.3, axis="x")
+    tallest = max(len(rows) for rows in panels.values())
+    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 0.22 * tallest + 1.6), squeeze=False)
+    titles = {"decoding": "vs ar (transformers: vs its own sampling loop)", "ensembles": "se vs the standard ensemble"}
+    for axis, (name, rows) in zip(axes[0], panels.items()):
+        labels = list(dict.fromkeys(s.label for s in rows))
+        positions, colors, values, ticks = [], [], [], []
+        y = 0.0
+        for label in labels:
+            group = [s for s in rows if s.label == label]
+            ticks.append((y + (len(group) - 1) * 0.4 / 2, label))
+            for s in group:
+                positions.append(y)
+                colors.append(MODE_COLORS.get(s.mode, "tab:gray"))
+                values.append(s.speedup)
+                y += 0.4
+            y += 0.35
+        axis.barh(positions, values, height=0.38, color=colors)
+        axis.set_yticks([t for t, _ in ticks])
+        axis.set_yticklabels([label for _, label in ticks], fontsize=8)
+        axis.invert_yaxis()
+        axis.axvline(1.0, color="black", linewidth=0.8)
+        axis.set_xlabel("speedup (paired tokens/s ratio, median over prompts)")
+        axis.set_title(titles[name])
+        axis.grid(alpha=0.3, axis="x")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for m, c in MODE_COLORS.items()
+               if any(s.mode == m for rows in panels.values() for s in rows)]
+    names = [m for m in MODE_COLORS if any(s.mode == m for rows in panels.values() for s in rows)]
+    axes[0][-1].legend(handles, names, title="mode", loc="lower right")
     figure.tight_layout()
     return figure
 
 
 def _plot_time_split(plt, results: BenchResults):
-    mode = _primary_mode(results.summaries)
-    chosen = [s for s in results.summaries if s.mode == mode or s.mode == "hf"]
-    if not chosen:
+    """Per-iteration time split, one panel per mode (the peer next to the in-process mode)."""
+    panels = [[s for s in results.summaries if s.mode == "ray"],
+              [s for s in results.summaries if s.mode in ("local", "hf")]]
+    panels = [rows for rows in panels if rows]
+    if not panels:
         return None
     parts = ("draft", "target", "verify", "coordination")
-    figure, axis = plt.subplots(figsize=(8, 0.3 * len(chosen) + 1.5))
-    left = [0.0] * len(chosen)
-    for part in parts:
-        widths = [s.ms_per_iteration.get(part, 0.0) for s in chosen]
-        axis.barh(range(len(chosen)), widths, left=left, label=part)
-        left = [a + b for a, b in zip(left, widths)]
-    axis.set_yticks(range(len(chosen)))
-    axis.set_yticklabels([s.key for s in chosen])
-    axis.invert_yaxis()
-    axis.set_xlabel("ms per iteration (one target call)")
-    axis.legend()
-    axis.grid(alpha=0.3, axis="x")
+    tallest = max(len(rows) for rows in panels)
+    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 0.26 * tallest + 1.6),
+                                squeeze=False, sharex=True)
+    for axis, rows in zip(axes[0], panels):
+        left = [0.0] * len(rows)
+        for part in parts:
+            widths = [s.ms_per_iteration.get(part, 0.0) for s in rows]
+            axis.barh(range(len(rows)), widths, left=left, label=part)
+            left = [a + b for a, b in zip(left, widths)]
+        axis.set_yticks(range(len(rows)))
+        axis.set_yticklabels([s.key for s in rows], fontsize=8)
+        axis.invert_yaxis()
+        axis.set_xlabel("ms per iteration (one target call), medians")
+        axis.grid(alpha=0.3, axis="x")
+    axes[0][0].legend(loc="lower right")
     figure.tight_layout()
     return figure
 

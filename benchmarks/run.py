@@ -9,6 +9,7 @@ coordinator), ``local`` (the same coordinator logic with every model in this pro
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import pathlib
@@ -93,6 +94,46 @@ def tokenize_prompts(
     return [TokenizedPrompt(p, encode(p.text)) for p in prompts], encode(WARMUP_PROMPT)
 
 
+def analyze(settings: BenchSettings, cases, records, environment: dict[str, Any], command: str) -> BenchResults:
+    """Summaries, distribution overhead, peer comparison and target checks of a run's records."""
+    summaries = summarize(cases, records)
+    overhead = distribution_overhead(summaries, records)
+    return BenchResults(
+        settings=settings,
+        environment=environment,
+        command=command,
+        summaries=summaries,
+        overhead=overhead,
+        peer=peer_comparisons(summaries),
+        checks=check_targets(settings, summaries, overhead),
+        records=records,
+    )
+
+
+def rerender(run_dir: pathlib.Path, *, plot_prefix: str = "") -> BenchResults:
+    """Rebuild results.json / results.md / plots of a finished run from its recorded runs (after
+    a change to the analysis or the report, without measuring again)."""
+    from benchmarks.records import RunRecord
+    from benchmarks.report import results_from_json
+
+    data = results_from_json(run_dir / "results.json")
+    settings = BenchSettings(**data["settings"])
+    roles = {name: model["role"] for name, model in data["environment"]["models"].items()}
+    derived = ("tokens_per_second", "block_efficiency", "mean_accepted")
+    records = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in data["records"]]
+    results = analyze(settings, build_cases(settings, roles), records, data["environment"], data["command"])
+    write_results(results, run_dir, plot_prefix=plot_prefix)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Re-render a finished benchmark run from its results.json.")
+    parser.add_argument("run_dir", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    rerender(args.run_dir)
+
+
 def run_benchmark(
     group_args: Any,
     settings: BenchSettings,
@@ -129,8 +170,6 @@ def run_benchmark(
     finally:
         for runner in runners.values():
             runner.close()
-    summaries = summarize(cases, records)
-    overhead = distribution_overhead(summaries, records)
     environment = environment_info() | {
         "num_prompts": len(prompts),
         "prompt_kinds": ", ".join(f"{sum(p.kind == k for p in prompts)} {k}" for k in ("code", "prose")),
@@ -140,15 +179,10 @@ def run_benchmark(
         "setup_time_s": setup_s,
         "models": {m.name: {"path": m.path, "role": m.role} for m in config.models},
     }
-    results = BenchResults(
-        settings=settings,
-        environment=environment,
-        command=command,
-        summaries=summaries,
-        overhead=overhead,
-        peer=peer_comparisons(summaries),
-        checks=check_targets(settings, summaries, overhead),
-        records=records,
-    )
+    results = analyze(settings, cases, records, environment, command)
     write_results(results, out_dir, plot_prefix=plot_prefix)
     return results
+
+
+if __name__ == "__main__":
+    main()
