@@ -116,12 +116,14 @@ def render_markdown(results: BenchResults, plots: dict[str, str]) -> str:
         f"ray {env.get('ray')}; load average at start {env.get('load_average_start')}, at end "
         f"{env.get('load_average_end')}; wall time {_f(env.get('wall_time_s'), 0)} s.",
         "",
-        "All figures are medians over prompts. *block eff.* = generated tokens per target call "
-        "(per call of the verifying models for ensembles); *speedup* = median over prompts of "
-        "tokens/s divided by the baseline's tokens/s on the same prompt; *ms/iter* = time per decoding "
+        "Timings are medians over prompts. *block eff.* = generated tokens per target call and "
+        "*mean accepted* = accepted draft tokens per iteration, both pooled over all prompts (for "
+        "ensembles: per call of the busiest member); *speedup* = median over prompts of tokens/s "
+        "divided by the baseline's tokens/s on the same prompt; *ms/iter* = time per decoding "
         "iteration (one target call) split into draft / target / verify / coordination (for the "
-        "peer, the rest of transformers' loop is in *coord.*); *bytes/token* = probability-row bytes "
-        "moved between actors per generated token.",
+        "peer, the rest of transformers' loop is in *coord.*; for ensembles *target* sums the "
+        "members' forward times); *bytes/token* = probability-row and logit bytes moved between "
+        "actors per generated token.",
         "",
     ]
     for title, key in (("Speculative decoding, multi-draft and the peer", "decoding"),

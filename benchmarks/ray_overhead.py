@@ -1,0 +1,112 @@
+"""What one Ray hop costs on this machine: ``python -m benchmarks.ray_overhead``.
+
+Measures, with no model work at all, the calls one ``sd`` iteration makes on separate actors:
+a no-op actor call (from the driver and from an async coordinator actor), and the
+coordinator's chain ``proposal_ref = draft.propose.remote(...)`` ->
+``await target.score_and_verify.remote(proposal_ref)`` (and, for comparison, awaiting the
+proposal in the coordinator and passing the value) with proposals of the sizes ``sd``
+moves (float64 probability rows, 4096-token vocabulary, gamma 2 / 4 / 8). Medians of
+``--repeats`` calls, logged (stderr). Starts its own local Ray instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+logger = logging.getLogger(__name__)
+
+VOCAB = 4096
+
+
+def _actors():
+    import ray
+    import torch
+
+    @ray.remote(num_cpus=0.25)
+    class Worker:
+        def noop(self) -> int:
+            return 0
+
+        def propose(self, numel: int) -> torch.Tensor:
+            return torch.zeros(numel, dtype=torch.float64)
+
+        def verify(self, rows: torch.Tensor) -> int:
+            return int(rows.numel())
+
+    @ray.remote(num_cpus=0)
+    class Coordinator:
+        def __init__(self, draft, target):
+            self.draft, self.target = draft, target
+
+        async def noop_ms(self, repeats: int) -> float:
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                await self.draft.noop.remote()
+                times.append(time.perf_counter() - started)
+            return 1e3 * statistics.median(times)
+
+        async def chain_ms(self, numel: int, repeats: int) -> float:
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                proposal_ref = self.draft.propose.remote(numel)
+                await self.target.verify.remote(proposal_ref)
+                times.append(time.perf_counter() - started)
+            return 1e3 * statistics.median(times)
+
+        async def awaited_chain_ms(self, numel: int, repeats: int) -> float:
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                proposal = await self.draft.propose.remote(numel)
+                await self.target.verify.remote(proposal)
+                times.append(time.perf_counter() - started)
+            return 1e3 * statistics.median(times)
+
+    return Worker, Coordinator
+
+
+def measure(repeats: int = 200) -> dict[str, float]:
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        worker_cls, coordinator_cls = _actors()
+        draft, target = worker_cls.remote(), worker_cls.remote()
+        coordinator = coordinator_cls.remote(draft, target)
+        ray.get([draft.noop.remote(), target.noop.remote(), coordinator.noop_ms.remote(5)])
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            ray.get(draft.noop.remote())
+            times.append(time.perf_counter() - started)
+        results = {
+            "driver -> actor no-op call": 1e3 * statistics.median(times),
+            "coordinator -> actor no-op call": ray.get(coordinator.noop_ms.remote(repeats)),
+        }
+        for gamma in (0, 2, 4, 8):
+            numel = max(1, gamma * VOCAB)
+            label = f"coordinator: draft -> target ObjectRef chain, {numel * 8 // 1024} KB of rows (gamma {gamma})"
+            results[label] = ray.get(coordinator.chain_ms.remote(numel, repeats // 2))
+            label = f"coordinator: await draft, then target with the value, {numel * 8 // 1024} KB (gamma {gamma})"
+            results[label] = ray.get(coordinator.awaited_chain_ms.remote(numel, repeats // 2))
+        return results
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Latency of the Ray calls one sd iteration makes.")
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for label, value in measure(args.repeats).items():
+        logger.info("%-80s %6.2f ms", label, value)
+
+
+if __name__ == "__main__":
+    main()
