@@ -107,7 +107,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         pass
     settings = settings_from_args(args)
     group_args = load_app_args(args.config, args.app_name)
-    command = "specserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "specserve bench"
+    command = "specserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if "bench" in sys.argv[1:] else "specserve bench"
     results = run_benchmark(group_args, settings, args.out, command=command, plot_prefix=args.plot_prefix,
                             prompts_path=args.prompts or PROMPTS_PATH)
     for check in results.checks:
