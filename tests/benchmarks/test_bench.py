@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 
 import pytest
 import yaml
@@ -20,7 +19,9 @@ from benchmarks.analysis import check_targets, paired_ratios, summarize
 from benchmarks.cli import add_bench_parser
 from benchmarks.peer import accepted_lengths_from_cache
 from benchmarks.prompts import Prompt, code_prompt, load_prompts, prose_prompts
+from benchmarks.publish import results_section
 from benchmarks.records import RunRecord
+from benchmarks.run import rerender
 from benchmarks.suite import BenchSettings, build_cases
 from tests.conftest import tiny_args_dict
 
@@ -119,6 +120,13 @@ def test_speedups_are_paired_per_prompt_medians():
     assert block_check.met is True and block_check.measured.startswith("1.667x")  # 4.0 vs 2.4
 
 
+def test_results_section_for_the_docs():
+    text = "# Benchmark results\n\n## Targets\n\n![speedup](speedup.png)\n![x](img/time_split.png)\n"
+    assert results_section(text) == (
+        "## Benchmark results\n\n### Targets\n\n![speedup](img/bench_speedup.png)\n![x](img/bench_time_split.png)\n"
+    )
+
+
 # ----------------------------------------------------------------------------- smoke run
 
 SMOKE_PROMPTS = [
@@ -180,3 +188,7 @@ def test_bench_command_smoke(tiny_checkpoints, ray_session, tmp_path):
         assert heading in markdown
     for name in ("block_efficiency.png", "speedup.png", "time_split.png", "distribution_overhead.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Re-rendering from results.json reproduces the analysis exactly.
+    rerendered = rerender(out)
+    assert [s["key"] for s in results["summaries"]] == [s.key for s in rerendered.summaries]
+    assert json.loads((out / "results.json").read_text())["summaries"] == results["summaries"]
