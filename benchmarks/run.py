@@ -36,6 +36,21 @@ def _load_avg() -> str:
         return "n/a"
 
 
+def _git_commit() -> str:
+    """The checkout's commit (with ``+changes`` when the working tree differs), or n/a."""
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
+    return commit + ("+changes" if dirty else "")
+
+
 def environment_info() -> dict[str, Any]:
     import torch
     import transformers
@@ -54,6 +69,7 @@ def environment_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "ray": ray_version,
         "torch_threads": torch.get_num_threads(),
+        "git_commit": _git_commit(),
     }
 
 
