@@ -1,8 +1,10 @@
 """Reference decode loops: slow, obviously correct, the executable spec.
 
 The distributed coordinator and the tests are checked against these loops, token for token
-(same seed, same random streams) and in law (exact enumeration). They recompute every row
-from the full context: no caches, no batching tricks.
+(same seed, same random streams) and in law (exact enumeration). Each loop drives the same
+state machine the serving engine drives (:mod:`verifiers.machines`), with an executor that
+recomputes every row from the full context (:class:`verifiers.executor.LocalExecutor`): no
+caches, no batching tricks.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from verifiers.executor import LocalExecutor, layout_sources, run_machine
+from verifiers.machines import AutoregressiveMachine, SpeculativeMachine
 from verifiers.randomness import RandomSource, split_sources
 from verifiers.registry import get_verifier
-from verifiers.sampling import logits_to_probs
 
 logger = logging.getLogger(__name__)
 
@@ -75,66 +78,30 @@ def speculative_generate(
        as ``state=`` to the next iteration's call (stateful rules; None otherwise).
     5. The emitted tokens (accepted prefix + correction-or-bonus) extend the context.
     """
-    spec = get_verifier(method)
-    _check_loop_args(max_new_tokens, gamma, num_drafts, spec.multi_draft, method)
+    _check_loop_args(max_new_tokens, gamma, num_drafts, get_verifier(method).multi_draft, method)
     draft_source, verify_source = split_sources(generator, 2)
-
-    def rows(model_fn: ModelFn, context: tuple[int, ...]) -> torch.Tensor:
-        logits = torch.as_tensor(model_fn(context))  # [V]
-        return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-
-    context = tuple(int(t) for t in prompt)
-    generated: list[int] = []
-    stats: dict = {"target_calls": 0, "draft_calls": 0, "accepted": [], "draft_index": [], "iterations": 0}
-    state = None
-    while len(generated) < max_new_tokens:
-        draft_tokens, draft_probs = _draft_block(
-            lambda ctx: rows(draft_fn, ctx), draft_source, context, gamma, num_drafts
-        )  # [K, gamma], [K, gamma, V]
-        target_probs = torch.stack(
-            [
-                torch.stack([rows(target_fn, context + tuple(draft[:i])) for i in range(gamma + 1)])
-                for draft in draft_tokens.tolist()
-            ]
-        )  # [K, gamma+1, V]
-        if spec.multi_draft:
-            batched = (draft_tokens[None], draft_probs[None], target_probs[None])  # B = 1
-        else:
-            batched = (draft_tokens, draft_probs, target_probs)  # K = 1 is the batch of 1
-        result = spec.verify(*batched, generator=verify_source, state=state)
-        state = result.state
-        emitted = result.emitted(0)
-        generated.extend(emitted)
-        context = context + tuple(emitted)
-        stats["target_calls"] += 1
-        stats["draft_calls"] += gamma
-        stats["iterations"] += 1
-        stats["accepted"].append(int(result.num_accepted[0]))
-        if result.draft_index is not None:
-            stats["draft_index"].append(int(result.draft_index[0]))
+    machine = SpeculativeMachine(
+        "draft", "target", method=method, gamma=gamma, num_drafts=num_drafts, max_new_tokens=max_new_tokens
+    )
+    executor = LocalExecutor(
+        {"draft": draft_fn, "target": target_fn},
+        prompt,
+        layout_sources(machine.streams(), [draft_source, verify_source]),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
+    generated = run_machine(machine, executor)
+    iterations = len(machine.accepted_lengths)
+    stats = {
+        "target_calls": iterations,
+        "draft_calls": gamma * iterations,
+        "accepted": list(machine.accepted_lengths),
+        "draft_index": list(machine.draft_indices),
+        "iterations": iterations,
+    }
     logger.debug("speculative_generate(%s): %s", method, stats)
     return generated[:max_new_tokens], stats
-
-
-def _draft_block(
-    draft_rows: Callable[[tuple[int, ...]], torch.Tensor],
-    draft_source: RandomSource,
-    context: tuple[int, ...],
-    gamma: int,
-    num_drafts: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``num_drafts`` independent draft blocks of ``gamma`` tokens, one categorical call per
-    step over the K rows. Returns ``draft_tokens [K, gamma]`` and ``draft_probs [K, gamma, V]``."""
-    drafts: list[list[int]] = [[] for _ in range(num_drafts)]
-    step_rows: list[torch.Tensor] = []
-    for _ in range(gamma):
-        rows = torch.stack([draft_rows(context + tuple(draft)) for draft in drafts])  # [K, V]
-        tokens = draft_source.categorical(rows)  # [K]
-        for draft, token in zip(drafts, tokens.tolist()):
-            draft.append(int(token))
-        step_rows.append(rows)
-    draft_probs = torch.stack(step_rows, dim=1)  # [K, gamma, V]
-    return torch.tensor(drafts, dtype=torch.int64), draft_probs
 
 
 def _check_loop_args(max_new_tokens: int, gamma: int, num_drafts: int, multi_draft: bool, method: str) -> None:
@@ -168,12 +135,14 @@ def autoregressive_generate(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     (sampling_source,) = split_sources(generator, 1)
-    context = tuple(int(t) for t in prompt)
-    generated: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = torch.as_tensor(target_fn(context))  # [V]
-        row = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # [V]
-        token = int(sampling_source.categorical(row))
-        generated.append(token)
-        context = context + (token,)
+    machine = AutoregressiveMachine("target", max_new_tokens)
+    executor = LocalExecutor(
+        {"target": target_fn},
+        prompt,
+        layout_sources(machine.streams(), [sampling_source]),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
+    generated = run_machine(machine, executor)
     return generated, {"target_calls": max_new_tokens}

@@ -19,62 +19,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from verifiers.ensemble import (
-    SEGMENT_METHODS,
-    EnsembleFunction,
-    EnsembleKind,
-    VerifyMethod,
-    default_proposer,
-    make_ensemble,
-    member_probs,
-    next_scorer,
-    shared_vocab_logits,
-    verify_segment,
-)
+from verifiers.ensemble import SEGMENT_METHODS, EnsembleKind, VerifyMethod, make_ensemble, shared_vocab_logits
+from verifiers.executor import LocalExecutor, layout_sources, run_machine
+from verifiers.machines import EnsembleMachine, SpeculativeEnsembleMachine
 from verifiers.randomness import RandomSource, split_sources
-from verifiers.types import PAD_TOKEN
 
 logger = logging.getLogger(__name__)
 
 ModelFn = Callable[[tuple[int, ...]], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class _Sampling:
-    temperature: float
-    top_k: int
-    top_p: float
-
-
-class _Members:
-    """Member logits on the shared vocabulary and the rows derived from them."""
-
-    def __init__(self, model_fns: Sequence[ModelFn], prompt: tuple[int, ...], function: EnsembleFunction, sampling: _Sampling):
-        self.model_fns = list(model_fns)
-        self.function = function
-        self.sampling = sampling
-        self.vocab = shared_vocab_logits([torch.as_tensor(fn(prompt)) for fn in self.model_fns]).shape[-1]
-
-    def logits(self, member: int, context: tuple[int, ...]) -> torch.Tensor:
-        """Member ``member``'s logits ``[V]`` after ``context``, on the shared vocabulary."""
-        logits = torch.as_tensor(self.model_fns[member](context)).to(torch.float64)  # [V_member]
-        if logits.dim() != 1 or logits.shape[0] < self.vocab:
-            raise ValueError(f"member {member} returned logits of shape {tuple(logits.shape)}; expected [>= {self.vocab}]")
-        return logits[: self.vocab]
-
-    def proposal_rows(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits [..., V]`` of one member -> the rows that member samples from ``[..., V]``."""
-        s = self.sampling
-        return member_probs(logits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-
-    def ensemble_rows(self, member_logits: torch.Tensor) -> torch.Tensor:
-        """``member_logits [n, ..., V]`` -> ensemble rows ``[..., V]``."""
-        s = self.sampling
-        return self.function.probs(member_logits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
 
 
 def ensemble_next_token_probs(
@@ -90,11 +45,10 @@ def ensemble_next_token_probs(
     """The ensemble law as a function of the context: ``context -> row [V]`` (what every
     ensemble loop must reproduce; feed it to :func:`verifiers.exact.sequence_law`)."""
     function = make_ensemble(ensemble, len(model_fns), weights=weights, mu=mu)
-    sampling = _Sampling(temperature, top_k, top_p)
 
     def next_token_probs(context: tuple[int, ...]) -> torch.Tensor:
         member_logits = shared_vocab_logits([torch.as_tensor(fn(tuple(context))) for fn in model_fns])  # [n, V]
-        return function.probs(member_logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+        return function.probs(member_logits, temperature=temperature, top_k=top_k, top_p=top_p)
 
     return next_token_probs
 
@@ -122,72 +76,13 @@ def ensemble_autoregressive_generate(
     with ``row [V]`` the ensemble row after the current context. Streams 0..n-1 are unused.
     """
     _check_count(max_new_tokens)
-    function = make_ensemble(ensemble, len(model_fns), weights=weights, mu=mu)
-    context = tuple(int(t) for t in prompt)
-    members = _Members(model_fns, context, function, _Sampling(temperature, top_k, top_p))
     sources = split_sources(generator, len(model_fns) + 1)
-    generated: list[int] = []
-    for _ in range(max_new_tokens):
-        member_logits = torch.stack([members.logits(i, context) for i in range(len(model_fns))])  # [n, V]
-        row = members.ensemble_rows(member_logits)  # [V]
-        token = int(sources[-1].categorical(row))
-        generated.append(token)
-        context = context + (token,)
+    machine = EnsembleMachine(
+        _member_names(model_fns), ensemble=ensemble, weights=weights, mu=mu, temperature=temperature, top_k=top_k,
+        top_p=top_p, own_source=sources[-1], max_new_tokens=max_new_tokens,
+    )
+    generated = run_machine(machine, _executor(machine, model_fns, prompt, sources, temperature, top_k, top_p))
     return generated, {"model_calls": [max_new_tokens] * len(model_fns)}
-
-
-@dataclass
-class _Segment:
-    """Consecutive queued tokens drawn by one member (its bonus token first, if any)."""
-
-    producer: int
-    tokens: list[int]
-
-
-@dataclass
-class _Queue:
-    """The unverified tokens (Alg. 2's ``S_c``) and each member's logits for them (``C_i``).
-
-    ``member_logits[i]`` holds member i's logits ``[V]`` for queued positions ``0 ..
-    coverage(i) - 1`` (its coverage always ends at a segment boundary)."""
-
-    num_members: int
-    segments: list[_Segment] = field(default_factory=list)
-    member_logits: list[list[torch.Tensor]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.member_logits = [[] for _ in range(self.num_members)]
-
-    def tokens(self) -> list[int]:
-        return [t for segment in self.segments for t in segment.tokens]
-
-    def coverage(self) -> list[int]:
-        return [len(rows) for rows in self.member_logits]
-
-    def start_segment(self, member: int) -> None:
-        # Invariant of the loop (docs/ensembles.md): a member never holds two segments.
-        if any(segment.producer == member for segment in self.segments):
-            raise RuntimeError(f"member {member} starts a second queued segment")
-        self.segments.append(_Segment(member, []))
-
-    def append(self, member: int, token: int, logits: torch.Tensor) -> None:
-        """Queue ``token`` drawn by ``member`` (the last segment's producer) from the row of
-        ``logits``."""
-        if not self.segments or self.segments[-1].producer != member:
-            raise RuntimeError(f"member {member} appends to a segment it did not start")
-        self.segments[-1].tokens.append(token)
-        self.member_logits[member].append(logits)
-
-    def first_segment_verifiable(self) -> bool:
-        return bool(self.segments) and min(self.coverage()) >= len(self.segments[0].tokens)
-
-    def pop_first(self) -> None:
-        length = len(self.segments.pop(0).tokens)
-        self.member_logits = [rows[length:] for rows in self.member_logits]
-
-    def clear(self) -> None:
-        self.segments = []
-        self.member_logits = [[] for _ in range(self.num_members)]
 
 
 def ensemble_generate(
@@ -256,108 +151,54 @@ def ensemble_generate(
     gammas = _checked_gammas(gammas, num_members)
     if method not in SEGMENT_METHODS:
         raise ValueError(f"method must be one of {list(SEGMENT_METHODS)}, got {method!r}")
-    function = make_ensemble(ensemble, num_members, weights=weights, mu=mu)
-    prompt = tuple(int(t) for t in prompt)
-    members = _Members(model_fns, prompt, function, _Sampling(temperature, top_k, top_p))
     sources = split_sources(generator, num_members + 1)
-    proposer = default_proposer(gammas)
-
-    generated: list[int] = []
-    queue = _Queue(num_members)
+    machine = SpeculativeEnsembleMachine(
+        _member_names(model_fns), gammas=gammas, method=method, ensemble=ensemble, weights=weights, mu=mu,
+        temperature=temperature, top_k=top_k, top_p=top_p, own_source=sources[-1], max_new_tokens=max_new_tokens,
+    )
+    executor = _executor(machine, model_fns, prompt, sources, temperature, top_k, top_p)
+    generated = run_machine(machine, executor)
     stats: dict = {
-        "model_calls": [0] * num_members,
-        "accepted": [],
-        "segment_lengths": [],
-        "proposers": [],
-        "verifications": 0,
+        "model_calls": [executor.model_calls[name] for name in machine.members],
+        "accepted": list(machine.accepted_lengths),
+        "segment_lengths": list(machine.segment_lengths),
+        "proposers": list(machine.proposers),
+        "verifications": len(machine.accepted_lengths),
     }
-    while len(generated) < max_new_tokens:
-        room = max_new_tokens - len(generated) - len(queue.tokens())
-        if not queue.segments:
-            queue.start_segment(proposer)
-            _propose(members, queue, prompt + tuple(generated), proposer, min(gammas[proposer], room), sources, stats)
-        else:
-            scorer = next_scorer(queue.coverage())
-            _score(members, queue, prompt + tuple(generated), scorer, gammas[scorer], room, sources, stats)
-        while queue.first_segment_verifiable():
-            generated.extend(_verify_first_segment(members, queue, method, sources[-1], stats))
     logger.debug("ensemble_generate(%s, %s): %s", ensemble, method, stats)
     return generated, stats
 
 
-def _propose(
-    members: _Members,
-    queue: _Queue,
-    context: tuple[int, ...],
-    member: int,
-    count: int,
+def _member_names(model_fns: Sequence[ModelFn]) -> list[str]:
+    return [f"member{i}" for i in range(len(model_fns))]
+
+
+def _executor(
+    machine: EnsembleMachine | SpeculativeEnsembleMachine,
+    model_fns: Sequence[ModelFn],
+    prompt: Sequence[int],
     sources: list[RandomSource],
-    stats: dict,
-) -> None:
-    """Member ``member`` extends its (last) segment by ``count`` tokens drawn after context +
-    queue, one call each."""
-    for _ in range(count):
-        logits = members.logits(member, context + tuple(queue.tokens()))  # [V]
-        token = int(sources[member].categorical(members.proposal_rows(logits)))
-        queue.append(member, token, logits)
-        stats["model_calls"][member] += 1
-
-
-def _score(
-    members: _Members,
-    queue: _Queue,
-    context: tuple[int, ...],
-    member: int,
-    gamma: int,
-    room: int,
-    sources: list[RandomSource],
-    stats: dict,
-) -> None:
-    """One scoring call of ``member`` over the queue (+ the row after it), then its bonus token
-    and ``min(gamma, room) - 1`` proposals when there is room."""
-    queued = queue.tokens()
-    if queue.member_logits[member]:
-        raise RuntimeError(f"member {member} scores while already covering queued positions")
-    for position in range(len(queued)):
-        queue.member_logits[member].append(members.logits(member, context + tuple(queued[:position])))
-    stats["model_calls"][member] += 1
-    if room < 1:
-        return
-    bonus_logits = members.logits(member, context + tuple(queued))  # [V], same scoring call
-    bonus = int(sources[member].categorical(members.proposal_rows(bonus_logits)))
-    queue.start_segment(member)
-    queue.append(member, bonus, bonus_logits)
-    _propose(members, queue, context, member, min(gamma, room) - 1, sources, stats)
-
-
-def _verify_first_segment(
-    members: _Members, queue: _Queue, method: VerifyMethod, verify_source: RandomSource, stats: dict
-) -> list[int]:
-    """Verify the oldest segment against the ensemble rows; update the queue; return the
-    committed tokens."""
-    segment = queue.segments[0]
-    length = len(segment.tokens)
-    member_logits = torch.stack([torch.stack(rows[:length]) for rows in queue.member_logits])  # [n, g, V]
-    proposal_probs = members.proposal_rows(member_logits[segment.producer])  # [g, V]
-    ensemble_probs = members.ensemble_rows(member_logits)  # [g, V]
-    next_token = queue.segments[1].tokens[0] if len(queue.segments) > 1 else PAD_TOKEN
-    verdict = verify_segment(
-        torch.tensor([segment.tokens], dtype=torch.int64),  # [1, g]
-        proposal_probs.unsqueeze(0),  # [1, g, V]
-        ensemble_probs.unsqueeze(0),  # [1, g, V]
-        torch.tensor([next_token], dtype=torch.int64),  # [1]
-        method=method,
-        generator=verify_source,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> LocalExecutor:
+    """The members as functions on the shared vocabulary (``V = min_i V_i``, read from each
+    member's logits on the prompt: the prefill every member does anyway, not counted)."""
+    prompt = tuple(int(t) for t in prompt)
+    vocab = shared_vocab_logits([torch.as_tensor(fn(prompt)) for fn in model_fns]).shape[-1]
+    for i, fn in enumerate(model_fns):
+        logits = torch.as_tensor(fn(prompt))
+        if logits.dim() != 1:
+            raise ValueError(f"member {i} returned logits of shape {tuple(logits.shape)}; expected [>= {vocab}]")
+    return LocalExecutor(
+        dict(zip(machine.members, model_fns)),
+        prompt,
+        layout_sources(machine.streams(), sources),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        vocab_limit=vocab,
     )
-    stats["accepted"].append(int(verdict.num_accepted[0]))
-    stats["segment_lengths"].append(length)
-    stats["proposers"].append(segment.producer)
-    stats["verifications"] += 1
-    if bool(verdict.fully_accepted[0]):
-        queue.pop_first()
-    else:
-        queue.clear()
-    return verdict.emitted(0)
 
 
 def _check_count(max_new_tokens: int) -> None:

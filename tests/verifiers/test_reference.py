@@ -18,7 +18,7 @@ from tests.verifiers.tiny_models import (
     speculative_law,
     target_law,
 )
-from verifiers import reference
+from verifiers import executor, reference
 from verifiers.exact import exact_law, total_variation
 from verifiers.reference import autoregressive_generate, speculative_generate
 from verifiers.registry import VerifierSpec
@@ -96,6 +96,12 @@ def test_draft_equal_to_target_accepts_everything_exactly(method):
     assert stats["accepted"] == [2, 2, 2]
 
 
+def _use_verifier(monkeypatch, spec: VerifierSpec) -> None:
+    """Make the reference loop (its argument check and the executor that verifies) use ``spec``."""
+    monkeypatch.setattr(reference, "get_verifier", lambda name: spec)
+    monkeypatch.setattr(executor, "get_verifier", lambda name: spec)
+
+
 def _record_greedy_levels(monkeypatch) -> list[int]:
     """Record how many modification levels each greedy call receives."""
     level_counts: list[int] = []
@@ -105,7 +111,7 @@ def _record_greedy_levels(monkeypatch) -> list[int]:
         return verify_greedy_block(*args, state=state, **kwargs)
 
     spec = VerifierSpec("greedy_block", recording_verify, multi_draft=False, stateful=True)
-    monkeypatch.setattr(reference, "get_verifier", lambda name: spec)
+    _use_verifier(monkeypatch, spec)
     return level_counts
 
 
@@ -159,7 +165,7 @@ def test_eq23_read_as_conditionals_is_not_lossless_hand_example(monkeypatch):
     joint = speculative_law(draft_fn, target_fn, PROMPT, 2, gamma=2, method="greedy_block")
     assert total_variation(joint, exact) < EXACT_TOLERANCE
     spec = _conditional_reading_verifier()
-    monkeypatch.setattr(reference, "get_verifier", lambda name: spec)
+    _use_verifier(monkeypatch, spec)
     conditional = speculative_law(draft_fn, target_fn, PROMPT, 2, gamma=2, method="greedy_block")
     assert exact[(1, 0)] == pytest.approx(0.24, abs=1e-12)
     assert conditional[(1, 0)] == pytest.approx(0.16, abs=1e-12)
@@ -168,7 +174,7 @@ def test_eq23_read_as_conditionals_is_not_lossless_hand_example(monkeypatch):
 
 def test_eq23_read_as_conditionals_is_not_lossless_on_context_dependent_models(monkeypatch):
     spec = _conditional_reading_verifier()
-    monkeypatch.setattr(reference, "get_verifier", lambda name: spec)
+    _use_verifier(monkeypatch, spec)
     vocab, gamma, length, seed, mask_prob = NESTED_CASE
     draft_fn, target_fn = model_pair(vocab, seed, mask_prob=mask_prob)
     law = speculative_law(draft_fn, target_fn, PROMPT, length, gamma=gamma, method="greedy_block")

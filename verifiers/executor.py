@@ -1,0 +1,170 @@
+"""Execute a machine's needs by recomputing every row from the full context (no caches).
+
+:class:`LocalExecutor` is the executor of the reference loops: slow and obviously correct.
+Each model has its own committed context (the ``append`` tokens of a need are committed before
+the need is done, as on a serving worker), its own random streams and, for stateful
+verification rules, its own verifier state. The rows come from the one sampling path,
+:func:`verifiers.sampling.logits_to_probs`, exactly as on the serving workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from verifiers.machines import (
+    DecodeMachine,
+    Extend,
+    MemberBlock,
+    Need,
+    NextLogits,
+    Sample,
+    Sampled,
+    ScoreVerify,
+    Verified,
+)
+from verifiers.randomness import RandomSource
+from verifiers.registry import get_verifier
+from verifiers.sampling import logits_to_probs
+
+ModelFn = Callable[[tuple[int, ...]], torch.Tensor]
+
+
+class LocalExecutor:
+    """Runs needs on plain functions ``context tuple -> logits [V]``.
+
+    model_fns: model name -> function. prompt: every model's starting context.
+    sources: model name -> {stream name: RandomSource} (a machine's ``streams()`` layout).
+    vocab_limit: logits are truncated to this many entries (the shared vocabulary; None keeps
+    them whole). Sampling parameters are the request's, identical for every model.
+    """
+
+    def __init__(
+        self,
+        model_fns: Mapping[str, ModelFn],
+        prompt: Sequence[int],
+        sources: Mapping[str, Mapping[str, RandomSource]],
+        *,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        vocab_limit: int | None = None,
+    ):
+        self.model_fns = dict(model_fns)
+        self.contexts = {name: tuple(int(t) for t in prompt) for name in self.model_fns}
+        self.sources = {name: dict(streams) for name, streams in sources.items()}
+        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        self.vocab_limit = vocab_limit
+        self.verify_states: dict[str, Any] = {}
+        self.model_calls = {name: 0 for name in self.model_fns}
+
+    def run_step(self, needs: Sequence[Need]) -> list[object]:
+        """Execute one step's needs in order (a ScoreVerify reads an earlier need's result)."""
+        results: list[object] = []
+        for need in needs:
+            self.contexts[need.model] += tuple(int(t) for t in need.append)
+            if isinstance(need, Sample):
+                results.append(self._sample(need))
+            elif isinstance(need, ScoreVerify):
+                results.append(self._score_verify(need, results[need.proposal]))
+            elif isinstance(need, Extend):
+                results.append(self._extend(need))
+            elif isinstance(need, NextLogits):
+                self.model_calls[need.model] += 1
+                results.append(self._logits(need.model, self.contexts[need.model]))
+            else:
+                raise TypeError(f"unknown need {need!r}")
+        return results
+
+    def _logits(self, model: str, context: tuple[int, ...]) -> torch.Tensor:
+        logits = torch.as_tensor(self.model_fns[model](context)).to(torch.float64)  # [V_model]
+        return logits if self.vocab_limit is None else logits[: self.vocab_limit]
+
+    def _rows(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, **self.sampling)
+
+    def _source(self, model: str, stream: str) -> RandomSource:
+        try:
+            return self.sources[model][stream]
+        except KeyError:
+            raise ValueError(f"model {model!r} owns no random stream {stream!r}") from None
+
+    def _sample(self, need: Sample) -> Sampled:
+        source = self._source(need.model, need.stream)
+        context = self.contexts[need.model]
+        drafts: list[list[int]] = [[] for _ in range(need.num_drafts)]
+        step_logits: list[torch.Tensor] = []
+        for _ in range(need.count):
+            logits = torch.stack([self._logits(need.model, context + tuple(draft)) for draft in drafts])  # [K, V]
+            tokens = source.categorical(self._rows(logits))  # [K]
+            for draft, token in zip(drafts, tokens.tolist()):
+                draft.append(int(token))
+            step_logits.append(logits)
+        self.model_calls[need.model] += need.count
+        logits = torch.stack(step_logits, dim=1) if need.return_logits else None  # [K, n, V]
+        return Sampled(tokens=torch.tensor(drafts, dtype=torch.int64), logits=logits)
+
+    def _score_verify(self, need: ScoreVerify, proposal: Sampled) -> Verified:
+        spec = get_verifier(need.method)
+        context = self.contexts[need.model]
+        draft_tokens = proposal.tokens  # [K, gamma]
+        gamma = draft_tokens.shape[1]
+        target_probs = torch.stack(
+            [
+                torch.stack([self._rows(self._logits(need.model, context + tuple(draft[:i]))) for i in range(gamma + 1)])
+                for draft in draft_tokens.tolist()
+            ]
+        )  # [K, gamma+1, V]
+        draft_probs = self._rows(proposal.logits)  # [K, gamma, V]
+        if spec.multi_draft:
+            batched = (draft_tokens[None], draft_probs[None], target_probs[None])  # B = 1
+        else:
+            batched = (draft_tokens, draft_probs, target_probs)  # K = 1 is the batch of 1
+        result = spec.verify(
+            *batched, generator=self._source(need.model, need.stream), state=self.verify_states.get(need.model)
+        )
+        self.verify_states[need.model] = result.state
+        emitted = result.emitted(0)
+        self.contexts[need.model] = context + tuple(emitted)
+        self.model_calls[need.model] += 1
+        return Verified(
+            emitted=emitted,
+            num_accepted=int(result.num_accepted[0]),
+            draft_index=None if result.draft_index is None else int(result.draft_index[0]),
+        )
+
+    def _extend(self, need: Extend) -> MemberBlock:
+        context = self.contexts[need.model]
+        queued = tuple(need.queued)
+        queued_logits = [self._logits(need.model, context + queued[:j]) for j in range(len(queued))]
+        tokens: list[int] = []
+        token_logits: list[torch.Tensor] = []
+        for _ in range(need.count):
+            logits = self._logits(need.model, context + queued + tuple(tokens))  # [V]
+            tokens.append(int(self._source(need.model, need.stream).categorical(self._rows(logits))))
+            token_logits.append(logits)
+        # One scoring call covers the queue and the first draw; each further draw is a call.
+        self.model_calls[need.model] += max(1, need.count) if queued else need.count
+        vocab = self.vocab_limit or (token_logits[0].shape[-1] if token_logits else 0)
+        return MemberBlock(
+            queued_logits=torch.stack(queued_logits) if queued_logits else torch.empty(0, vocab, dtype=torch.float64),
+            tokens=torch.tensor(tokens, dtype=torch.int64),
+            token_logits=torch.stack(token_logits) if token_logits else torch.empty(0, vocab, dtype=torch.float64),
+        )
+
+
+def run_machine(machine: DecodeMachine, executor: LocalExecutor) -> list[int]:
+    """Drive ``machine`` to its end with ``executor``; returns the committed tokens."""
+    while not machine.done:
+        machine.consume(executor.run_step(machine.needs()))
+    return list(machine.committed)
+
+
+def layout_sources(
+    streams: Mapping[str, Mapping[str, int]], sources: Sequence[RandomSource]
+) -> dict[str, dict[str, RandomSource]]:
+    """A machine's ``streams()`` (model -> {stream name: index}) with the indices replaced by
+    ``sources[index]`` (``verifiers.randomness.split_sources`` of the request's generator)."""
+    return {model: {name: sources[index] for name, index in named.items()} for model, named in streams.items()}

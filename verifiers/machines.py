@@ -1,0 +1,417 @@
+"""Decoding strategies as state machines without I/O: the one implementation of each strategy.
+
+A machine decodes one request. Each step it says what the models must do (:meth:`needs`: a
+list of :data:`Need` values), and it consumes what they returned (:meth:`consume`, results
+aligned with the needs), returning the tokens that became final. It never calls a model and
+never touches a KV cache; who executes the needs is up to the driver:
+
+* the reference loops (:mod:`verifiers.reference`, :mod:`verifiers.reference_ensemble`)
+  execute them with :class:`verifiers.executor.LocalExecutor`, recomputing every row from the
+  full context (slow, obviously correct; the exactness tests enumerate their output law);
+* the serving engine (``actors.scheduler``) gathers the needs of every request in flight and
+  runs them as one batched call per model worker per step.
+
+Both drivers run the same machine, so what is proven exact is what serves.
+
+Random streams. Every draw belongs to one stream of the request's layout
+(:func:`verifiers.randomness.stream_seeds`): :meth:`DecodeMachine.streams` says which model's
+executor owns which stream (draws of a need happen where the need is executed, next to the
+rows), and ensemble machines own their verification stream themselves (``own_source``). A
+need names the stream it draws from; executors draw in the order the machine's contract below
+states, which is what makes a request's tokens independent of its neighbours in a batch.
+
+Vocabulary: ``append`` is always the committed tokens the model has not been told about yet
+(the model's executor commits them before doing the need); ``queued`` tokens are unverified.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+
+from verifiers.ensemble import default_proposer, make_ensemble, member_probs, next_scorer, verify_segment
+from verifiers.randomness import RandomSource
+from verifiers.registry import get_verifier
+from verifiers.types import PAD_TOKEN
+
+AR_TOKENS_PER_STEP = 4  # ar: tokens drawn per step (streaming granularity vs per-step overhead)
+
+
+# ---------------------------------------------------------------------------------- needs
+@dataclass(frozen=True)
+class Sample:
+    """``model`` draws ``count`` tokens for each of ``num_drafts`` drafts after its context.
+
+    Contract: the first tokens of the K drafts come from the row after the context (shared);
+    step i makes ONE ``categorical(rows [K, V])`` call on stream ``stream``, row k being the row
+    after the context and draft k's first i tokens. Result: :class:`Sampled`.
+    """
+
+    model: str
+    append: tuple[int, ...]
+    count: int
+    num_drafts: int = 1
+    return_logits: bool = False
+    stream: str = "sample"
+
+
+@dataclass(frozen=True)
+class ScoreVerify:
+    """``model`` (the target) scores the proposal returned for need ``proposal`` of the same
+    step (``gamma + 1`` rows per draft) and verifies it with the registry rule ``method`` on its
+    stream ``stream``, ONE verifier call with batch 1; a stateful rule's state stays with the
+    executor. The emitted tokens are committed to the model's context by the executor.
+    Result: :class:`Verified`."""
+
+    model: str
+    append: tuple[int, ...]
+    proposal: int
+    method: str
+    stream: str = "verify"
+
+
+@dataclass(frozen=True)
+class Extend:
+    """Ensemble member call: ``model``'s logits at every ``queued`` position and after the
+    queue, then ``count`` tokens drawn after the queue on stream ``stream``, one
+    ``categorical(row [V])`` each (the first from the row after the queue).
+    Result: :class:`MemberBlock`."""
+
+    model: str
+    append: tuple[int, ...]
+    queued: tuple[int, ...]
+    count: int
+    stream: str = "sample"
+
+
+@dataclass(frozen=True)
+class NextLogits:
+    """``model``'s logits ``[V]`` (shared vocabulary) of the next position. Result: a tensor."""
+
+    model: str
+    append: tuple[int, ...]
+
+
+Need = Union[Sample, ScoreVerify, Extend, NextLogits]
+
+
+# -------------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class Sampled:
+    """tokens: [K, n] int64; logits: [K, n, V] (what token i of draft k was drawn from, through
+    the request's ``logits_to_probs``) or None when not asked for."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Verified:
+    """emitted: the accepted draft prefix plus the correction-or-bonus token."""
+
+    emitted: list[int]
+    num_accepted: int
+    draft_index: int | None = None
+
+
+@dataclass(frozen=True)
+class MemberBlock:
+    """queued_logits [Q, V]: row j after context + queued[:j]; tokens [m] drawn after the queue;
+    token_logits [m, V]: row i is what token i was drawn from."""
+
+    queued_logits: torch.Tensor
+    tokens: torch.Tensor
+    token_logits: torch.Tensor
+
+
+# ------------------------------------------------------------------------------- machines
+class DecodeMachine(ABC):
+    """One request decoded with one strategy.
+
+    max_new_tokens: the most tokens this machine will ever commit (the driver may stop earlier:
+    EOS, stop strings). context_budget: positions left after the prompt in the smallest model
+    context (None: unlimited, as in the reference loops); blocks are clipped near its end.
+    """
+
+    def __init__(self, max_new_tokens: int, context_budget: int | None = None):
+        self.max_new_tokens = int(max_new_tokens)
+        self.context_budget = context_budget
+        self.committed: list[int] = []
+        self.accepted_lengths: list[int] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.committed) >= self.max_new_tokens
+
+    @abstractmethod
+    def streams(self) -> dict[str, dict[str, int]]:
+        """Model name -> {stream name: stream index in the request's layout} its executor owns
+        (every model the machine uses appears, possibly with no stream)."""
+
+    @abstractmethod
+    def needs(self) -> list[Need]:
+        """What the models must do this step (never empty while not done)."""
+
+    @abstractmethod
+    def consume(self, results: Sequence[object]) -> list[int]:
+        """Take the results of :meth:`needs` (same order); return the tokens made final."""
+
+    def lookahead(self, block: int) -> int:
+        """Clip a block so no position passes the model context."""
+        if self.context_budget is None:
+            return max(1, block)
+        return max(1, min(block, self.context_budget - len(self.committed)))
+
+    def _commit(self, tokens: Sequence[int]) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        self.committed.extend(tokens)
+        return tokens
+
+
+class _Unsent:
+    """Per model, how many committed tokens it has been told about (``append`` bookkeeping)."""
+
+    def __init__(self, models: Sequence[str], committed: list[int]):
+        self.synced = {name: 0 for name in models}
+        self.committed = committed
+
+    def take(self, model: str) -> tuple[int, ...]:
+        tokens = tuple(self.committed[self.synced[model]:])
+        self.synced[model] = len(self.committed)
+        return tokens
+
+    def mark(self, model: str) -> None:
+        """``model`` committed the tokens itself (the verifier commits what it emits)."""
+        self.synced[model] = len(self.committed)
+
+
+class AutoregressiveMachine(DecodeMachine):
+    """``ar``: the target alone; ``tokens_per_step`` draws per step, one per token, stream 0
+    on the target (``verifiers.reference.autoregressive_generate``)."""
+
+    def __init__(self, target: str, max_new_tokens: int, context_budget: int | None = None,
+                 tokens_per_step: int = AR_TOKENS_PER_STEP):
+        super().__init__(max_new_tokens, context_budget)
+        self.target = target
+        self.tokens_per_step = tokens_per_step
+        self.unsent = _Unsent([target], self.committed)
+
+    def streams(self) -> dict[str, dict[str, int]]:
+        return {self.target: {"sample": 0}}
+
+    def needs(self) -> list[Need]:
+        remaining = self.max_new_tokens - len(self.committed)
+        count = self.lookahead(min(self.tokens_per_step, max(1, remaining)))
+        return [Sample(self.target, self.unsent.take(self.target), count)]
+
+    def consume(self, results: Sequence[object]) -> list[int]:
+        (sampled,) = results
+        return self._commit(sampled.tokens[0].tolist())
+
+
+class SpeculativeMachine(DecodeMachine):
+    """``sd`` / ``multi_draft`` (``verifiers.reference.speculative_generate``): each step the
+    draft samples K x gamma tokens (stream 0 on the draft), the target scores and verifies them
+    (stream 1 on the target) and emits the accepted prefix plus one token."""
+
+    def __init__(self, draft: str, target: str, *, method: str, gamma: int, num_drafts: int,
+                 max_new_tokens: int, context_budget: int | None = None):
+        super().__init__(max_new_tokens, context_budget)
+        if not get_verifier(method).multi_draft and num_drafts != 1:
+            raise ValueError(f"method {method!r} is single-draft; num_drafts must be 1, got {num_drafts}")
+        self.draft, self.target = draft, target
+        self.method, self.gamma, self.num_drafts = method, gamma, num_drafts
+        self.unsent = _Unsent([draft, target], self.committed)
+        self.draft_indices: list[int] = []
+
+    def streams(self) -> dict[str, dict[str, int]]:
+        return {self.draft: {"sample": 0}, self.target: {"verify": 1}}
+
+    def needs(self) -> list[Need]:
+        gamma = self.lookahead(self.gamma)
+        return [
+            Sample(self.draft, self.unsent.take(self.draft), gamma, self.num_drafts, return_logits=True),
+            ScoreVerify(self.target, self.unsent.take(self.target), proposal=0, method=self.method),
+        ]
+
+    def consume(self, results: Sequence[object]) -> list[int]:
+        _, verified = results
+        self.accepted_lengths.append(verified.num_accepted)
+        if verified.draft_index is not None:
+            self.draft_indices.append(verified.draft_index)
+        tokens = self._commit(verified.emitted)
+        self.unsent.mark(self.target)
+        return tokens
+
+
+class _EnsembleMachine(DecodeMachine):
+    """Members, the ensemble function and the machine's own verification stream (stream n)."""
+
+    def __init__(self, members: Sequence[str], *, ensemble: str, weights: Sequence[float] | None, mu: float,
+                 temperature: float, top_k: int, top_p: float, own_source: RandomSource,
+                 max_new_tokens: int, context_budget: int | None = None):
+        super().__init__(max_new_tokens, context_budget)
+        self.members = list(members)
+        self.function = make_ensemble(ensemble, len(self.members), weights=weights, mu=mu)
+        self.sampling = (temperature, top_k, top_p)
+        self.own_source = own_source
+        self.unsent = _Unsent(self.members, self.committed)
+
+    def streams(self) -> dict[str, dict[str, int]]:
+        return {name: {"sample": i} for i, name in enumerate(self.members)}
+
+    @property
+    def own_stream(self) -> int:
+        return len(self.members)
+
+    def ensemble_rows(self, member_logits: torch.Tensor) -> torch.Tensor:
+        """``member_logits [n, ..., V]`` -> ensemble rows ``[..., V]`` (float64)."""
+        temperature, top_k, top_p = self.sampling
+        return self.function.probs(member_logits.to(torch.float64), temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def proposal_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """One member's ``logits [..., V]`` -> the rows it samples from (float64)."""
+        temperature, top_k, top_p = self.sampling
+        return member_probs(logits.to(torch.float64), temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+class EnsembleMachine(_EnsembleMachine):
+    """``ensemble`` (``ensemble_autoregressive_generate``): every member scores every token;
+    ONE ``own_source.categorical(row [V])`` per token from the ensemble row."""
+
+    def needs(self) -> list[Need]:
+        return [NextLogits(name, self.unsent.take(name)) for name in self.members]
+
+    def consume(self, results: Sequence[object]) -> list[int]:
+        member_logits = torch.stack([torch.as_tensor(logits).to(torch.float64).cpu() for logits in results])  # [n, V]
+        token = int(self.own_source.categorical(self.ensemble_rows(member_logits)))
+        return self._commit([token])
+
+
+@dataclass
+class _Segment:
+    """Consecutive queued tokens drawn by one member (its bonus token first, if any)."""
+
+    producer: int
+    tokens: list[int]
+
+
+@dataclass
+class SegmentQueue:
+    """The unverified tokens (Alg. 2's ``S_c``) and each member's logits for them (``C_i``).
+
+    ``member_logits[i]`` holds member i's logits ``[V]`` for queued positions ``0 ..
+    coverage(i) - 1`` (its coverage always ends at a segment boundary)."""
+
+    num_members: int
+    segments: list[_Segment] = field(default_factory=list)
+    member_logits: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.member_logits = [[] for _ in range(self.num_members)]
+
+    def tokens(self) -> list[int]:
+        return [t for segment in self.segments for t in segment.tokens]
+
+    def coverage(self) -> list[int]:
+        return [len(rows) for rows in self.member_logits]
+
+    def add_segment(self, member: int, tokens: list[int], logits: Sequence[torch.Tensor]) -> None:
+        # Invariant of the loop (docs/ensembles.md): a member never holds two segments.
+        if any(segment.producer == member for segment in self.segments):
+            raise RuntimeError(f"member {member} starts a second queued segment")
+        self.segments.append(_Segment(member, list(tokens)))
+        self.member_logits[member].extend(logits)
+
+    def cover(self, member: int, queued_logits: Sequence[torch.Tensor]) -> None:
+        """Member ``member`` scored the queue: its rows at every queued position."""
+        if self.member_logits[member]:
+            raise RuntimeError(f"member {member} scores while already covering queued positions")
+        self.member_logits[member].extend(queued_logits)
+
+    def first_segment_verifiable(self) -> bool:
+        return bool(self.segments) and min(self.coverage()) >= len(self.segments[0].tokens)
+
+    def pop_first(self) -> None:
+        length = len(self.segments.pop(0).tokens)
+        self.member_logits = [rows[length:] for rows in self.member_logits]
+
+    def clear(self) -> None:
+        self.segments = []
+        self.member_logits = [[] for _ in range(self.num_members)]
+
+
+class SpeculativeEnsembleMachine(_EnsembleMachine):
+    """``se``: the alternate proposal framework (2 members) / n-model chain (paper 001, App. B.1
+    Alg. 1 and B.2 Alg. 2; the loop is stated in ``verifiers.reference_ensemble.ensemble_generate``).
+
+    One step = one member call: the default proposer proposing into an empty queue, or the
+    member with the least coverage scoring the queue, drawing its bonus token and proposing
+    after it (:class:`Extend`); then every verifiable segment is verified here with the own
+    stream (:func:`verifiers.ensemble.verify_segment`).
+    """
+
+    def __init__(self, members: Sequence[str], *, gammas: Sequence[int], method: str, **kwargs):
+        super().__init__(members, **kwargs)
+        self.gammas = list(gammas)
+        self.method = method
+        self.proposer = default_proposer(self.gammas)
+        self.queue = SegmentQueue(len(self.members))
+        self.pending_member: int | None = None
+        self.segment_lengths: list[int] = []
+        self.proposers: list[int] = []
+
+    def needs(self) -> list[Need]:
+        queued = self.queue.tokens()
+        room = self.max_new_tokens - len(self.committed) - len(queued)
+        if not self.queue.segments:
+            member, count = self.proposer, min(self.gammas[self.proposer], room)
+        else:
+            member = next_scorer(self.queue.coverage())
+            count = min(self.gammas[member], room) if room >= 1 else 0
+        self.pending_member = member
+        name = self.members[member]
+        return [Extend(name, self.unsent.take(name), tuple(queued), count)]
+
+    def consume(self, results: Sequence[object]) -> list[int]:
+        (block,) = results
+        member, self.pending_member = self.pending_member, None
+        if self.queue.segments:
+            self.queue.cover(member, list(block.queued_logits))
+        if block.tokens.numel():
+            self.queue.add_segment(member, block.tokens.tolist(), list(block.token_logits))
+        committed: list[int] = []
+        while self.queue.first_segment_verifiable():
+            committed.extend(self._verify_first_segment())
+        return self._commit(committed)
+
+    def _verify_first_segment(self) -> list[int]:
+        """Verify the oldest segment against the ensemble rows; update the queue."""
+        segment = self.queue.segments[0]
+        length = len(segment.tokens)
+        member_logits = torch.stack(
+            [torch.stack(rows[:length]) for rows in self.queue.member_logits]
+        ).to(torch.float64).cpu()  # [n, g, V]
+        proposal_probs = self.proposal_rows(member_logits[segment.producer])  # [g, V]
+        ensemble_probs = self.ensemble_rows(member_logits)  # [g, V]
+        next_token = self.queue.segments[1].tokens[0] if len(self.queue.segments) > 1 else PAD_TOKEN
+        verdict = verify_segment(
+            torch.tensor([segment.tokens], dtype=torch.int64),  # [1, g]
+            proposal_probs.unsqueeze(0),  # [1, g, V]
+            ensemble_probs.unsqueeze(0),  # [1, g, V]
+            torch.tensor([next_token], dtype=torch.int64),  # [1]
+            method=self.method,
+            generator=self.own_source,
+        )
+        self.accepted_lengths.append(int(verdict.num_accepted[0]))
+        self.segment_lengths.append(length)
+        self.proposers.append(segment.producer)
+        if bool(verdict.fully_accepted[0]):
+            self.queue.pop_first()
+        else:
+            self.queue.clear()
+        return verdict.emitted(0)
