@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import Any, Protocol
 
 import torch
+
+from actors.batch import RowWork, build_batch
+
+if TYPE_CHECKING:
+    from actors.kv_cache import SlotKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +121,97 @@ class TransformersBackend:
         if self.cache_length(cache) > 0:
             cache.batch_select_indices(torch.tensor([row], device=self.device))
         return cache
+
+
+class SlotBackend:
+    """A transformers causal LM (loaded with from_pretrained, attn_implementation="sdpa") over a SlotKVCache.
+
+    Each session owns a cache slot (:meth:`allocate` / :meth:`free`); :meth:`forward` runs the
+    new tokens of many sessions (:class:`~actors.batch.RowWork` rows) in ONE model forward and
+    computes logits only for the positions each row keeps. Logits are ``lm_head(decoder(...))``,
+    which is what Llama-family causal LMs compute (no logit scaling or soft-capping).
+    """
+
+    def __init__(
+        self, model: Any, device: str, max_context: int | None = None, *, max_slots: int = 64,
+        scratch_columns: int = 64,
+    ):
+        from actors.kv_cache import SlotKVCache
+
+        attn = getattr(model.config, "_attn_implementation", None)
+        if attn != "sdpa":
+            # eager adds a bool mask as 0/1 instead of masking: silently wrong logits.
+            raise ValueError(f"SlotBackend needs attn_implementation='sdpa' (bool 4D masks), got {attn!r}")
+        if scratch_columns < 0:
+            raise ValueError(f"scratch_columns must be >= 0, got {scratch_columns}")
+        self.model = model
+        self.device = device
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_context = int(max_context or _config_context(model.config))
+        self.capacity = self.max_context + scratch_columns  # columns per slot
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.cache: SlotKVCache = SlotKVCache.from_config(
+            model.config, capacity=self.capacity, max_slots=max_slots, dtype=model.dtype, device=device
+        )
+
+    @classmethod
+    def load(
+        cls, path: str, *, dtype: str = "float32", revision: str | None = None, device: str = "cpu",
+        max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64,
+    ) -> SlotBackend:
+        """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub)."""
+        from transformers import AutoModelForCausalLM
+
+        local = os.path.isdir(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=getattr(torch, dtype),
+            revision=revision,
+            local_files_only=local,
+            attn_implementation="sdpa",
+        )
+        model.to(device).eval()
+        logger.info("loaded %s (%s, %s, sdpa) on %s", path, type(model).__name__, dtype, device)
+        return cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns)
+
+    def allocate(self) -> int:
+        """A free cache slot for a new session."""
+        return self.cache.allocate()
+
+    def free(self, slot: int) -> None:
+        """Give ``slot`` back."""
+        self.cache.free(slot)
+
+    def copy_columns(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy every layer's keys/values in ``slot`` from columns ``src`` to columns ``dst``."""
+        self.cache.copy_columns(slot, src, dst)
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[RowWork]) -> list[torch.Tensor]:
+        """One model forward over ``rows`` -> per row float32 logits ``[len(row.keep), V]`` on
+        ``self.device``, in ``row.keep`` order. Every row's new keys/values land in its slot."""
+        if not rows:
+            return []
+        for row in rows:
+            if not self.cache.is_allocated(row.slot):
+                raise ValueError(f"RowWork.slot {row.slot} is not allocated")
+        batch = build_batch(rows, capacity=self.capacity, device=self.device)
+        self.cache.bind(batch.slots, batch.write_columns, batch.kv_length)
+        try:
+            output = self.decoder(
+                input_ids=batch.input_ids,  # [B, L]
+                position_ids=batch.position_ids,  # [B, L]
+                attention_mask=batch.attention_mask,  # [B, 1, L, T_kv]
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        finally:
+            self.cache.unbind()
+        hidden = output.last_hidden_state  # [B, L, hidden]
+        kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.keep_index)  # [N_keep, hidden]
+        logits = self.lm_head(kept).float()  # [N_keep, V]
+        return list(logits.split(batch.keep_counts))  # B x [len(keep), V]
 
 
 def _config_context(config: Any) -> int:

@@ -1,0 +1,234 @@
+"""Ragged inputs for one batched forward: each row is one session's new tokens in its KV slot.
+
+A :class:`RowWork` says, for one session, which tokens to run, where their keys/values go in
+the session's cache slot (storage columns), which rotary position each token has, and which
+columns each token sees: the slot's prefix ``[0, prefix_length)`` plus the columns listed in
+``attend``. That covers the ordinary causal case (:func:`linear_row`), a rollback (a shorter
+``prefix_length``; stale columns are simply not visible and get overwritten) and K drafts in
+one row (:func:`chains_row`: chains laid out side by side, each token seeing only its own chain).
+
+:func:`build_batch` pads the rows of a forward into tensors for the model:
+
+* ``input_ids``, ``position_ids``, ``write_columns``: ``[B, L]``, ``L`` the longest row;
+  padded tokens write to the slot's trash column (``capacity``), which nothing reads;
+* ``attention_mask``: bool ``[B, 1, L, T_kv]`` (True = attend), ``T_kv`` the highest column
+  any row touches plus one; a padded query copies its row's last real query (a fully masked
+  query row gives NaN in some attention kernels);
+* the flat indices of the kept positions, whose logits are the only ones computed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: Rows at least this long whose tokens see exactly the earlier new tokens and themselves get a
+#: triangular block in the mask instead of O(L^2) scattered entries (a long prefill).
+CAUSAL_BLOCK_MIN_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class RowWork:
+    """One session's new tokens in one batched forward."""
+
+    slot: int  # the session's cache slot
+    prefix_length: int  # storage columns [0, prefix_length) of the slot are visible to every new token
+    token_ids: tuple[int, ...]  # [L_b] new tokens
+    columns: tuple[int, ...]  # [L_b] storage column each new token's keys/values are written to
+    positions: tuple[int, ...]  # [L_b] rotary position id of each new token
+    attend: tuple[tuple[int, ...], ...]  # [L_b] visible columns beyond the prefix, per new token
+    keep: tuple[int, ...]  # indices into token_ids whose logits are returned, in this order
+
+    def __post_init__(self) -> None:
+        """Normalise sequences to tuples (of ints, except inside ``attend``) and check everything
+        that does not depend on the cache's capacity (:func:`build_batch` checks that)."""
+        for name in ("token_ids", "columns", "positions", "keep"):
+            object.__setattr__(self, name, tuple(map(int, getattr(self, name))))
+        # attend holds O(L^2) entries for a long causal row: only lists are converted.
+        object.__setattr__(self, "attend", tuple(seen if type(seen) is tuple else tuple(seen) for seen in self.attend))
+        _check_row(self)
+
+    def __len__(self) -> int:
+        """Number of new tokens ``L_b``."""
+        return len(self.token_ids)
+
+    @property
+    def end_column(self) -> int:
+        """One past the highest column this row reads or writes (its share of ``T_kv``)."""
+        return max(self.prefix_length, max(self.columns) + 1)
+
+
+def linear_row(
+    slot: int, prefix_length: int, token_ids: Sequence[int], first_position: int, keep: Sequence[int]
+) -> RowWork:
+    """The ordinary causal case: new token ``i`` goes to column ``prefix_length + i`` at position
+    ``first_position + i`` and sees the prefix, the earlier new tokens and itself."""
+    columns = tuple(range(prefix_length, prefix_length + len(token_ids)))  # [L_b]
+    return RowWork(
+        slot=slot,
+        prefix_length=prefix_length,
+        token_ids=tuple(token_ids),
+        columns=columns,
+        positions=tuple(range(first_position, first_position + len(token_ids))),
+        attend=tuple(columns[: i + 1] for i in range(len(columns))),
+        keep=tuple(keep),
+    )
+
+
+def chains_row(
+    slot: int, prefix_length: int, chains: Sequence[Sequence[int]], first_position: int, keep: Sequence[int]
+) -> RowWork:
+    """K draft chains after one copy of the prefix, laid out chain-major: token ``j`` of chain
+    ``k`` goes to column ``prefix_length + k * G + j`` (``G`` the longest chain) at position
+    ``first_position + j`` and sees the prefix, its own chain's earlier tokens and itself.
+    ``token_ids`` (and so ``keep``) run through chain 0, then chain 1, ..."""
+    width = max((len(chain) for chain in chains), default=0)
+    token_ids, columns, positions, attend = [], [], [], []
+    for k, chain in enumerate(chains):
+        chain_columns = tuple(range(prefix_length + k * width, prefix_length + k * width + len(chain)))
+        token_ids.extend(chain)
+        columns.extend(chain_columns)
+        positions.extend(range(first_position, first_position + len(chain)))
+        attend.extend(chain_columns[: j + 1] for j in range(len(chain)))
+    return RowWork(
+        slot=slot,
+        prefix_length=prefix_length,
+        token_ids=tuple(token_ids),
+        columns=tuple(columns),
+        positions=tuple(positions),
+        attend=tuple(attend),
+        keep=tuple(keep),
+    )
+
+
+def _check_row(row: RowWork) -> None:
+    """Raise ``ValueError`` naming the field when ``row`` is inconsistent."""
+    length = len(row.token_ids)
+    if row.slot < 0:
+        raise ValueError(f"RowWork.slot must be >= 0, got {row.slot}")
+    if row.prefix_length < 0:
+        raise ValueError(f"RowWork.prefix_length must be >= 0, got {row.prefix_length}")
+    if length == 0:
+        raise ValueError("RowWork.token_ids must hold at least one token")
+    for name in ("columns", "positions", "attend"):
+        if len(getattr(row, name)) != length:
+            raise ValueError(
+                f"RowWork.{name} has {len(getattr(row, name))} entries for {length} token_ids (slot {row.slot})"
+            )
+    if len(set(row.columns)) != length:
+        raise ValueError(f"RowWork.columns must be distinct, got {row.columns} (slot {row.slot})")
+    if min(row.columns) < row.prefix_length:
+        raise ValueError(
+            f"RowWork.columns must be >= prefix_length {row.prefix_length}, got {row.columns} (slot {row.slot})"
+        )
+    if min(row.positions) < 0:
+        raise ValueError(f"RowWork.positions must be >= 0, got {row.positions} (slot {row.slot})")
+    for i, (column, seen) in enumerate(zip(row.columns, row.attend)):
+        if column not in seen:
+            raise ValueError(
+                f"RowWork.attend[{i}] must include the token's own column {column}, got {seen} (slot {row.slot})"
+            )
+        if min(seen) < row.prefix_length:
+            raise ValueError(
+                f"RowWork.attend[{i}] lists columns below prefix_length {row.prefix_length} "
+                f"(the prefix is always visible), got {seen} (slot {row.slot})"
+            )
+    for index in row.keep:
+        if not 0 <= index < length:
+            raise ValueError(f"RowWork.keep index {index} out of range for {length} tokens (slot {row.slot})")
+
+
+def _is_causal(row: RowWork) -> bool:
+    """True when new token ``i`` sees exactly the new tokens ``0..i`` (in column order)."""
+    columns = row.columns
+    return all(seen == columns[: i + 1] for i, seen in enumerate(row.attend))
+
+
+def _check_capacity(row: RowWork, capacity: int) -> None:
+    """Raise ``ValueError`` naming the field when ``row`` reaches past the slot's ``capacity``."""
+    if row.prefix_length > capacity:
+        raise ValueError(f"RowWork.prefix_length {row.prefix_length} exceeds capacity {capacity} (slot {row.slot})")
+    if max(row.columns) >= capacity:
+        raise ValueError(f"RowWork.columns must be < capacity {capacity}, got {row.columns} (slot {row.slot})")
+    for i, seen in enumerate(row.attend):
+        if max(seen) >= capacity:
+            raise ValueError(f"RowWork.attend[{i}] must be < capacity {capacity}, got {seen} (slot {row.slot})")
+
+
+@dataclass(frozen=True)
+class RaggedBatch:
+    """The padded tensors of one forward over ``B`` rows of up to ``L`` new tokens."""
+
+    slots: torch.Tensor  # [B] long: each row's cache slot
+    input_ids: torch.Tensor  # [B, L] long: new tokens, padding 0
+    position_ids: torch.Tensor  # [B, L] long: rotary positions, padding repeats the row's last
+    write_columns: torch.Tensor  # [B, L] long: storage column per token, padding -> trash column
+    attention_mask: torch.Tensor  # [B, 1, L, T_kv] bool: True = attend
+    kv_length: int  # T_kv: columns [0, T_kv) of each slot are gathered for attention
+    keep_index: torch.Tensor  # [N_keep] long: flat indices b * L + i of the kept positions, row-major
+    keep_counts: tuple[int, ...]  # [B] kept positions per row (split sizes of the kept logits)
+
+
+def build_batch(rows: Sequence[RowWork], *, capacity: int, device: str | torch.device = "cpu") -> RaggedBatch:
+    """Pad ``rows`` into the tensors of one forward, on ``device``.
+
+    ``capacity`` is the number of usable columns per slot; column ``capacity`` is the trash
+    column padded tokens write to. Rows must use distinct slots.
+    """
+    if not rows:
+        raise ValueError("build_batch needs at least one RowWork")
+    slots = [row.slot for row in rows]
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"RowWork.slot must be distinct within one forward, got {slots}")
+    for row in rows:
+        _check_capacity(row, capacity)
+    batch, width = len(rows), max(len(row) for row in rows)
+    kv_length = max(row.end_column for row in rows)
+
+    input_ids, positions, columns = [], [], []
+    attend_rows, attend_queries, attend_columns = [], [], []
+    keep_index, causal_rows = [], []
+    for b, row in enumerate(rows):
+        pad = width - len(row)
+        input_ids.extend(row.token_ids + (0,) * pad)
+        positions.extend(row.positions + (row.positions[-1],) * pad)
+        columns.extend(row.columns + (capacity,) * pad)
+        if len(row) >= CAUSAL_BLOCK_MIN_TOKENS and _is_causal(row):
+            causal_rows.append(b)
+            keep_index.extend(b * width + i for i in row.keep)
+            continue
+        # A padded query sees exactly what the row's last real query sees.
+        attend = row.attend + (row.attend[-1],) * pad
+        counts = [len(seen) for seen in attend]
+        attend_columns.extend(itertools.chain.from_iterable(attend))
+        attend_queries.extend(itertools.chain.from_iterable(itertools.repeat(i, n) for i, n in enumerate(counts)))
+        attend_rows.extend(itertools.repeat(b, sum(counts)))
+        keep_index.extend(b * width + i for i in row.keep)
+
+    # One host-to-device transfer for every index list, then views into it.
+    parts = (slots, [row.prefix_length for row in rows], input_ids, positions, columns, keep_index,
+             attend_rows, attend_queries, attend_columns)
+    flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long, device=device)  # [sum of lengths]
+    (slots_t, prefix, ids_t, positions_t, columns_t, keep_t, rows_t, queries_t, seen_t) = torch.split(
+        flat, [len(part) for part in parts]
+    )
+    mask = torch.arange(kv_length, device=device)[None, :] < prefix[:, None]  # [B, T_kv]
+    mask = mask[:, None, :].repeat(1, width, 1)  # [B, L, T_kv]
+    mask[rows_t, queries_t, seen_t] = True
+    for b in causal_rows:
+        length = len(rows[b])
+        block = torch.ones(width, length, dtype=torch.bool, device=device).tril()  # [L, L_b]; padding: all
+        mask[b, :, columns_t[b * width : b * width + length]] = block
+    return RaggedBatch(
+        slots=slots_t,  # [B]
+        input_ids=ids_t.view(batch, width),  # [B, L]
+        position_ids=positions_t.view(batch, width),  # [B, L]
+        write_columns=columns_t.view(batch, width),  # [B, L]
+        attention_mask=mask[:, None],  # [B, 1, L, T_kv]
+        kv_length=kv_length,
+        keep_index=keep_t,  # [N_keep]
+        keep_counts=tuple(len(row.keep) for row in rows),
+    )
