@@ -1,10 +1,13 @@
 """The ``bench`` subcommand of the ``specserve`` CLI.
 
     specserve bench [--config deploy/default.yaml] [--quick] --out DIR
+    specserve bench --mode serve-load [--concurrency 1,4,16,32] [--strategies ar,sd,multi_draft,se] --out DIR
 
-Runs the benchmark suite (``benchmarks.suite``) over the committed prompt set and writes
-``results.json``, ``results.md`` and PNG plots under ``DIR``. Progress goes to stderr (a tqdm
-bar and log lines); the paths of the written files are logged at the end.
+The default mode (``suite``) runs the benchmark suite (``benchmarks.suite``) over the committed
+prompt set and writes ``results.json``, ``results.md`` and PNG plots under ``DIR``. The
+``serve-load`` mode (``benchmarks.serve_load``) starts ``specserve serve`` and measures it under
+concurrent streaming HTTP clients. Progress goes to stderr (a tqdm bar and log lines); the paths
+of the written files are logged at the end.
 """
 
 from __future__ import annotations
@@ -53,15 +56,20 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "transformers assisted generation on the same models and prompts, interleaved by prompt; "
         "write results.json, results.md and plots under --out.",
     )
+    parser.add_argument("--mode", choices=("suite", "serve-load"), default="suite",
+                        help="suite: every strategy side by side (default); serve-load: the HTTP server under "
+                        "concurrent streaming clients.")
     parser.add_argument("--config", default="deploy/default.yaml", help="Ray Serve YAML whose application args name the models.")
     parser.add_argument("--app-name", default=None, help="Application of the YAML to use (when it holds several).")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="Output directory.")
     parser.add_argument("--quick", action="store_true", help="Fewer prompts and tokens (same cases): a few minutes.")
     parser.add_argument("--modes", type=_mode_list, default=None, help="Subset of ray,local,hf (default: all).")
     parser.add_argument("--strategies", type=_strategy_list, default=None,
-                        help="Subset of ar,sd,multi_draft,ensemble,se,peer (default: all).")
+                        help="Subset of ar,sd,multi_draft,ensemble,se,peer (default: all; serve-load: "
+                        "ar,sd,multi_draft,se, and no peer).")
     parser.add_argument("--num-prompts", type=int, default=None, help="Use the first N prompts.")
-    parser.add_argument("--max-tokens", type=int, default=None, help="Tokens generated per prompt.")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="Tokens generated per prompt (per request in serve-load, default 48).")
     parser.add_argument("--repeats", type=int, default=None, help="Passes over the prompt set.")
     parser.add_argument("--seed", type=int, default=None, help="Base seed.")
     parser.add_argument("--gammas", type=_int_list, default=None, help="Draft lengths of sd and the peer, e.g. 2,4,8.")
@@ -73,6 +81,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="se variants: proposal length of the non-first members (the first proposes 1), e.g. 1,5.")
     parser.add_argument("--temperature", type=float, default=None, help="Sampling temperature (default 1).")
     parser.add_argument("--plot-prefix", default="", help="Prefix of the plot links in results.md (e.g. img/).")
+    load = parser.add_argument_group("serve-load mode")
+    load.add_argument("--concurrency", type=_int_list, default=None,
+                      help="Concurrent clients per level (default 1,4,16,32).")
+    load.add_argument("--requests-per-level", type=int, default=None,
+                      help="Measured requests per level (default: max(32, 4 x concurrency)).")
+    load.add_argument("--request-timeout", type=float, default=None,
+                      help="Bound on one request in seconds (default 300).")
+    load.add_argument("--worker-class", default=None,
+                      help="Ray actor class of the model workers, for their peak memory (default ModelWorker).")
     parser.set_defaults(handler=run_bench_command)
     return parser
 
@@ -90,6 +107,67 @@ def settings_from_args(args: argparse.Namespace):
     return BenchSettings(**values)
 
 
+SUITE_ONLY_FLAGS = {"quick": "--quick", "modes": "--modes", "repeats": "--repeats", "gammas": "--gammas",
+                    "se_gammas": "--se-gammas", "max_prompt_tokens": "--max-prompt-tokens"}
+SERVE_LOAD_ONLY_FLAGS = {"concurrency": "--concurrency", "requests_per_level": "--requests-per-level",
+                         "request_timeout": "--request-timeout", "worker_class": "--worker-class"}
+
+
+def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    return [flag for name, flag in flags.items() if getattr(args, name) not in (None, False)]
+
+
+def serve_load_settings_from_args(args: argparse.Namespace):
+    from benchmarks.serve_load import ServeLoadSettings
+
+    overrides = {
+        "concurrency": args.concurrency, "strategies": args.strategies, "max_tokens": args.max_tokens,
+        "requests_per_level": args.requests_per_level, "seed": args.seed, "temperature": args.temperature,
+        "num_prompts": args.num_prompts, "request_timeout_s": args.request_timeout, "worker_class": args.worker_class,
+    }
+    return ServeLoadSettings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _command_line(fallback: str = "specserve bench") -> str:
+    """The command as typed (when this process is the specserve CLI), else ``fallback``."""
+    return "specserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if "bench" in sys.argv[1:] else fallback
+
+
+def run_serve_load_command(args: argparse.Namespace) -> int:
+    """``specserve bench --mode serve-load``."""
+    from pydantic import ValidationError
+
+    from benchmarks.prompts import PROMPTS_PATH
+    from benchmarks.serve_load import run_serve_load
+    from cluster.config import ConfigError
+
+    wrong = _given(args, SUITE_ONLY_FLAGS)
+    if wrong:
+        logger.error("%s: not used by --mode serve-load", ", ".join(wrong))
+        return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    try:
+        settings = serve_load_settings_from_args(args)
+    except ValidationError as error:
+        logger.error("%s", error)
+        return 2
+    try:
+        results = run_serve_load(args.config, settings, args.out, app_name=args.app_name,
+                                 command=_command_line("specserve bench --mode serve-load"),
+                                 prompts_path=args.prompts or PROMPTS_PATH, plot_prefix=args.plot_prefix)
+    except (ConfigError, ValueError) as error:
+        logger.error("%s", error)
+        return 2
+    except RuntimeError as error:  # the server did not start or died
+        logger.error("%s", error)
+        return 1
+    failed = sum(s.failed for s in results.summaries)
+    if failed:
+        logger.warning("%d requests failed (see results.md and %s)", failed, args.out / "server.log")
+    logger.info("results in %s", args.out)
+    return 0 if any(s.completed for s in results.summaries) else 1
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     """Handler of ``specserve bench``; returns the process exit code."""
     from benchmarks.prompts import PROMPTS_PATH
@@ -97,6 +175,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from cluster.config import load_app_args
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the benchmark never downloads anything
+    if getattr(args, "mode", "suite") == "serve-load":
+        return run_serve_load_command(args)
+    wrong = _given(args, SERVE_LOAD_ONLY_FLAGS)
+    if wrong:
+        logger.error("%s: only used by --mode serve-load", ", ".join(wrong))
+        return 2
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
@@ -107,8 +191,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         pass
     settings = settings_from_args(args)
     group_args = load_app_args(args.config, args.app_name)
-    command = "specserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if "bench" in sys.argv[1:] else "specserve bench"
-    results = run_benchmark(group_args, settings, args.out, command=command, plot_prefix=args.plot_prefix,
+    results = run_benchmark(group_args, settings, args.out, command=_command_line(), plot_prefix=args.plot_prefix,
                             prompts_path=args.prompts or PROMPTS_PATH)
     for check in results.checks:
         level = logging.WARNING if check.met is False else logging.INFO

@@ -1,0 +1,507 @@
+"""``specserve bench --mode serve-load``: the real HTTP server under concurrent streaming clients.
+
+The server is started the way users start it, ``specserve serve --config YAML`` in a
+subprocess with its own local Ray (``RAY_ADDRESS`` makes it join a cluster instead; then the
+worker memory is not measured), HTTP and gRPC on free ports of 127.0.0.1. Once ``GET /health``
+answers 200, every *level* (one strategy at one concurrency c) runs: one warm-up request, then
+c closed-loop clients (asyncio tasks over one httpx client) that each send a streaming
+``POST /v1/completions`` request, wait for its ``[DONE]`` and send the next, until the level's
+requests are used up. Request i of every level uses prompt ``i mod P`` of the committed prompt
+set (text, tokenized by the server), seed ``seed + i``, ``max_tokens`` with ``ignore_eos``,
+the given temperature with no top-k / top-p, ``return_token_ids`` (to count the tokens of
+each chunk) and the ``speculation`` object of the strategy. Everything is timed on the client
+side (see :mod:`benchmarks.serve_load_report` for the definitions). Before each level the
+peak-RSS counters of the server's model-worker processes (the Ray actors whose process title
+is ``ray::<worker_class>``, found among the server subprocess's descendants in ``/proc``) are
+reset; after it their ``VmHWM`` is read. Then the server is stopped (SIGINT, as Ctrl-C).
+
+Strategies: ``ar``; ``sd`` (block verification, gamma 4); ``multi_draft`` (SpecTr, K = 2,
+gamma 4); ``ensemble`` (the standard weighted ensemble of the target and the first member
+model) and ``se`` (the speculative ensemble of the same, token verification, every member
+proposing 1 token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from benchmarks.prompts import PROMPTS_PATH, Prompt, load_prompts
+from benchmarks.serve_load_report import LevelRun, RequestRecord, ServeLoadResults, write_json, write_results
+
+logger = logging.getLogger(__name__)
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SERVE_LOAD_STRATEGIES = ("ar", "sd", "multi_draft", "ensemble", "se")
+HEALTH_POLL_S = 1.0
+STOP_TIMEOUT_S = 120.0
+MAX_ERROR_CHARS = 300
+
+
+class ServeLoadSettings(BaseModel):
+    """Everything that defines a serving-load run (recorded in results.json)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    concurrency: tuple[int, ...] = Field((1, 4, 16, 32), min_length=1, description="Concurrent clients per level.")
+    strategies: tuple[str, ...] = Field(("ar", "sd", "multi_draft", "se"), min_length=1,
+                                        description=f"Subset of {SERVE_LOAD_STRATEGIES}.")
+    max_tokens: int = Field(48, ge=1, description="Tokens per request (EOS ignored).")
+    requests_per_level: int | None = Field(
+        None, ge=1, description="Measured requests per level; None: max(32, 4 x concurrency).")
+    warmup_tokens: int = Field(16, ge=1, description="Tokens of the untimed warm-up request of each level.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (no top-k / top-p).")
+    seed: int = Field(0, ge=0, description="Request i of a level uses seed + i.")
+    num_prompts: int | None = Field(None, ge=1, description="Use the first N prompts of the set; None: all.")
+    sd_method: str = "block"
+    sd_gamma: int = Field(4, ge=1)
+    multi_draft_method: str = "spectr"
+    num_drafts: int = Field(2, ge=1)
+    multi_draft_gamma: int = Field(4, ge=1)
+    se_method: str = "token"
+    se_gamma: int = Field(1, ge=1, description="Proposal length of se's non-first member (the first proposes 1).")
+    request_timeout_s: float = Field(300.0, gt=0, description="Bound on one request, end to end.")
+    level_timeout_s: float = Field(1200.0, gt=0, description="No request of a level starts after this long.")
+    start_timeout_s: float = Field(600.0, gt=0, description="Bound on the server's start-up (until /health is 200).")
+    worker_class: str = Field("ModelWorker", description="Ray actor class of the model workers (process title).")
+
+    @model_validator(mode="after")
+    def _known(self) -> ServeLoadSettings:
+        unknown = [s for s in self.strategies if s not in SERVE_LOAD_STRATEGIES]
+        if unknown:
+            raise ValueError(f"strategies: {unknown} cannot run in serve-load mode; expected a subset of "
+                             f"{SERVE_LOAD_STRATEGIES}")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency: every level needs at least one client, got {self.concurrency}")
+        return self
+
+    def requests_for(self, concurrency: int) -> int:
+        return self.requests_per_level or max(32, 4 * concurrency)
+
+
+@dataclass(frozen=True)
+class LoadCase:
+    strategy: str
+    label: str
+    speculation: dict[str, Any]
+
+
+def serve_load_cases(settings: ServeLoadSettings, roles: dict[str, str]) -> list[LoadCase]:
+    """The speculation object of each strategy, in the order of ``settings.strategies``."""
+    target = [name for name, role in roles.items() if role == "target"]
+    members = [name for name, role in roles.items() if role == "member"]
+    has_draft = "draft" in roles.values()
+    cases = []
+    for strategy in settings.strategies:
+        if strategy in ("sd", "multi_draft") and not has_draft:
+            raise ValueError(f"{strategy} needs a draft model; the config has roles {roles}")
+        if strategy in ("ensemble", "se") and not (target and members):
+            raise ValueError(f"{strategy} needs the target and a member model; the config has roles {roles}")
+        if strategy == "ar":
+            cases.append(LoadCase("ar", "ar", {"strategy": "ar"}))
+        elif strategy == "sd":
+            cases.append(LoadCase("sd", f"sd/{settings.sd_method}/g{settings.sd_gamma}",
+                                  {"strategy": "sd", "method": settings.sd_method, "gamma": settings.sd_gamma}))
+        elif strategy == "multi_draft":
+            cases.append(LoadCase(
+                "multi_draft", f"multi_draft/{settings.multi_draft_method}/k{settings.num_drafts}/g{settings.multi_draft_gamma}",
+                {"strategy": "multi_draft", "method": settings.multi_draft_method, "num_drafts": settings.num_drafts,
+                 "gamma": settings.multi_draft_gamma},
+            ))
+        else:
+            pair = [target[0], members[0]]
+            ensemble = {"ensemble": "weighted", "members": pair, "weights": [0.5, 0.5]}
+            if strategy == "ensemble":
+                cases.append(LoadCase("ensemble", "ensemble/weighted/n2", {"strategy": "ensemble", **ensemble}))
+            else:
+                cases.append(LoadCase("se", f"se/weighted/n2/g{settings.se_gamma}",
+                                      {"strategy": "se", "method": settings.se_method, "gammas": [1, settings.se_gamma],
+                                       **ensemble}))
+    return cases
+
+
+# ----------------------------------------------------------------------------- processes and memory
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _parent_pids() -> dict[int, int]:
+    """pid -> parent pid of every process visible in /proc."""
+    parents = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the command name (field 2) is in parentheses and may hold spaces; ppid is the 2nd field after it
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for pid, parent in _parent_pids().items():
+        children.setdefault(parent, []).append(pid)
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _process_title(pid: int) -> str:
+    try:
+        raw = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def ray_actor_processes(root: int) -> dict[int, str]:
+    """pid -> Ray actor class (``ray::Class`` or ``ray::Class.method`` titles) under ``root``."""
+    actors = {}
+    for pid in descendants(root):
+        match = re.match(r"ray::([A-Za-z_][\w:]*)", _process_title(pid))
+        if match and match.group(1) != "IDLE":
+            actors[pid] = match.group(1)
+    return actors
+
+
+def _status_kib(pid: int, key: str) -> int | None:
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class MemoryProbe:
+    """Peak resident memory (VmHWM) of the server's model-worker processes, per level."""
+
+    def __init__(self, server_pid: int | None, worker_class: str):
+        self.server_pid = server_pid
+        self.worker_class = worker_class
+        self.pids: list[int] = []
+        self.reset_ok = False
+
+    def start_level(self) -> None:
+        """Find the worker processes and reset their peak-RSS counters (Linux: clear_refs 5)."""
+        if self.server_pid is None or not pathlib.Path("/proc").is_dir():
+            self.pids = []
+            return
+        actors = ray_actor_processes(self.server_pid)
+        self.pids = sorted(pid for pid, name in actors.items() if name == self.worker_class)
+        self.reset_ok = bool(self.pids)
+        for pid in self.pids:
+            try:
+                pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")
+            except OSError:
+                self.reset_ok = False
+
+    def read(self) -> dict[str, Any] | None:
+        if not self.pids:
+            return None
+        workers = {}
+        for pid in self.pids:
+            peak, current = _status_kib(pid, "VmHWM"), _status_kib(pid, "VmRSS")
+            if peak is not None:
+                workers[str(pid)] = {"peak_rss_bytes": peak * 1024, "rss_bytes": (current or 0) * 1024}
+        return {"workers": workers, "worker_class": self.worker_class,
+                "peak": "during the level" if self.reset_ok else "since the process started"}
+
+
+class ServerProcess:
+    """``specserve serve`` in a subprocess: started, waited for, stopped (output in ``log_path``)."""
+
+    def __init__(self, config_path: pathlib.Path, log_path: pathlib.Path, start_timeout_s: float):
+        self.config_path = config_path.resolve()
+        self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
+        self.http_port = _free_port()
+        self.grpc_port = _free_port()
+        self.process: subprocess.Popen | None = None
+        self.start_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self, route_prefix: str) -> None:
+        import httpx
+
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        command = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(self.config_path),
+                   "--host", "127.0.0.1", "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
+        logger.info("starting the server: %s (log: %s)", " ".join(command[1:]), self.log_path)
+        started = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            # Its own session: a Ctrl-C in the terminal reaches the benchmark, which stops the server.
+            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        health = self.url + route_prefix.rstrip("/") + "/health"
+        deadline = started + self.start_timeout_s
+        with httpx.Client(timeout=10.0, trust_env=False) as client:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the server exited with code {self.process.returncode} while starting:\n"
+                                       f"{self.log_tail()}")
+                try:
+                    if client.get(health).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"the server did not answer {health} within {self.start_timeout_s:.0f} s:\n"
+                                       f"{self.log_tail()}")
+                time.sleep(HEALTH_POLL_S)
+        self.start_s = time.perf_counter() - started
+        logger.info("server healthy at %s after %.1f s", self.url, self.start_s)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGINT (the server shuts Serve and its Ray down); then SIGKILL it and what it started, if needed."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        started = descendants(process.pid) if pathlib.Path("/proc").is_dir() else []
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("the server did not stop within %.0f s; killing it and its processes", STOP_TIMEOUT_S)
+            process.kill()
+            process.wait(timeout=30)
+        for pid in started:  # only processes the server started, and only if still alive
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                pass
+        logger.info("server stopped")
+
+
+# ----------------------------------------------------------------------------- clients
+
+@dataclass(frozen=True)
+class LevelPlan:
+    case: LoadCase
+    concurrency: int
+    requests: int
+
+
+class LoadClient:
+    """Streams completions from the server and times them."""
+
+    def __init__(self, base_url: str, model: str, settings: ServeLoadSettings, prompts: list[Prompt]):
+        self.url = base_url + "/v1/completions"
+        self.model = model
+        self.settings = settings
+        self.prompts = prompts
+
+    def body(self, case: LoadCase, index: int, max_tokens: int) -> dict[str, Any]:
+        prompt = self.prompts[index % len(self.prompts)]
+        return {
+            "model": self.model, "prompt": prompt.text, "max_tokens": max_tokens,
+            "temperature": self.settings.temperature, "top_p": 1.0, "top_k": 0,
+            "seed": self.settings.seed + max(index, 0), "ignore_eos": True, "stream": True,
+            "return_token_ids": True, "speculation": case.speculation,
+        }
+
+    async def request(self, client, case: LoadCase, concurrency: int, index: int, level_start: float,
+                      max_tokens: int) -> RequestRecord:
+        prompt = self.prompts[index % len(self.prompts)]
+        body = self.body(case, index, max_tokens)
+        times: list[float] = []
+        tokens: list[int] = []
+        final: dict[str, Any] = {}
+        error: str | None = None
+        done = False
+        sent = time.perf_counter()
+
+        async def consume() -> None:
+            nonlocal error, done
+            async with client.stream("POST", self.url, json=body) as response:
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    error = f"HTTP {response.status_code}: {text}"
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    arrived = time.perf_counter()
+                    payload = line[len("data:"):].strip()
+                    if payload == "[DONE]":
+                        done = True
+                        return
+                    event = json.loads(payload)
+                    if "error" in event:
+                        error = f"stream error: {json.dumps(event['error'])}"
+                        continue
+                    count = 0
+                    for choice in event.get("choices") or []:
+                        if "token_ids" in choice:
+                            count += len(choice["token_ids"])
+                        elif choice.get("text"):
+                            count += 1  # a server without token ids: one per non-empty chunk
+                    if count:
+                        times.append(arrived - sent)
+                        tokens.append(count)
+                    if event.get("usage"):
+                        final.update(usage=event["usage"], speculation=event.get("speculation") or {})
+
+        try:
+            await asyncio.wait_for(consume(), timeout=self.settings.request_timeout_s)
+        except asyncio.TimeoutError:
+            error = f"timed out after {self.settings.request_timeout_s:.0f} s"
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded and counted
+            error = f"{type(exc).__name__}: {exc}"
+        if error is None and not done:
+            error = "stream ended without [DONE]"
+        speculation = final.get("speculation") or {}
+        return RequestRecord(
+            label=case.label, concurrency=concurrency, index=index, prompt_id=prompt.id,
+            seed=body["seed"], ok=error is None, error=None if error is None else error[:MAX_ERROR_CHARS],
+            sent_s=sent - level_start, e2e_s=time.perf_counter() - sent, chunk_times_s=times, chunk_tokens=tokens,
+            usage_completion_tokens=(final.get("usage") or {}).get("completion_tokens"),
+            target_calls=speculation.get("target_calls"),
+        )
+
+    async def run_level(self, plan: LevelPlan, memory: MemoryProbe) -> tuple[LevelRun, list[RequestRecord]]:
+        import httpx
+
+        settings = self.settings
+        limits = httpx.Limits(max_connections=plan.concurrency + 1, max_keepalive_connections=plan.concurrency + 1)
+        timeout = httpx.Timeout(settings.request_timeout_s, connect=30.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+            warm_started = time.perf_counter()
+            warm = await self.request(client, plan.case, plan.concurrency, -1, warm_started,
+                                      min(settings.warmup_tokens, settings.max_tokens))
+            warmup_s = time.perf_counter() - warm_started
+            if not warm.ok:
+                logger.warning("%s warm-up failed: %s", plan.case.label, warm.error)
+            memory.start_level()
+            records: list[RequestRecord] = []
+            counter = itertools.count()
+            started = time.perf_counter()
+            deadline = started + settings.level_timeout_s
+
+            async def closed_loop() -> None:
+                while True:
+                    index = next(counter)
+                    if index >= plan.requests or time.perf_counter() > deadline:
+                        return
+                    records.append(await self.request(client, plan.case, plan.concurrency, index, started,
+                                                      settings.max_tokens))
+
+            await asyncio.gather(*(closed_loop() for _ in range(plan.concurrency)))
+            wall_s = time.perf_counter() - started
+        records.sort(key=lambda r: r.index)
+        run = LevelRun(label=plan.case.label, strategy=plan.case.strategy, concurrency=plan.concurrency,
+                       requests=plan.requests, wall_s=wall_s, warmup_ok=warm.ok, warmup_s=warmup_s,
+                       memory=memory.read(), load_average=_load_avg())
+        return run, records
+
+
+# ----------------------------------------------------------------------------- the run
+
+def _load_avg() -> str:
+    try:
+        return " ".join(f"{value:.2f}" for value in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def run_serve_load(
+    config_path: pathlib.Path | str,
+    settings: ServeLoadSettings,
+    out_dir: pathlib.Path,
+    *,
+    app_name: str | None = None,
+    command: str = "specserve bench --mode serve-load",
+    prompts_path: pathlib.Path = PROMPTS_PATH,
+    plot_prefix: str = "",
+) -> ServeLoadResults:
+    """Start the server, run every level, stop the server, write the results under ``out_dir``."""
+    from benchmarks.run import environment_info
+    from cluster.config import load_app_args, read_serve_config, select_application
+
+    started = time.perf_counter()
+    load_start = _load_avg()
+    config_path = pathlib.Path(config_path)
+    application = select_application(read_serve_config(config_path), app_name, str(config_path))
+    group = load_app_args(config_path, app_name).freeze()
+    cases = serve_load_cases(settings, group.roles)
+    prompts = load_prompts(prompts_path, settings.num_prompts)
+    plans = [LevelPlan(case, c, settings.requests_for(c)) for c in settings.concurrency for case in cases]
+    logger.info("%d levels (%s at concurrency %s), %d requests of %d tokens",
+                len(plans), ", ".join(c.label for c in cases), ",".join(map(str, settings.concurrency)),
+                sum(p.requests for p in plans), settings.max_tokens)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    route_prefix = application.get("route_prefix") or "/"
+    model = application.get("name") or "specserve"
+    server = ServerProcess(config_path, out_dir / "server.log", settings.start_timeout_s)
+    environment: dict[str, Any] = environment_info() | {
+        "config": str(config_path), "app": model, "num_prompts": len(prompts),
+        "models": {m.name: {"path": m.path, "role": m.role} for m in group.models},
+        "max_concurrent_requests": group.max_concurrent_requests, "load_average_start": load_start,
+    }
+    results = ServeLoadResults(settings=settings.model_dump(mode="json"), environment=environment, command=command,
+                               levels=[], records=[])
+    try:
+        server.start(route_prefix)
+        environment["server_start_s"] = server.start_s
+        client = LoadClient(server.url + route_prefix.rstrip("/"), model, settings, prompts)
+        memory = MemoryProbe(server.process.pid if server.process else None, settings.worker_class)
+        for plan in plans:
+            if server.process is not None and server.process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {server.process.returncode}:\n{server.log_tail()}")
+            run, records = asyncio.run(client.run_level(plan, memory))
+            results.levels.append(run)
+            results.records.extend(records)
+            summary = results.summarize().summaries[-1]
+            logger.info("%s at %d: %d ok, %d failed, %.1f tok/s, TTFT p50 %s ms, ITL p50 %s ms, workers peak %s MiB",
+                        plan.case.label, plan.concurrency, summary.completed, summary.failed,
+                        summary.tokens_per_second, _ms(summary.ttft_median_s), _ms(summary.itl_median_s),
+                        "n/a" if summary.worker_peak_rss_mib_total is None else f"{summary.worker_peak_rss_mib_total:.0f}")
+            write_json(results, out_dir)  # what is measured so far survives an interruption
+    finally:
+        server.stop()
+    environment.update(load_average_end=_load_avg(), wall_time_s=time.perf_counter() - started)
+    results.summarize()
+    write_results(results, out_dir, plot_prefix=plot_prefix)
+    return results
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1000:.0f}"

@@ -1,0 +1,406 @@
+"""Serving-load results: per-request records, per-level summaries, results.json, results.md, plot.
+
+A *level* is one strategy at one concurrency (``concurrency`` closed-loop clients). Every figure
+is measured on the client side, from the streamed ``/v1/completions`` responses:
+
+* **TTFT**: from sending the request to the first streamed chunk that carries a token.
+* **ITL** (inter-token latency): per token, amortised over its chunk. A chunk of ``n`` tokens
+  that arrives ``g`` seconds after the previous one gives ``n`` samples of ``g / n`` (a
+  speculative strategy streams a whole accepted block as one chunk); the tokens of the first
+  chunk count in TTFT, not here. Samples are pooled over every request of the level.
+* **chunk gap**: the time between two consecutive chunks, one sample per gap (what a reader of
+  the stream sees as stalls).
+* **TPOT**: per request, (end-to-end - TTFT) / (tokens - 1).
+* **tokens/s**: every token of the level's completed requests over the level's wall time (first
+  request sent to last response finished; the warm-up request is not in it).
+* **worker peak RSS**: ``VmHWM`` of each model-worker process, reset (``/proc/PID/clear_refs``)
+  just before the level starts, so it is the peak resident set during the level.
+
+Medians and 99th percentiles use linear interpolation between order statistics (numpy's
+default); with few samples the p99 is close to the maximum.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pathlib
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+KIND = "serve-load"
+PLOT_FILES = ("serve_load.png",)
+MIB = 1024 * 1024
+
+
+# ----------------------------------------------------------------------------- records
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One measured request. Times are seconds; ``chunk_times_s`` are from the request's send."""
+
+    label: str
+    concurrency: int
+    index: int
+    prompt_id: str
+    seed: int
+    ok: bool
+    error: str | None
+    sent_s: float  # from the level's start
+    e2e_s: float
+    chunk_times_s: list[float] = field(default_factory=list)  # arrival of each chunk with tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in that chunk
+    usage_completion_tokens: int | None = None  # the server's count (final chunk's usage)
+    target_calls: int | None = None  # the server's speculation stats, when streamed
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_times_s[0] if self.chunk_times_s else None
+
+    def chunk_gaps(self) -> list[tuple[float, int]]:
+        """(gap to the previous chunk, tokens of this chunk) for every chunk after the first."""
+        times, tokens = self.chunk_times_s, self.chunk_tokens
+        return [(times[i] - times[i - 1], tokens[i]) for i in range(1, len(times))]
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.completion_tokens < 2:
+            return None
+        return (self.chunk_times_s[-1] - self.ttft_s) / (self.completion_tokens - 1)
+
+
+@dataclass(frozen=True)
+class LevelRun:
+    """What was measured about a level beyond its requests."""
+
+    label: str
+    strategy: str
+    concurrency: int
+    requests: int  # planned
+    wall_s: float
+    warmup_ok: bool
+    warmup_s: float
+    memory: dict[str, Any] | None = None  # see benchmarks.serve_load.MemoryProbe.read
+    load_average: str = "n/a"
+
+
+@dataclass(frozen=True)
+class LevelSummary:
+    label: str
+    strategy: str
+    concurrency: int
+    requests: int
+    completed: int
+    failed: int
+    short: int  # completed with fewer tokens than max_tokens
+    tokens: int
+    wall_s: float
+    tokens_per_second: float
+    ttft_median_s: float | None
+    ttft_p99_s: float | None
+    itl_median_s: float | None
+    itl_p99_s: float | None
+    chunk_gap_median_s: float | None
+    chunk_gap_p99_s: float | None
+    tpot_median_s: float | None
+    e2e_median_s: float | None
+    e2e_p99_s: float | None
+    tokens_per_chunk: float | None
+    block_efficiency: float | None  # server stats: tokens per target call, pooled
+    worker_peak_rss_mib_total: float | None
+    worker_peak_rss_mib_max: float | None
+    workers: int
+    errors: list[str] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100), linear interpolation between order statistics."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize_level(run: LevelRun, records: list[RequestRecord], max_tokens: int) -> LevelSummary:
+    done = [r for r in records if r.ok]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    itls: list[float] = []
+    gaps: list[float] = []
+    for record in done:
+        for gap, tokens in record.chunk_gaps():
+            gaps.append(gap)
+            if tokens:
+                itls.extend([gap / tokens] * tokens)
+    tokens = sum(r.completion_tokens for r in done)
+    chunks = sum(len(r.chunk_tokens) for r in done)
+    calls = [r.target_calls for r in done if r.target_calls]
+    efficiency = None
+    if calls and len(calls) == len(done):
+        efficiency = tokens / sum(calls)
+    peaks = (run.memory or {}).get("workers") or {}
+    peak_values = [p["peak_rss_bytes"] / MIB for p in peaks.values() if p.get("peak_rss_bytes")]
+    errors = sorted({r.error for r in records if r.error})[:5]
+    return LevelSummary(
+        label=run.label,
+        strategy=run.strategy,
+        concurrency=run.concurrency,
+        requests=len(records),
+        completed=len(done),
+        failed=len(records) - len(done),
+        short=sum(r.completion_tokens < max_tokens for r in done),
+        tokens=tokens,
+        wall_s=run.wall_s,
+        tokens_per_second=tokens / run.wall_s if run.wall_s > 0 else 0.0,
+        ttft_median_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        itl_median_s=percentile(itls, 50),
+        itl_p99_s=percentile(itls, 99),
+        chunk_gap_median_s=percentile(gaps, 50),
+        chunk_gap_p99_s=percentile(gaps, 99),
+        tpot_median_s=percentile([r.tpot_s for r in done if r.tpot_s is not None], 50),
+        e2e_median_s=percentile([r.e2e_s for r in done], 50),
+        e2e_p99_s=percentile([r.e2e_s for r in done], 99),
+        tokens_per_chunk=tokens / chunks if chunks else None,
+        block_efficiency=efficiency,
+        worker_peak_rss_mib_total=sum(peak_values) if peak_values else None,
+        worker_peak_rss_mib_max=max(peak_values) if peak_values else None,
+        workers=len(peaks),
+        errors=errors,
+    )
+
+
+# ----------------------------------------------------------------------------- results
+
+@dataclass
+class ServeLoadResults:
+    settings: dict[str, Any]
+    environment: dict[str, Any]
+    command: str
+    levels: list[LevelRun]
+    records: list[RequestRecord]
+    summaries: list[LevelSummary] = field(default_factory=list)
+
+    def summarize(self) -> ServeLoadResults:
+        by_level: dict[tuple[str, int], list[RequestRecord]] = defaultdict(list)
+        for record in self.records:
+            by_level[(record.label, record.concurrency)].append(record)
+        max_tokens = int(self.settings["max_tokens"])
+        self.summaries = [summarize_level(run, by_level[(run.label, run.concurrency)], max_tokens)
+                          for run in self.levels]
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": KIND,
+            "command": self.command,
+            "settings": self.settings,
+            "environment": self.environment,
+            "summaries": [asdict(s) for s in self.summaries],
+            "levels": [asdict(level) for level in self.levels],
+            "records": [asdict(r) for r in self.records],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ServeLoadResults:
+        if data.get("kind") != KIND:
+            raise ValueError(f"not a {KIND} run (kind {data.get('kind')!r})")
+        return cls(
+            settings=data["settings"],
+            environment=data["environment"],
+            command=data["command"],
+            levels=[LevelRun(**level) for level in data["levels"]],
+            records=[RequestRecord(**record) for record in data["records"]],
+        ).summarize()
+
+
+def is_serve_load_run(run_dir: pathlib.Path) -> bool:
+    path = run_dir / "results.json"
+    return path.exists() and json.loads(path.read_text(encoding="utf-8")).get("kind") == KIND
+
+
+def write_json(results: ServeLoadResults, out_dir: pathlib.Path) -> pathlib.Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(results.to_json(), indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def write_results(results: ServeLoadResults, out_dir: pathlib.Path, *, plot_prefix: str = "") -> dict[str, pathlib.Path]:
+    """results.json, results.md and serve_load.png under ``out_dir``."""
+    written = {"json": write_json(results, out_dir), "markdown": out_dir / "results.md"}
+    plot = write_plot(results, out_dir)
+    plots = {}
+    if plot is not None:
+        written["plot"] = plot
+        plots["serve_load"] = plot_prefix + plot.name
+    written["markdown"].write_text(render_markdown(results, plots), encoding="utf-8")
+    logger.info("wrote %s", ", ".join(str(p) for p in written.values()))
+    return written
+
+
+def rerender(run_dir: pathlib.Path, *, plot_prefix: str = "") -> ServeLoadResults:
+    """Rebuild the summaries, results.md and the plot of a finished run from its results.json."""
+    data = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+    results = ServeLoadResults.from_json(data)
+    write_results(results, run_dir, plot_prefix=plot_prefix)
+    return results
+
+
+# ----------------------------------------------------------------------------- markdown
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1000:.0f}"
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def level_table(summaries: list[LevelSummary]) -> list[str]:
+    lines = [
+        "| strategy | concurrency | ok / failed | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | chunk gap p99 ms "
+        "| TPOT p50 ms | e2e p50 / p99 s | tokens / chunk | worker peak RSS MiB (sum / max) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in summaries:
+        failed = f"**{s.failed}**" if s.failed else "0"
+        memory = (f"{_f(s.worker_peak_rss_mib_total, 0)} / {_f(s.worker_peak_rss_mib_max, 0)}"
+                  if s.worker_peak_rss_mib_total is not None else "–")
+        lines.append(
+            f"| {s.label} | {s.concurrency} | {s.completed} / {failed} | {_f(s.tokens_per_second)} "
+            f"| {_ms(s.ttft_median_s)} / {_ms(s.ttft_p99_s)} | {_ms(s.itl_median_s)} / {_ms(s.itl_p99_s)} "
+            f"| {_ms(s.chunk_gap_p99_s)} | {_ms(s.tpot_median_s)} | {_f(s.e2e_median_s, 2)} / {_f(s.e2e_p99_s, 2)} "
+            f"| {_f(s.tokens_per_chunk, 2)} | {memory} |"
+        )
+    return lines
+
+
+def render_markdown(results: ServeLoadResults, plots: dict[str, str]) -> str:
+    settings, env = results.settings, results.environment
+    summaries = sorted(results.summaries, key=lambda s: (s.concurrency, s.label))
+    top = max(settings["concurrency"])
+    lines = [
+        "# Serving under load",
+        "",
+        f"Command: `{results.command}`",
+        "",
+        f"Server: `specserve serve --config {env.get('config')}` in a subprocess (Ray Serve app, HTTP on "
+        f"127.0.0.1), clients in the benchmark process (httpx, asyncio). Per level (a strategy at a concurrency "
+        f"c): one warm-up request, then c closed-loop clients send {_requests_text(results.levels)} streaming "
+        f"`/v1/completions` requests between them ({settings['max_tokens']} tokens each, EOS ignored, "
+        f"temperature {settings['temperature']}, request i: prompt i mod {env.get('num_prompts')} of the "
+        f"committed set, seed {settings['seed']} + i). Levels ran concurrency by concurrency, the strategies "
+        f"in turn at each. Code: commit {env.get('git_commit', 'n/a')}. Machine: {env.get('cpu_count')} CPUs, "
+        f"torch {env.get('torch')}, ray {env.get('ray')}; server start-up {_f(env.get('server_start_s'), 0)} s; "
+        f"load average at start {env.get('load_average_start')}, at end {env.get('load_average_end')}; "
+        f"wall time {_f(env.get('wall_time_s'), 0)} s.",
+        *_admission_note(settings, env),
+        "",
+        "*tok/s* = generated tokens of the level's completed requests / the level's wall time; "
+        "*TTFT* = send to first chunk with a token; *ITL* = per token, a chunk's gap to the previous "
+        "chunk divided by its tokens (pooled over the level's requests); *chunk gap* = per chunk; "
+        "*TPOT* = per request (end-to-end - TTFT) / (tokens - 1); *worker peak RSS* = VmHWM of the "
+        "model-worker processes during the level (reset before it), summed over the workers and the "
+        "largest one (resident pages include shared libraries, so the sum overstates the machine's total).",
+        "",
+        *level_table(summaries),
+        "",
+    ]
+    at_top = [s for s in summaries if s.concurrency == top]
+    if at_top:
+        lines += [f"## Peak resident memory of the model workers at concurrency {top}", "",
+                  "| strategy | workers | peak RSS per worker MiB | sum MiB |", "| --- | ---: | --- | ---: |"]
+        for s in at_top:
+            run = next(r for r in results.levels if r.label == s.label and r.concurrency == s.concurrency)
+            workers = (run.memory or {}).get("workers") or {}
+            per = ", ".join(f"{w['peak_rss_bytes'] / MIB:.0f}" for _, w in sorted(workers.items()))
+            lines.append(f"| {s.label} | {s.workers} | {per or '–'} | {_f(s.worker_peak_rss_mib_total, 0)} |")
+        lines.append("")
+        since_start = [r for r in results.levels if r.memory and r.memory.get("peak") != "during the level"]
+        if since_start:
+            lines += ["The peak counters could not be reset here: these peaks are since the workers started.", ""]
+    errors = [(s, e) for s in summaries for e in s.errors]
+    if errors:
+        lines += ["## Errors", ""] + [f"- {s.label} at {s.concurrency}: `{e}`" for s, e in errors] + [""]
+    for name, path in plots.items():
+        lines += [f"![{name}]({path})", ""]
+    return "\n".join(lines)
+
+
+def _admission_note(settings: dict[str, Any], env: dict[str, Any]) -> list[str]:
+    limit = env.get("max_concurrent_requests")
+    if not limit or max(settings["concurrency"]) <= limit:
+        return []
+    return ["", f"The deployment runs at most `limits.max_concurrent_requests` = {limit} requests at once; "
+            f"above {limit} clients the rest wait in Ray Serve's queue, and that wait is part of their TTFT."]
+
+
+def _requests_text(levels: list[LevelRun]) -> str:
+    """The measured requests per level: one number, or one per concurrency."""
+    counts = dict(sorted({level.concurrency: level.requests for level in levels}.items()))
+    if len(set(counts.values())) <= 1:
+        return str(next(iter(counts.values()), 0))
+    return ", ".join(f"{n} (c = {c})" for c, n in counts.items())
+
+
+# ----------------------------------------------------------------------------- plot
+
+def write_plot(results: ServeLoadResults, out_dir: pathlib.Path) -> pathlib.Path | None:
+    """Four panels against concurrency, one line per strategy: tokens/s, TTFT, ITL, worker memory."""
+    if not results.summaries:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[LevelSummary]] = defaultdict(list)
+    for s in sorted(results.summaries, key=lambda s: s.concurrency):
+        series[s.label].append(s)
+    figure, axes = plt.subplots(2, 2, figsize=(11, 8))
+    panels = (
+        (axes[0][0], "aggregate tokens/s", lambda s: s.tokens_per_second, None),
+        (axes[0][1], "TTFT (ms): median, p99 dashed", lambda s: _scaled(s.ttft_median_s), lambda s: _scaled(s.ttft_p99_s)),
+        (axes[1][0], "ITL per token (ms): median, p99 dashed", lambda s: _scaled(s.itl_median_s),
+         lambda s: _scaled(s.itl_p99_s)),
+        (axes[1][1], "worker peak RSS, sum over workers (MiB)", lambda s: s.worker_peak_rss_mib_total, None),
+    )
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for axis, title, main, extra in panels:
+        for index, (label, rows) in enumerate(series.items()):
+            color = colors[index % len(colors)]
+            xs = [s.concurrency for s in rows]
+            axis.plot(xs, [_nan(main(s)) for s in rows], marker="o", color=color, label=label)
+            if extra is not None:
+                axis.plot(xs, [_nan(extra(s)) for s in rows], marker="x", linestyle="--", color=color)
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sorted({s.concurrency for s in results.summaries}))
+        axis.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.set_xlabel("concurrent clients")
+        axis.set_title(title)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    axes[0][0].legend()
+    figure.tight_layout()
+    path = out_dir / PLOT_FILES[0]
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def _scaled(value: float | None) -> float | None:
+    return None if value is None else value * 1000
+
+
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
