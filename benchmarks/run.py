@@ -126,13 +126,17 @@ def analyze(settings: BenchSettings, cases, records, environment: dict[str, Any]
     )
 
 
-def rerender(run_dir: pathlib.Path, *, plot_prefix: str = "") -> BenchResults:
+def rerender(run_dir: pathlib.Path, *, plot_prefix: str = "") -> Any:
     """Rebuild results.json / results.md / plots of a finished run from its recorded runs (after
-    a change to the analysis or the report, without measuring again)."""
+    a change to the analysis or the report, without measuring again). A serve-load run
+    (``specserve bench --mode serve-load``) is re-rendered by :mod:`benchmarks.serve_load_report`."""
+    from benchmarks import serve_load_report
     from benchmarks.records import RunRecord
     from benchmarks.report import results_from_json
 
     data = results_from_json(run_dir / "results.json")
+    if data.get("kind") == serve_load_report.KIND:
+        return serve_load_report.rerender(run_dir, plot_prefix=plot_prefix)
     settings = BenchSettings(**data["settings"])
     roles = {name: model["role"] for name, model in data["environment"]["models"].items()}
     derived = ("tokens_per_second", "block_efficiency", "mean_accepted")
@@ -143,7 +147,8 @@ def rerender(run_dir: pathlib.Path, *, plot_prefix: str = "") -> BenchResults:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Re-render a finished benchmark run from its results.json.")
+    parser = argparse.ArgumentParser(description="Re-render a finished benchmark run (suite or serve-load) from its "
+                                     "results.json.")
     parser.add_argument("run_dir", type=pathlib.Path)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
