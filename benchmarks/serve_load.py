@@ -9,7 +9,8 @@ c closed-loop clients (asyncio tasks over one httpx client) that each send a str
 requests are used up. Request i of every level uses prompt ``i mod P`` of the committed prompt
 set (text, tokenized by the server), seed ``seed + i``, ``max_tokens`` with ``ignore_eos``,
 the given temperature with no top-k / top-p, ``return_token_ids`` (to count the tokens of
-each chunk) and the ``speculation`` object of the strategy. Everything is timed on the client
+each chunk) and the ``speculation`` object of the strategy (plus ``Authorization: Bearer`` when
+the application has an API key). Everything is timed on the client
 side (see :mod:`benchmarks.serve_load_report` for the definitions). Before each level the
 peak-RSS counters of the server's model-worker processes (the Ray actors whose process title
 is ``ray::<worker_class>``, found among the server subprocess's descendants in ``/proc``) are
@@ -323,11 +324,13 @@ class LevelPlan:
 class LoadClient:
     """Streams completions from the server and times them."""
 
-    def __init__(self, base_url: str, model: str, settings: ServeLoadSettings, prompts: list[Prompt]):
+    def __init__(self, base_url: str, model: str, settings: ServeLoadSettings, prompts: list[Prompt],
+                 api_key: str | None = None):
         self.url = base_url + "/v1/completions"
         self.model = model
         self.settings = settings
         self.prompts = prompts
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def body(self, case: LoadCase, index: int, max_tokens: int) -> dict[str, Any]:
         prompt = self.prompts[index % len(self.prompts)]
@@ -403,7 +406,7 @@ class LoadClient:
         settings = self.settings
         limits = httpx.Limits(max_connections=plan.concurrency + 1, max_keepalive_connections=plan.concurrency + 1)
         timeout = httpx.Timeout(settings.request_timeout_s, connect=30.0)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, headers=self.headers) as client:
             warm_started = time.perf_counter()
             warm = await self.request(client, plan.case, plan.concurrency, -1, warm_started,
                                       min(settings.warmup_tokens, settings.max_tokens))
@@ -481,7 +484,7 @@ def run_serve_load(
     try:
         server.start(route_prefix)
         environment["server_start_s"] = server.start_s
-        client = LoadClient(server.url + route_prefix.rstrip("/"), model, settings, prompts)
+        client = LoadClient(server.url + route_prefix.rstrip("/"), model, settings, prompts, _api_key(application))
         memory = MemoryProbe(server.process.pid if server.process else None, settings.worker_class)
         for plan in plans:
             if server.process is not None and server.process.poll() is not None:
@@ -501,6 +504,13 @@ def run_serve_load(
     results.summarize()
     write_results(results, out_dir, plot_prefix=plot_prefix)
     return results
+
+
+def _api_key(application: dict[str, Any]) -> str | None:
+    """The key the server will ask for, if any: the application's ``args.security.api_key``, else
+    ``SPECSERVE_API_KEY`` (the server subprocess inherits this environment). Never recorded."""
+    security = (application.get("args") or {}).get("security") or {}
+    return security.get("api_key") or os.environ.get("SPECSERVE_API_KEY") or None
 
 
 def _ms(value: float | None) -> str:

@@ -15,7 +15,7 @@ import yaml
 from benchmarks.cli import add_bench_parser
 from benchmarks.publish import SERVE_LOAD_END, SERVE_LOAD_START, results_section, splice
 from benchmarks.run import rerender
-from benchmarks.serve_load import ServeLoadSettings, serve_load_cases
+from benchmarks.serve_load import LoadClient, ServeLoadSettings, _api_key, serve_load_cases
 from benchmarks.serve_load_report import PLOT_FILES, LevelRun, RequestRecord, percentile, summarize_level
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -67,6 +67,16 @@ def test_strategies_send_the_requested_speculation():
         ServeLoadSettings(strategies=("peer",))
     with pytest.raises(ValueError, match="draft"):
         serve_load_cases(ServeLoadSettings(strategies=("sd",)), {"target": "target"})
+
+
+def test_the_client_sends_the_api_key_of_the_application(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    assert _api_key({"args": {}}) is None
+    assert _api_key({"args": {"security": {"api_key": "k" * 32}}}) == "k" * 32
+    monkeypatch.setenv("SPECSERVE_API_KEY", "e" * 32)
+    assert _api_key({"args": {}}) == "e" * 32
+    client = LoadClient("http://127.0.0.1:1", "specserve", ServeLoadSettings(), [], api_key="e" * 32)
+    assert client.headers == {"Authorization": "Bearer " + "e" * 32}
 
 
 def test_flags_of_the_other_mode_are_refused(tmp_path):
