@@ -9,8 +9,12 @@ serving layer can answer 400; a failure during decoding (e.g. a worker error) en
 with a chunk whose ``error`` is set (``finish_reason="error"``). Either way every session the
 request opened is released on every worker, and other requests are unaffected.
 
-The strategy comes from the registry in :mod:`actors.strategies` (keyed by the Strategy
-literal); the coordinator itself holds no decoding math.
+Requests are decoded together by the step scheduler (:mod:`actors.scheduler`): each request
+is a state machine (:mod:`verifiers.machines`, built by :mod:`actors.strategies`), and every
+step each model worker gets one call with the work of every request in flight. A request
+beyond ``max_concurrent_requests`` waits its turn; beyond ``max_queued_requests`` more it is
+refused with :class:`actors.scheduler.OverloadedError` (429 / RESOURCE_EXHAUSTED). A client
+that goes away leaves at the next step. The coordinator itself holds no decoding math.
 """
 
 from __future__ import annotations
@@ -26,14 +30,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats
-from actors.messages import RowSampling, WorkerInfo
+from actors.messages import OpenSession, RowSampling, WorkerInfo
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan, resolve_plan
-from actors.strategies import STRATEGIES, RunContext, StatsRecorder, StrategyRun
+from actors.scheduler import OverloadedError, RequestState, Scheduler
+from actors.strategies import MachineSampling, build_machine
 
 logger = logging.getLogger(__name__)
 
-MAX_EMPTY_STEPS = 64  # a strategy that makes no progress this many steps in a row is a bug
 
 
 class Coordinator:
@@ -61,9 +65,12 @@ class Coordinator:
             self.eos_token_ids = frozenset([int(self.tokenizer.eos_token_id)])
         else:
             self.eos_token_ids = frozenset()
-        self.admission = asyncio.Semaphore(config.max_concurrent_requests)
+        self.scheduler = Scheduler(
+            self.workers,
+            max_running=config.max_concurrent_requests,
+            max_waiting=config.max_queued_requests,
+        )
         self.worker_infos: dict[str, WorkerInfo] | None = None
-        self.active_requests: set[str] = set()
 
     @staticmethod
     def _load_tokenizer(path: str | None):
@@ -90,7 +97,16 @@ class Coordinator:
                               "device": info.device, "gpu_ids": list(info.gpu_ids)} for name, info in infos.items()},
             "defaults": vars(self.config.defaults) if hasattr(self.config.defaults, "__dict__") else {},
             "max_concurrent_requests": self.config.max_concurrent_requests,
-            "active_requests": sorted(self.active_requests),
+            "active_requests": sorted(self.scheduler.active_session_ids()),
+        }
+
+    async def engine_stats(self) -> dict[str, Any]:
+        """Scheduler counters: steps, running and waiting requests, recent batch sizes."""
+        return {
+            "steps": self.scheduler.steps,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "batch_sizes": list(self.scheduler.batch_sizes),
         }
 
     async def health(self) -> bool:
@@ -158,33 +174,38 @@ class Coordinator:
         """Stream the request's output (see the module docstring)."""
         request = self._parse(request)
         plan, prompt_ids, vocab_limit, max_context = await self._prepare(request)
-        async with self.admission:
-            async for chunk in self._decode(request, plan, prompt_ids, vocab_limit, max_context):
+        state = self._request_state(request, plan, prompt_ids, vocab_limit, max_context)
+        self.scheduler.submit(state)  # OverloadedError when the waiting line is full
+        try:
+            while True:
+                chunk = await state.chunks.get()
                 yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            self.scheduler.cancel(state)  # no-op when finished; else it leaves at the next step
 
     async def generate_all(self, request: GenerationRequest | dict) -> list[GenerationChunk]:
         """Non-streaming convenience: every chunk of :meth:`generate` in a list."""
         return [chunk async for chunk in self.generate(request)]
 
-    async def _decode(
+    def _request_state(
         self, request: GenerationRequest, plan: DecodingPlan, prompt_ids: list[int], vocab_limit: int, max_context: int
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> RequestState:
         sampling = request.sampling
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
-        session_id = f"{request.request_id}/{uuid.uuid4().hex[:12]}"
-        stats = StatsRecorder()
-        ctx = RunContext(
-            session_id=session_id,
-            plan=plan,
-            workers=self.workers,
-            sampling=RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, vocab_limit),
+        built = build_machine(
+            plan,
+            MachineSampling(sampling.temperature, sampling.top_k, sampling.top_p),
             seed=seed,
-            prompt_ids=prompt_ids,
             max_new_tokens=sampling.max_tokens,
-            max_context=max_context,
-            stats=stats,
+            context_budget=max_context - len(prompt_ids),
         )
-        run: StrategyRun = STRATEGIES[plan.strategy](ctx)
+        row_sampling = RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, vocab_limit)
+        opens = {
+            model: OpenSession(tuple(prompt_ids), row_sampling, dict(seeds))
+            for model, seeds in built.worker_seeds.items()
+        }
         output = OutputTracker(
             self.tokenizer,
             max_tokens=sampling.max_tokens,
@@ -192,72 +213,13 @@ class Coordinator:
             eos_token_ids=self.eos_token_ids,
             ignore_eos=sampling.ignore_eos,
         )
-        streams = run.session_streams()
-        opened: list[str] = []
-        started = time.perf_counter()
-        self.active_requests.add(session_id)
-        try:
-            opened = list(streams)
-            await asyncio.gather(
-                *(self.workers[name].open_session.remote(session_id, prompt_ids, ctx.sampling, seeds)
-                  for name, seeds in streams.items())
-            )
-            empty_steps = 0
-            while not output.finished:
-                tokens = await run.step()
-                delta = output.add(tokens)
-                if not delta.token_ids and not output.finished:
-                    empty_steps = empty_steps + 1 if not tokens else 0
-                    if empty_steps > MAX_EMPTY_STEPS:
-                        raise RuntimeError(f"strategy {plan.strategy} made no progress in {MAX_EMPTY_STEPS} steps")
-                    continue
-                empty_steps = 0
-                if output.finished:
-                    break
-                yield GenerationChunk(request_id=request.request_id, token_ids=delta.token_ids, text=delta.text)
-            final_stats = self._stats(plan, len(prompt_ids), output, stats, time.perf_counter() - started)
-            yield GenerationChunk(
-                request_id=request.request_id,
-                token_ids=delta.token_ids,
-                text=delta.text,
-                finished=True,
-                finish_reason=output.finish_reason,
-                stats=final_stats,
-            )
-        except (asyncio.CancelledError, GeneratorExit):
-            logger.info("request %s cancelled", session_id)
-            raise
-        except Exception as error:  # a worker failed: end this request only, with a clear error
-            logger.exception("request %s failed", session_id)
-            yield GenerationChunk(
-                request_id=request.request_id,
-                finished=True,
-                finish_reason="error",
-                error=f"{type(error).__name__}: {error}",
-                stats=self._stats(plan, len(prompt_ids), output, stats, time.perf_counter() - started),
-            )
-        finally:
-            self.active_requests.discard(session_id)
-            for name in opened:
-                self.workers[name].release.remote(session_id)  # fire and forget: also runs on cancel
-
-    @staticmethod
-    def _stats(plan: DecodingPlan, prompt_tokens: int, output: OutputTracker, stats: StatsRecorder, elapsed: float) -> RequestStats:
-        completion = len(output.token_ids)
-        work = stats.time_draft_s + stats.time_target_s + stats.time_verify_s
-        return RequestStats(
-            strategy=plan.strategy,
-            method=plan.method,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion,
-            target_calls=stats.target_calls,
-            model_calls=dict(stats.model_calls),
-            accepted_lengths=list(stats.accepted_lengths),
-            block_efficiency=completion / stats.target_calls if stats.target_calls else 0.0,
-            tokens_per_second=completion / elapsed if elapsed > 0 else 0.0,
-            time_draft_s=stats.time_draft_s,
-            time_target_s=stats.time_target_s,
-            time_verify_s=stats.time_verify_s,
-            time_coordination_s=max(0.0, elapsed - work),
-            bytes_moved=stats.bytes_moved,
+        return RequestState(
+            request_id=request.request_id,
+            session_id=f"{request.request_id}/{uuid.uuid4().hex[:12]}",
+            plan=plan,
+            machine=built.machine,
+            output=output,
+            prompt_ids=prompt_ids,
+            opens=opens,
+            vocab_limit=vocab_limit,
         )

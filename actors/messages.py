@@ -111,3 +111,38 @@ class MemberBlock:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.queued_logits, self.token_logits))
+
+
+@dataclass(frozen=True)
+class OpenSession:
+    """Open a session on first use: the prompt, how rows are made, the seeds of the random
+    streams this worker owns for the request (``verifiers.randomness.stream_seeds``)."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: RowSampling
+    seeds: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request's need (:mod:`verifiers.machines`) for one worker step.
+
+    open: set on the request's first item on this worker (the session is opened, then the need
+    runs; the prompt's prefill is the need's first row). proposal_source: for a ScoreVerify,
+    ``(i, j)``: the proposal is item j's payload of the i-th source step passed to the call.
+    """
+
+    session_id: str
+    need: Any
+    open: OpenSession | None = None
+    proposal_source: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """What one work item produced: a value (see each need's result type) or an error
+    message (the item's session was freed), and the step's timing for it."""
+
+    value: Any = None
+    timing: CallTiming = field(default_factory=CallTiming)
+    error: str | None = None

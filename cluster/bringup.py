@@ -114,6 +114,12 @@ def _scheduling(placement_group: Any, bundle_index: int) -> dict[str, Any]:
     }
 
 
+def worker_sessions(config: GroupConfig) -> int:
+    """KV cache slots per worker: every running request, plus as many again whose sessions are
+    released at the next step, plus a margin."""
+    return 2 * config.max_concurrent_requests + 4
+
+
 def start_model_group(
     args: SpecServeArgs | GroupConfig | dict[str, Any],
     placement_group: Any = None,
@@ -137,7 +143,9 @@ def start_model_group(
     for index, model in enumerate(config.models):
         options: dict[str, Any] = {"num_cpus": model.num_cpus, "num_gpus": model.num_gpus}
         options.update(_scheduling(placement_group, first_bundle + index))
-        workers[model.name] = remote_worker.options(**options).remote(model, config.session_idle_timeout_s)
+        workers[model.name] = remote_worker.options(**options).remote(
+            model, config.session_idle_timeout_s, max_sessions=worker_sessions(config)
+        )
     coordinator_options: dict[str, Any] = {"num_cpus": config.coordinator_cpus}
     coordinator_options.update(_scheduling(placement_group, -1))
     coordinator = ray.remote(Coordinator).options(**coordinator_options).remote(workers, config)

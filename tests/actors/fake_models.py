@@ -4,9 +4,10 @@ This is the one place the test suite substitutes the model: the logits are an ex
 seeded function of the whole prefix (:class:`tests.verifiers.tiny_models.TinyModel`), so the
 reference loops in ``verifiers.reference`` can be run on the very same functions and the
 distributed coordinator's output compared token for token, and its law computed exactly.
-Everything else (sessions, cache bookkeeping, rollback, sampling, verification, the
-coordinator, Ray) is the production code: :class:`FunctionModelWorker` only overrides
-``ModelWorker._load_backend``.
+Everything else (sessions, slot and column bookkeeping, rollback, the batched step, sampling,
+verification, the scheduler, Ray) is the production code: :class:`FunctionModelWorker` only
+overrides ``ModelWorker._load_backend``, and the fake backend computes each token's logits from
+exactly the columns the engine's attention mask lets it see.
 
 Models are named by ``spec.path`` (``fake:<name>``, see :data:`FAKE_MODELS`).
 """
@@ -48,42 +49,64 @@ class PoisonError(RuntimeError):
 
 
 class FunctionBackend:
-    """The :class:`actors.backends.ModelBackend` interface over a function of the context.
+    """The :class:`actors.backends.SlotBackend` interface over a function of the context.
 
-    The "cache" is the list of token rows whose positions have been computed; ``forward``
-    evaluates the function only at the new positions, so ``calls`` counts exactly the
-    positions the worker asked for (what a KV cache would compute).
+    Each slot remembers, per storage column, the token written there and its position. A new
+    token's logits are the function of the tokens it can see -- the slot's prefix columns and
+    its ``attend`` columns, ordered by position -- plus itself, so a wrong column, position or
+    mask in the engine changes the logits and the tests see it. ``positions_computed`` counts
+    exactly the positions the worker asked for (what a KV cache would compute).
     """
 
     device = "cpu"
 
-    def __init__(self, model_fn, vocab_size: int, max_context: int = FAKE_CONTEXT):
+    def __init__(self, model_fn, vocab_size: int, max_context: int = FAKE_CONTEXT, max_slots: int = 256,
+                 scratch_columns: int = 288):
         self.model_fn = model_fn
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.capacity = max_context + scratch_columns
+        self.max_slots = max_slots
+        self.columns: dict[int, dict[int, tuple[int, int]]] = {}  # slot -> column -> (token, position)
         self.positions_computed = 0
 
-    def new_cache(self) -> list[list[int]]:
-        return [[]]
+    def allocate(self) -> int:
+        free = next((slot for slot in range(self.max_slots) if slot not in self.columns), None)
+        if free is None:
+            raise RuntimeError(f"all max_slots={self.max_slots} cache slots are in use")
+        self.columns[free] = {}
+        return free
 
-    def cache_length(self, cache: list[list[int]]) -> int:
-        return len(cache[0])
+    def free(self, slot: int) -> None:
+        self.columns.pop(slot, None)
 
-    def forward(self, input_ids: torch.Tensor, cache: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
-        rows = input_ids.tolist()  # [B][L]
-        if len(cache) == 1 and len(rows) > 1:
-            cache = [list(cache[0]) for _ in rows]
-        if len(cache) != len(rows):
-            raise ValueError(f"cache has {len(cache)} rows, input has {len(rows)}")
-        logits = torch.empty(len(rows), len(rows[0]), self.vocab_size, dtype=torch.float64)  # [B, L, V]
-        new_cache = []
-        for b, (prefix, new_tokens) in enumerate(zip(cache, rows)):
-            context = list(prefix)
-            for j, token in enumerate(new_tokens):
-                context.append(int(token))
-                logits[b, j] = self._logits(tuple(context))
-            new_cache.append(context)
-        return logits, new_cache
+    def copy_columns(self, slot: int, src, dst) -> None:
+        stored = self.columns[slot]
+        values = [stored[c] for c in src]
+        for column, value in zip(dst, values):
+            stored[column] = value
+
+    def forward(self, rows) -> list[torch.Tensor]:
+        outputs = []
+        for row in rows:
+            stored = self.columns[row.slot]
+            for token, column, position in zip(row.token_ids, row.columns, row.positions):
+                stored[column] = (int(token), int(position))
+            logits = torch.empty(len(row.keep), self.vocab_size, dtype=torch.float64)  # [len(keep), V]
+            for out, index in enumerate(row.keep):
+                visible = list(range(row.prefix_length)) + list(row.attend[index])
+                logits[out] = self._logits(self._context(stored, visible, row.positions[index]))
+            outputs.append(logits)
+        return outputs
+
+    @staticmethod
+    def _context(stored: dict[int, tuple[int, int]], visible: list[int], position: int) -> tuple[int, ...]:
+        entries = sorted(stored[c] for c in set(visible))  # (token, position) pairs
+        by_position = sorted(entries, key=lambda entry: entry[1])
+        positions = [p for _, p in by_position]
+        if positions != list(range(position + 1)):
+            raise AssertionError(f"visible positions {positions} are not 0..{position}")
+        return tuple(token for token, _ in by_position)
 
     def _logits(self, context: tuple[int, ...]) -> torch.Tensor:
         self.positions_computed += 1
@@ -91,22 +114,13 @@ class FunctionBackend:
             raise PoisonError(f"poisoned context {context}")
         return torch.as_tensor(self.model_fn(context), dtype=torch.float64)
 
-    def crop(self, cache: list[list[int]], length: int) -> list[list[int]]:
-        return [row[:length] for row in cache]
-
-    def repeat(self, cache: list[list[int]], times: int) -> list[list[int]]:
-        return [list(cache[0]) for _ in range(times)] if len(cache) == 1 else cache
-
-    def select(self, cache: list[list[int]], row: int) -> list[list[int]]:
-        return [cache[row]]
-
 
 class FunctionModelWorker(ModelWorker):
     """ModelWorker whose model is ``FAKE_MODELS[name]`` for ``spec.path == "fake:<name>"``."""
 
     def _load_backend(self) -> FunctionBackend:
         name = self.spec.path.removeprefix("fake:")
-        return FunctionBackend(FAKE_MODELS[name], VOCAB)
+        return FunctionBackend(FAKE_MODELS[name], VOCAB, max_slots=self.max_sessions)
 
     def positions_computed(self) -> int:
         return self.backend.positions_computed
@@ -123,5 +137,6 @@ def fake_group_config(**defaults: Any) -> GroupConfig:
         tokenizer_path=None,
         defaults=DecodingDefaults(**{"strategy": "sd", "method": "token", "gamma": 3, **defaults}),
         max_concurrent_requests=64,
+        max_queued_requests=1024,
         session_idle_timeout_s=120.0,
     )

@@ -1,0 +1,450 @@
+"""The worker engine: one step = the needs of every request on this model, batched.
+
+:class:`WorkerEngine.step` takes the work items of one scheduler step (a :mod:`verifiers.machines`
+need per request, with the session to run it in) and runs them together: every forward pass
+of the step is ONE ragged forward over every session that still has tokens to feed
+(:class:`actors.batch.RowWork` rows in a :class:`actors.backends.SlotBackend`). A step makes
+as many forwards as its longest item needs: one for scoring / verification / next logits,
+``count`` for sampling ``count`` tokens (the sampling items drop out as they finish).
+
+Each item is a small task (:class:`_Task`) that says which row it needs in the next forward
+and takes that row's logits. Draws use the session's own random streams in the order the
+machine's contract states, so a request's tokens do not depend on its neighbours. Verification
+runs here, next to the target rows (only tokens travel back); logits leave the device once per
+forward (one copy of the kept rows of every session), and rows are computed with the one
+sampling path (:func:`verifiers.sampling.logits_to_probs`) in float64 on the host, which is
+where the verifiers run.
+
+Failures stay with their request: an item that fails (bad state, a forward that raises for
+its row) gets an error outcome and its session is freed; the other items of the step go on (a
+forward that raises is retried row by row to find the rows that fail).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from actors.batch import RowWork, linear_row
+from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
+from actors.sessions import Session, SessionStore
+from verifiers.machines import Extend, MemberBlock, NextLogits, Sample, Sampled, ScoreVerify, Verified
+from verifiers.registry import get_verifier
+from verifiers.sampling import logits_to_probs
+
+logger = logging.getLogger(__name__)
+
+
+def session_rows(session: Session, logits: torch.Tensor) -> torch.Tensor:
+    """The one logits -> rows path of a worker: shared-vocabulary truncation, then
+    ``logits_to_probs`` with the request's temperature / top-k / top-p."""
+    sampling = session.sampling
+    return logits_to_probs(
+        shared_vocab(session, logits), temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
+    )
+
+
+def shared_vocab(session: Session, logits: torch.Tensor) -> torch.Tensor:
+    limit = session.sampling.vocab_limit
+    return logits if limit is None else logits[..., :limit]
+
+
+class _Task:
+    """One work item in progress: rows to feed, then a result."""
+
+    def __init__(self, session: Session, pending: list[int]):
+        self.session = session
+        self.pending = pending
+        self.forwards = 0
+        self.tokens_fed = 0
+        self.verify_s = 0.0
+
+    @property
+    def active(self) -> bool:
+        """Whether the task needs a row in the next forward."""
+        raise NotImplementedError
+
+    def row(self) -> RowWork:
+        raise NotImplementedError
+
+    def take(self, logits: torch.Tensor) -> None:
+        """Consume the kept logits ``[len(row.keep), V]`` of the last row."""
+        raise NotImplementedError
+
+    def outcome(self) -> tuple[Any, Any]:
+        """(summary for the scheduler, payload for a dependent need or None)."""
+        raise NotImplementedError
+
+    def _feed_pending(self) -> RowWork:
+        """The pending tokens as a linear row keeping the last position."""
+        session = self.session
+        return linear_row(session.slot, session.base, self.pending, session.base, keep=[len(self.pending) - 1])
+
+    def _pending_fed(self) -> None:
+        self.session.base += len(self.pending)
+        self.pending = []
+
+
+class _SampleTask(_Task):
+    """:class:`Sample`: the pending tokens, then one forward per further draft step with the
+    K chains' newest tokens (each seeing only its own chain)."""
+
+    def __init__(self, session: Session, pending: list[int], need: Sample):
+        super().__init__(session, pending)
+        self.need = need
+        self.drafts: list[list[int]] = [[] for _ in range(need.num_drafts)]
+        self.step_logits: list[torch.Tensor] = []
+        self.source = session.source(need.stream)
+
+    @property
+    def active(self) -> bool:
+        return len(self.drafts[0]) < self.need.count
+
+    def row(self) -> RowWork:
+        if self.pending:
+            return self._feed_pending()
+        session, depth = self.session, len(self.drafts[0]) - 1  # feed draft token `depth` of each chain
+        stride = self.need.count - 1
+        columns = [session.base + k * stride + depth for k in range(self.need.num_drafts)]
+        return RowWork(
+            slot=session.slot,
+            prefix_length=session.base,
+            token_ids=tuple(draft[depth] for draft in self.drafts),
+            columns=tuple(columns),
+            positions=(session.base + depth,) * len(columns),
+            attend=tuple(tuple(range(c - depth, c + 1)) for c in columns),
+            keep=tuple(range(len(columns))),
+        )
+
+    def take(self, logits: torch.Tensor) -> None:
+        if self.pending:
+            self._pending_fed()
+            logits = logits.expand(self.need.num_drafts, -1)  # [K, V]: the K drafts share the first row
+        logits = shared_vocab(self.session, logits)  # [K, V]
+        tokens = self.source.categorical(session_rows(self.session, logits))  # [K]
+        for draft, token in zip(self.drafts, tokens.tolist()):
+            draft.append(int(token))
+        if self.need.return_logits:
+            self.step_logits.append(logits)
+
+    def outcome(self) -> tuple[Any, Any]:
+        session, stride = self.session, self.need.count - 1
+        session.chain_start, session.chain_stride = session.base, stride
+        session.chains = [draft[:stride] for draft in self.drafts] if stride else []
+        tokens = torch.tensor(self.drafts, dtype=torch.int64)  # [K, n]
+        if not self.need.return_logits:
+            return Sampled(tokens), None
+        logits = torch.stack(self.step_logits, dim=1)  # [K, n, V]
+        return Sampled(tokens), Sampled(tokens, logits)
+
+
+class _ScoreVerifyTask(_Task):
+    """:class:`ScoreVerify`: ONE row with the pending tokens and the K draft chains after them,
+    then the registry verifier on ``[K, gamma+1]`` target rows; the emitted tokens are
+    committed to the session."""
+
+    def __init__(self, session: Session, pending: list[int], need: ScoreVerify, proposal: Sampled):
+        super().__init__(session, pending)
+        if proposal is None or proposal.logits is None:
+            raise ValueError("verification needs the proposal's logits")
+        self.need, self.proposal = need, proposal
+        self.spec = get_verifier(need.method)
+        self.source = session.source(need.stream)
+        self.result: Verified | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.result is None
+
+    def row(self) -> RowWork:
+        session, pending = self.session, self.pending
+        drafts = self.proposal.tokens.tolist()  # [K][gamma]
+        gamma = len(drafts[0])
+        chain_start = session.base + len(pending)
+        pending_columns = tuple(range(session.base, chain_start))
+        columns, attend = list(pending_columns), [pending_columns[: i + 1] for i in range(len(pending))]
+        for k in range(len(drafts)):
+            chain = tuple(range(chain_start + k * gamma, chain_start + (k + 1) * gamma))
+            columns.extend(chain)
+            attend.extend(pending_columns + chain[: j + 1] for j in range(gamma))  # the pending tokens, then its chain
+        return RowWork(
+            slot=session.slot,
+            prefix_length=session.base,
+            token_ids=tuple(pending) + tuple(t for draft in drafts for t in draft),
+            columns=tuple(columns),
+            positions=pending_columns + tuple(chain_start + j for _ in drafts for j in range(gamma)),
+            attend=tuple(attend),
+            keep=(len(pending) - 1,) + tuple(range(len(pending), len(columns))),
+        )
+
+    def take(self, logits: torch.Tensor) -> None:
+        session = self.session
+        draft_tokens = self.proposal.tokens  # [K, gamma]
+        num_drafts, gamma = draft_tokens.shape
+        self._pending_fed()
+        started = time.perf_counter()
+        first = logits[:1].expand(num_drafts, 1, -1)  # [K, 1, V]: every draft's first row
+        chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
+        target_probs = session_rows(session, torch.cat([first, chained], dim=1))  # [K, gamma+1, V]
+        # The draft's rows, recomputed bit for bit from its logits by the same transform it
+        # sampled with (same request sampling parameters, same code).
+        draft_probs = session_rows(session, self.proposal.logits)  # [K, gamma, V]
+        if self.spec.multi_draft:
+            batched = (draft_tokens[None], draft_probs[None], target_probs[None])  # B = 1
+        else:
+            batched = (draft_tokens, draft_probs, target_probs)  # K = 1 is the batch of 1
+        result = self.spec.verify(*batched, generator=self.source, state=session.verify_state)
+        session.verify_state = result.state
+        emitted = result.emitted(0)
+        session.chain_start, session.chain_stride = session.base, gamma
+        session.chains = draft_tokens.tolist()
+        session.context.extend(emitted)
+        self.result = Verified(
+            emitted=emitted,
+            num_accepted=int(result.num_accepted[0]),
+            draft_index=None if result.draft_index is None else int(result.draft_index[0]),
+        )
+        self.verify_s = time.perf_counter() - started
+
+    def outcome(self) -> tuple[Any, Any]:
+        return self.result, None
+
+
+class _ExtendTask(_Task):
+    """:class:`Extend`: one row with the pending tokens and the queued tokens as a chain (rows
+    at every queued position and after the queue), then one forward per further draw."""
+
+    def __init__(self, session: Session, pending: list[int], need: Extend):
+        super().__init__(session, pending)
+        self.need = need
+        self.queued = [int(t) for t in need.queued]
+        self.source = session.source(need.stream) if need.count else None
+        self.queued_logits: torch.Tensor | None = None
+        self.next_logits: torch.Tensor | None = None
+        self.tokens: list[int] = []
+        self.token_logits: list[torch.Tensor] = []
+
+    @property
+    def active(self) -> bool:
+        return self.queued_logits is None or len(self.tokens) < self.need.count
+
+    def row(self) -> RowWork:
+        session = self.session
+        if self.queued_logits is None:
+            pending, chain_start = self.pending, session.base + len(self.pending)
+            columns = tuple(range(session.base, chain_start + len(self.queued)))
+            attend = [columns[: i + 1] for i in range(len(pending))]
+            attend.extend(columns[: len(pending) + j + 1] for j in range(len(self.queued)))
+            return RowWork(
+                slot=session.slot,
+                prefix_length=session.base,
+                token_ids=tuple(pending) + tuple(self.queued),
+                columns=columns,
+                positions=columns,
+                attend=tuple(attend),
+                keep=tuple(range(len(pending) - 1, len(columns))),
+            )
+        column = session.base + len(self.queued) + len(self.tokens) - 1  # feed the newest draw
+        return RowWork(
+            slot=session.slot,
+            prefix_length=session.base,
+            token_ids=(self.tokens[-1],),
+            columns=(column,),
+            positions=(column,),
+            attend=(tuple(range(session.base, column + 1)),),
+            keep=(0,),
+        )
+
+    def take(self, logits: torch.Tensor) -> None:
+        logits = shared_vocab(self.session, logits)
+        if self.queued_logits is None:
+            self._pending_fed()
+            self.queued_logits, self.next_logits = logits[:-1], logits[-1]  # [Q, V], [V]
+        else:
+            self.next_logits = logits[0]  # [V]
+        if len(self.tokens) < self.need.count:
+            token = int(self.source.categorical(session_rows(self.session, self.next_logits[None]))[0])  # row [1, V]
+            self.tokens.append(token)
+            self.token_logits.append(self.next_logits)
+
+    def outcome(self) -> tuple[Any, Any]:
+        session = self.session
+        fed = self.queued + self.tokens[:-1]
+        session.chain_start, session.chain_stride, session.chains = session.base, len(fed), [fed]
+        vocab = self.queued_logits.shape[-1]
+        block = MemberBlock(
+            queued_logits=self.queued_logits.clone(),
+            tokens=torch.tensor(self.tokens, dtype=torch.int64),
+            token_logits=torch.stack(self.token_logits) if self.token_logits else torch.empty(0, vocab, dtype=self.queued_logits.dtype),
+        )
+        return block, None
+
+
+class _NextLogitsTask(_Task):
+    """:class:`NextLogits`: the pending tokens, the row after them."""
+
+    def __init__(self, session: Session, pending: list[int], need: NextLogits):
+        super().__init__(session, pending)
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.logits is None
+
+    def row(self) -> RowWork:
+        return self._feed_pending()
+
+    def take(self, logits: torch.Tensor) -> None:
+        self._pending_fed()
+        self.logits = shared_vocab(self.session, logits[0]).clone()  # [V]
+
+    def outcome(self) -> tuple[Any, Any]:
+        return self.logits, None
+
+
+class WorkerEngine:
+    """Sessions + a slot backend + the batched step. Thread-safe (one step at a time)."""
+
+    def __init__(self, backend: Any, name: str, idle_timeout_s: float = 300.0):
+        self.backend = backend
+        self.name = name
+        self.sessions = SessionStore(backend.allocate, backend.free, idle_timeout_s, name)
+        self.steps = 0
+        self.rows_per_forward: list[int] = []  # recent batch sizes (for metrics)
+
+    def step(
+        self, items: Sequence[WorkItem], releases: Sequence[str] = (), proposals: Sequence[Sequence[Any]] = ()
+    ) -> tuple[list[ItemOutcome], list[Any]]:
+        """Run one step; returns (outcomes aligned with ``items``, payloads aligned with
+        ``items``). ``proposals[i][j]`` is the payload of item j of the i-th source step."""
+        with self.sessions.lock:
+            for session_id in releases:
+                self.sessions.release(session_id)
+            started = time.perf_counter()
+            tasks: list[_Task | None] = []
+            errors: dict[int, str] = {}
+            for index, item in enumerate(items):
+                try:
+                    tasks.append(self._task(item, proposals))
+                except Exception as error:  # noqa: BLE001 - reported to the one request
+                    tasks.append(None)
+                    errors[index] = self._fail(item.session_id, error)
+            forward_s = self._run_forwards(tasks, errors, items)
+            self.steps += 1
+            return self._outcomes(items, tasks, errors, forward_s, time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ internals
+    def _task(self, item: WorkItem, proposals: Sequence[Sequence[Any]]) -> _Task:
+        if item.open is not None:
+            self._open(item.session_id, item.open)
+        session = self.sessions.get(item.session_id)
+        need = item.need
+        pending = session.sync(need.append, self.backend.copy_columns)
+        if isinstance(need, Sample):
+            if need.count < 1 or need.num_drafts < 1:
+                raise ValueError(f"count and num_drafts must be >= 1, got {need.count}, {need.num_drafts}")
+            return _SampleTask(session, pending, need)
+        if isinstance(need, ScoreVerify):
+            source_step, source_item = item.proposal_source
+            proposal = proposals[source_step][source_item]
+            if isinstance(proposal, ItemOutcome):  # the proposing item failed
+                raise RuntimeError(f"the proposal failed: {proposal.error}")
+            return _ScoreVerifyTask(session, pending, need, proposal)
+        if isinstance(need, Extend):
+            return _ExtendTask(session, pending, need)
+        if isinstance(need, NextLogits):
+            return _NextLogitsTask(session, pending, need)
+        raise TypeError(f"unknown need {type(need).__name__}")
+
+    def _open(self, session_id: str, spec: OpenSession) -> None:
+        self.sessions.open(session_id, list(spec.prompt_ids), spec.sampling, dict(spec.seeds))
+
+    def _run_forwards(self, tasks: list[_Task | None], errors: dict[int, str], items: Sequence[WorkItem]) -> float:
+        forward_s = 0.0
+        while True:
+            live = [i for i, task in enumerate(tasks) if task is not None and task.active]
+            if not live:
+                return forward_s
+            rows: dict[int, RowWork] = {}
+            for i in live:
+                try:
+                    rows[i] = tasks[i].row()
+                except Exception as error:  # noqa: BLE001
+                    tasks[i] = None
+                    errors[i] = self._fail(items[i].session_id, error)
+            started = time.perf_counter()
+            logits = self._forward(rows, tasks, errors, items)
+            forward_s += time.perf_counter() - started
+            self.rows_per_forward.append(len(logits))
+            del self.rows_per_forward[:-256]
+            for i, row_logits in logits.items():
+                task = tasks[i]
+                task.forwards += 1
+                task.tokens_fed += len(rows[i])
+                task.session.forward_calls += 1
+                task.session.tokens_fed += len(rows[i])
+                try:
+                    task.take(row_logits)
+                except Exception as error:  # noqa: BLE001
+                    tasks[i] = None
+                    errors[i] = self._fail(items[i].session_id, error)
+
+    def _forward(
+        self, rows: dict[int, RowWork], tasks: list[_Task | None], errors: dict[int, str], items: Sequence[WorkItem]
+    ) -> dict[int, torch.Tensor]:
+        """One batched forward; if it raises, each row alone, failing only the rows that fail."""
+        if not rows:
+            return {}
+        indices = list(rows)
+        try:
+            return dict(zip(indices, self._to_host(self.backend.forward([rows[i] for i in indices]))))
+        except Exception as error:  # noqa: BLE001 - isolate the failing rows below
+            if len(indices) == 1:
+                tasks[indices[0]] = None
+                errors[indices[0]] = self._fail(items[indices[0]].session_id, error)
+                return {}
+            logger.warning("%s: a batched forward of %d rows failed; retrying row by row", self.name, len(indices))
+        results: dict[int, torch.Tensor] = {}
+        for i in indices:
+            try:
+                results[i] = self._to_host(self.backend.forward([rows[i]]))[0]
+            except Exception as error:  # noqa: BLE001
+                tasks[i] = None
+                errors[i] = self._fail(items[i].session_id, error)
+        return results
+
+    @staticmethod
+    def _to_host(logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per row logits -> host memory in one copy."""
+        if not logits or logits[0].device.type == "cpu":
+            return logits
+        host = torch.cat(logits).cpu()
+        return list(host.split([len(x) for x in logits]))
+
+    def _fail(self, session_id: str, error: Exception) -> str:
+        self.sessions.release(session_id)
+        logger.error("%s: work on session %s failed; session freed: %s: %s", self.name, session_id,
+                     type(error).__name__, error, exc_info=error)
+        return f"{type(error).__name__}: {error}"
+
+    def _outcomes(
+        self, items: Sequence[WorkItem], tasks: list[_Task | None], errors: dict[int, str], forward_s: float, step_s: float
+    ) -> tuple[list[ItemOutcome], list[Any]]:
+        outcomes: list[ItemOutcome] = []
+        payloads: list[Any] = []
+        for index, task in enumerate(tasks):
+            if task is None:
+                outcome = ItemOutcome(error=errors[index])
+                outcomes.append(outcome)
+                payloads.append(outcome)
+                continue
+            summary, payload = task.outcome()
+            timing = CallTiming(forward_s=forward_s, verify_s=task.verify_s, forward_calls=task.forwards,
+                                tokens_fed=task.tokens_fed)
+            outcomes.append(ItemOutcome(value=summary, timing=timing))
+            payloads.append(payload)
+        return outcomes, payloads

@@ -1,0 +1,381 @@
+"""The step scheduler: every request in flight advances by one machine step per step, and each
+model worker gets ONE call per step carrying the work of every request.
+
+A step (:meth:`Scheduler._step`):
+
+1. admit waiting requests up to ``max_running`` (continuous batching: requests join and leave
+   between steps; the waiting line is bounded, a full one is refused with
+   :class:`OverloadedError`);
+2. ask each running request's machine for its needs (:mod:`verifiers.machines`);
+3. group the needs by model into one :class:`~actors.messages.WorkItem` list per worker and
+   call each worker once (``step.options(num_returns=2)``). A ScoreVerify reads the proposal of
+   a Sample on another worker: the proposing worker's call goes first and its payload ref is
+   an argument of the verifying worker's call, so Ray runs the two back to back and the
+   proposals' logits travel worker to worker, never through here. A model with nothing to
+   propose for others gets all its items in that second call;
+4. hand each request its results; its machine returns the tokens made final, which go through
+   the request's :class:`~actors.output.OutputTracker` (EOS, stop strings, max_tokens) and out
+   as a chunk on the request's queue.
+
+Finished, failed and cancelled requests leave between steps; their sessions are released in the
+next call to each worker (a cancelled request never cancels a Ray task, so no actor waits for a
+call that will not come). A worker call that fails ends only the requests that had work in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.api import GenerationChunk, RequestStats
+from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
+from actors.output import OutputTracker
+from actors.plan import DecodingPlan
+from verifiers.machines import DecodeMachine, Extend, NextLogits, Sample, ScoreVerify
+
+logger = logging.getLogger(__name__)
+
+MAX_EMPTY_STEPS = 64  # a machine that makes no progress this many steps in a row is a bug
+
+
+class OverloadedError(RuntimeError):
+    """The scheduler's waiting line is full; retry later (HTTP 429 / RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.message,))
+
+
+@dataclass
+class StatsRecorder:
+    """Per-request counters, turned into ``actors.api.RequestStats`` at the end."""
+
+    model_calls: dict[str, int] = field(default_factory=dict)
+    time_draft_s: float = 0.0
+    time_target_s: float = 0.0
+    time_verify_s: float = 0.0
+    bytes_moved: int = 0
+
+    def count(self, model: str, timing: CallTiming) -> None:
+        self.model_calls[model] = self.model_calls.get(model, 0) + timing.forward_calls
+
+
+@dataclass
+class RequestState:
+    """One request inside the scheduler."""
+
+    request_id: str
+    session_id: str
+    plan: DecodingPlan
+    machine: DecodeMachine
+    output: OutputTracker
+    prompt_ids: list[int]
+    opens: dict[str, OpenSession]  # model -> how to open its session (removed once opened)
+    vocab_limit: int
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stats: StatsRecorder = field(default_factory=StatsRecorder)
+    opened: set[str] = field(default_factory=set)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float = 0.0
+    empty_steps: int = 0
+    last_needs: list = field(default_factory=list)
+    cancelled: bool = False
+    finished: bool = False
+
+
+@dataclass
+class _Placed:
+    """A need of a request placed in a worker call."""
+
+    request: RequestState
+    need_index: int
+    item: WorkItem
+
+
+class Scheduler:
+    """Runs the step loop over the workers of one model group (inside the coordinator's event loop)."""
+
+    def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int):
+        self.workers = dict(workers)
+        self.max_running = int(max_running)
+        self.max_waiting = int(max_waiting)
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.releases: dict[str, list[str]] = {name: [] for name in self.workers}
+        self.steps = 0
+        self.batch_sizes: deque[int] = deque(maxlen=256)
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request: RequestState) -> None:
+        """Queue a request (raises OverloadedError when the waiting line is full)."""
+        if len(self.waiting) >= self.max_waiting and len(self.running) >= self.max_running:
+            raise OverloadedError(
+                f"server busy: {len(self.running)} requests running (limit max_concurrent_requests="
+                f"{self.max_running}) and {len(self.waiting)} waiting (limit max_queued_requests={self.max_waiting})"
+            )
+        self.waiting.append(request)
+        self._ensure_loop()
+        self._wakeup.set()
+
+    def cancel(self, request: RequestState) -> None:
+        """The client went away: the request leaves at the next step boundary."""
+        if not request.finished:
+            request.cancelled = True
+            logger.info("request %s cancelled", request.session_id)
+            if self._wakeup is not None:
+                self._wakeup.set()
+
+    def active_session_ids(self) -> list[str]:
+        return [r.session_id for r in self.running] + [r.session_id for r in self.waiting]
+
+    # ------------------------------------------------------------------ loop
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self._drop_left()
+            self._admit()
+            if not self.running:
+                await self._flush_releases()
+                if not self.running and not self.waiting:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                continue
+            try:
+                await self._step()
+            except Exception as error:  # noqa: BLE001 - a scheduler bug must not hang every request
+                logger.exception("scheduler step failed; failing the running requests")
+                for request in list(self.running):
+                    self._fail(request, f"internal error: {type(error).__name__}")
+
+    def _drop_left(self) -> None:
+        """Remove finished and cancelled requests; queue their sessions for release."""
+        for request in [r for r in self.running if r.finished or r.cancelled]:
+            self.running.remove(request)
+            self._release(request)
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+
+    def _release(self, request: RequestState) -> None:
+        for model in request.opened:
+            self.releases[model].append(request.session_id)
+        request.opened = set()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            request = self.waiting.popleft()
+            request.started = time.perf_counter()
+            self.running.append(request)
+
+    async def _flush_releases(self) -> None:
+        calls = [self.workers[m].step.options(num_returns=2).remote([], ids) for m, ids in self.releases.items() if ids]
+        self.releases = {name: [] for name in self.workers}
+        for outcomes_ref, _ in calls:
+            try:
+                await outcomes_ref
+            except Exception as error:  # noqa: BLE001 - a dead worker has nothing left to free
+                logger.warning("releasing sessions failed: %s", error)
+
+    # ------------------------------------------------------------------ one step
+    async def _step(self) -> None:
+        for request in list(self.running):
+            try:
+                request.last_needs = request.machine.needs()
+            except Exception as error:  # noqa: BLE001 - a machine error ends this request only
+                logger.exception("request %s: strategy failed to plan its step", request.session_id)
+                self._fail(request, f"{type(error).__name__}: {error}")
+                self.running.remove(request)
+                self._release(request)
+        if not self.running:
+            return
+        placed = self._place([(request, request.last_needs) for request in self.running])
+        self.steps += 1
+        self.batch_sizes.append(len(self.running))
+        per_request: dict[int, dict[int, ItemOutcome]] = {id(r): {} for r in self.running}
+        for (model, _), (ref, entries) in self._call_workers(placed).items():
+            try:
+                outcomes = await ref
+            except Exception as error:  # noqa: BLE001 - the worker call failed: its requests fail
+                logger.error("worker %s step failed: %s", model, error)
+                outcomes = [ItemOutcome(error=f"worker {model} failed: {type(error).__name__}")] * len(entries)
+            for entry, outcome in zip(entries, outcomes):
+                per_request[id(entry.request)][entry.need_index] = outcome
+        for request in list(self.running):
+            outcomes = per_request[id(request)]
+            self._advance(request, [outcomes[i] for i in range(len(request.last_needs))])
+
+    def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
+        """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers
+        and everything on a model no one waits for)."""
+        verifying = {need.model for _, needs in work for need in needs if isinstance(need, ScoreVerify)}
+        sources = {needs[need.proposal].model for _, needs in work for need in needs if isinstance(need, ScoreVerify)}
+        placed: dict[str, list[list[_Placed]]] = {name: [[], []] for name in self.workers}
+        for request, needs in work:
+            positions: dict[int, tuple[str, int, int]] = {}
+            for index, need in enumerate(needs):
+                phase = 1 if isinstance(need, ScoreVerify) or (need.model in verifying and need.model not in sources) else 0
+                open_spec = request.opens.pop(need.model, None)
+                if open_spec is not None:
+                    request.opened.add(need.model)
+                source = None
+                if isinstance(need, ScoreVerify):
+                    source = positions[need.proposal]
+                item = WorkItem(session_id=request.session_id, need=need, open=open_spec,
+                                proposal_source=None if source is None else (source[0], source[2]))
+                slot_list = placed[need.model][phase]
+                positions[index] = (need.model, phase, len(slot_list))
+                slot_list.append(_Placed(request, index, item))
+        return placed
+
+    def _call_workers(self, placed: dict[str, list[list[_Placed]]]) -> dict[tuple[str, int], tuple[Any, list[_Placed]]]:
+        calls: dict[tuple[str, int], tuple[Any, list[_Placed]]] = {}
+        payload_refs: dict[str, Any] = {}
+        for model, (phase0, _) in placed.items():
+            if phase0:
+                outcomes_ref, payloads_ref = self._call(model, [e.item for e in phase0])
+                calls[(model, 0)] = (outcomes_ref, phase0)
+                payload_refs[model] = payloads_ref
+        for model, (_, phase1) in placed.items():
+            if not phase1:
+                continue
+            source_models = sorted({e.item.proposal_source[0] for e in phase1 if e.item.proposal_source})
+            index_of = {name: i for i, name in enumerate(source_models)}
+            items = [
+                e.item if e.item.proposal_source is None else WorkItem(
+                    session_id=e.item.session_id, need=e.item.need, open=e.item.open,
+                    proposal_source=(index_of[e.item.proposal_source[0]], e.item.proposal_source[1]),
+                )
+                for e in phase1
+            ]
+            outcomes_ref, _ = self._call(model, items, [payload_refs[name] for name in source_models])
+            calls[(model, 1)] = (outcomes_ref, phase1)
+        for model, ids in self.releases.items():
+            if ids and not any(key[0] == model for key in calls):
+                calls[(model, 0)] = (self._call(model, [])[0], [])
+        return calls
+
+    def _call(self, model: str, items: list[WorkItem], sources: list[Any] = ()) -> tuple[Any, Any]:
+        releases, self.releases[model] = self.releases[model], []
+        return self.workers[model].step.options(num_returns=2).remote(items, releases, *sources)
+
+    # ------------------------------------------------------------------ results
+    def _advance(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:
+        if request.cancelled or request.finished:
+            return
+        failed = [o.error for o in outcomes if o.error is not None]
+        if failed:
+            self._fail(request, failed[0])
+            return
+        try:
+            tokens = request.machine.consume([o.value for o in outcomes])
+        except Exception as error:  # noqa: BLE001 - a machine error ends this request only
+            logger.exception("request %s: strategy step failed", request.session_id)
+            self._fail(request, f"{type(error).__name__}: {error}")
+            return
+        self._record(request, outcomes)
+        delta = request.output.add(tokens)
+        if request.output.finished or request.machine.done:
+            self._finish(request, delta)
+            return
+        if not delta.token_ids:
+            request.empty_steps = request.empty_steps + 1 if not tokens else 0
+            if request.empty_steps > MAX_EMPTY_STEPS:
+                self._fail(request, f"strategy {request.plan.strategy} made no progress in {MAX_EMPTY_STEPS} steps")
+            return
+        request.empty_steps = 0
+        request.chunks.put_nowait(GenerationChunk(request_id=request.request_id, token_ids=delta.token_ids, text=delta.text))
+
+    def _record(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:
+        stats, plan = request.stats, request.plan
+        for outcome in outcomes:
+            stats.time_verify_s += outcome.timing.verify_s
+        for need, outcome in zip(request.last_needs, outcomes):
+            stats.count(need.model, outcome.timing)
+            if isinstance(need, Sample) and plan.strategy != "ar":
+                stats.time_draft_s += outcome.timing.forward_s
+                if need.return_logits:
+                    stats.bytes_moved += need.count * need.num_drafts * request.vocab_limit * 4
+            elif isinstance(need, Extend) and not need.queued:
+                stats.time_draft_s += outcome.timing.forward_s
+                stats.bytes_moved += _nbytes(outcome.value)
+            else:
+                stats.time_target_s += outcome.timing.forward_s
+                if isinstance(need, (Extend, NextLogits)):
+                    stats.bytes_moved += _nbytes(outcome.value)
+
+    def _finish(self, request: RequestState, delta: Any) -> None:
+        request.finished = True
+        request.chunks.put_nowait(
+            GenerationChunk(
+                request_id=request.request_id,
+                token_ids=delta.token_ids,
+                text=delta.text,
+                finished=True,
+                finish_reason=request.output.finish_reason or "length",
+                stats=request_stats(request),
+            )
+        )
+
+    def _fail(self, request: RequestState, message: str) -> None:
+        if request.finished:
+            return
+        request.finished = True
+        logger.error("request %s failed: %s", request.session_id, message)
+        request.chunks.put_nowait(
+            GenerationChunk(
+                request_id=request.request_id,
+                finished=True,
+                finish_reason="error",
+                error=message,
+                stats=request_stats(request),
+            )
+        )
+
+
+def _nbytes(value: Any) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    tensors = [getattr(value, name, None) for name in ("queued_logits", "token_logits")]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def request_stats(request: RequestState) -> RequestStats:
+    """The request's :class:`RequestStats` so far."""
+    stats, plan, output = request.stats, request.plan, request.output
+    completion = len(output.token_ids)
+    if plan.strategy in ("ensemble", "se"):
+        target_calls = max(stats.model_calls.values(), default=0)
+    else:
+        target_calls = stats.model_calls.get(plan.target, 0)
+    elapsed = time.perf_counter() - (request.started or request.submitted)
+    work = stats.time_draft_s + stats.time_target_s + stats.time_verify_s
+    return RequestStats(
+        strategy=plan.strategy,
+        method=plan.method,
+        prompt_tokens=len(request.prompt_ids),
+        completion_tokens=completion,
+        target_calls=target_calls,
+        model_calls=dict(stats.model_calls),
+        accepted_lengths=list(request.machine.accepted_lengths),
+        block_efficiency=completion / target_calls if target_calls else 0.0,
+        tokens_per_second=completion / elapsed if elapsed > 0 else 0.0,
+        time_draft_s=stats.time_draft_s,
+        time_target_s=stats.time_target_s,
+        time_verify_s=stats.time_verify_s,
+        time_coordination_s=max(0.0, elapsed - work),
+        bytes_moved=stats.bytes_moved,
+    )
