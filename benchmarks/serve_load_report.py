@@ -287,7 +287,7 @@ def level_table(summaries: list[LevelSummary]) -> list[str]:
 
 def render_markdown(results: ServeLoadResults, plots: dict[str, str]) -> str:
     settings, env = results.settings, results.environment
-    summaries = sorted(results.summaries, key=lambda s: (s.concurrency, s.label))
+    summaries = sorted(results.summaries, key=lambda s: s.concurrency)  # strategies in the order they ran
     top = max(settings["concurrency"])
     lines = [
         "# Serving under load",
