@@ -1,6 +1,6 @@
-"""ModelWorker on a real (tiny random) transformers Llama: KV-cache reuse, rollback, batched
-drafts, session lifetime. The worker class is used in-process here (it is a plain class that
-Ray wraps as an actor); the Ray path is covered by the coordinator tests."""
+"""ModelWorker on a real (tiny random) transformers Llama: the batched step, KV-cache reuse,
+rollback, K drafts in one row, session lifetime. The worker class is used in-process here (it
+is a plain class that Ray wraps as an actor); the Ray path is covered by the coordinator tests."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import time
 import pytest
 import torch
 
-from actors.messages import RowSampling
-from actors.model_worker import ModelWorker, SessionNotFoundError
+from actors.messages import OpenSession, RowSampling, WorkItem
+from actors.model_worker import ModelWorker
+from actors.sessions import SessionNotFoundError
 from cluster.config import ModelSpec
+from verifiers.machines import Extend, NextLogits, Sample, Sampled, ScoreVerify
 from verifiers.sampling import logits_to_probs
 
 PROMPT = [5, 17, 42, 99, 7, 13, 250, 3, 64, 11]
 SAMPLING = RowSampling(temperature=1.0)
+SHARP = RowSampling(temperature=0.01)  # target rows close to one-hot on the greedy token
 ATOL = 1e-5  # float32 model: cached vs one-shot attention differ by rounding only
 
 
@@ -23,153 +26,163 @@ ATOL = 1e-5  # float32 model: cached vs one-shot attention differ by rounding on
 def worker(tiny_checkpoints):
     threads = torch.get_num_threads()
     spec = ModelSpec(name="target", path=str(tiny_checkpoints["target"]), role="target", torch_threads=1)
-    yield ModelWorker(spec, idle_timeout_s=600)
+    yield ModelWorker(spec, idle_timeout_s=600, max_sessions=32)
     torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
-def full_rows(worker):
-    """Rows computed from scratch (no cache) for any context: the ground truth."""
+def full_logits(worker):
+    """Logits computed from scratch (no cache) for any context: the ground truth."""
 
     @torch.inference_mode()
-    def rows(context: list[int]) -> torch.Tensor:
-        logits = worker.backend.model(torch.tensor([context])).logits[0].float()  # [L, V]
-        return logits_to_probs(logits, temperature=SAMPLING.temperature)
+    def logits(context: list[int]) -> torch.Tensor:
+        return worker.backend.model(torch.tensor([context])).logits[0].float()  # [L, V]
 
-    return rows
+    return logits
 
 
-def _open(worker, session_id: str, prompt=PROMPT, seeds=None) -> None:
-    worker.open_session(session_id, list(prompt), SAMPLING, seeds or {"sample": 1, "verify": 2})
+def _open(prompt=PROMPT, sampling=SAMPLING, seeds=None) -> OpenSession:
+    return OpenSession(tuple(prompt), sampling, seeds if seeds is not None else {"sample": 1, "verify": 2})
+
+
+def _run(worker, *items: WorkItem, releases=(), proposals=()):
+    outcomes, payloads = worker.step(list(items), list(releases), *proposals)
+    for outcome in outcomes:
+        assert outcome.error is None, outcome.error
+    return outcomes, payloads
+
+
+def _value(worker, item: WorkItem):
+    return _run(worker, item)[0][0].value
 
 
 def test_prefix_is_never_recomputed(worker):
-    _open(worker, "kv")
     try:
-        assert worker.session_stats("kv")["tokens_fed"] == len(PROMPT) - 1  # prefill leaves the last token pending
-        proposal = worker.propose("kv", [], 4)
-        draft = proposal.tokens[0].tolist()
-        # One pending token, then the first three draft tokens (the fourth is never fed).
-        assert proposal.timing.tokens_fed == 4 and proposal.timing.forward_calls == 4
+        outcome = _run(worker, WorkItem("kv", Sample("target", (), 4), open=_open()))[0][0]
+        draft = outcome.value.tokens[0].tolist()
+        # The prompt, then the first three draft tokens (the fourth is never fed): 4 forwards.
+        assert outcome.timing.tokens_fed == len(PROMPT) + 3 and outcome.timing.forward_calls == 4
         # Accept two draft tokens, then a correction: only the correction needs feeding.
         correction = (draft[2] + 1) % 300
-        proposal = worker.propose("kv", draft[:2] + [correction], 3)
-        assert proposal.timing.tokens_fed == 1 + 2
+        outcome = _run(worker, WorkItem("kv", Sample("target", (*draft[:2], correction), 3)))[0][0]
+        assert outcome.timing.tokens_fed == 1 + 2
         stats = worker.session_stats("kv")
-        assert stats["tokens_fed"] == len(PROMPT) - 1 + 4 + 3
+        assert stats["tokens_fed"] == len(PROMPT) + 3 + 3
         assert stats["context_length"] == len(PROMPT) + 3
         # All accepted + bonus: the cache already holds the first two, so two tokens are fed.
-        draft = proposal.tokens[0].tolist()
-        proposal = worker.propose("kv", draft + [7], 2)
-        assert proposal.timing.tokens_fed == 2 + 1
+        draft = outcome.value.tokens[0].tolist()
+        outcome = _run(worker, WorkItem("kv", Sample("target", (*draft, 7), 2)))[0][0]
+        assert outcome.timing.tokens_fed == 2 + 1
     finally:
         worker.release("kv")
 
 
-def test_rolled_back_rows_equal_a_fresh_prefill(worker, full_rows):
-    _open(worker, "rollback")
-    _open(worker, "fresh-a", seeds={"sample": 1})
+def test_one_step_batches_sessions_and_matches_full_forwards(worker, full_logits):
+    """Sessions with different prompts and needs share each forward of one step; every row
+    equals a forward of the whole context, and the tokens equal each session run alone."""
+    prompts = [PROMPT, PROMPT[:3], PROMPT * 3, [9, 8]]
+    items = [WorkItem(f"b{i}", Sample("target", (), 3, return_logits=True), open=_open(p, seeds={"sample": 10 + i}))
+             for i, p in enumerate(prompts)]
     try:
-        draft = worker.propose("rollback", [], 5).tokens[0].tolist()
-        scored = torch.tensor([draft])
-        worker.score("rollback", [], scored)  # the cache now holds the whole draft block
+        outcomes, payloads = _run(worker, *items)
+        assert worker.engine.rows_per_forward[-3:] == [4, 4, 4]  # three forwards, all four sessions in each
+        for i, (prompt, payload) in enumerate(zip(prompts, payloads)):
+            tokens = payload.tokens[0].tolist()
+            expected = full_logits(prompt + tokens)[len(prompt) - 1: len(prompt) + 2]  # [3, V]
+            torch.testing.assert_close(payload.logits[0], expected, atol=ATOL, rtol=0)
+            assert outcomes[i].value.logits is None  # logits travel only in the payload
+            alone = _value(worker, WorkItem(f"alone{i}", Sample("target", (), 3), open=_open(prompt, seeds={"sample": 10 + i})))
+            assert alone.tokens.tolist() == payload.tokens.tolist()
+    finally:
+        for i in range(len(prompts)):
+            worker.release(f"b{i}")
+            worker.release(f"alone{i}")
+
+
+def test_rolled_back_rows_equal_a_fresh_prefill(worker):
+    try:
+        draft = _value(worker, WorkItem("rollback", Sample("target", (), 5), open=_open())).tokens[0].tolist()
+        _value(worker, WorkItem("rollback", Extend("target", (), tuple(draft), 0)))  # the cache holds the block
         # Reject after one token: commit draft[0] and a correction, then score a new block.
-        accepted = [draft[0], (draft[1] + 3) % 300]
-        new_block = torch.tensor([[11, 12, 13]])
-        rows_after_rollback = worker.score("rollback", accepted, new_block)  # [1, 4, V]
-        _open(worker, "fresh", prompt=PROMPT + accepted)
-        rows_fresh = worker.score("fresh", [], new_block)
-        torch.testing.assert_close(rows_after_rollback, rows_fresh, atol=ATOL, rtol=0)
-        context = PROMPT + accepted + [11, 12, 13]
-        expected = full_rows(context)[len(PROMPT) + len(accepted) - 1 :]  # [4, V]
-        torch.testing.assert_close(rows_after_rollback[0], expected, atol=ATOL, rtol=0)
+        accepted = (draft[0], (draft[1] + 3) % 300)
+        rolled = _value(worker, WorkItem("rollback", Extend("target", accepted, (11, 12, 13), 1)))
+        fresh = _value(worker, WorkItem("fresh", Extend("target", (), (11, 12, 13), 1), open=_open(PROMPT + list(accepted))))
+        torch.testing.assert_close(rolled.queued_logits, fresh.queued_logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(rolled.token_logits, fresh.token_logits, atol=ATOL, rtol=0)
     finally:
-        for session_id in ("rollback", "fresh", "fresh-a"):
-            worker.release(session_id)
-
-
-def test_explicit_rollback_matches_a_fresh_prefill(worker):
-    _open(worker, "explicit")
-    try:
-        worker.score("explicit", [1, 2, 3], torch.tensor([[4, 5, 6]]))
-        assert worker.rollback("explicit", len(PROMPT) + 1) == len(PROMPT)  # keeps PROMPT + [1], last unfed
-        rows = worker.score("explicit", [9], torch.tensor([[8]]))
-        _open(worker, "fresh", prompt=PROMPT + [1, 9])
-        torch.testing.assert_close(rows, worker.score("fresh", [], torch.tensor([[8]])), atol=ATOL, rtol=0)
-        with pytest.raises(ValueError, match="context_length"):
-            worker.rollback("explicit", 0)
-    finally:
-        worker.release("explicit")
+        worker.release("rollback")
         worker.release("fresh")
 
 
-def test_proposal_rows_are_the_rows_tokens_were_drawn_from(worker, full_rows):
-    _open(worker, "rows")
+def test_k_drafts_in_one_row_then_the_winner_continues(worker, full_logits):
+    """Multi-draft verification scores K drafts in ONE row after one copy of the prefix; the
+    winning draft's entries (draft 1 here: not the one already next to the prefix) are copied
+    next to the prefix, and the session goes on exactly as a forward of the whole context."""
+    greedy = full_logits(PROMPT).argmax(-1)[-1].item()
+    greedy2 = full_logits(PROMPT + [greedy]).argmax(-1)[-1].item()
+    garbage = [(greedy + 1) % 300, 4, 4]
+    drafts = torch.tensor([garbage, [greedy, greedy2, (greedy2 + 7) % 300]])  # [K=2, gamma=3]
+    proposal = Sampled(drafts, torch.zeros(2, 3, worker.backend.vocab_size))  # uniform draft rows: any draft is possible
     try:
-        proposal = worker.propose("rows", [], 4, num_drafts=3)
-        assert proposal.tokens.shape == (3, 4) and proposal.logits.shape[:2] == (3, 4)
-        assert proposal.logits.dtype == torch.float32  # the smallest exact form of the rows
-        probs = logits_to_probs(proposal.logits, temperature=SAMPLING.temperature)  # [3, 4, V]
-        for k in range(3):
-            context = PROMPT + proposal.tokens[k].tolist()
-            expected = full_rows(context)[len(PROMPT) - 1 : len(PROMPT) + 3]  # [4, V]
-            torch.testing.assert_close(probs[k], expected, atol=ATOL, rtol=0)
-            drawn = probs[k].gather(-1, proposal.tokens[k][:, None])
-            assert bool((drawn > 0).all())
+        outcome = worker.step(
+            [WorkItem("multi", ScoreVerify("target", (), proposal=0, method="spectr"), open=_open(sampling=SHARP, seeds={"verify": 3}),
+                      proposal_source=(0, 0))],
+            [],
+            [proposal],
+        )[0][0]
+        assert outcome.error is None, outcome.error
+        verified = outcome.value
+        assert verified.draft_index == 1 and verified.num_accepted >= 2  # the greedy draft wins (fixed seed)
+        assert verified.emitted[: verified.num_accepted] == drafts[1, : verified.num_accepted].tolist()
+        after = _value(worker, WorkItem("multi", NextLogits("target", ())))
+        torch.testing.assert_close(after, full_logits(PROMPT + verified.emitted)[-1], atol=ATOL, rtol=0)
     finally:
-        worker.release("rows")
+        worker.release("multi")
 
 
-def test_batched_multi_draft_scores_equal_single_draft_scores(worker):
-    _open(worker, "batched")
-    _open(worker, "single")
+def test_member_extend_rows_match_full_forward(worker, full_logits):
     try:
-        drafts = torch.tensor([[1, 2, 3], [1, 2, 9], [40, 41, 42]])  # [K=3, gamma=3]
-        batched = worker.score("batched", [], drafts)  # [3, 4, V]
-        assert batched.shape[:2] == (3, 4)
-        for k in range(3):
-            single = worker.score("single", [], drafts[k : k + 1])
-            torch.testing.assert_close(batched[k : k + 1], single, atol=ATOL, rtol=0)
-        # The session keeps working after a batched call: commit draft 1's prefix and go on.
-        rows = worker.score("batched", [1, 2, 5], torch.tensor([[6]]))
-        _open(worker, "fresh", prompt=PROMPT + [1, 2, 5])
-        torch.testing.assert_close(rows, worker.score("fresh", [], torch.tensor([[6]])), atol=ATOL, rtol=0)
-    finally:
-        for session_id in ("batched", "single", "fresh"):
-            worker.release(session_id)
-
-
-def test_member_extend_rows_match_full_forward(worker, full_rows):
-    _open(worker, "member")
-    try:
-        block = worker.extend("member", [], [8, 9], 3)
+        block = _value(worker, WorkItem("member", Extend("target", (), (8, 9), 3), open=_open()))
         assert block.queued_logits.shape[0] == 2 and block.tokens.shape == (3,)
         context = PROMPT + [8, 9] + block.tokens.tolist()
-        expected = full_rows(context)[len(PROMPT) - 1 :]  # rows predicting 8, 9, t0, t1, t2
-        got = logits_to_probs(torch.cat([block.queued_logits, block.token_logits]), temperature=1.0)
+        expected = full_logits(context)[len(PROMPT) - 1:]  # rows predicting 8, 9, t0, t1, t2
+        got = torch.cat([block.queued_logits, block.token_logits])
         torch.testing.assert_close(got, expected[:5], atol=ATOL, rtol=0)
+        rows = logits_to_probs(got, temperature=1.0)
+        assert bool((rows[2:].gather(-1, block.tokens[:, None]) > 0).all())
     finally:
         worker.release("member")
 
 
-def test_failed_call_frees_the_session(worker):
-    _open(worker, "fails", seeds={"verify": 3})
-    with pytest.raises(ValueError, match="random stream"):
-        worker.propose("fails", [], 2, stream="sample")  # this session owns no sampling stream
+def test_failed_item_frees_its_session_and_spares_the_others(worker):
+    outcomes, _ = worker.step(
+        [WorkItem("fails", Sample("target", (), 2), open=_open(seeds={"verify": 3})),  # owns no sampling stream
+         WorkItem("fine", Sample("target", (), 2), open=_open())],
+        [],
+    )
+    assert "random stream" in outcomes[0].error
+    assert outcomes[1].error is None and outcomes[1].value.tokens.shape == (1, 2)
     with pytest.raises(SessionNotFoundError):
         worker.session_stats("fails")
+    worker.release("fine")
+
+
+def test_released_sessions_free_their_slots(worker):
+    _run(worker, WorkItem("r1", NextLogits("target", ()), open=_open()))
+    assert "r1" in worker.session_ids()
+    _run(worker, releases=["r1"])
+    assert "r1" not in worker.session_ids()
 
 
 def test_idle_sessions_are_reaped(worker):
-    _open(worker, "idle")
-    _open(worker, "busy")
-    worker.idle_timeout_s = 0.2
+    _run(worker, WorkItem("idle", NextLogits("target", ()), open=_open()), WorkItem("busy", NextLogits("target", ()), open=_open()))
+    worker.engine.sessions.idle_timeout_s = 0.2
     try:
         time.sleep(0.3)
-        worker.propose("busy", [], 1)  # touching a session keeps it alive
+        _run(worker, WorkItem("busy", Sample("target", (), 1)))  # touching a session keeps it alive
         assert worker.reap_idle_sessions() == ["idle"]
         assert worker.session_ids() == ["busy"]
     finally:
-        worker.idle_timeout_s = 600
+        worker.engine.sessions.idle_timeout_s = 600
         worker.release("busy")
     assert worker.num_sessions() == 0
