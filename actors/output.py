@@ -51,6 +51,11 @@ class OutputTracker:
         self.token_ids: list[int] = []
         self.sent_text = ""
         self.finish_reason: str | None = None
+        # Incremental detokenization: ``_text`` is the text of token_ids[:_read_offset]; each
+        # call decodes only the tokens from ``_prefix_offset`` (the previous read offset) on.
+        self._text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
 
     @property
     def finished(self) -> bool:
@@ -61,9 +66,25 @@ class OutputTracker:
         return self.max_tokens - len(self.token_ids)
 
     def _decode(self) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        """The text of every token so far, decoding only the tokens added since the last stable
+        point (the text of a window is the difference of two small decodes, so a token whose
+        text depends on its left neighbour -- a leading space, a split UTF-8 character -- comes
+        out as the whole decode would give it)."""
+        if self.tokenizer is None or self._read_offset == len(self.token_ids):
+            return self._text
+        window = self.token_ids[self._prefix_offset:]
+        before = self._decode_ids(window[: self._read_offset - self._prefix_offset])
+        after = self._decode_ids(window)
+        if not after.startswith(before):  # the tokenizer rewrote earlier text: decode it all
+            return self._decode_ids(self.token_ids)
+        if after.endswith(REPLACEMENT_CHAR):  # an unfinished character: not stable yet
+            return self._text + after[len(before):]
+        self._text += after[len(before):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        return self._text
+
+    def _decode_ids(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, tokens: list[int]) -> OutputDelta:
         """Take accepted tokens (in order); return the new output and whether it finished."""

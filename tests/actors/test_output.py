@@ -59,3 +59,17 @@ def test_max_tokens_truncates_a_block():
     delta = tracker.add([4, 5, 6, 7])
     assert delta.token_ids == [4, 5] and delta.finish_reason == "length"
     assert tracker.add([8]).token_ids == []
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_incremental_text_equals_decoding_everything(tokenizer, chunk):
+    """Random token ids (split characters, spaces, special tokens) in chunks: the streamed text
+    is exactly the full decode, though each step decodes only the newest tokens."""
+    import random
+
+    generator = random.Random(chunk)
+    ids = [generator.randrange(len(tokenizer)) for _ in range(200)] + _ids(tokenizer, " naïve 你好 ✓")
+    tracker = OutputTracker(tokenizer, max_tokens=1000)
+    streamed = "".join(tracker.add(ids[i: i + chunk]).text for i in range(0, len(ids), chunk))
+    streamed += tracker.finish("length").text
+    assert streamed == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
