@@ -1,11 +1,14 @@
-"""Forward passes with a KV cache, behind one small interface.
+"""Batched forward passes over slot KV caches, behind one small interface.
 
-A :class:`ModelBackend` runs a causal LM over new tokens on top of a cache and manipulates the
-cache (crop to a length, repeat rows for a batch of drafts, keep one row). The ModelWorker's
-session logic (prefill / propose / score / rollback) is written once against this interface;
-:class:`TransformersBackend` is the production implementation (a transformers causal LM with a
-``DynamicCache``), and the tests plug in a backend whose logits are an exact function of the
-prefix, which is what makes the distributed coordinator's output law computable.
+A backend owns the model and its :class:`actors.kv_cache.SlotKVCache`: it hands out cache
+slots (``allocate`` / ``free``), moves cache entries inside a slot (``copy_columns``: keeping an
+accepted draft) and runs ONE forward over the new tokens of many sessions (``forward`` over
+:class:`actors.batch.RowWork` rows), returning logits only for the positions each row keeps.
+The worker engine (:mod:`actors.engine`) is written once against this interface;
+:class:`SlotBackend` is the production implementation (a transformers causal LM loaded with
+``from_pretrained``), and the tests plug in a backend whose logits are an exact function of the
+tokens each position can see, which is what makes the distributed coordinator's output law
+computable.
 """
 
 from __future__ import annotations
@@ -13,114 +16,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from actors.batch import RowWork, build_batch
 
-if TYPE_CHECKING:
-    from actors.kv_cache import SlotKVCache
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 2048
-
-
-class ModelBackend(Protocol):
-    """A causal LM with a KV cache. Caches hold ``[B, length]`` tokens' keys/values."""
-
-    vocab_size: int
-    max_context: int
-    device: str
-
-    def new_cache(self) -> Any:
-        """An empty cache."""
-        ...
-
-    def cache_length(self, cache: Any) -> int:
-        """Tokens held per row."""
-        ...
-
-    def forward(self, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-        """Run ``input_ids [B, L]`` after the cached tokens -> ``(logits [B, L, V], cache)``
-        with the cache extended by the ``L`` tokens."""
-        ...
-
-    def crop(self, cache: Any, length: int) -> Any:
-        """Keep the first ``length`` tokens of every row."""
-        ...
-
-    def repeat(self, cache: Any, times: int) -> Any:
-        """A one-row cache -> ``times`` identical rows."""
-        ...
-
-    def select(self, cache: Any, row: int) -> Any:
-        """Keep only row ``row``."""
-        ...
-
-
-class TransformersBackend:
-    """A transformers ``AutoModelForCausalLM`` with a ``DynamicCache`` reused across calls."""
-
-    def __init__(self, model: Any, device: str, max_context: int | None = None):
-        self.model = model
-        self.device = device
-        self.vocab_size = int(model.config.vocab_size)
-        self.max_context = int(max_context or _config_context(model.config))
-
-    @classmethod
-    def load(
-        cls, path: str, *, dtype: str = "float32", revision: str | None = None, device: str = "cpu",
-        max_context: int | None = None,
-    ) -> TransformersBackend:
-        """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub)."""
-        from transformers import AutoModelForCausalLM
-
-        local = os.path.isdir(path)
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=getattr(torch, dtype),
-            revision=revision,
-            local_files_only=local,
-        )
-        model.to(device).eval()
-        logger.info("loaded %s (%s, %s) on %s", path, type(model).__name__, dtype, device)
-        return cls(model, device, max_context)
-
-    def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
-
-    def cache_length(self, cache: Any) -> int:
-        return int(cache.get_seq_length())
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-        input_ids = input_ids.to(self.device)  # [B, L]
-        output = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-        return output.logits.float().cpu(), output.past_key_values  # [B, L, V]
-
-    def crop(self, cache: Any, length: int) -> Any:
-        current = self.cache_length(cache)
-        if length == 0:
-            return self.new_cache()
-        if length < current:
-            # A negative count removes that many tokens (the form every transformers version accepts).
-            cache.crop(-(current - length))
-        return cache
-
-    def repeat(self, cache: Any, times: int) -> Any:
-        if times > 1 and self.cache_length(cache) > 0:
-            cache.batch_repeat_interleave(times)
-        return cache
-
-    def select(self, cache: Any, row: int) -> Any:
-        if self.cache_length(cache) > 0:
-            cache.batch_select_indices(torch.tensor([row], device=self.device))
-        return cache
 
 
 class SlotBackend:
@@ -151,7 +55,7 @@ class SlotBackend:
         self.capacity = self.max_context + scratch_columns  # columns per slot
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.cache: SlotKVCache = SlotKVCache.from_config(
+        self.cache = SlotKVCache.from_config(
             model.config, capacity=self.capacity, max_slots=max_slots, dtype=model.dtype, device=device
         )
 

@@ -22,18 +22,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
 
-from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats
+from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
 from actors.messages import OpenSession, RowSampling, WorkerInfo
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan, resolve_plan
-from actors.scheduler import OverloadedError, RequestState, Scheduler
+from actors.scheduler import OverloadedError, RequestState, Scheduler  # noqa: F401 (OverloadedError: raised by generate)
 from actors.strategies import MachineSampling, build_machine
 
 logger = logging.getLogger(__name__)

@@ -1,16 +1,15 @@
 """Plain data that moves between the actors of one model group (never to clients).
 
-Probability rows travel inside :class:`Proposal` from the proposing worker straight to the
-worker that verifies them (the coordinator forwards the ObjectRef, not the array), so the
-coordinator only ever sees token ids, counts and timings.
+Work goes to the workers as :class:`WorkItem` lists (one call per worker per scheduler step) and
+comes back as :class:`ItemOutcome` lists. Proposals' logits travel from the proposing worker
+straight to the worker that verifies them (the scheduler forwards the ObjectRef, not the
+array), so for ``sd`` / ``multi_draft`` the coordinator only sees token ids, counts and timings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -50,67 +49,6 @@ class CallTiming:
     verify_s: float = 0.0
     forward_calls: int = 0
     tokens_fed: int = 0
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """Tokens a worker sampled and what they were sampled from.
-
-    tokens: [K, n] int64 -- K drafts (K = 1 for single-draft), n tokens each.
-    logits: [K, n, V] or None -- the logits (shared vocabulary, model dtype) whose row
-            ``logits_to_probs(logits[k, i], <request sampling>)`` token i of draft k was drawn
-            from. The consumer recomputes those rows exactly with the same transform, so the
-            logits are the smallest exact form of the rows (float32 for transformers models:
-            half the bytes of float64 rows).
-    """
-
-    model: str
-    tokens: torch.Tensor
-    logits: torch.Tensor | None
-    timing: CallTiming = field(default_factory=CallTiming)
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.logits is None else self.logits.numel() * self.logits.element_size()
-
-
-@dataclass(frozen=True)
-class VerifyOutcome:
-    """What the verifying worker decided for one block (rows stay with the workers).
-
-    emitted: the accepted draft prefix plus the correction-or-bonus token (num_accepted + 1
-    tokens), already committed to the verifier's session context.
-    """
-
-    emitted: list[int]
-    num_accepted: int
-    draft_index: int | None
-    timing: CallTiming
-    proposal_timing: CallTiming
-    bytes_moved: int
-
-
-@dataclass(frozen=True)
-class MemberBlock:
-    """One ensemble member's call: its logits at queued (unverified) positions, then the tokens
-    it drew after the queue and the logits they were drawn from.
-
-    queued_logits: [Q, V] -- row j is the member's logits after context + queued[:j].
-    tokens:        [m] int64 -- drawn after the queue (the first from the row after the queue).
-    token_logits:  [m, V] -- row i is the logits token i was drawn from (through
-                   ``logits_to_probs`` with the request's sampling parameters).
-    Logits keep the model's dtype (float32 for transformers models: the smallest exact form).
-    """
-
-    model: str
-    queued_logits: torch.Tensor
-    tokens: torch.Tensor
-    token_logits: torch.Tensor
-    timing: CallTiming = field(default_factory=CallTiming)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.queued_logits, self.token_logits))
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ class ModelWorker:
 
     # ------------------------------------------------------------------ the step
     def step(
-        self, items: Sequence[WorkItem], releases: Sequence[str] = (), *proposals: Sequence[Any]
+        self, items: Sequence[WorkItem], *proposals: Sequence[Any], releases: Sequence[str] = ()
     ) -> tuple[list[ItemOutcome], list[Any]]:
         """Run one scheduler step (see :meth:`actors.engine.WorkerEngine.step`); ``proposals``
         are the payload lists of the steps this one's ScoreVerify items read (ObjectRefs,

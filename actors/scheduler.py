@@ -180,7 +180,7 @@ class Scheduler:
             self.running.append(request)
 
     async def _flush_releases(self) -> None:
-        calls = [self.workers[m].step.options(num_returns=2).remote([], ids) for m, ids in self.releases.items() if ids]
+        calls = [self.workers[m].step.options(num_returns=2).remote([], releases=ids) for m, ids in self.releases.items() if ids]
         self.releases = {name: [] for name in self.workers}
         for outcomes_ref, _ in calls:
             try:
@@ -268,7 +268,7 @@ class Scheduler:
 
     def _call(self, model: str, items: list[WorkItem], sources: list[Any] = ()) -> tuple[Any, Any]:
         releases, self.releases[model] = self.releases[model], []
-        return self.workers[model].step.options(num_returns=2).remote(items, releases, *sources)
+        return self.workers[model].step.options(num_returns=2).remote(items, *sources, releases=releases)
 
     # ------------------------------------------------------------------ results
     def _advance(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:

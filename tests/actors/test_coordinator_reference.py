@@ -276,3 +276,34 @@ def test_cancelled_stream_frees_sessions(fake_group):
     assert first.token_ids
     ray.cancel(stream)
     assert _wait_for_no_sessions(fake_group) == {name: 0 for name in fake_group.workers}
+
+
+MIXED_STRATEGIES = [
+    {"strategy": "ar"},
+    {"strategy": "sd", "method": "token", "gamma": 2},
+    {"strategy": "sd", "method": "block", "gamma": 3},
+    {"strategy": "sd", "method": "greedy_block", "gamma": 4},
+    {"strategy": "multi_draft", "method": "spectr", "gamma": 3, "num_drafts": 2},
+    {"strategy": "multi_draft", "method": "sequential_gbv", "gamma": 2, "num_drafts": 3},
+    {"strategy": "ensemble", "ensemble": "weighted", "members": ["target", "partner"]},
+    {"strategy": "se", "method": "block", "ensemble": "weighted", "members": ["target", "partner", "partner2"],
+     "weights": [0.5, 0.3, 0.2], "gammas": [2, 3, 1]},
+]
+
+
+def test_seeded_requests_are_batch_invariant(fake_group):
+    """A seeded request returns the same tokens alone and among 15 others of every strategy,
+    sampling setting and length, sharing the scheduler's steps."""
+    import ray
+
+    requests = [
+        _request(100 + i, MIXED_STRATEGIES[i % len(MIXED_STRATEGIES)], max_tokens=8 + i % 5,
+                 **SAMPLING_CASES[i % len(SAMPLING_CASES)])
+        for i in range(16)
+    ]
+    together = run_requests(fake_group, requests)
+    batch_sizes = ray.get(fake_group.coordinator.engine_stats.remote())["batch_sizes"]
+    assert max(batch_sizes) >= 8  # the requests really shared steps
+    for request, chunks in zip(requests, together):
+        (alone,) = run_requests(fake_group, [request])
+        assert _tokens(chunks) == _tokens(alone), request.speculation

@@ -46,7 +46,7 @@ def _open(prompt=PROMPT, sampling=SAMPLING, seeds=None) -> OpenSession:
 
 
 def _run(worker, *items: WorkItem, releases=(), proposals=()):
-    outcomes, payloads = worker.step(list(items), list(releases), *proposals)
+    outcomes, payloads = worker.step(list(items), *proposals, releases=list(releases))
     for outcome in outcomes:
         assert outcome.error is None, outcome.error
     return outcomes, payloads
@@ -127,7 +127,6 @@ def test_k_drafts_in_one_row_then_the_winner_continues(worker, full_logits):
         outcome = worker.step(
             [WorkItem("multi", ScoreVerify("target", (), proposal=0, method="spectr"), open=_open(sampling=SHARP, seeds={"verify": 3}),
                       proposal_source=(0, 0))],
-            [],
             [proposal],
         )[0][0]
         assert outcome.error is None, outcome.error
@@ -158,7 +157,6 @@ def test_failed_item_frees_its_session_and_spares_the_others(worker):
     outcomes, _ = worker.step(
         [WorkItem("fails", Sample("target", (), 2), open=_open(seeds={"verify": 3})),  # owns no sampling stream
          WorkItem("fine", Sample("target", (), 2), open=_open())],
-        [],
     )
     assert "random stream" in outcomes[0].error
     assert outcomes[1].error is None and outcomes[1].value.tokens.shape == (1, 2)
