@@ -106,6 +106,7 @@ class Coordinator:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "batch_sizes": list(self.scheduler.batch_sizes),
+            "step_seconds": list(self.scheduler.step_seconds),
         }
 
     async def health(self) -> bool:

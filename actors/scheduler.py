@@ -111,6 +111,7 @@ class Scheduler:
         self.releases: dict[str, list[str]] = {name: [] for name in self.workers}
         self.steps = 0
         self.batch_sizes: deque[int] = deque(maxlen=256)
+        self.step_seconds: deque[float] = deque(maxlen=256)
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
 
@@ -153,8 +154,10 @@ class Scheduler:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 continue
+            started = time.perf_counter()
             try:
                 await self._step()
+                self.step_seconds.append(time.perf_counter() - started)
             except Exception as error:  # noqa: BLE001 - a scheduler bug must not hang every request
                 logger.exception("scheduler step failed; failing the running requests")
                 for request in list(self.running):
