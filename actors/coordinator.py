@@ -39,6 +39,18 @@ logger = logging.getLogger(__name__)
 
 
 
+def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
+    """Consecutive chunks of one request as one (tokens and text in order; the last one's
+    finish, stats and error). Under load a client's stream then costs one message per read,
+    not one per scheduler step."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    return last.model_copy(
+        update={"token_ids": [t for c in chunks for t in c.token_ids], "text": "".join(c.text for c in chunks)}
+    )
+
+
 class Coordinator:
     """Decodes requests with one strategy each over the workers of one model group.
 
@@ -178,7 +190,10 @@ class Coordinator:
         self.scheduler.submit(state)  # OverloadedError when the waiting line is full
         try:
             while True:
-                chunk = await state.chunks.get()
+                chunks = [await state.chunks.get()]
+                while not state.chunks.empty():  # the consumer fell behind: one chunk for all of them
+                    chunks.append(state.chunks.get_nowait())
+                chunk = merge_chunks(chunks)
                 yield chunk
                 if chunk.finished:
                     return
