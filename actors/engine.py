@@ -31,7 +31,7 @@ import torch
 
 from actors.batch import RowWork, linear_row
 from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
-from actors.sessions import Session, SessionStore
+from actors.sessions import Session, SessionNotFoundError, SessionStore
 from verifiers.machines import Extend, MemberBlock, NextLogits, Sample, Sampled, ScoreVerify, Verified
 from verifiers.registry import get_verifier
 from verifiers.sampling import logits_to_probs
@@ -324,18 +324,20 @@ class WorkerEngine:
         with self.sessions.lock:
             for session_id in releases:
                 self.sessions.release(session_id)
-            started = time.perf_counter()
             tasks: list[_Task | None] = []
             errors: dict[int, str] = {}
+            lost: set[int] = set()
             for index, item in enumerate(items):
                 try:
                     tasks.append(self._task(item, proposals))
                 except Exception as error:  # noqa: BLE001 - reported to the one request
                     tasks.append(None)
                     errors[index] = self._fail(item.session_id, error)
+                    if isinstance(error, SessionNotFoundError):
+                        lost.add(index)
             forward_s = self._run_forwards(tasks, errors, items)
             self.steps += 1
-            return self._outcomes(items, tasks, errors, forward_s, time.perf_counter() - started)
+            return self._outcomes(items, tasks, errors, lost, forward_s)
 
     # ------------------------------------------------------------------ internals
     def _task(self, item: WorkItem, proposals: Sequence[Sequence[Any]]) -> _Task:
@@ -432,13 +434,13 @@ class WorkerEngine:
         return f"{type(error).__name__}: {error}"
 
     def _outcomes(
-        self, items: Sequence[WorkItem], tasks: list[_Task | None], errors: dict[int, str], forward_s: float, step_s: float
+        self, items: Sequence[WorkItem], tasks: list[_Task | None], errors: dict[int, str], lost: set[int], forward_s: float
     ) -> tuple[list[ItemOutcome], list[Any]]:
         outcomes: list[ItemOutcome] = []
         payloads: list[Any] = []
         for index, task in enumerate(tasks):
             if task is None:
-                outcome = ItemOutcome(error=errors[index])
+                outcome = ItemOutcome(error=errors[index], retryable=index in lost)
                 outcomes.append(outcome)
                 payloads.append(outcome)
                 continue

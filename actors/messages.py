@@ -84,3 +84,4 @@ class ItemOutcome:
     value: Any = None
     timing: CallTiming = field(default_factory=CallTiming)
     error: str | None = None
+    retryable: bool = False  # the session was gone (the worker restarted): sending the request again works

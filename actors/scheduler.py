@@ -40,6 +40,7 @@ from verifiers.machines import DecodeMachine, Extend, NextLogits, Sample, ScoreV
 logger = logging.getLogger(__name__)
 
 MAX_EMPTY_STEPS = 64  # a machine that makes no progress this many steps in a row is a bug
+UNAVAILABLE = "model worker {model} is unavailable (restarting); retry the request"
 
 
 class OverloadedError(RuntimeError):
@@ -207,14 +208,20 @@ class Scheduler:
         self.steps += 1
         self.batch_sizes.append(len(self.running))
         per_request: dict[int, dict[int, ItemOutcome]] = {id(r): {} for r in self.running}
+        lost: set[str] = set()
         for (model, _), (ref, entries) in self._call_workers(placed).items():
             try:
                 outcomes = await ref
             except Exception as error:  # noqa: BLE001 - the worker call failed: its requests fail
-                logger.error("worker %s step failed: %s", model, error)
-                outcomes = [ItemOutcome(error=f"worker {model} failed: {type(error).__name__}")] * len(entries)
+                logger.error("worker %s step failed (%s); its sessions are lost", model, type(error).__name__)
+                lost.add(model)
+                outcomes = [ItemOutcome(error=UNAVAILABLE.format(model=model))] * len(entries)
             for entry, outcome in zip(entries, outcomes):
                 per_request[id(entry.request)][entry.need_index] = outcome
+        for request in list(self.running):
+            if lost & request.opened:  # its sessions died with the worker, whatever this step did
+                self._fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
+                request.opened -= lost
         for request in list(self.running):
             outcomes = per_request[id(request)]
             self._advance(request, [outcomes[i] for i in range(len(request.last_needs))])
@@ -277,9 +284,9 @@ class Scheduler:
     def _advance(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:
         if request.cancelled or request.finished:
             return
-        failed = [o.error for o in outcomes if o.error is not None]
+        failed = [o for o in outcomes if o.error is not None]
         if failed:
-            self._fail(request, failed[0])
+            self._fail(request, failed[0].error, retryable=any(o.retryable for o in failed))
             return
         try:
             tokens = request.machine.consume([o.value for o in outcomes])
@@ -331,7 +338,7 @@ class Scheduler:
             )
         )
 
-    def _fail(self, request: RequestState, message: str) -> None:
+    def _fail(self, request: RequestState, message: str, retryable: bool = False) -> None:
         if request.finished:
             return
         request.finished = True
@@ -342,6 +349,7 @@ class Scheduler:
                 finished=True,
                 finish_reason="error",
                 error=message,
+                retryable=retryable,
                 stats=request_stats(request),
             )
         )

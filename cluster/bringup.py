@@ -141,12 +141,15 @@ def start_model_group(
     workers: dict[str, Any] = {}
     remote_worker = ray.remote(worker_cls)
     for index, model in enumerate(config.models):
-        options: dict[str, Any] = {"num_cpus": model.num_cpus, "num_gpus": model.num_gpus}
+        # A dead worker is restarted in place (same handle, empty sessions): the requests it held
+        # fail as retryable, the next ones are served by the new process.
+        options: dict[str, Any] = {"num_cpus": model.num_cpus, "num_gpus": model.num_gpus,
+                                   "max_restarts": -1, "max_task_retries": 0}
         options.update(_scheduling(placement_group, first_bundle + index))
         workers[model.name] = remote_worker.options(**options).remote(
             model, config.session_idle_timeout_s, max_sessions=worker_sessions(config)
         )
-    coordinator_options: dict[str, Any] = {"num_cpus": config.coordinator_cpus}
+    coordinator_options: dict[str, Any] = {"num_cpus": config.coordinator_cpus, "max_restarts": -1}
     coordinator_options.update(_scheduling(placement_group, -1))
     coordinator = ray.remote(Coordinator).options(**coordinator_options).remote(workers, config)
     group = ModelGroup(config=config, workers=workers, coordinator=coordinator)

@@ -1,0 +1,92 @@
+"""A model worker that dies mid-request is restarted; the requests it held end with a
+retryable error, the others are unaffected, and the group serves again (fake workers through
+Ray: see tests/actors/fake_models.py; a slow forward keeps requests in flight)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from cluster.bringup import start_model_group
+from tests.actors.fake_models import FunctionModelWorker, fake_group_config
+from tests.actors.test_coordinator_reference import _request, _tokens, run_requests
+
+FORWARD_DELAY_S = 0.02  # per batched forward: 40 tokens of sd take ~0.5 s
+RECOVERY_LIMIT_S = 60.0
+
+
+class SlowFunctionModelWorker(FunctionModelWorker):
+    """A fake worker whose forwards take a little time, so requests are in flight when it dies."""
+
+    def _load_backend(self):
+        backend = super()._load_backend()
+        forward = backend.forward
+
+        def slow_forward(rows):
+            time.sleep(FORWARD_DELAY_S)
+            return forward(rows)
+
+        backend.forward = slow_forward
+        return backend
+
+
+@pytest.fixture(scope="module")
+def slow_group(ray_session):
+    group = start_model_group(fake_group_config(), worker_cls=SlowFunctionModelWorker)
+    yield group
+    group.shutdown()
+
+
+def _kill(worker) -> None:
+    """SIGKILL the worker's process (a crash, not a clean exit): Ray restarts the actor."""
+    os.kill(ray.get(worker.info.remote()).pid, signal.SIGKILL)
+
+
+def _serve_again(group, deadline_s: float) -> float:
+    """Seconds until a request completes again."""
+    started = time.monotonic()
+    while True:
+        (chunks,) = run_requests(group, [_request(99, {"strategy": "sd", "method": "block", "gamma": 3}, max_tokens=8)])
+        if chunks[-1].error is None:
+            return time.monotonic() - started
+        assert chunks[-1].retryable, chunks[-1].error
+        assert time.monotonic() - started < deadline_s, "the group did not recover"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("victims", [["target"], ["target", "draft", "partner", "partner2"]], ids=["target", "all"])
+def test_killed_workers_fail_their_requests_retryably_and_the_group_recovers(slow_group, victims):
+    speculation = {"strategy": "sd", "method": "block", "gamma": 3}
+    requests = [_request(seed, speculation, max_tokens=40) for seed in range(8)]
+    # An ensemble of two models the first case does not kill: it must not notice.
+    bystander = _request(50, {"strategy": "ensemble", "members": ["partner", "partner2"]}, max_tokens=40)
+    requests.append(bystander)
+
+    async def run_and_kill():
+        from tests.actors.test_coordinator_reference import _collect
+
+        tasks = [asyncio.create_task(_collect(slow_group.coordinator, r)) for r in requests]
+        await asyncio.sleep(0.3)
+        for name in victims:
+            _kill(slow_group.workers[name])
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run_and_kill())
+    finals = [chunks[-1] for chunks in results]
+    failed = [f for f in finals if f.error is not None]
+    assert failed, "no request was in flight when the worker died"
+    if "partner" not in victims:
+        assert finals[-1].error is None and len(_tokens(results[-1])) == 40
+    assert all(f.retryable and "unavailable" in f.error for f in failed), [f.error for f in failed]
+    recovery_s = _serve_again(slow_group, RECOVERY_LIMIT_S)
+    print(f"recovered in {recovery_s:.1f} s; {len(failed)} of {len(finals)} requests failed retryably")
+    assert recovery_s < RECOVERY_LIMIT_S
+    # A request after recovery is exact again (same tokens as before any failure).
+    (again,) = run_requests(slow_group, [requests[0]])
+    (fresh,) = run_requests(slow_group, [requests[0]])
+    assert _tokens(again) == _tokens(fresh)
