@@ -6,18 +6,23 @@
       - name: specserve
         route_prefix: /
         import_path: cluster.app:build_app
-        args: {models: ..., defaults: ..., resources: ..., limits: ..., server: ...}
+        args: {models: ..., defaults: ..., resources: ..., limits: ..., server: ..., security: ...}
         deployments: [...]
 
 :class:`SpecServeArgs` validates ``args`` (pydantic, ``extra="forbid"``, every field
 described; errors name the bad key and value) and :meth:`SpecServeArgs.freeze` translates it
 once into the frozen :class:`GroupConfig` that bring-up, the coordinator and the serving layer
 use. :func:`load_app_args` reads one application's ``args`` from a YAML file.
+:func:`resolve_api_key` gives an application's API key (``security.api_key``, else the
+``SPECSERVE_API_KEY`` environment variable); the key never enters :class:`GroupConfig`, which
+travels to the actors.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import string
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -99,13 +104,57 @@ class ResourcesArgs(_Strict):
     )
 
 
+#: Default of ``limits.max_prompt_chars``.
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000
+
+
 class LimitsArgs(_Strict):
-    """Admission and session limits of one model group."""
+    """Admission, request-size and session limits of one model group."""
 
     max_concurrent_requests: int = Field(16, ge=1, description="Requests decoded at once by one coordinator.")
     session_idle_timeout_s: float = Field(
         300.0, gt=0.0, description="A worker frees a request's KV cache after this long without a call."
     )
+    max_prompt_chars: int = Field(
+        DEFAULT_MAX_PROMPT_CHARS,
+        ge=1,
+        description="Longest prompt accepted, checked by the ingress before any model work: characters of a "
+        "text prompt (chat: of the rendered conversation), or number of ids of a token-id prompt.",
+    )
+
+
+#: Environment variable holding the API key when ``security.api_key`` is not set.
+API_KEY_ENV = "SPECSERVE_API_KEY"
+API_KEY_MIN_CHARS = 16
+API_KEY_MAX_CHARS = 256
+_API_KEY_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation)
+
+
+def check_api_key(key: str, where: str) -> str:
+    """``key`` if it is 16-256 printable ASCII characters without spaces, else ValueError
+    (the message never repeats the key)."""
+    if not API_KEY_MIN_CHARS <= len(key) <= API_KEY_MAX_CHARS:
+        raise ValueError(f"{where}: an API key needs {API_KEY_MIN_CHARS} to {API_KEY_MAX_CHARS} characters, got {len(key)}")
+    if not set(key) <= _API_KEY_CHARS:
+        raise ValueError(f"{where}: an API key may hold printable ASCII characters only (no spaces)")
+    return key
+
+
+class SecurityArgs(_Strict):
+    """Client authentication of the HTTP and gRPC endpoints."""
+
+    api_key: str | None = Field(
+        None,
+        repr=False,
+        description="Key clients must send (HTTP `Authorization: Bearer <key>`, gRPC metadata `authorization: "
+        f"Bearer <key>` or `x-api-key: <key>`). Unset: the {API_KEY_ENV} environment variable of the serving "
+        "processes; neither set: no authentication. 16-256 printable ASCII characters. GET /health stays open.",
+    )
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_format(cls, value: str | None) -> str | None:
+        return None if value is None else check_api_key(value, "security.api_key")
 
 
 class ServerArgs(_Strict):
@@ -127,6 +176,7 @@ class SpecServeArgs(_Strict):
     resources: ResourcesArgs = Field(default_factory=ResourcesArgs, description="Per-actor resources.")
     limits: LimitsArgs = Field(default_factory=LimitsArgs, description="Admission and session limits.")
     server: ServerArgs = Field(default_factory=ServerArgs, description="HTTP/gRPC bind address and ports.")
+    security: SecurityArgs = Field(default_factory=SecurityArgs, description="Client authentication (API key).")
 
     @field_validator("models")
     @classmethod
@@ -216,6 +266,7 @@ class SpecServeArgs(_Strict):
             coordinator_cpus=self.resources.coordinator_cpus,
             max_concurrent_requests=self.limits.max_concurrent_requests,
             session_idle_timeout_s=self.limits.session_idle_timeout_s,
+            max_prompt_chars=self.limits.max_prompt_chars,
             host=self.server.host,
             http_port=self.server.http_port,
             grpc_port=self.server.grpc_port,
@@ -256,6 +307,7 @@ class GroupConfig:
     coordinator_cpus: float = 0.0
     max_concurrent_requests: int = 16
     session_idle_timeout_s: float = 300.0
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 9000
@@ -272,12 +324,31 @@ class GroupConfig:
         raise KeyError(f"no model named {name!r}; models are {[m.name for m in self.models]}")
 
 
+def resolve_api_key(args: SpecServeArgs, environ: Any = None) -> str | None:
+    """The application's API key: ``security.api_key``, else the :data:`API_KEY_ENV` variable
+    of ``environ`` (default: this process's environment), else None (no authentication).
+
+    Raises :class:`ConfigError` when the variable is set but is not a valid key.
+    """
+    if args.security.api_key is not None:
+        return args.security.api_key
+    value = (os.environ if environ is None else environ).get(API_KEY_ENV)
+    if not value:
+        return None
+    try:
+        return check_api_key(value, API_KEY_ENV)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def _describe_validation_error(error: ValidationError, where: str) -> str:
     lines = [f"invalid specserve args in {where}:"]
     for item in error.errors():
         key = ".".join(str(part) for part in item["loc"]) or "<args>"
         value = item.get("input")
         shown = repr(value) if not isinstance(value, dict) else "{...}"
+        if "api_key" in key:
+            shown = "<hidden>"
         lines.append(f"  {key} = {shown}: {item['msg']}")
     return "\n".join(lines)
 

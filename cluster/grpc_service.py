@@ -1,15 +1,23 @@
 """gRPC side of the Serve ingress: proto <-> GenerationRequest/GenerationChunk, status codes.
 
-Ray Serve's gRPC proxy deserializes ``specserve.GenerateRequest`` with the committed stubs
-(``protos/specserve_pb2*.py``, registered through ``grpc_options.grpc_servicer_functions:
-["protos.specserve_pb2_grpc.add_SpecServeServicer_to_server"]``) and calls the ingress
-deployment's method of the same name as the rpc (``Generate`` / ``GenerateStream``) with the
-message and a ``grpc_context``. Those methods (``cluster/app.py``) use the functions here:
+Ray Serve's gRPC proxy deserializes ``specserve.GenerateRequest`` with the request
+deserializer of the registered service and calls the ingress deployment's method of the same
+name as the rpc (``Generate`` / ``GenerateStream``) with the message and a ``grpc_context``.
+The service is registered through ``grpc_options.grpc_servicer_functions:
+["cluster.grpc_service.add_SpecServeServicer_to_server"]`` (:func:`add_SpecServeServicer_to_server`):
+the committed stubs' registration (``protos/specserve_pb2_grpc.py``) with a tolerant request
+deserializer. With the stubs' own deserializer, bytes that are not a ``GenerateRequest`` fail
+inside grpcio before Serve sees the call, and the client gets ``UNKNOWN`` (``DecodeError``);
+:func:`decode_request` instead hands an :class:`UndecodableRequest` to the replica, which
+answers ``INVALID_ARGUMENT`` (after the API-key check, like every call).
+
+The ingress methods (``cluster/app.py``) use the functions here:
 
 - :func:`check_wire_types` rejects fields that arrived with the wrong wire type (a client
   built from a different .proto): protobuf keeps such fields as *unknown fields* instead of
   failing, so without this check they would silently take their defaults;
-- :func:`to_generation_request` validates presence-aware options and names the bad field
+- :func:`to_generation_request` validates presence-aware options and every field
+  (:mod:`cluster.validation`, the same rules as HTTP) and names the bad field
   (``sampling.temperature``, ``speculation.gamma``) in an :class:`InvalidRequestError`;
 - :func:`chunk_to_response` / :func:`final_response` render chunks and results;
 - :func:`grpc_field` names a coordinator error's field by its proto path.
@@ -20,14 +28,78 @@ Status codes (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, INTERNAL) are chosen by 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf.message import Message
+import grpc
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats
+from cluster.config import DEFAULT_MAX_PROMPT_CHARS
 from cluster.openai_api import CompletionAccumulator, build_generation_request
-from protos import specserve_pb2
+from cluster.validation import MAX_NAME_CHARS, check_request_id
+from protos import specserve_pb2, specserve_pb2_grpc
+
+#: The servicer registration function for ``grpc_options.grpc_servicer_functions``.
+SERVICER_REGISTRATION = "cluster.grpc_service.add_SpecServeServicer_to_server"
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """What the replica receives instead of a ``GenerateRequest`` whose bytes did not parse
+    (plain data: Serve's proxy pickles it to the replica)."""
+
+    size: int
+    reason: str
+
+
+def decode_request(data: bytes) -> specserve_pb2.GenerateRequest | UndecodableRequest:
+    """``GenerateRequest.FromString`` that never raises: bytes that do not parse (corrupt or
+    truncated wire data, invalid UTF-8 in a string field) become an :class:`UndecodableRequest`."""
+    try:
+        return specserve_pb2.GenerateRequest.FromString(data)
+    except (DecodeError, ValueError, TypeError, RuntimeError) as error:
+        return UndecodableRequest(size=len(data), reason=type(error).__name__)
+
+
+def _tolerant(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    if handler.request_deserializer == specserve_pb2.GenerateRequest.FromString:
+        return handler._replace(request_deserializer=decode_request)
+    return handler
+
+
+class _TolerantDecodingServer:
+    """Forwards a servicer registration to ``server`` with :func:`decode_request` as the
+    request deserializer of every handler that used ``GenerateRequest.FromString``."""
+
+    def __init__(self, server: Any):
+        self._server = server
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers: Sequence[Any]) -> None:
+        rebuilt = []
+        for handler in generic_rpc_handlers:
+            method_handlers = getattr(handler, "_method_handlers", None)
+            if method_handlers is None:  # not a grpc.method_handlers_generic_handler: keep as is
+                rebuilt.append(handler)
+                continue
+            service = handler.service_name()
+            methods = {path.rsplit("/", 1)[-1]: _tolerant(h) for path, h in method_handlers.items()}
+            rebuilt.append(grpc.method_handlers_generic_handler(service, methods))
+        self._server.add_generic_rpc_handlers(tuple(rebuilt))
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers: Mapping[str, Any]) -> None:
+        register = getattr(self._server, "add_registered_method_handlers", None)
+        if register is not None:
+            register(service_name, {name: _tolerant(handler) for name, handler in method_handlers.items()})
+
+
+def add_SpecServeServicer_to_server(servicer: Any, server: Any) -> None:  # noqa: N802 - grpc naming
+    """Register the ``specserve.SpecServe`` service exactly as the committed stubs do
+    (``protos.specserve_pb2_grpc.add_SpecServeServicer_to_server``), but with
+    :func:`decode_request` as the request deserializer."""
+    specserve_pb2_grpc.add_SpecServeServicer_to_server(servicer, _TolerantDecodingServer(server))
 
 _WIRE_TYPE_NAMES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group start", 4: "group end", 5: "32-bit"}
 _SAMPLING_SCALARS: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
@@ -136,17 +208,47 @@ def request_prompt(request: specserve_pb2.GenerateRequest) -> str | list[int]:
     return request.prompt
 
 
+def check_decoded(request: Any) -> specserve_pb2.GenerateRequest:
+    """``request`` if it is a decoded ``GenerateRequest``; raises :class:`InvalidRequestError`
+    for the :class:`UndecodableRequest` of bytes that did not parse."""
+    if isinstance(request, UndecodableRequest):
+        raise InvalidRequestError(
+            "request", f"the {request.size} bytes received are not a valid specserve.GenerateRequest ({request.reason})"
+        )
+    if not isinstance(request, specserve_pb2.GenerateRequest):
+        raise InvalidRequestError("request", f"expected a specserve.GenerateRequest, got {type(request).__name__}")
+    return request
+
+
+def client_request_id(request: specserve_pb2.GenerateRequest) -> str | None:
+    """The client's ``request_id`` when it set one (validated), else None."""
+    if not request.request_id:
+        return None
+    return check_request_id("request_id", request.request_id)
+
+
 def to_generation_request(
-    request: specserve_pb2.GenerateRequest, request_id: str, sampling_defaults: dict[str, Any]
+    request: specserve_pb2.GenerateRequest,
+    request_id: str,
+    sampling_defaults: dict[str, Any],
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
 ) -> GenerationRequest:
     """The coordinator request of a gRPC ``GenerateRequest``; raises :class:`InvalidRequestError`."""
     check_wire_types(request)
+    if len(request.model) > MAX_NAME_CHARS:
+        raise InvalidRequestError("model", f"at most {MAX_NAME_CHARS} characters (got {len(request.model)})")
+    if request.HasField("speculation"):
+        for name in ("strategy", "ensemble"):
+            value = getattr(request.speculation, name)
+            if len(value) > MAX_NAME_CHARS:
+                raise InvalidRequestError(f"speculation.{name}", f"at most {MAX_NAME_CHARS} characters (got {len(value)})")
     return build_generation_request(
         request_id=request_id,
         prompt=request_prompt(request),
         sampling_defaults=sampling_defaults,
         sampling_overrides=sampling_overrides(request),
         speculation=speculation_overrides(request),
+        max_prompt_chars=max_prompt_chars,
     )
 
 
@@ -209,7 +311,13 @@ def final_response(request_id: str, model: str, result: CompletionAccumulator) -
 
 
 __all__ = [
+    "SERVICER_REGISTRATION",
+    "UndecodableRequest",
+    "add_SpecServeServicer_to_server",
+    "check_decoded",
     "check_wire_types",
+    "client_request_id",
+    "decode_request",
     "chunk_to_response",
     "final_response",
     "grpc_field",

@@ -37,10 +37,11 @@ from actors.api import (
     RequestStats,
     SpeculationParams,
 )
+from cluster.config import DEFAULT_MAX_PROMPT_CHARS
+from cluster.validation import MAX_STOP_STRINGS, check_generation_request
 
 # Sampling fields a request may set; unset ones fall back to the deployment's defaults.
 SAMPLING_FIELDS: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
-MAX_STOP_STRINGS = 8
 
 ChatRole = Literal["system", "user", "assistant"]
 
@@ -196,12 +197,16 @@ def invalid_request_from_validation(error: ValidationError, field_names: dict[st
 # GenerationRequest paths -> HTTP field names, for errors raised while building the request.
 _HTTP_FIELD_NAMES: dict[str, str] = {f"sampling.{name}": name for name in SAMPLING_FIELDS}
 _HTTP_FIELD_NAMES.update({"prompt_ids": "prompt"})
+# Chat requests: the prompt is the rendered conversation.
+_HTTP_CHAT_FIELD_NAMES: dict[str, str] = {**_HTTP_FIELD_NAMES, "prompt": "messages", "prompt_ids": "messages"}
 
 
-def http_field(error: InvalidRequestError) -> InvalidRequestError:
+def http_field(error: InvalidRequestError, chat: bool = False) -> InvalidRequestError:
     """The same error with its field named as in the HTTP request (``prompt_ids`` -> ``prompt``,
-    ``sampling.temperature`` -> ``temperature``); the coordinator names GenerationRequest paths."""
-    field = _HTTP_FIELD_NAMES.get(error.field, error.field)
+    ``sampling.temperature`` -> ``temperature``; chat: ``prompt`` -> ``messages``); the
+    coordinator names GenerationRequest paths."""
+    names = _HTTP_CHAT_FIELD_NAMES if chat else _HTTP_FIELD_NAMES
+    field = names.get(error.field, error.field)
     return error if field == error.field else InvalidRequestError(field, error.message)
 
 
@@ -221,8 +226,10 @@ def build_generation_request(
     sampling_overrides: dict[str, Any],
     speculation: SpeculationParams | dict[str, Any] | None,
     field_names: dict[str, str] | None = None,
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
 ) -> GenerationRequest:
-    """Merge deployment sampling defaults with the request's overrides into a GenerationRequest.
+    """Merge deployment sampling defaults with the request's overrides into a GenerationRequest
+    and check every field (:func:`cluster.validation.check_generation_request`).
 
     Raises :class:`InvalidRequestError` (field renamed through ``field_names``) when the merged
     request is invalid.
@@ -240,23 +247,33 @@ def build_generation_request(
     else:
         fields["prompt_ids"] = prompt
     try:
-        return GenerationRequest.model_validate(fields)
+        request = GenerationRequest.model_validate(fields)
     except ValidationError as error:
         raise invalid_request_from_validation(error, field_names) from None
+    try:
+        return check_generation_request(request, max_prompt_chars)
+    except InvalidRequestError as error:
+        field = (field_names or {}).get(error.field, error.field)
+        raise InvalidRequestError(field, error.message) from None
 
 
 def to_generation_request(
-    body: CompletionRequest | ChatCompletionRequest, request_id: str, sampling_defaults: dict[str, Any]
+    body: CompletionRequest | ChatCompletionRequest,
+    request_id: str,
+    sampling_defaults: dict[str, Any],
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
 ) -> GenerationRequest:
     """The coordinator request of an HTTP body (chat bodies go through the chat template)."""
-    prompt = render_chat_prompt(body.messages) if isinstance(body, ChatCompletionRequest) else body.prompt
+    chat = isinstance(body, ChatCompletionRequest)
+    prompt = render_chat_prompt(body.messages) if chat else body.prompt
     return build_generation_request(
         request_id=request_id,
         prompt=prompt,
         sampling_defaults=sampling_defaults,
         sampling_overrides=body.sampling_overrides(),
         speculation=body.speculation,
-        field_names=_HTTP_FIELD_NAMES,
+        field_names=_HTTP_CHAT_FIELD_NAMES if chat else _HTTP_FIELD_NAMES,
+        max_prompt_chars=max_prompt_chars,
     )
 
 
