@@ -80,6 +80,7 @@ class Coordinator:
             self.workers,
             max_running=config.max_concurrent_requests,
             max_waiting=config.max_queued_requests,
+            cohorts=2 if config.overlap else 1,
         )
         self.worker_infos: dict[str, WorkerInfo] | None = None
 

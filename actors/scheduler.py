@@ -100,75 +100,112 @@ class _Placed:
     item: WorkItem
 
 
-class Scheduler:
-    """Runs the step loop over the workers of one model group (inside the coordinator's event loop)."""
+@dataclass
+class Cohort:
+    """Requests that step together. With two cohorts, each runs its own step loop: while the
+    target verifies one cohort, the draft already proposes for the other (Ray runs each worker's
+    calls in order, so the two loops interleave on every worker without changing any request's
+    own calls or draws)."""
 
-    def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int):
+    index: int
+    running: list[RequestState] = field(default_factory=list)
+
+
+class Scheduler:
+    """Runs the step loops over the workers of one model group (inside the coordinator's event
+    loop). ``cohorts``: 1 (every running request in every step) or 2 (two alternating cohorts
+    that keep the draft and the target busy at the same time)."""
+
+    def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int, cohorts: int = 1):
+        if cohorts not in (1, 2):
+            raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
         self.workers = dict(workers)
         self.max_running = int(max_running)
         self.max_waiting = int(max_waiting)
         self.waiting: deque[RequestState] = deque()
-        self.running: list[RequestState] = []
+        self.cohorts = [Cohort(i) for i in range(cohorts)]
         self.releases: dict[str, list[str]] = {name: [] for name in self.workers}
         self.steps = 0
         self.batch_sizes: deque[int] = deque(maxlen=256)
         self.step_seconds: deque[float] = deque(maxlen=256)
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
+        self._wakeup: asyncio.Condition | None = None
+        self._loop_tasks: list[asyncio.Task] = []
+
+    @property
+    def running(self) -> list[RequestState]:
+        """Every running request, all cohorts."""
+        return [request for cohort in self.cohorts for request in cohort.running]
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: RequestState) -> None:
         """Queue a request (raises OverloadedError when the waiting line is full)."""
-        if len(self.waiting) >= self.max_waiting and len(self.running) >= self.max_running:
+        running = len(self.running)
+        if len(self.waiting) >= self.max_waiting and running >= self.max_running:
             raise OverloadedError(
-                f"server busy: {len(self.running)} requests running (limit max_concurrent_requests="
+                f"server busy: {running} requests running (limit max_concurrent_requests="
                 f"{self.max_running}) and {len(self.waiting)} waiting (limit max_queued_requests={self.max_waiting})"
             )
         self.waiting.append(request)
-        self._ensure_loop()
-        self._wakeup.set()
+        self._ensure_loops()
+        self._notify()
 
     def cancel(self, request: RequestState) -> None:
         """The client went away: the request leaves at the next step boundary."""
         if not request.finished:
             request.cancelled = True
             logger.info("request %s cancelled", request.session_id)
-            if self._wakeup is not None:
-                self._wakeup.set()
+            self._notify()
 
     def active_session_ids(self) -> list[str]:
         return [r.session_id for r in self.running] + [r.session_id for r in self.waiting]
 
-    # ------------------------------------------------------------------ loop
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+    # ------------------------------------------------------------------ loops
+    def _ensure_loops(self) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Condition()
+        loop = asyncio.get_running_loop()
+        self._loop_tasks = [
+            task if task is not None and not task.done() else loop.create_task(self._run(cohort))
+            for cohort, task in zip(self.cohorts, self._loop_tasks or [None] * len(self.cohorts))
+        ]
 
-    async def _run(self) -> None:
+    def _notify(self) -> None:
+        if self._wakeup is None:
+            return
+
+        async def notify() -> None:
+            async with self._wakeup:
+                self._wakeup.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())
+
+    async def _run(self, cohort: Cohort) -> None:
         while True:
-            self._drop_left()
-            self._admit()
-            if not self.running:
+            self._drop_left(cohort)
+            self._admit(cohort)
+            if not cohort.running:
                 await self._flush_releases()
-                if not self.running and not self.waiting:
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
+                async with self._wakeup:
+                    if not (self.waiting and len(self.running) < self.max_running):
+                        await self._wakeup.wait()  # a submit, a cancel or a finished request wakes it
                 continue
             started = time.perf_counter()
             try:
-                await self._step()
+                await self._step(cohort)
                 self.step_seconds.append(time.perf_counter() - started)
             except Exception as error:  # noqa: BLE001 - a scheduler bug must not hang every request
-                logger.exception("scheduler step failed; failing the running requests")
-                for request in list(self.running):
+                logger.exception("scheduler step failed; failing the cohort's requests")
+                for request in list(cohort.running):
                     self._fail(request, f"internal error: {type(error).__name__}")
 
-    def _drop_left(self) -> None:
+    def _drop_left(self, cohort: Cohort) -> None:
         """Remove finished and cancelled requests; queue their sessions for release."""
-        for request in [r for r in self.running if r.finished or r.cancelled]:
-            self.running.remove(request)
+        left = [r for r in cohort.running if r.finished or r.cancelled]
+        for request in left:
+            cohort.running.remove(request)
             self._release(request)
+        if left and self.waiting:
+            self._notify()  # an idle cohort may admit now
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
 
@@ -177,11 +214,15 @@ class Scheduler:
             self.releases[model].append(request.session_id)
         request.opened = set()
 
-    def _admit(self) -> None:
+    def _admit(self, cohort: Cohort) -> None:
+        """Start waiting requests in ``cohort`` while the total is under ``max_running`` and the
+        cohort is not the larger one (the cohorts stay balanced)."""
         while self.waiting and len(self.running) < self.max_running:
+            if len(cohort.running) > min(len(c.running) for c in self.cohorts):
+                return
             request = self.waiting.popleft()
             request.started = time.perf_counter()
-            self.running.append(request)
+            cohort.running.append(request)
 
     async def _flush_releases(self) -> None:
         calls = [self.workers[m].step.options(num_returns=2).remote([], releases=ids) for m, ids in self.releases.items() if ids]
@@ -193,21 +234,21 @@ class Scheduler:
                 logger.warning("releasing sessions failed: %s", error)
 
     # ------------------------------------------------------------------ one step
-    async def _step(self) -> None:
-        for request in list(self.running):
+    async def _step(self, cohort: Cohort) -> None:
+        for request in list(cohort.running):
             try:
                 request.last_needs = request.machine.needs()
             except Exception as error:  # noqa: BLE001 - a machine error ends this request only
                 logger.exception("request %s: strategy failed to plan its step", request.session_id)
                 self._fail(request, f"{type(error).__name__}: {error}")
-                self.running.remove(request)
+                cohort.running.remove(request)
                 self._release(request)
-        if not self.running:
+        if not cohort.running:
             return
-        placed = self._place([(request, request.last_needs) for request in self.running])
+        placed = self._place([(request, request.last_needs) for request in cohort.running])
         self.steps += 1
-        self.batch_sizes.append(len(self.running))
-        per_request: dict[int, dict[int, ItemOutcome]] = {id(r): {} for r in self.running}
+        self.batch_sizes.append(len(cohort.running))
+        per_request: dict[int, dict[int, ItemOutcome]] = {id(r): {} for r in cohort.running}
         lost: set[str] = set()
         for (model, _), (ref, entries) in self._call_workers(placed).items():
             try:
@@ -218,11 +259,11 @@ class Scheduler:
                 outcomes = [ItemOutcome(error=UNAVAILABLE.format(model=model))] * len(entries)
             for entry, outcome in zip(entries, outcomes):
                 per_request[id(entry.request)][entry.need_index] = outcome
-        for request in list(self.running):
+        for request in list(self.running):  # every cohort: their sessions on a lost worker are gone too
             if lost & request.opened:  # its sessions died with the worker, whatever this step did
                 self._fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
                 request.opened -= lost
-        for request in list(self.running):
+        for request in list(cohort.running):
             outcomes = per_request[id(request)]
             self._advance(request, [outcomes[i] for i in range(len(request.last_needs))])
 

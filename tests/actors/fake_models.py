@@ -126,8 +126,9 @@ class FunctionModelWorker(ModelWorker):
         return self.backend.positions_computed
 
 
-def fake_group_config(**defaults: Any) -> GroupConfig:
-    """A GroupConfig over the four fake models (no tokenizer: token ids only)."""
+def fake_group_config(overlap: bool = True, **defaults: Any) -> GroupConfig:
+    """A GroupConfig over the four fake models (no tokenizer: token ids only); ``overlap``:
+    two alternating cohorts (the default) or one."""
     roles = {"target": "target", "draft": "draft", "partner": "member", "partner2": "member"}
     models = tuple(
         ModelSpec(name=name, path=f"fake:{name}", role=role, num_cpus=0.1) for name, role in roles.items()
@@ -139,4 +140,5 @@ def fake_group_config(**defaults: Any) -> GroupConfig:
         max_concurrent_requests=64,
         max_queued_requests=1024,
         session_idle_timeout_s=120.0,
+        overlap=overlap,
     )

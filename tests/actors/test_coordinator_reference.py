@@ -307,3 +307,21 @@ def test_seeded_requests_are_batch_invariant(fake_group):
     for request, chunks in zip(requests, together):
         (alone,) = run_requests(fake_group, [request])
         assert _tokens(chunks) == _tokens(alone), request.speculation
+
+
+def test_overlap_changes_no_token(fake_group):
+    """The same mixed batch through one cohort (no overlap) and two alternating cohorts (the
+    default): every request's tokens are identical."""
+    requests = [
+        _request(200 + i, MIXED_STRATEGIES[i % len(MIXED_STRATEGIES)], max_tokens=10,
+                 **SAMPLING_CASES[i % len(SAMPLING_CASES)])
+        for i in range(16)
+    ]
+    overlapped = run_requests(fake_group, requests)
+    serial_group = start_model_group(fake_group_config(overlap=False), worker_cls=FunctionModelWorker)
+    try:
+        serial = run_requests(serial_group, requests)
+    finally:
+        serial_group.shutdown()
+    for request, a, b in zip(requests, overlapped, serial):
+        assert _tokens(a) == _tokens(b), request.speculation
