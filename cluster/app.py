@@ -12,23 +12,29 @@ named like the rpcs of ``protos/specserve.proto`` so Serve's gRPC proxy routes t
 :class:`actors.api.GenerationRequest` -> ``Coordinator.generate`` (an async generator actor
 method, consumed as a streaming ObjectRefGenerator) -> chunks back to the client.
 
-Errors: :class:`actors.api.InvalidRequestError` (raised here while parsing, or by the
-coordinator before any work) becomes HTTP 400 with an OpenAI-style error body / gRPC
-INVALID_ARGUMENT, both naming the field. A chunk with ``error`` set (a failure mid-request)
-becomes HTTP 500 / gRPC INTERNAL (in a stream: an ``error`` event). A dead model group
-becomes 503 / UNAVAILABLE. A client that disconnects cancels its coordinator stream, which
-frees the request's sessions in the workers.
+Every field is checked before any model work (:mod:`cluster.validation`, then the plan and,
+in the coordinator, the prompt against the models), the same way on both protocols. With an
+API key configured (``args.security.api_key`` or ``SPECSERVE_API_KEY``), every route but
+``GET /health`` and every gRPC call must present it (:mod:`cluster.security`).
+
+Errors all go through :func:`cluster.errors.client_error`: :class:`actors.api.InvalidRequestError`
+(raised here while parsing, or by the coordinator before any work) becomes HTTP 400 with an
+OpenAI-style error body / gRPC INVALID_ARGUMENT, both naming the field; a missing or wrong API
+key 401 / UNAUTHENTICATED; a chunk with ``error`` set (a failure mid-request) HTTP 500 / gRPC
+INTERNAL (in a stream: an ``error`` event); a dead model group 503 / UNAVAILABLE. Server
+errors reach the client as a fixed message and the request id (also in the
+``specserve-request-id`` response header / trailing metadata); the detail is logged under
+that id. A client that disconnects cancels its coordinator stream, which frees the request's
+sessions in the workers.
 """
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import grpc
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,7 +45,15 @@ from ray.util.placement_group import get_current_placement_group
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
 from actors.plan import resolve_plan
 from cluster import grpc_service
-from cluster.config import GroupConfig, SpecServeArgs, parse_app_args
+from cluster.config import GroupConfig, SpecServeArgs, parse_app_args, resolve_api_key
+from cluster.errors import (
+    ClientError,
+    ModelGroupUnavailable,
+    ModelNotFound,
+    RequestFailed,
+    Unauthenticated,
+    client_error,
+)
 from cluster.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -48,7 +62,6 @@ from cluster.openai_api import (
     completion_response,
     error_body,
     http_field,
-    invalid_request_body,
     models_list,
     parse_body,
     sse_event,
@@ -56,6 +69,7 @@ from cluster.openai_api import (
     to_generation_request,
     usage_chunk,
 )
+from cluster.security import grpc_all_interfaces_warning, require_key
 from protos import specserve_pb2
 
 logger = logging.getLogger(__name__)
@@ -65,20 +79,21 @@ DEPLOYMENT_NAME = "SpecServeIngress"
 INGRESS_CPUS = 0.1
 #: Placement strategy of a replica's bundles: a group on as few nodes as its resources allow.
 PLACEMENT_STRATEGY = "PACK"
-#: gRPC servicer registration function (for ``grpc_options.grpc_servicer_functions``).
+#: The committed stubs' servicer registration function. Serve configs list
+#: :data:`GRPC_SERVICER_REGISTRATION` instead, which registers the same service through it.
 GRPC_SERVICER_FUNCTION = "protos.specserve_pb2_grpc.add_SpecServeServicer_to_server"
+#: gRPC servicer registration function for ``grpc_options.grpc_servicer_functions``: the
+#: stubs' registration with a request deserializer that turns undecodable bytes into
+#: INVALID_ARGUMENT (see :mod:`cluster.grpc_service`).
+GRPC_SERVICER_REGISTRATION = grpc_service.SERVICER_REGISTRATION
 DEFAULT_MODEL_NAME = "specserve"
 #: Index of the first model-worker bundle in a replica's placement group (bundle 0 = replica).
 MODEL_BUNDLE_OFFSET = 1
 HEALTH_TIMEOUT_S = 10.0
-
-
-class ModelGroupUnavailable(RuntimeError):
-    """The replica's coordinator or a model worker died."""
-
-
-class RequestFailed(RuntimeError):
-    """The coordinator reported an error in the middle of a request."""
+#: Response header (HTTP) and trailing metadata key (gRPC) carrying the request id of an error
+#: (Serve's own ``x-request-id`` header holds Serve's id for the same request).
+REQUEST_ID_HEADER = "specserve-request-id"
+REQUEST_ID_METADATA = "specserve-request-id"
 
 
 def replica_bundles(config: GroupConfig) -> list[dict[str, float]]:
@@ -92,18 +107,6 @@ def replica_bundles(config: GroupConfig) -> list[dict[str, float]]:
     from cluster.bringup import model_group_bundles
 
     return [{"CPU": INGRESS_CPUS + config.coordinator_cpus}, *model_group_bundles(config)]
-
-
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-MAX_ERROR_CHARS = 1000
-
-
-def brief_error(message: str) -> str:
-    """The client-facing form of an internal error: the last line of a (remote) traceback,
-    without terminal colour codes, at most :data:`MAX_ERROR_CHARS` characters."""
-    lines = [line.strip() for line in _ANSI_ESCAPE.sub("", message).splitlines() if line.strip()]
-    text = lines[-1] if lines else "unknown error"
-    return text[:MAX_ERROR_CHARS]
 
 
 def _unwrap_task_error(error: BaseException) -> BaseException:
@@ -146,8 +149,7 @@ class CoordinatorStream:
             raise _unwrap_task_error(error) from None
         if chunk.error is not None:
             self._finished = True
-            logger.error("request %s failed in the model group: %s", self.request_id, chunk.error)
-            raise RequestFailed(brief_error(chunk.error))
+            raise RequestFailed(f"the model group reported: {chunk.error}")
         if chunk.finished:
             self._finished = True
         return chunk
@@ -172,31 +174,27 @@ async def _prime(stream: CoordinatorStream) -> tuple[GenerationChunk | None, Coo
     return first, stream
 
 
-def _http_error(error: BaseException) -> JSONResponse:
-    """HTTP status + OpenAI error body of a failure."""
+def _http_client_error(error: BaseException, request_id: str, chat: bool = False, what: str = "request") -> ClientError:
     if isinstance(error, InvalidRequestError):
-        return JSONResponse(invalid_request_body(http_field(error)), status_code=400)
-    if isinstance(error, ModelGroupUnavailable):
-        return JSONResponse(error_body(str(error), None, "server_error", "unavailable"), status_code=503)
-    if isinstance(error, RequestFailed):
-        return JSONResponse(error_body(f"request failed: {error}", None, "server_error", "internal_error"), status_code=500)
-    logger.exception("unexpected error while serving a request", exc_info=error)
-    message = f"internal error: {brief_error(str(error))}"
-    return JSONResponse(error_body(message, None, "server_error", "internal_error"), status_code=500)
+        error = http_field(error, chat)
+    return client_error(error, request_id, what)
 
 
-def _grpc_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """gRPC status code and details of a failure."""
+def _http_error(error: BaseException, request_id: str, chat: bool = False, what: str = "request") -> JSONResponse:
+    """HTTP status + OpenAI error body of a failure (:func:`cluster.errors.client_error`)."""
+    failure = _http_client_error(error, request_id, chat, what)
+    headers = {REQUEST_ID_HEADER: request_id}
+    if failure.http_status == 401:
+        headers["www-authenticate"] = "Bearer"
+    body = error_body(failure.message, failure.param, failure.error_type, failure.code)
+    return JSONResponse(body, status_code=failure.http_status, headers=headers)
+
+
+def _grpc_status(error: BaseException, request_id: str) -> ClientError:
+    """gRPC status code and details of a failure (:func:`cluster.errors.client_error`)."""
     if isinstance(error, InvalidRequestError):
         error = grpc_service.grpc_field(error)
-        return grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}"
-    if isinstance(error, LookupError):
-        return grpc.StatusCode.NOT_FOUND, str(error.args[0] if error.args else error)
-    if isinstance(error, ModelGroupUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(error)
-    if isinstance(error, RequestFailed):
-        return grpc.StatusCode.INTERNAL, f"request failed: {error}"
-    return grpc.StatusCode.INTERNAL, f"internal error: {brief_error(str(error))}"
+    return client_error(error, request_id)
 
 
 class GrpcRequestError(Exception):
@@ -244,6 +242,9 @@ class SpecServeIngress:
         self._args: SpecServeArgs = parse_app_args(args)
         self._config: GroupConfig = self._args.freeze()
         self._model_name = _served_model_name()
+        self._api_key: str | None = resolve_api_key(self._args)
+        if self._api_key is None:
+            logger.warning("%s (HTTP is unauthenticated too)", grpc_all_interfaces_warning([self._model_name]))
         # Deployment-wide sampling defaults for unset request fields; none beyond
         # actors.api.SamplingParams' own today (the YAML args have no sampling section).
         self._sampling_defaults: dict[str, Any] = {}
@@ -259,12 +260,13 @@ class SpecServeIngress:
 
     # ------------------------------------------------------------------ shared request path
 
-    def _new_request_id(self, prefix: str, client_id: str = "") -> str:
+    def _new_request_id(self, prefix: str, client_id: str | None = None) -> str:
         return client_id or f"{prefix}-{uuid.uuid4().hex}"
 
     def _check_model(self, model: str | None) -> None:
         if model and model != self._model_name:
-            raise LookupError(f"model {model!r} is not served here; served model: {self._model_name!r}")
+            shown = model if len(model) <= 64 else model[:61] + "..."
+            raise ModelNotFound(f"model {shown!r} is not served here; served model: {self._model_name!r}")
 
     def _check_plan(self, request: GenerationRequest) -> None:
         """Resolve the strategy against the deployment now, so a bad one fails before any work."""
@@ -285,24 +287,39 @@ class SpecServeIngress:
 
     # ------------------------------------------------------------------ HTTP
 
+    def _http_auth(self, http_request: Request) -> None:
+        """Raise :class:`cluster.errors.Unauthenticated` unless the request presents the API key."""
+        require_key(self._api_key, http_request.headers)
+
     @fastapi_app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 when the replica's coordinator answers, 503 otherwise."""
+        """200 when the replica's coordinator and workers answer, 503 otherwise (open: no API key)."""
+        request_id = self._new_request_id("health")
         try:
             await _wait(self._coordinator.health.remote(), HEALTH_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - any failure means unhealthy
-            return JSONResponse({"status": "unavailable", "error": str(error)}, status_code=503)
+            unavailable = _unwrap_task_error(error)
+            if not isinstance(unavailable, ModelGroupUnavailable):
+                unavailable = ModelGroupUnavailable(f"health check failed: {type(error).__name__}: {error}")
+            failure = client_error(unavailable, request_id, "health check")
+            return JSONResponse(
+                {"status": "unavailable", "error": failure.message, "request_id": request_id},
+                status_code=503,
+                headers={REQUEST_ID_HEADER: request_id},
+            )
         return JSONResponse({"status": "ok", "model": self._model_name})
 
     @fastapi_app.get("/v1/status")
-    async def status(self) -> JSONResponse:
+    async def status(self, http_request: Request) -> JSONResponse:
         """This replica's model group: models, defaults, active requests, open sessions per worker."""
+        request_id = self._new_request_id("status")
         names = list(self._group.workers)
         try:
+            self._http_auth(http_request)
             description = await self._coordinator.describe.remote()
             sessions = await asyncio.gather(*(self._group.workers[name].num_sessions.remote() for name in names))
-        except (RayActorError, RayTaskError) as error:
-            return _http_error(_unwrap_task_error(error))
+        except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
+            return _http_error(_unwrap_task_error(error), request_id, what="status request")
         return JSONResponse(
             {
                 "model": self._model_name,
@@ -317,7 +334,11 @@ class SpecServeIngress:
         )
 
     @fastapi_app.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, http_request: Request) -> JSONResponse:
+        try:
+            self._http_auth(http_request)
+        except Unauthenticated as error:
+            return _http_error(error, self._new_request_id("models"))
         return JSONResponse(models_list([self._model_name]))
 
     @fastapi_app.post("/v1/completions")
@@ -332,29 +353,33 @@ class SpecServeIngress:
         created = int(time.time())
         request_id = self._new_request_id("chatcmpl" if chat else "cmpl")
         try:
+            self._http_auth(http_request)
             body = parse_body(ChatCompletionRequest if chat else CompletionRequest, await http_request.body())
+        except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response (fields named as sent)
+            return _http_error(error, request_id)
+        try:
             self._check_model(body.model)
-            generation = to_generation_request(body, request_id, self._sampling_defaults)
+            generation = to_generation_request(
+                body, request_id, self._sampling_defaults, self._config.max_prompt_chars
+            )
             stream = self._start(generation)
-        except LookupError as error:
-            return JSONResponse(error_body(str(error), "model", code="model_not_found"), status_code=404)
-        except InvalidRequestError as error:
-            return _http_error(error)
+        except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
+            return _http_error(_unwrap_task_error(error), request_id, chat)
         if not body.stream:
             try:
                 result = await self._collect(stream)
             except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
-                return _http_error(error)
+                return _http_error(error, request_id, chat)
             return JSONResponse(
                 completion_response(request_id, self._model_name, created, result, chat, body.return_token_ids)
             )
         try:
             first, stream = await _prime(stream)
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
-            return _http_error(error)
+            return _http_error(error, request_id, chat)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = self._sse_events(stream, first, request_id, created, chat, include_usage, body.return_token_ids)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id})
 
     async def _sse_events(
         self,
@@ -379,7 +404,7 @@ class SpecServeIngress:
             if include_usage:
                 yield sse_event(usage_chunk(request_id, self._model_name, created, stats, chat))
         except Exception as error:  # noqa: BLE001 - reported to the client as an error event
-            response = _http_error(error)
+            response = _http_error(error, request_id, chat)
             yield sse_event(response.body.decode())
         finally:
             stream.cancel()
@@ -387,34 +412,42 @@ class SpecServeIngress:
 
     # ------------------------------------------------------------------ gRPC
 
-    def _grpc_request(self, proto: specserve_pb2.GenerateRequest) -> GenerationRequest:
+    def _grpc_request(self, proto: Any, grpc_context: Any, request_id: str) -> tuple[GenerationRequest, str]:
+        """Authenticate, decode and validate one call; returns the request and its id, or
+        raises (the request id is the server's until the client's own is validated)."""
+        require_key(self._api_key, grpc_context.invocation_metadata() if grpc_context is not None else ())
+        proto = grpc_service.check_decoded(proto)
+        request_id = self._new_request_id("grpc", grpc_service.client_request_id(proto))
         self._check_model(proto.model)
-        request_id = self._new_request_id("grpc", proto.request_id)
-        return grpc_service.to_generation_request(proto, request_id, self._sampling_defaults)
+        generation = grpc_service.to_generation_request(
+            proto, request_id, self._sampling_defaults, self._config.max_prompt_chars
+        )
+        return generation, request_id
 
     @staticmethod
-    def _fail(grpc_context: Any, error: BaseException) -> GrpcRequestError:
-        code, details = _grpc_status(error)
+    def _fail(grpc_context: Any, error: BaseException, request_id: str) -> GrpcRequestError:
+        """Set the client's status on ``grpc_context`` (:func:`cluster.errors.client_error`)."""
+        failure = _grpc_status(_unwrap_task_error(error), request_id)
         if grpc_context is not None:
-            grpc_context.set_code(code)
-            grpc_context.set_details(details)
-        if code == grpc.StatusCode.INTERNAL:
-            logger.error("gRPC request failed: %s", details)
-        return GrpcRequestError(details)
+            grpc_context.set_code(failure.grpc_code)
+            grpc_context.set_details(failure.message)
+            grpc_context.set_trailing_metadata([(REQUEST_ID_METADATA, request_id)])
+        return GrpcRequestError(failure.message)
 
     async def Generate(  # noqa: N802 - named like the rpc in protos/specserve.proto
         self, request: specserve_pb2.GenerateRequest, grpc_context: Any = None
     ) -> specserve_pb2.GenerateResponse:
         """Unary rpc: the whole completion with usage and speculation stats."""
+        request_id = self._new_request_id("grpc")
         try:
-            generation = self._grpc_request(request)
+            generation, request_id = self._grpc_request(request, grpc_context, request_id)
             result = await self._collect(self._start(generation))
-        except (InvalidRequestError, LookupError, ModelGroupUnavailable, RequestFailed) as error:
+        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status
+            failure = self._fail(grpc_context, error, request_id)
             if grpc_context is None:
-                raise self._fail(grpc_context, error) from None
+                raise failure from None
             # The status set on grpc_context is what the client receives; the empty message
             # is not delivered (returning instead of raising keeps the replica log quiet).
-            self._fail(grpc_context, error)
             return specserve_pb2.GenerateResponse()
         return grpc_service.final_response(generation.request_id, self._model_name, result)
 
@@ -422,15 +455,17 @@ class SpecServeIngress:
         self, request: specserve_pb2.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[specserve_pb2.GenerateResponse]:
         """Server-streaming rpc: one message per chunk; the last has finished, usage and stats."""
+        request_id = self._new_request_id("grpc")
         try:
-            stream = self._start(self._grpc_request(request))
-        except (InvalidRequestError, LookupError) as error:
-            raise self._fail(grpc_context, error) from None
+            generation, request_id = self._grpc_request(request, grpc_context, request_id)
+            stream = self._start(generation)
+        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status
+            raise self._fail(grpc_context, error, request_id) from None
         try:
             async for chunk in stream:
                 yield grpc_service.chunk_to_response(chunk, self._model_name)
-        except (InvalidRequestError, ModelGroupUnavailable, RequestFailed) as error:
-            raise self._fail(grpc_context, error) from None
+        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status
+            raise self._fail(grpc_context, error, request_id) from None
         finally:
             stream.cancel()
 
@@ -466,6 +501,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 __all__ = [
     "DEPLOYMENT_NAME",
     "GRPC_SERVICER_FUNCTION",
+    "GRPC_SERVICER_REGISTRATION",
+    "ModelGroupUnavailable",
+    "RequestFailed",
     "SpecServeIngress",
     "build_app",
     "replica_bundles",

@@ -12,7 +12,9 @@ and controller ``apply_config``; deployments sections, replicas and autoscaling 
 - it waits until every application is RUNNING, prints the addresses, blocks until Ctrl-C (or
   SIGTERM), then shuts Serve down (and Ray, when it started it).
 
-Note: Ray Serve's gRPC proxy has no host option; it listens on every interface at the gRPC port.
+- it logs a warning for every specserve application served without an API key
+  (``args.security.api_key`` or ``SPECSERVE_API_KEY``): Ray Serve's gRPC proxy has no host
+  option and listens on every interface at the gRPC port (:func:`api_key_warnings`).
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.config import ConfigError, parse_app_args, read_serve_config
+from cluster.config import API_KEY_ENV, ConfigError, parse_app_args, read_serve_config, resolve_api_key
+from cluster.security import grpc_all_interfaces_warning
 
 logger = logging.getLogger(__name__)
 
@@ -91,20 +95,63 @@ def resolve_addresses(
 
 
 def with_addresses(document: dict[str, Any], addresses: ServerAddresses) -> dict[str, Any]:
-    """A copy of the Serve config with the proxies' host/ports set and the gRPC servicer registered."""
-    from cluster.app import GRPC_SERVICER_FUNCTION
+    """A copy of the Serve config with the proxies' host/ports set and the gRPC servicer registered.
+
+    The servicer is :data:`cluster.app.GRPC_SERVICER_REGISTRATION`; a config that lists the
+    stubs' own registration function (``GRPC_SERVICER_FUNCTION``) gets it replaced, so
+    undecodable requests answer INVALID_ARGUMENT there too.
+    """
+    from cluster.app import GRPC_SERVICER_FUNCTION, GRPC_SERVICER_REGISTRATION
 
     document = copy.deepcopy(document)
     http_options = dict(document.get("http_options") or {})
     http_options.update(host=addresses.host, port=addresses.http_port)
     grpc_options = dict(document.get("grpc_options") or {})
-    servicers = list(grpc_options.get("grpc_servicer_functions") or [])
-    if GRPC_SERVICER_FUNCTION not in servicers:
-        servicers.append(GRPC_SERVICER_FUNCTION)
+    servicers = [
+        GRPC_SERVICER_REGISTRATION if servicer == GRPC_SERVICER_FUNCTION else servicer
+        for servicer in grpc_options.get("grpc_servicer_functions") or []
+    ]
+    servicers = list(dict.fromkeys(servicers))
+    if GRPC_SERVICER_REGISTRATION not in servicers:
+        servicers.append(GRPC_SERVICER_REGISTRATION)
     grpc_options.update(port=addresses.grpc_port, grpc_servicer_functions=servicers)
     document["http_options"] = http_options
     document["grpc_options"] = grpc_options
     return document
+
+
+def api_key_warnings(
+    document: dict[str, Any], addresses: ServerAddresses, joining_cluster: bool, environ: Any = None
+) -> list[str]:
+    """Start-up warnings about authentication; raises :class:`ConfigError` for a malformed
+    ``SPECSERVE_API_KEY``.
+
+    - Every specserve application without a key (neither ``args.security.api_key`` nor
+      ``SPECSERVE_API_KEY`` here) is reachable unauthenticated by gRPC on every interface.
+    - When joining a running cluster, a key taken from this process's ``SPECSERVE_API_KEY``
+      does not reach the replicas: the variable must be set where they run.
+    """
+    environ = os.environ if environ is None else environ
+    unkeyed: list[str] = []
+    from_environment: list[str] = []
+    for app in _specserve_apps(document):
+        args = parse_app_args(app.get("args") or {})
+        name = str(app.get("name"))
+        if resolve_api_key(args, environ) is None:
+            unkeyed.append(name)
+        elif args.security.api_key is None:
+            from_environment.append(name)
+    warnings = []
+    if unkeyed:
+        warnings.append(grpc_all_interfaces_warning(unkeyed, addresses.grpc_port))
+    if joining_cluster and from_environment:
+        names = ", ".join(repr(name) for name in from_environment)
+        warnings.append(
+            f"{API_KEY_ENV} is set in this process, but applications {names} run on a Ray cluster that "
+            f"was already running: the key applies only where {API_KEY_ENV} is set in the replicas' "
+            "environment (the nodes' environment, or the application's runtime_env.env_vars)"
+        )
+    return warnings
 
 
 def parse_serve_config(document: dict[str, Any], where: str) -> Any:
@@ -191,11 +238,14 @@ def run_serve(
         addresses = resolve_addresses(document, host, http_port, grpc_port)
         document = with_addresses(document, addresses)
         parse_serve_config(document, config_path)
+        started_ray = not ray.is_initialized()
+        joining_cluster = not started_ray or bool(os.environ.get("RAY_ADDRESS"))
+        for warning in api_key_warnings(document, addresses, joining_cluster):
+            logger.warning("%s", warning)
     except ConfigError as error:
         logger.error("%s", error)
         return 2
 
-    started_ray = not ray.is_initialized()
     init_ray()
     # Ctrl-C and SIGTERM both stop the server (SIGINT is set explicitly: a shell that starts
     # the command in the background leaves SIGINT ignored, and Python keeps it that way).

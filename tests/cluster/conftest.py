@@ -10,13 +10,21 @@ free 127.0.0.1 ports and the real Coordinator and ModelWorkers over the tiny che
 from __future__ import annotations
 
 import copy
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+from cluster.config import API_KEY_ENV
+
 APP_NAME = "specserve"
+
+# The session application serves without an API key (tests that need one deploy their own
+# application with `security.api_key`); a key in the developer's environment would otherwise
+# reach the replicas through the Ray processes started by the tests.
+os.environ.pop(API_KEY_ENV, None)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,14 @@ import pathlib
 import pytest
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.app import DEPLOYMENT_NAME, GRPC_SERVICER_FUNCTION, INGRESS_CPUS, build_app, replica_bundles
+from cluster.app import (
+    DEPLOYMENT_NAME,
+    GRPC_SERVICER_FUNCTION,
+    GRPC_SERVICER_REGISTRATION,
+    INGRESS_CPUS,
+    build_app,
+    replica_bundles,
+)
 from cluster.config import ConfigError, load_app_args, parse_app_args, read_serve_config
 from cluster.serve_command import resolve_addresses, validate_document, with_addresses
 
@@ -28,7 +35,7 @@ def test_the_expected_deploy_files_exist():
 def test_deploy_file_is_a_valid_serve_config_with_valid_args(path):
     document = read_serve_config(path)
     schema = ServeDeploySchema.model_validate(document)  # what `serve run` / `serve deploy` accept
-    assert GRPC_SERVICER_FUNCTION in schema.grpc_options.grpc_servicer_functions
+    assert schema.grpc_options.grpc_servicer_functions == [GRPC_SERVICER_REGISTRATION]
     for app in document["applications"]:
         assert app["import_path"] == "cluster.app:build_app"
         assert [deployment["name"] for deployment in app["deployments"]] == [DEPLOYMENT_NAME]
@@ -127,9 +134,20 @@ def test_addresses_flags_override_yaml_which_overrides_args_server_and_defaults(
 
 
 def test_with_addresses_registers_the_grpc_servicer_once():
-    document = {"applications": [], "grpc_options": {"grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]}}
+    document = {"applications": [], "grpc_options": {"grpc_servicer_functions": [GRPC_SERVICER_REGISTRATION]}}
     addresses = resolve_addresses(document, http_port=18000, grpc_port=19000)
     updated = with_addresses(document, addresses)
-    assert updated["grpc_options"] == {"grpc_servicer_functions": [GRPC_SERVICER_FUNCTION], "port": 19000}
+    assert updated["grpc_options"] == {"grpc_servicer_functions": [GRPC_SERVICER_REGISTRATION], "port": 19000}
     assert updated["http_options"] == {"host": "127.0.0.1", "port": 18000}
-    assert document["grpc_options"] == {"grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]}  # input untouched
+    assert document["grpc_options"] == {"grpc_servicer_functions": [GRPC_SERVICER_REGISTRATION]}  # input untouched
+    assert with_addresses({"applications": []}, addresses)["grpc_options"]["grpc_servicer_functions"] == [
+        GRPC_SERVICER_REGISTRATION
+    ]
+
+
+def test_with_addresses_replaces_the_stubs_registration_with_the_tolerant_one():
+    # An older config listing the generated stubs' function gets the tolerant registration
+    # (which registers the same service through it) instead of both.
+    document = {"applications": [], "grpc_options": {"grpc_servicer_functions": [GRPC_SERVICER_FUNCTION, "x.y.z"]}}
+    updated = with_addresses(document, resolve_addresses(document))
+    assert updated["grpc_options"]["grpc_servicer_functions"] == [GRPC_SERVICER_REGISTRATION, "x.y.z"]

@@ -91,3 +91,7 @@ def test_serve_command_serves_until_ctrl_c(tmp_path, tiny_checkpoints):
     except queue.Empty:  # a Ray child may still hold the pipe; what was logged is enough
         pass
     assert any("stopped" in line for line in stderr), "".join(stderr[-20:])
+    # No API key configured: the start-up warning says gRPC listens on every interface.
+    assert any("no API key for application 'specserve'" in line and "every interface" in line for line in stderr), (
+        "".join(stderr[-20:])
+    )
