@@ -112,6 +112,9 @@ class LimitsArgs(_Strict):
     """Admission, request-size and session limits of one model group."""
 
     max_concurrent_requests: int = Field(16, ge=1, description="Requests decoded at once by one coordinator.")
+    max_queued_requests: int = Field(
+        64, ge=0, description="Requests waiting for a decoding place; past this a request is refused (HTTP 429, gRPC RESOURCE_EXHAUSTED)."
+    )
     session_idle_timeout_s: float = Field(
         300.0, gt=0.0, description="A worker frees a request's KV cache after this long without a call."
     )
@@ -165,6 +168,16 @@ class ServerArgs(_Strict):
     grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
 
 
+class EngineArgs(_Strict):
+    """How the step scheduler runs the requests in flight (docs/engine.md)."""
+
+    overlap: bool = Field(
+        True,
+        description="Two alternating cohorts of requests, so the draft proposes for one while the target verifies "
+        "the other (every request's tokens are the same either way); false: one cohort, every request in every step.",
+    )
+
+
 class SpecServeArgs(_Strict):
     """The ``args`` of a specserve application in a Ray Serve YAML file."""
 
@@ -177,6 +190,7 @@ class SpecServeArgs(_Strict):
     limits: LimitsArgs = Field(default_factory=LimitsArgs, description="Admission and session limits.")
     server: ServerArgs = Field(default_factory=ServerArgs, description="HTTP/gRPC bind address and ports.")
     security: SecurityArgs = Field(default_factory=SecurityArgs, description="Client authentication (API key).")
+    engine: EngineArgs = Field(default_factory=EngineArgs, description="Step scheduler settings.")
 
     @field_validator("models")
     @classmethod
@@ -265,6 +279,8 @@ class SpecServeArgs(_Strict):
             defaults=self.decoding_defaults(),
             coordinator_cpus=self.resources.coordinator_cpus,
             max_concurrent_requests=self.limits.max_concurrent_requests,
+            max_queued_requests=self.limits.max_queued_requests,
+            overlap=self.engine.overlap,
             session_idle_timeout_s=self.limits.session_idle_timeout_s,
             max_prompt_chars=self.limits.max_prompt_chars,
             host=self.server.host,
@@ -306,6 +322,8 @@ class GroupConfig:
     defaults: DecodingDefaults
     coordinator_cpus: float = 0.0
     max_concurrent_requests: int = 16
+    max_queued_requests: int = 64
+    overlap: bool = True
     session_idle_timeout_s: float = 300.0
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
     host: str = "127.0.0.1"
