@@ -43,6 +43,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
+from actors.scheduler import OverloadedError
 from actors.plan import resolve_plan
 from cluster import grpc_service
 from cluster.config import GroupConfig, SpecServeArgs, parse_app_args, resolve_api_key
@@ -115,6 +116,8 @@ def _unwrap_task_error(error: BaseException) -> BaseException:
     for candidate in (error, cause):
         if isinstance(candidate, InvalidRequestError):
             return InvalidRequestError(candidate.field, candidate.message)
+        if isinstance(candidate, OverloadedError):
+            return OverloadedError(candidate.message)
     if isinstance(error, RayActorError) or isinstance(cause, RayActorError):
         return ModelGroupUnavailable(f"model group unavailable: {error}")
     return error
@@ -149,6 +152,8 @@ class CoordinatorStream:
             raise _unwrap_task_error(error) from None
         if chunk.error is not None:
             self._finished = True
+            if chunk.retryable:  # a worker died and is being restarted: 503 / UNAVAILABLE
+                raise ModelGroupUnavailable(f"the model group reported: {chunk.error}")
             raise RequestFailed(f"the model group reported: {chunk.error}")
         if chunk.finished:
             self._finished = True
@@ -308,6 +313,12 @@ class SpecServeIngress:
                 headers={REQUEST_ID_HEADER: request_id},
             )
         return JSONResponse({"status": "ok", "model": self._model_name})
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: raises when the coordinator or a model worker does not
+        answer, so Serve replaces the replica (and rebuilds its model group). A worker that died
+        is restarted by Ray in a few seconds, well inside Serve's failure threshold."""
+        await _wait(self._coordinator.health.remote(), HEALTH_TIMEOUT_S)
 
     @fastapi_app.get("/v1/status")
     async def status(self, http_request: Request) -> JSONResponse:
@@ -482,7 +493,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """The specserve Serve application for ``args`` (validated here: a bad key fails the deploy).
 
     Serve options set here: the replica's placement group (:func:`replica_bundles`, strategy
-    PACK), its CPUs, and ``max_ongoing_requests`` (= ``limits.max_concurrent_requests``).
+    PACK), its CPUs, and ``max_ongoing_requests`` (= ``limits.max_concurrent_requests`` +
+    ``limits.max_queued_requests``: the coordinator's scheduler does the queueing, and answers 429
+    past it, instead of an unbounded queue in front of the replica).
     Replica counts and autoscaling come from the YAML ``deployments`` section.
     """
     parsed = parse_app_args(args)
@@ -493,7 +506,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         ray_actor_options={"num_cpus": INGRESS_CPUS},
         placement_group_bundles=replica_bundles(config),
         placement_group_strategy=PLACEMENT_STRATEGY,
-        max_ongoing_requests=config.max_concurrent_requests,
+        max_ongoing_requests=config.max_concurrent_requests + config.max_queued_requests,
     )
     return deployment.bind(parsed.model_dump(mode="json"))
 

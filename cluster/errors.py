@@ -4,7 +4,8 @@
 client gets, on both protocols (HTTP status + OpenAI error body, gRPC status code + details):
 
 - client errors (:class:`actors.api.InvalidRequestError`, :class:`ModelNotFound`,
-  :class:`Unauthenticated`) keep their message, which names the field; it is cleaned of
+  :class:`Unauthenticated`, and :class:`actors.scheduler.OverloadedError`: 429 /
+  ``RESOURCE_EXHAUSTED``, naming the limit) keep their message; it is cleaned of
   terminal colour codes and control characters and cut to :data:`MAX_CLIENT_MESSAGE_CHARS`;
 - server errors (a dead model group, a failure in the middle of decoding, anything
   unexpected) become a fixed sentence plus the request id. They never carry the exception's
@@ -24,6 +25,7 @@ import grpc
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.api import InvalidRequestError
+from actors.scheduler import OverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,10 @@ def client_error(error: BaseException, request_id: str, what: str = "request") -
     if isinstance(error, Unauthenticated):
         return ClientError(401, grpc.StatusCode.UNAUTHENTICATED, clean_text(str(error)), None,
                            "invalid_request_error", "invalid_api_key", request_id)
+    if isinstance(error, OverloadedError):
+        logger.warning("%s %s refused: %s", what, request_id, error.message)
+        return ClientError(429, grpc.StatusCode.RESOURCE_EXHAUSTED, clean_text(f"{error.message}; retry later"), None,
+                           "rate_limit_error", "server_busy", request_id)
     if isinstance(error, ModelNotFound):
         return ClientError(404, grpc.StatusCode.NOT_FOUND, clean_text(str(error)), "model", "invalid_request_error",
                            "model_not_found", request_id)
