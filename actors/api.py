@@ -19,6 +19,7 @@ FinishReason = Literal["stop", "length", "error"]
 
 MAX_GAMMA = 32
 MAX_DRAFTS = 8
+MAX_TOP_LOGPROBS = 20
 
 
 class InvalidRequestError(ValueError):
@@ -50,6 +51,25 @@ class SamplingParams(_Frozen):
     stop: list[str] = Field(default_factory=list, description="Stop strings; generation ends before the first match.")
     seed: int | None = Field(None, ge=0, description="Seed of every random stream of the request; None picks one.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token already generated (OpenAI)."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per time it was generated (OpenAI)."
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=10.0,
+        description="Logits of tokens in the prompt or the output are divided by it when positive, multiplied when "
+        "negative (the transformers / vLLM extension); 1 disables it.",
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, description="Token id -> value added to its logit before sampling (OpenAI, -100..100)."
+    )
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="Return each generated token's log-probability under the law it was sampled from, with this "
+        "many most likely alternatives (0: the token alone); None: no log-probabilities.",
+    )
 
 
 class SpeculationParams(_Frozen):
@@ -110,12 +130,24 @@ class RequestStats(_Frozen):
     bytes_moved: int = Field(0, description="Bytes of probability rows moved between actors.")
 
 
+class TokenLogprob(_Frozen):
+    """A generated token's log-probability under the law it was sampled from (the target's for
+    ar / sd / multi_draft, the ensemble's for ensemble / se), and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list, description="(token id, logprob), most likely first.")
+
+
 class GenerationChunk(_Frozen):
     """A streamed piece of output: tokens accepted since the previous chunk."""
 
     request_id: str
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="One per token of token_ids when the request asked for log-probabilities."
+    )
     finished: bool = False
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None

@@ -46,8 +46,12 @@ def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
     if len(chunks) == 1:
         return chunks[0]
     last = chunks[-1]
+    logprobs = None if last.logprobs is None and chunks[0].logprobs is None else [
+        entry for c in chunks for entry in (c.logprobs or [])
+    ]
     return last.model_copy(
-        update={"token_ids": [t for c in chunks for t in c.token_ids], "text": "".join(c.text for c in chunks)}
+        update={"token_ids": [t for c in chunks for t in c.token_ids], "text": "".join(c.text for c in chunks),
+                "logprobs": logprobs}
     )
 
 
@@ -162,7 +166,25 @@ class Coordinator:
             )
         if sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this deployment has none")
+        self._check_unsupported(sampling)
+        bad_bias = [t for t in sampling.logit_bias if not 0 <= t < vocab_limit]
+        if bad_bias:
+            raise InvalidRequestError("logit_bias", f"token ids must lie in [0, {vocab_limit}), got {bad_bias[:5]}")
         return plan, prompt_ids, vocab_limit, max_context
+
+    @staticmethod
+    def _check_unsupported(sampling: Any) -> None:
+        """Fields the API accepts whose engine support is not there yet: a clear 400."""
+        unsupported = {
+            "presence_penalty": sampling.presence_penalty != 0.0,
+            "frequency_penalty": sampling.frequency_penalty != 0.0,
+            "repetition_penalty": sampling.repetition_penalty != 1.0,
+            "logit_bias": bool(sampling.logit_bias),
+            "logprobs": sampling.logprobs is not None,
+        }
+        for field, used in unsupported.items():
+            if used:
+                raise InvalidRequestError(field, "not supported by this server yet")
 
     async def validate(self, request: GenerationRequest | dict) -> dict[str, Any]:
         """Check a request without running it: the resolved plan and the prompt length, or
