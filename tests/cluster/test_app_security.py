@@ -9,11 +9,13 @@ request id only, while the replica's log keeps the detail under that id.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -186,15 +188,104 @@ def _logged(request_id: str, needles: tuple[str, ...], timeout_s: float = 30.0) 
     return False
 
 
-def _check_server_error_body(text: str, actor_ids: list[str]) -> str:
+def _check_server_error_body(text: str, actor_ids: list[str], node_ip: str) -> str:
     """The body names a request id and nothing internal; returns the request id."""
     found = REQUEST_ID.search(text)
     assert found, text
     request_id = found.group(1)
     assert_no_internals(text.replace(request_id, ""))
+    assert node_ip not in text
     for actor_id in actor_ids:
         assert actor_id not in text
     return request_id
+
+
+def _crash(actor_id: str) -> None:
+    """Kill the process of one of the keyed application's actors (SIGKILL: a crash)."""
+    pid = ray._private.state.actors()[actor_id]["Pid"]
+    os.kill(pid, signal.SIGKILL)
+
+
+#: A target-only request long enough (one target call per token) to be in flight when its
+#: actor is killed; the keyed application's context is 256 tokens.
+LONG = {"prompt": "x", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "speculation": {"strategy": "ar"}}
+LONG_GRPC = specserve_pb2.GenerateRequest(
+    prompt="x",
+    sampling=specserve_pb2.SamplingOptions(max_tokens=240, temperature=0.0, ignore_eos=True),
+    speculation=specserve_pb2.SpeculationOptions(strategy="ar"),
+)
+
+
+def _crash_mid_request(http, stub, actor_id: str, actor_ids: list[str], node_ip: str) -> list[str]:
+    """Start long requests on both protocols, kill ``actor_id`` while they run, and check what
+    each client got: success, or a server error with a request id and nothing internal
+    (the model group's actors restart, so a request may also be retried in time). Returns the
+    request ids of the server errors."""
+    metadata = grpc_metadata(("x-api-key", KEY))
+
+    def http_unary():
+        return http.post("/v1/completions", json=LONG, headers=bearer(KEY))
+
+    def grpc_unary():
+        try:
+            return stub.Generate(LONG_GRPC, metadata=metadata, timeout=120)
+        except grpc.RpcError as error:
+            return error
+
+    def grpc_stream():
+        try:
+            return list(stub.GenerateStream(LONG_GRPC, metadata=metadata, timeout=120))
+        except grpc.RpcError as error:
+            return error
+
+    request_ids: list[str] = []
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}, headers=bearer(KEY)) as streamed:
+            lines = streamed.iter_lines()
+            first = next(line for line in lines if line)
+            futures = [pool.submit(http_unary), pool.submit(grpc_unary), pool.submit(grpc_stream)]
+            time.sleep(0.5)  # the other three are decoding too
+            _crash(actor_id)
+            rest = "\n".join(lines)
+        # The HTTP stream was cut by the crash: it ends with an error event, then [DONE].
+        assert first.startswith("data: ") and rest.rstrip().endswith("data: [DONE]"), rest[-500:]
+        events = [json.loads(line[len("data: "):]) for line in rest.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "error" in events[-1], events[-1]
+        request_ids.append(_check_server_error_body(events[-1]["error"]["message"], actor_ids, node_ip))
+        print(f"\n{actor_id[:8]} killed: stream error event {json.dumps(events[-1])}")
+
+        response = futures[0].result()
+        if response.status_code != 200:
+            assert response.status_code in (500, 503), response.text
+            error = response.json()["error"]
+            assert error["type"] == "server_error" and set(error) == {"message", "type", "param", "code"}
+            request_id = _check_server_error_body(error["message"], actor_ids, node_ip)
+            assert response.headers["specserve-request-id"] == request_id
+            request_ids.append(request_id)
+            print(f"{actor_id[:8]} killed: POST /v1/completions -> {response.status_code} {response.text}")
+        for name, result in (("Generate", futures[1].result()), ("GenerateStream", futures[2].result())):
+            if isinstance(result, grpc.RpcError):
+                assert result.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), result
+                request_id = _check_server_error_body(result.details(), actor_ids, node_ip)
+                request_ids.append(request_id)
+                if name == "Generate":
+                    assert ("specserve-request-id", request_id) in tuple(result.trailing_metadata() or ())
+                print(f"{actor_id[:8]} killed: {name} -> {result.code().name} {result.details()!r}")
+
+    # /health while the group recovers: 200, or 503 with nothing internal; then healthy again.
+    started = time.monotonic()
+    deadline = started + 180
+    while (health := http.get("/health")).status_code != 200:
+        assert health.status_code == 503, health.text
+        body = health.json()
+        assert body["status"] == "unavailable"
+        assert _check_server_error_body(body["error"], actor_ids, node_ip) == body["request_id"]
+        assert health.headers["specserve-request-id"] == body["request_id"]
+        assert time.monotonic() < deadline, "the model group did not recover"
+        time.sleep(0.5)
+    print(f"{actor_id[:8]} killed: healthy again after {time.monotonic() - started:.1f}s")
+    return request_ids
 
 
 def test_server_errors_carry_a_request_id_and_no_internals(http, stub):
@@ -203,67 +294,14 @@ def test_server_errors_carry_a_request_id_and_no_internals(http, stub):
     actor_ids = [status["coordinator"], *status["workers"].values(), status["replica_actor"]]
     node_ip = ray.util.get_node_ip_address()
 
-    # 1. A model worker dies: the health check, requests on both protocols fail cleanly.
-    _crash(status["workers"]["draft"])
-    deadline = time.monotonic() + 60
-    while (health := http.get("/health")).status_code == 200 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert health.status_code == 503, health.text
-    assert health.json()["status"] == "unavailable"
-    health_id = _check_server_error_body(health.json()["error"], actor_ids)
-    assert health.json()["request_id"] == health_id == health.headers["specserve-request-id"]
-    assert node_ip not in health.text
-    print(f"\nworker killed: GET /health -> {health.status_code} {health.text}")
-
-    response = http.post("/v1/completions", json=BODY, headers=bearer(KEY))
-    assert response.status_code in (500, 503), response.text
-    error = response.json()["error"]
-    assert error["type"] == "server_error" and set(error) == {"message", "type", "param", "code"}
-    request_id = _check_server_error_body(error["message"], actor_ids)
-    assert response.headers["specserve-request-id"] == request_id
-    assert node_ip not in response.text
-    assert _logged(request_id, ("Traceback", "ActorDiedError", "RayActorError", "actor_id")), request_id
-    print(f"worker killed: POST /v1/completions -> {response.status_code} {response.text}")
-
-    with http.stream("POST", "/v1/completions", json={**BODY, "stream": True}, headers=bearer(KEY)) as streamed:
-        text = streamed.read().decode()
-    assert streamed.status_code in (200, 500, 503)
-    _check_server_error_body(text, actor_ids)
-
-    with pytest.raises(grpc.RpcError) as caught:
-        stub.Generate(GRPC_REQUEST, metadata=grpc_metadata(("x-api-key", KEY)), timeout=60)
-    assert caught.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
-    grpc_id = _check_server_error_body(caught.value.details(), actor_ids)
-    print(f"worker killed: Generate -> {caught.value.code().name} {caught.value.details()!r}")
-    assert ("specserve-request-id", grpc_id) in tuple(caught.value.trailing_metadata() or ())
-    with pytest.raises(grpc.RpcError) as caught:
-        list(stub.GenerateStream(GRPC_REQUEST, metadata=grpc_metadata(("x-api-key", KEY)), timeout=60))
-    assert caught.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
-    _check_server_error_body(caught.value.details(), actor_ids)
-
-    # 2. The coordinator dies too: 503 / UNAVAILABLE, still nothing internal.
-    _crash(status["coordinator"])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        response = http.post("/v1/completions", json=BODY, headers=bearer(KEY))
-        if response.status_code == 503:
-            break
-        time.sleep(0.5)
-    assert response.status_code == 503, response.text
-    assert response.json()["error"]["code"] == "unavailable"
-    _check_server_error_body(response.json()["error"]["message"], actor_ids)
-    health = http.get("/health")
-    assert health.status_code == 503
-    _check_server_error_body(health.json()["error"], actor_ids)
-    with pytest.raises(grpc.RpcError) as caught:
-        stub.Generate(GRPC_REQUEST, metadata=grpc_metadata(("x-api-key", KEY)), timeout=60)
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    _check_server_error_body(caught.value.details(), actor_ids)
-    print(f"coordinator killed: POST /v1/completions -> {response.status_code} {response.text}")
-    print(f"coordinator killed: Generate -> {caught.value.code().name} {caught.value.details()!r}")
-
-
-def _crash(actor_id: str) -> None:
-    """Kill the process of one of the keyed application's actors (SIGKILL: a crash)."""
-    pid = ray._private.state.actors()[actor_id]["Pid"]
-    os.kill(pid, signal.SIGKILL)
+    # A model worker crashes mid-request, then the coordinator does (of the group serving by
+    # then: Serve may have replaced the replica and its group while the worker restarted).
+    worker_errors = _crash_mid_request(http, stub, status["workers"]["target"], actor_ids, node_ip)
+    status = http.get("/v1/status", headers=bearer(KEY)).json()
+    actor_ids += [status["coordinator"], *status["workers"].values(), status["replica_actor"]]
+    coordinator_errors = _crash_mid_request(http, stub, status["coordinator"], actor_ids, node_ip)
+    assert worker_errors and coordinator_errors
+    # The replica's log has the detail the clients did not get, under the same request id.
+    assert _logged(worker_errors[0], ("Traceback", "ActorDiedError", "RayActorError", "died")), worker_errors[0]
+    # Served again after both crashes.
+    assert http.post("/v1/completions", json=BODY, headers=bearer(KEY)).status_code == 200
