@@ -5,7 +5,8 @@ by its pydantic schema); :func:`check_generation_request` then checks what the s
 through but the decoding code cannot take:
 
 - non-finite numbers (``NaN``, ``inf``; JSON ``1e400`` parses as ``inf``): ``temperature``,
-  ``top_p``, ``speculation.mu``, ``speculation.weights``;
+  ``top_p``, ``logit_bias`` values (also bounded to [-100, 100]), ``speculation.mu``,
+  ``speculation.weights``;
 - positive temperatures below :data:`MIN_POSITIVE_TEMPERATURE` (``logits / 1e-320``
   overflows; use 0 for greedy decoding), and a contrastive strength ``mu`` above
   :data:`MAX_MU` (``expert - 1e308 * amateur`` overflows);
@@ -40,6 +41,9 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 #: Longest ``weights`` / ``gammas`` / ``members`` list.
 MAX_LIST_ITEMS = 64
+#: Most ``logit_bias`` entries, and the bound of their values.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
 #: Longest model, member, strategy or method name.
 MAX_NAME_CHARS = 128
 #: A client-chosen request id (gRPC ``request_id``): used in logs and session names.
@@ -103,6 +107,15 @@ def check_generation_request(request: GenerationRequest, max_prompt_chars: int) 
     _int64("sampling.max_tokens", sampling.max_tokens, low=1)
     if sampling.seed is not None:
         _int64("sampling.seed", sampling.seed)
+    logit_bias = getattr(sampling, "logit_bias", None) or {}
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries (got {len(logit_bias)})")
+    for token_id, bias in logit_bias.items():
+        _int64("sampling.logit_bias", token_id)
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise InvalidRequestError(
+                "sampling.logit_bias", f"values must be finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (got {bias})"
+            )
     if len(sampling.stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings (got {len(sampling.stop)})")
     for stop in sampling.stop:
@@ -134,6 +147,8 @@ def check_generation_request(request: GenerationRequest, max_prompt_chars: int) 
 __all__ = [
     "INT64_MAX",
     "MAX_LIST_ITEMS",
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGIT_BIAS_ENTRIES",
     "MAX_MU",
     "MAX_NAME_CHARS",
     "MAX_STOP_CHARS",

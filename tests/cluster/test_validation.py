@@ -12,7 +12,7 @@ import pytest
 from actors.api import InvalidRequestError
 from cluster import grpc_service
 from cluster.openai_api import ChatCompletionRequest, CompletionRequest, parse_body, to_generation_request
-from cluster.validation import INT64_MAX, MIN_POSITIVE_TEMPERATURE, check_request_id
+from cluster.validation import INT64_MAX, MIN_POSITIVE_TEMPERATURE, check_generation_request, check_request_id
 from protos import specserve_pb2, specserve_pb2_grpc
 
 INF, NAN = math.inf, math.nan
@@ -118,6 +118,20 @@ def test_good_values_pass():
     )
     assert request.sampling.seed == INT64_MAX and request.speculation.gammas == [1, 32]
     assert to_generation_request(CompletionRequest(prompt="x", temperature=0), "c", {}).sampling.temperature == 0
+
+
+@pytest.mark.parametrize("bias", [{1: NAN}, {1: INF}, {1: -101.0}, {-1: 1.0}, {i: 0.0 for i in range(1025)}],
+                         ids=["nan", "inf", "below-range", "negative-id", "too-many"])
+def test_logit_bias_is_bounded(bias):
+    from actors.api import GenerationRequest, SamplingParams
+
+    if "logit_bias" not in SamplingParams.model_fields:
+        pytest.skip("SamplingParams has no logit_bias")
+    request = GenerationRequest(request_id="r", prompt="x", sampling={"logit_bias": bias})
+    with pytest.raises(InvalidRequestError) as caught:
+        check_generation_request(request, max_prompt_chars=100)
+    assert caught.value.field == "sampling.logit_bias"
+    check_generation_request(GenerationRequest(request_id="r", prompt="x", sampling={"logit_bias": {1: -100.0, 2: 100.0}}), 100)
 
 
 def test_grpc_request_id_model_and_names_are_bounded():
