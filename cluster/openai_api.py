@@ -1,49 +1,187 @@
 """OpenAI-compatible request/response schemas of the HTTP endpoint, and their translation.
 
 The HTTP ingress (``cluster/app.py``) parses request bodies with the models below (strict
-types, ``extra="forbid"``), turns them into :class:`actors.api.GenerationRequest` with
-:func:`to_generation_request`, and renders :class:`actors.api.GenerationChunk` streams back
-as OpenAI ``text_completion`` / ``chat.completion`` objects (or their server-sent-event
-chunks). Every validation failure becomes an :class:`actors.api.InvalidRequestError` whose
-``field`` is the request's own field name (``temperature``, ``speculation.gamma``), which
-the ingress answers with HTTP 400 and an OpenAI-style error body (:func:`error_body`).
+types, ``extra="forbid"``), turns them into one :class:`actors.api.GenerationRequest` per
+choice with :func:`to_generation_requests`, and renders :class:`actors.api.GenerationChunk`
+streams back as OpenAI ``text_completion`` / ``chat.completion`` objects (or their
+server-sent-event chunks). Every validation failure becomes an
+:class:`actors.api.InvalidRequestError` whose ``field`` is the request's own field name
+(``temperature``, ``speculation.gamma``), which the ingress answers with HTTP 400 and an
+OpenAI-style error body (:func:`error_body`).
+
+Choices: a completions ``prompt`` may be one prompt (a string or a list of token ids) or a
+list of them (strings or token-id lists); each prompt gets ``n`` independent samples, and the
+choice of sample ``i`` of prompt ``p`` has ``index = p * n + i`` (OpenAI's and vLLM's order).
+Every choice is its own coordinator request (:class:`ChoiceSpec`, request id
+``<id>-<index>`` when there is more than one); with a ``seed``, sample ``i`` of every prompt
+uses ``seed + i``.
+
+OpenAI fields that are accepted only at their neutral value answer 400 naming the field
+otherwise: ``suffix`` (null), ``best_of`` (null or equal to ``n``), ``tools`` / ``functions``
+(null or empty), ``tool_choice`` / ``function_call`` (null or ``"none"``), ``response_format``
+(null or ``{"type": "text"}``), ``echo`` together with ``logprobs`` (the server computes no
+prompt log-probabilities). Penalties, ``logit_bias`` and ``logprobs`` map onto
+:class:`actors.api.SamplingParams` (the coordinator answers 400 for those its engine does not
+support yet).
 
 Extensions to the OpenAI schema:
 
 - ``return_token_ids`` (each choice then carries ``token_ids``);
-- ``top_k``, ``ignore_eos`` (sampling), and ``speculation`` (an object with the fields of
-  :class:`actors.api.SpeculationParams`: strategy, method, gamma, num_drafts, ensemble,
-  weights, mu, gammas, members); unset fields take the deployment's defaults.
+- ``top_k``, ``ignore_eos``, ``repetition_penalty`` (sampling), and ``speculation`` (an
+  object with the fields of :class:`actors.api.SpeculationParams`: strategy, method, gamma,
+  num_drafts, ensemble, weights, mu, gammas, members); unset fields take the deployment's
+  defaults.
 - Responses carry a ``speculation`` block next to ``usage``: the request's
-  :class:`actors.api.RequestStats` (accepted lengths, block efficiency, target calls, ...).
+  :class:`actors.api.RequestStats` (accepted lengths, block efficiency, target calls, ...);
+  with several choices it is their sum (:func:`merged_speculation`) and each choice carries
+  its own.
 
 Chat template (the embedded family has none): each message is rendered as
-``"<role>: <content>\\n"`` in order, and the prompt ends with ``"assistant:"`` — see
-:func:`render_chat_prompt`.
+``"<role>: <content>\\n"`` in order (``developer`` messages as ``system``), and the prompt ends
+with ``"assistant:"`` — see :func:`render_chat_prompt`.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
+import re
 import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from actors.api import (
+    MAX_TOP_LOGPROBS,
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
     RequestStats,
     SpeculationParams,
+    TokenLogprob,
 )
 from cluster.config import DEFAULT_MAX_PROMPT_CHARS
-from cluster.validation import MAX_STOP_STRINGS, check_generation_request
+from cluster.validation import INT64_MAX, MAX_STOP_STRINGS, check_generation_request
+
+#: Most choices one request may ask for (``n`` times the number of prompts); each is its own
+#: coordinator request, decoded concurrently.
+MAX_CHOICES = 64
+#: Largest absolute ``presence_penalty`` / ``frequency_penalty`` (OpenAI's range).
+MAX_PENALTY = 2.0
+#: Largest ``repetition_penalty`` (extension; must be > 0, 1 disables it).
+MAX_REPETITION_PENALTY = 10.0
+#: Largest absolute ``logit_bias`` value (OpenAI's range) and most entries.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+#: Log-probabilities below this (``-inf``: a token the sampling law excludes) are shown as it,
+#: as OpenAI and vLLM do (JSON has no infinity).
+LOGPROB_FLOOR = -9999.0
 
 # Sampling fields a request may set; unset ones fall back to the deployment's defaults.
-SAMPLING_FIELDS: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS: tuple[str, ...] = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+)
+# The scalar ones that are copied as they are.
+_PLAIN_SAMPLING_FIELDS: tuple[str, ...] = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty",
+)
 
-ChatRole = Literal["system", "user", "assistant"]
+ChatRole = Literal["system", "developer", "user", "assistant"]
+
+
+# ----------------------------------------------------------------------------------------
+# Field checks shared with gRPC (cluster/grpc_service.py): each raises InvalidRequestError
+# ----------------------------------------------------------------------------------------
+
+
+def _short(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_n(field: str, value: int) -> int:
+    """Number of samples per prompt: 1..MAX_CHOICES."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+        raise InvalidRequestError(field, f"must be an integer in [1, {MAX_CHOICES}] (got {_short(value)})")
+    return value
+
+
+def check_penalty(field: str, value: float) -> float:
+    """``presence_penalty`` / ``frequency_penalty``: a finite number in [-2, 2]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not -MAX_PENALTY <= value <= MAX_PENALTY:
+        raise InvalidRequestError(field, f"must be a finite number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (got {_short(value)})")
+    return float(value)
+
+
+def check_repetition_penalty(field: str, value: float) -> float:
+    """``repetition_penalty``: a finite number in (0, 10]; 1 disables it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0.0 < value <= MAX_REPETITION_PENALTY:
+        raise InvalidRequestError(field, f"must be a finite number in (0, {MAX_REPETITION_PENALTY:g}] (got {_short(value)})")
+    return float(value)
+
+
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
+
+
+def check_logit_bias(field: str, bias: Mapping[Any, Any]) -> dict[int, float]:
+    """``logit_bias``: token id (a decimal string in JSON, an integer in gRPC) -> a finite bias
+    in [-100, 100]; at most :data:`MAX_LOGIT_BIAS_ENTRIES` entries. Returns ``{int: float}``
+    (whether the ids exist in the vocabulary is checked by the coordinator)."""
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(field, f"at most {MAX_LOGIT_BIAS_ENTRIES} entries (got {len(bias)})")
+    checked: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str):
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise InvalidRequestError(field, f"keys must be token ids (decimal integers >= 0), got {_short(key)}")
+            token_id = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token_id = key
+        else:
+            raise InvalidRequestError(field, f"keys must be token ids, got {_short(key)}")
+        if not 0 <= token_id <= INT64_MAX:
+            raise InvalidRequestError(field, f"token ids must be in [0, {INT64_MAX}] (got {_short(token_id)})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                field, f"biases must be finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] "
+                f"(got {_short(value)} for token {token_id})"
+            )
+        checked[token_id] = float(value)
+    return checked
+
+
+def check_top_logprobs(field: str, value: int) -> int:
+    """Number of most likely alternatives per token: 0..MAX_TOP_LOGPROBS."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(field, f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (got {_short(value)})")
+    return value
+
+
+def check_sample_seeds(field: str, seed: int | None, n: int) -> None:
+    """With ``n`` samples, sample ``i`` uses ``seed + i``: all of them must fit an int64."""
+    if seed is not None and n > 1 and seed + n - 1 > INT64_MAX:
+        raise InvalidRequestError(field, f"with n = {n}, seed + n - 1 must be at most {INT64_MAX} (sample i uses seed + i)")
+
+
+def _pydantic_check(check: Callable[..., Any], *args: Any) -> Any:
+    """Run a check inside a pydantic validator: its message becomes the validator's."""
+    try:
+        return check("", *args)
+    except InvalidRequestError as error:
+        raise ValueError(error.message) from None
+
+
+# ----------------------------------------------------------------------------------------
+# Requests
+# ----------------------------------------------------------------------------------------
 
 
 class StreamOptions(BaseModel):
@@ -66,25 +204,48 @@ class _GenerationFields(BaseModel):
     temperature: float | None = Field(None, ge=0.0, description="Softmax temperature (>= 0); 0 is greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
     top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens; 0 disables it (extension).")
-    seed: int | None = Field(None, ge=0, description="Seed of the request's random streams (>= 0).")
+    seed: int | None = Field(None, ge=0, description="Seed of the request's random streams (>= 0); sample i uses seed + i.")
     stop: Any = Field(None, description="A stop string or a list of them; output ends before the first match.")
     ignore_eos: bool | None = Field(None, description="Keep generating past the end-of-sequence token (extension).")
-    stream: bool = Field(False, description="Stream server-sent events (`data: {...}` chunks, then `data: [DONE]`).")
+    stream: bool | None = Field(False, description="Stream server-sent events (`data: {...}` chunks, then `data: [DONE]`).")
     stream_options: StreamOptions | None = Field(None, description="OpenAI stream options (include_usage).")
-    n: int = Field(1, description="Number of choices; only 1 is supported.")
+    n: int | None = Field(None, description=f"Independent samples per prompt, 1..{MAX_CHOICES} (default 1).")
+    presence_penalty: float | None = Field(None, description="Subtracted from the logit of every token already generated, [-2, 2].")
+    frequency_penalty: float | None = Field(None, description="Subtracted once per earlier occurrence of a token, [-2, 2].")
+    repetition_penalty: float | None = Field(
+        None, description="Divides positive / multiplies negative logits of tokens already seen, (0, 10]; 1 disables (extension)."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100] added to its logit."
+    )
     user: str | None = Field(None, description="End-user id (accepted and logged, not used).")
     speculation: SpeculationParams | None = Field(
         None, description="Decoding strategy overrides (extension); unset fields use the deployment defaults."
     )
-    return_token_ids: bool = Field(
+    return_token_ids: bool | None = Field(
         False, description="Add the generated token ids to each choice as `token_ids` (extension)."
     )
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"only n = 1 is supported, got {value}")
+    def _n(cls, value: int | None) -> int | None:
+        return None if value is None else _pydantic_check(check_n, value)
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, value: float | None) -> float | None:
+        return None if value is None else _pydantic_check(check_penalty, value)
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, value: float | None) -> float | None:
+        return None if value is None else _pydantic_check(check_repetition_penalty, value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None:
+            _pydantic_check(check_logit_bias, value)
         return value
 
     @field_validator("stop")
@@ -102,30 +263,141 @@ class _GenerationFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
         return value
 
+    # -- derived values
+
+    @property
+    def samples(self) -> int:
+        """Samples per prompt (``n``, default 1)."""
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, in order."""
+        raise NotImplementedError
+
+    def logprobs_count(self) -> int | None:
+        """``SamplingParams.logprobs``: alternatives per token, or None for no log-probabilities."""
+        return None
+
+    def check_fields(self) -> None:
+        """Checks across fields (after parsing); raises :class:`InvalidRequestError`."""
+        choices = len(self.prompts()) * self.samples
+        if choices > MAX_CHOICES:
+            raise InvalidRequestError(
+                "n", f"n ({self.samples}) times the number of prompts ({len(self.prompts())}) must be at most {MAX_CHOICES}"
+            )
+        check_sample_seeds("seed", self.seed, self.samples)
+
     def sampling_overrides(self) -> dict[str, Any]:
         """The sampling fields this request set explicitly (the rest use deployment defaults)."""
-        return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+        overrides = {name: getattr(self, name) for name in _PLAIN_SAMPLING_FIELDS if getattr(self, name) is not None}
+        if self.logit_bias is not None:
+            overrides["logit_bias"] = check_logit_bias("logit_bias", self.logit_bias)
+        logprobs = self.logprobs_count()
+        if logprobs is not None:
+            overrides["logprobs"] = logprobs
+        return overrides
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value)
+
+
+def _check_token_ids(ids: list[int], which: str = "") -> None:
+    if not ids:
+        raise ValueError(f"{which}must not be empty")
+    if any(item < 0 for item in ids):
+        raise ValueError(f"{which}token ids must be >= 0")
 
 
 class CompletionRequest(_GenerationFields):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Any = Field(..., description="Prompt text (non-empty string) or a list of token ids.")
+    prompt: Any = Field(
+        ..., description="A prompt (non-empty string or list of token ids) or a list of them (strings or token-id lists)."
+    )
+    echo: bool | None = Field(None, description="Prepend the prompt's text to each choice's text.")
+    suffix: str | None = Field(None, description="Text after the completion (insertion): only null is accepted.")
+    best_of: int | None = Field(None, description="Samples to draw per prompt: only n (or null) is accepted.")
+    logprobs: Any = Field(
+        None, description=f"Log-probabilities of each generated token with this many alternatives (0..{MAX_TOP_LOGPROBS})."
+    )
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> str | list[int]:
+    def _prompts(cls, value: Any) -> str | list[int] | list[str] | list[list[int]]:
         if isinstance(value, str):
             if not value:
                 raise ValueError("must not be empty")
             return value
-        if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
-            if not value:
-                raise ValueError("must not be empty")
-            if any(item < 0 for item in value):
-                raise ValueError("token ids must be >= 0")
-            return value
-        raise ValueError("must be a string or a list of token ids (one prompt per request)")
+        if isinstance(value, list) and value:
+            if _is_token_ids(value):
+                _check_token_ids(value)
+                return value
+            if len(value) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts (got {len(value)})")
+            if all(isinstance(item, str) for item in value):
+                for index, item in enumerate(value):
+                    if not item:
+                        raise ValueError(f"prompt {index} must not be empty")
+                return value
+            if all(_is_token_ids(item) for item in value):
+                for index, item in enumerate(value):
+                    _check_token_ids(item, f"prompt {index}: ")
+                return value
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be empty")
+        raise ValueError("must be a string, a list of token ids, or a list of strings or of token-id lists")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> None:
+        if value is not None:
+            raise ValueError("not supported by this server (no insertion); send null or leave it out")
+        return None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"must be an integer in [1, {MAX_CHOICES}] (got {_short(value)})")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: Any) -> int | None:
+        if value is None or value is False:
+            return None
+        return _pydantic_check(check_top_logprobs, value)
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.best_of is not None and self.best_of != self.samples:
+            if self.best_of < self.samples:
+                raise InvalidRequestError("best_of", f"must be at least n ({self.samples}), got {self.best_of}")
+            raise InvalidRequestError(
+                "best_of", f"best_of > n is not supported: every sample is returned (got best_of {self.best_of}, "
+                f"n {self.samples}); set it to n or leave it out"
+            )
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError(
+                "echo", "echo with logprobs is not supported: the server does not compute the prompt's log-probabilities"
+            )
 
 
 class ChatMessage(BaseModel):
@@ -133,9 +405,29 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: ChatRole = Field(..., description="system | user | assistant.")
-    content: str = Field(..., description="Message text.")
+    role: ChatRole = Field(..., description="system | developer | user | assistant.")
+    content: Any = Field(..., description="Message text, or a list of text parts ({\"type\": \"text\", \"text\": ...}).")
     name: str | None = Field(None, description="Optional author name (not rendered).")
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, value: Any) -> str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            parts = []
+            for part in value:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                        and set(part) <= {"type", "text"}):
+                    raise ValueError('must be a string or a list of text parts {"type": "text", "text": "..."}; '
+                                     "only text is supported")
+                parts.append(part["text"])
+            return "".join(parts)
+        raise ValueError('must be a string or a list of text parts {"type": "text", "text": "..."}')
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return any(value == allowed and type(value) is type(allowed) for allowed in neutral)
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -143,6 +435,58 @@ class ChatCompletionRequest(_GenerationFields):
 
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation, oldest first.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer OpenAI clients).")
+    logprobs: bool | None = Field(None, description="Return the log-probability of each generated token.")
+    top_logprobs: int | None = Field(
+        None, description=f"With logprobs: this many most likely alternatives per token (0..{MAX_TOP_LOGPROBS})."
+    )
+    tools: Any = Field(None, description="Tool calling is not supported: only null or [] is accepted.")
+    tool_choice: Any = Field(None, description='Only null or "none" is accepted.')
+    functions: Any = Field(None, description="Function calling is not supported: only null or [] is accepted.")
+    function_call: Any = Field(None, description='Only null or "none" is accepted.')
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; meaningless without tools.")
+    response_format: Any = Field(None, description='Only null or {"type": "text"} is accepted.')
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        return None if value is None else _pydantic_check(check_top_logprobs, value)
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: Any) -> None:
+        if value is not None and value != []:
+            raise ValueError("tool and function calling are not supported by this server")
+        return None
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> None:
+        if value is not None and not _neutral(value, ("none",)):
+            raise ValueError('tool and function calling are not supported by this server; only "none" is accepted')
+        return None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: Any) -> None:
+        if value is not None and value != {"type": "text"}:
+            raise ValueError('only {"type": "text"} is supported (no JSON mode or structured outputs)')
+        return None
+
+    def prompts(self) -> list[str | list[int]]:
+        return [render_chat_prompt(self.messages)]
+
+    def logprobs_count(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        if self.max_completion_tokens is not None and self.max_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequestError("max_completion_tokens", "conflicts with max_tokens; set only one")
 
     def sampling_overrides(self) -> dict[str, Any]:
         overrides = super().sampling_overrides()
@@ -154,11 +498,13 @@ class ChatCompletionRequest(_GenerationFields):
 
 
 def render_chat_prompt(messages: list[ChatMessage]) -> str:
-    """The chat template: ``"<role>: <content>\\n"`` per message, then ``"assistant:"``.
+    """The chat template: ``"<role>: <content>\\n"`` per message, then ``"assistant:"``;
+    ``developer`` messages (newer OpenAI clients' system messages) are rendered as ``system``.
 
     Example: ``[{"role": "user", "content": "hi"}]`` becomes ``"user: hi\\nassistant:"``.
     """
-    return "".join(f"{message.role}: {message.content}\n" for message in messages) + "assistant:"
+    roles = {"developer": "system"}
+    return "".join(f"{roles.get(message.role, message.role)}: {message.content}\n" for message in messages) + "assistant:"
 
 
 def _param_name(loc: tuple[Any, ...]) -> str | None:
@@ -211,11 +557,14 @@ def http_field(error: InvalidRequestError, chat: bool = False) -> InvalidRequest
 
 
 def parse_body(model: type[_GenerationFields], raw: bytes) -> _GenerationFields:
-    """Validate a JSON request body (strict types); raise :class:`InvalidRequestError`."""
+    """Validate a JSON request body (strict types, then the checks across fields); raise
+    :class:`InvalidRequestError`."""
     try:
-        return model.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as error:
         raise invalid_request_from_validation(error) from None
+    body.check_fields()
+    return body
 
 
 def build_generation_request(
@@ -257,24 +606,260 @@ def build_generation_request(
         raise InvalidRequestError(field, error.message) from None
 
 
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """One choice of a request: sample ``sample_index`` of prompt ``prompt_index``."""
+
+    index: int  # prompt_index * n + sample_index
+    prompt_index: int
+    sample_index: int
+    prompt: str | list[int]
+    request_id: str  # the coordinator request's id
+
+
+def choice_request_id(request_id: str, index: int, choices: int) -> str:
+    """The coordinator request id of choice ``index``: the request's own id when it has one
+    choice, else ``<id>-<index>``."""
+    return request_id if choices == 1 else f"{request_id}-{index}"
+
+
+def choice_specs(request_id: str, prompts: Sequence[str | list[int]], n: int) -> list[ChoiceSpec]:
+    """The choices of ``prompts`` x ``n`` samples, in index order (``prompt_index * n + sample_index``)."""
+    total = len(prompts) * n
+    return [
+        ChoiceSpec(
+            index=p * n + i,
+            prompt_index=p,
+            sample_index=i,
+            prompt=prompt,
+            request_id=choice_request_id(request_id, p * n + i, total),
+        )
+        for p, prompt in enumerate(prompts)
+        for i in range(n)
+    ]
+
+
+def sample_request(first: GenerationRequest, spec: ChoiceSpec) -> GenerationRequest:
+    """The coordinator request of ``spec``, from ``first`` (sample 0 of the same prompt, already
+    validated): its own request id, and seed ``first``'s seed + ``spec.sample_index`` (no seed:
+    each sample's is picked by the coordinator). Seeds were checked with
+    :func:`check_sample_seeds`."""
+    if spec.sample_index == 0:
+        return first.model_copy(update={"request_id": spec.request_id})
+    sampling = first.sampling
+    if sampling.seed is not None:
+        sampling = sampling.model_copy(update={"seed": sampling.seed + spec.sample_index})
+    return first.model_copy(update={"request_id": spec.request_id, "sampling": sampling})
+
+
+def check_choices(prompts: int, n: int, max_choices: int, prompt_field: str, n_field: str) -> None:
+    """``prompts`` x ``n`` choices must not exceed ``max_choices`` (the deployment's
+    ``limits.max_concurrent_requests``, at most :data:`MAX_CHOICES`): every choice of a request
+    is decoded at once."""
+    if prompts * n > max_choices:
+        field = n_field if n > 1 else prompt_field
+        raise InvalidRequestError(
+            field, f"{prompts} prompt(s) x n = {n} is {prompts * n} choices; this deployment serves at most "
+            f"{max_choices} per request (limits.max_concurrent_requests)"
+        )
+
+
+def to_generation_requests(
+    body: CompletionRequest | ChatCompletionRequest,
+    request_id: str,
+    sampling_defaults: dict[str, Any],
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+    max_choices: int = MAX_CHOICES,
+) -> tuple[list[ChoiceSpec], list[GenerationRequest]]:
+    """The choices of an HTTP body and their coordinator requests, every one validated (chat
+    bodies go through the chat template); at most ``max_choices`` of them."""
+    chat = isinstance(body, ChatCompletionRequest)
+    prompts = body.prompts()
+    check_choices(len(prompts), body.samples, max_choices, "prompt", "n")
+    overrides = body.sampling_overrides()
+    specs = choice_specs(request_id, prompts, body.samples)
+    field_names = _HTTP_CHAT_FIELD_NAMES if chat else _HTTP_FIELD_NAMES
+    requests: list[GenerationRequest] = []
+    first: GenerationRequest | None = None  # sample 0 of the current prompt
+    for spec in specs:
+        if spec.sample_index == 0:
+            try:
+                first = build_generation_request(
+                    request_id=spec.request_id,
+                    prompt=spec.prompt,
+                    sampling_defaults=sampling_defaults,
+                    sampling_overrides=overrides,
+                    speculation=body.speculation,
+                    field_names=field_names,
+                    max_prompt_chars=max_prompt_chars,
+                )
+            except InvalidRequestError as error:
+                if len(prompts) > 1 and error.field == "prompt":
+                    raise InvalidRequestError("prompt", f"prompt {spec.prompt_index}: {error.message}") from None
+                raise
+            check_sample_seeds("seed", first.sampling.seed, body.samples)
+        assert first is not None
+        requests.append(sample_request(first, spec))
+    return specs, requests
+
+
 def to_generation_request(
     body: CompletionRequest | ChatCompletionRequest,
     request_id: str,
     sampling_defaults: dict[str, Any],
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
 ) -> GenerationRequest:
-    """The coordinator request of an HTTP body (chat bodies go through the chat template)."""
-    chat = isinstance(body, ChatCompletionRequest)
-    prompt = render_chat_prompt(body.messages) if chat else body.prompt
-    return build_generation_request(
-        request_id=request_id,
-        prompt=prompt,
-        sampling_defaults=sampling_defaults,
-        sampling_overrides=body.sampling_overrides(),
-        speculation=body.speculation,
-        field_names=_HTTP_CHAT_FIELD_NAMES if chat else _HTTP_FIELD_NAMES,
-        max_prompt_chars=max_prompt_chars,
-    )
+    """The coordinator request of a body with a single choice (one prompt, n = 1)."""
+    specs, requests = to_generation_requests(body, request_id, sampling_defaults, max_prompt_chars)
+    if len(requests) != 1:
+        raise ValueError(f"the body has {len(requests)} choices; use to_generation_requests")
+    return requests[0]
+
+
+# ----------------------------------------------------------------------------------------
+# Token texts and log-probabilities
+# ----------------------------------------------------------------------------------------
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's ``bytes_to_unicode``), inverted: character -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes)}
+
+
+_BYTE_LEVEL_CHARS = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_types(tokenizer: Any) -> set[str]:
+    """The ``type`` names in a fast tokenizer's decoder (``ByteLevel``, ``Metaspace``, ...)."""
+    try:
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    except Exception:  # noqa: BLE001 - a slow or unusual tokenizer: decode token by token
+        return set()
+    types: set[str] = set()
+    stack = [decoder]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("type"), str):
+                types.add(item["type"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return types
+
+
+class TokenTexts:
+    """How a token is shown in log-probabilities: its raw bytes, and its text as OpenAI shows it
+    (the UTF-8 text, or ``"bytes:\\xNN..."`` for a token that is part of a character)."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]):
+        self._token_bytes = token_bytes
+        self._cache: dict[int, bytes] = {}
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> TokenTexts:
+        """Token bytes of a transformers tokenizer: byte-level BPE pieces are mapped back to
+        their bytes, sentencepiece pieces get their spaces (``▁``) and byte fallbacks
+        (``<0xNN>``) back, anything else is decoded one token at a time."""
+        types = _decoder_types(tokenizer)
+        byte_level = "ByteLevel" in types
+        added = {int(token_id): str(getattr(token, "content", token))
+                 for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+
+        def token_bytes(token_id: int) -> bytes:
+            if token_id in added:
+                return added[token_id].encode()
+            piece = tokenizer.convert_ids_to_tokens(token_id)
+            if not isinstance(piece, str):
+                return b""
+            if byte_level and all(char in _BYTE_LEVEL_CHARS for char in piece):
+                return bytes(_BYTE_LEVEL_CHARS[char] for char in piece)
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            if fallback:
+                return bytes([int(fallback.group(1), 16)])
+            if "Metaspace" in types:
+                return piece.replace("\u2581", " ").encode()
+            return tokenizer.decode([token_id]).encode()
+
+        return cls(token_bytes)
+
+    def bytes_of(self, token_id: int) -> bytes:
+        cached = self._cache.get(token_id)
+        if cached is None:
+            cached = self._cache[token_id] = bytes(self._token_bytes(token_id))
+        return cached
+
+    def text_of(self, token_id: int) -> str:
+        raw = self.bytes_of(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+
+
+def _logprob(value: float) -> float:
+    """A JSON-safe log-probability (``-inf`` and NaN become :data:`LOGPROB_FLOOR`)."""
+    return max(float(value), LOGPROB_FLOOR) if math.isfinite(value) else LOGPROB_FLOOR
+
+
+class LogprobsRenderer:
+    """Renders one choice's :class:`actors.api.TokenLogprob` entries in OpenAI's shapes, chunk
+    after chunk (it keeps the choice's text offset across a stream):
+
+    - completions: ``{"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob},
+      ...], "text_offset": [...]}``; each ``top_logprobs`` entry holds the alternatives and the
+      chosen token (up to ``logprobs + 1`` entries, as OpenAI returns them);
+    - chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+      "bytes"}]}]}`` with exactly the requested alternatives.
+
+    ``text_offset`` counts characters of the choice's text before each token (``initial_offset``:
+    the echoed prompt's length); a token that completes a character started by earlier ones
+    points at that character.
+    """
+
+    def __init__(self, texts: TokenTexts, chat: bool, initial_offset: int = 0):
+        self.texts = texts
+        self.chat = chat
+        self._chars = initial_offset
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def _offset(self, raw: bytes) -> int:
+        offset = self._chars
+        decoded = self._decoder.decode(raw)
+        self._chars += len(decoded)
+        return offset
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": self.texts.text_of(token_id), "logprob": _logprob(logprob),
+                "bytes": list(self.texts.bytes_of(token_id))}
+
+    def render(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:
+            content = []
+            for entry in entries:
+                item = self._entry(entry.token_id, entry.logprob)
+                item["top_logprobs"] = [self._entry(token_id, logprob) for token_id, logprob in entry.top]
+                content.append(item)
+            return {"content": content}
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for entry in entries:
+            tokens.append(self.texts.text_of(entry.token_id))
+            token_logprobs.append(_logprob(entry.logprob))
+            top = {self.texts.text_of(token_id): _logprob(logprob) for token_id, logprob in entry.top}
+            top.setdefault(tokens[-1], token_logprobs[-1])
+            top_logprobs.append(top)
+            text_offset.append(self._offset(self.texts.bytes_of(entry.token_id)))
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": text_offset}
 
 
 # ----------------------------------------------------------------------------------------
@@ -312,49 +897,132 @@ def speculation_block(stats: RequestStats | None) -> dict[str, Any] | None:
 
 
 class CompletionAccumulator:
-    """Collects a chunk stream into the final text, token ids, finish reason and stats."""
+    """Collects one choice's chunk stream into its text, token ids, log-probabilities, finish
+    reason and stats. ``prefix`` (the echoed prompt) starts the text; ``counts_prompt``: this
+    choice's prompt tokens count in the usage (the first sample of each prompt)."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0, prefix: str = "", counts_prompt: bool = True) -> None:
+        self.index = index
+        self.prefix = prefix
+        self.counts_prompt = counts_prompt
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
         self.stats: RequestStats | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
         self.text_parts.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(chunk.logprobs)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
             self.stats = chunk.stats
 
     @property
-    def text(self) -> str:
+    def generated_text(self) -> str:
+        """The generated text alone (without the echoed prompt)."""
         return "".join(self.text_parts)
+
+    @property
+    def text(self) -> str:
+        return self.prefix + self.generated_text
+
+
+def _results(results: CompletionAccumulator | Sequence[CompletionAccumulator]) -> list[CompletionAccumulator]:
+    return [results] if isinstance(results, CompletionAccumulator) else list(results)
+
+
+def total_usage(results: CompletionAccumulator | Sequence[CompletionAccumulator]) -> dict[str, int]:
+    """``usage`` of a request's choices: the prompt tokens of each prompt once, the completion
+    tokens of every choice."""
+    results = _results(results)
+    prompt_tokens = sum(r.stats.prompt_tokens for r in results if r.stats is not None and r.counts_prompt)
+    completion_tokens = sum(r.stats.completion_tokens for r in results if r.stats is not None)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def merged_speculation(
+    results: CompletionAccumulator | Sequence[CompletionAccumulator], wall_s: float | None = None
+) -> dict[str, Any] | None:
+    """The request's ``speculation`` block. One choice: its stats. Several: counts, calls, times
+    and bytes summed, ``accepted_lengths`` concatenated in choice order, ``block_efficiency``
+    = all generated tokens / all target calls, and ``tokens_per_second`` = all generated tokens
+    / the request's wall-clock seconds (``wall_s``; the choices run concurrently)."""
+    results = _results(results)
+    stats = [r.stats for r in results if r.stats is not None]
+    if not stats:
+        return None
+    if len(results) == 1:
+        return speculation_block(stats[0])
+    blocks = [speculation_block(s) for s in stats]
+    merged: dict[str, Any] = dict(blocks[0])
+    for key, first in blocks[0].items():
+        values = [block[key] for block in blocks]
+        if isinstance(first, bool) or isinstance(first, str) or first is None:
+            continue
+        if isinstance(first, (int, float)):
+            merged[key] = sum(values)
+        elif isinstance(first, list):
+            merged[key] = [item for value in values for item in value]
+        elif isinstance(first, dict):
+            summed: dict[str, Any] = {}
+            for value in values:
+                for name, count in value.items():
+                    summed[name] = summed.get(name, 0) + count
+            merged[key] = summed
+    completion_tokens = sum(s.completion_tokens for s in stats)
+    target_calls = sum(s.target_calls for s in stats)
+    merged["block_efficiency"] = completion_tokens / target_calls if target_calls else 0.0
+    merged["tokens_per_second"] = completion_tokens / wall_s if wall_s else 0.0
+    return merged
 
 
 def completion_response(
-    request_id: str, model: str, created: int, result: CompletionAccumulator, chat: bool, token_ids: bool = False
+    request_id: str,
+    model: str,
+    created: int,
+    result: CompletionAccumulator | Sequence[CompletionAccumulator],
+    chat: bool,
+    token_ids: bool = False,
+    *,
+    logprobs: TokenTexts | None = None,
+    wall_s: float | None = None,
 ) -> dict:
-    """A whole ``text_completion`` or ``chat.completion`` object (``token_ids``: add them to the choice)."""
-    if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "finish_reason": result.finish_reason,
-            "logprobs": None,
-        }
-    else:
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-    if token_ids:
-        choice["token_ids"] = list(result.token_ids)
+    """A whole ``text_completion`` or ``chat.completion`` object, one choice per accumulator
+    (``token_ids``: add them to each choice; ``logprobs``: render each choice's
+    log-probabilities with these token texts). With several choices each carries its own
+    ``speculation`` block, and the response's is :func:`merged_speculation`."""
+    results = _results(result)
+    choices = []
+    for item in results:
+        rendered = None
+        if logprobs is not None:
+            rendered = LogprobsRenderer(logprobs, chat, initial_offset=len(item.prefix)).render(item.logprobs or [])
+        if chat:
+            choice: dict[str, Any] = {
+                "index": item.index,
+                "message": {"role": "assistant", "content": item.text},
+                "finish_reason": item.finish_reason,
+                "logprobs": rendered,
+            }
+        else:
+            choice = {"index": item.index, "text": item.text, "finish_reason": item.finish_reason, "logprobs": rendered}
+        if token_ids:
+            choice["token_ids"] = list(item.token_ids)
+        if len(results) > 1:
+            choice["speculation"] = speculation_block(item.stats)
+        choices.append(choice)
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage_block(result.stats),
-        "speculation": speculation_block(result.stats),
+        "choices": choices,
+        "usage": total_usage(results),
+        "speculation": merged_speculation(results, wall_s),
     }
 
 
@@ -366,20 +1034,32 @@ def stream_chunk(
     chat: bool,
     first: bool,
     token_ids: bool = False,
+    *,
+    index: int = 0,
+    prefix: str = "",
+    logprobs: LogprobsRenderer | None = None,
+    single: bool = True,
+    usage: bool = True,
 ) -> dict:
-    """One streamed ``text_completion`` / ``chat.completion.chunk`` object.
+    """One streamed ``text_completion`` / ``chat.completion.chunk`` object for choice ``index``.
 
-    The final chunk (``chunk.finished``) also carries ``usage`` and ``speculation``;
-    ``token_ids`` adds the chunk's new token ids to the choice.
+    ``prefix`` is put before the chunk's text (the echoed prompt, on a choice's first chunk);
+    ``token_ids`` adds the chunk's new token ids to the choice; ``logprobs`` renders the
+    chunk's log-probabilities. A choice's final chunk (``chunk.finished``) carries
+    ``finish_reason``; with a single choice (``single``) also the request's ``speculation``
+    and, unless ``usage`` is false (``stream_options.include_usage`` sends it in a chunk of its
+    own, and clients add up every ``usage`` they see), its ``usage``; with several choices the
+    choice's own ``speculation`` inside the choice.
     """
     finish_reason = chunk.finish_reason if chunk.finished else None
+    rendered = None if logprobs is None else logprobs.render(chunk.logprobs or [])
     if chat:
-        delta: dict[str, Any] = {"content": chunk.text}
+        delta: dict[str, Any] = {"content": prefix + chunk.text}
         if first:
             delta["role"] = "assistant"
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": rendered}
     else:
-        choice = {"index": 0, "text": chunk.text, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "text": prefix + chunk.text, "finish_reason": finish_reason, "logprobs": rendered}
     if token_ids:
         choice["token_ids"] = list(chunk.token_ids)
     body: dict[str, Any] = {
@@ -390,21 +1070,80 @@ def stream_chunk(
         "choices": [choice],
     }
     if chunk.finished:
-        body["usage"] = usage_block(chunk.stats)
-        body["speculation"] = speculation_block(chunk.stats)
+        if single:
+            if usage:
+                body["usage"] = usage_block(chunk.stats)
+            body["speculation"] = speculation_block(chunk.stats)
+        else:
+            choice["speculation"] = speculation_block(chunk.stats)
     return body
 
 
-def usage_chunk(request_id: str, model: str, created: int, stats: RequestStats | None, chat: bool) -> dict:
-    """The ``stream_options.include_usage`` chunk: empty choices and the usage."""
+class ChoiceStream:
+    """Renders the chunks of one choice of a streamed request (first-chunk role and echo
+    prefix, log-probabilities with a running text offset) and accumulates its totals.
+    ``include_usage``: the request's usage goes in a chunk of its own (:func:`usage_chunk`),
+    not on the final chunk."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        chat: bool,
+        *,
+        index: int = 0,
+        prefix: str = "",
+        counts_prompt: bool = True,
+        token_ids: bool = False,
+        logprobs: TokenTexts | None = None,
+        single: bool = True,
+        include_usage: bool = False,
+    ):
+        self.request_id, self.model, self.created, self.chat = request_id, model, created, chat
+        self.index = index
+        self.token_ids = token_ids
+        self.single = single
+        self.include_usage = include_usage
+        self.result = CompletionAccumulator(index, prefix, counts_prompt)
+        self._prefix = prefix
+        self._first = True
+        self._logprobs = None if logprobs is None else LogprobsRenderer(logprobs, chat, initial_offset=len(prefix))
+
+    def render(self, chunk: GenerationChunk) -> dict:
+        self.result.add(chunk)
+        body = stream_chunk(
+            self.request_id, self.model, self.created, chunk, self.chat, self._first, self.token_ids,
+            index=self.index, prefix=self._prefix if self._first else "", logprobs=self._logprobs, single=self.single,
+            usage=not self.include_usage,
+        )
+        self._first = False
+        return body
+
+
+def usage_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    stats: RequestStats | CompletionAccumulator | Sequence[CompletionAccumulator] | None,
+    chat: bool,
+    wall_s: float | None = None,
+) -> dict:
+    """The ``stream_options.include_usage`` chunk: empty choices, the usage of every choice and
+    the request's ``speculation`` block (:func:`merged_speculation`)."""
+    if stats is None or isinstance(stats, RequestStats):
+        result = CompletionAccumulator()
+        result.stats = stats
+        stats = [result]
+    results = _results(stats)
     return {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage_block(stats),
-        "speculation": speculation_block(stats),
+        "usage": total_usage(results),
+        "speculation": merged_speculation(results, wall_s),
     }
 
 
@@ -427,18 +1166,34 @@ def models_list(model_names: list[str], created: int | None = None) -> dict:
 
 
 __all__ = [
+    "MAX_CHOICES",
     "ChatCompletionRequest",
     "ChatMessage",
+    "ChoiceSpec",
+    "ChoiceStream",
     "CompletionAccumulator",
     "CompletionRequest",
+    "LogprobsRenderer",
     "SSE_DONE",
     "StreamOptions",
+    "TokenTexts",
     "build_generation_request",
+    "check_choices",
+    "check_logit_bias",
+    "check_n",
+    "check_penalty",
+    "check_repetition_penalty",
+    "check_sample_seeds",
+    "check_top_logprobs",
+    "choice_request_id",
+    "choice_specs",
+    "sample_request",
     "completion_response",
     "error_body",
     "http_field",
     "invalid_request_body",
     "invalid_request_from_validation",
+    "merged_speculation",
     "models_list",
     "parse_body",
     "render_chat_prompt",
@@ -446,6 +1201,8 @@ __all__ = [
     "sse_event",
     "stream_chunk",
     "to_generation_request",
+    "to_generation_requests",
+    "total_usage",
     "usage_block",
     "usage_chunk",
 ]

@@ -50,11 +50,11 @@ def test_chat_template_is_role_colon_content_lines_then_assistant():
 def test_max_completion_tokens_is_an_alias_that_must_not_conflict():
     body = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5})
     assert to_generation_request(body, "r", {}).sampling.max_tokens == 5
-    conflicting = parse(
-        ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "max_completion_tokens": 5}
-    )
     with pytest.raises(InvalidRequestError) as caught:
-        to_generation_request(conflicting, "r", {})
+        parse(
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "max_completion_tokens": 5},
+        )
     assert caught.value.field == "max_completion_tokens"
 
 
