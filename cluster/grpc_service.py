@@ -16,10 +16,14 @@ The ingress methods (``cluster/app.py``) use the functions here:
 - :func:`check_wire_types` rejects fields that arrived with the wrong wire type (a client
   built from a different .proto): protobuf keeps such fields as *unknown fields* instead of
   failing, so without this check they would silently take their defaults;
-- :func:`to_generation_request` validates presence-aware options and every field
-  (:mod:`cluster.validation`, the same rules as HTTP) and names the bad field
-  (``sampling.temperature``, ``speculation.gamma``) in an :class:`InvalidRequestError`;
-- :func:`chunk_to_response` / :func:`final_response` render chunks and results;
+- :func:`to_generation_requests` validates presence-aware options and every field
+  (:mod:`cluster.validation` and the checks of :mod:`cluster.openai_api`, the same rules as
+  HTTP) and names the bad field (``sampling.temperature``, ``speculation.gamma``) in an
+  :class:`InvalidRequestError`; ``sampling.n`` > 1 gives one coordinator request per sample
+  (sample ``i`` seeded with ``seed + i``);
+- :func:`chunk_to_response` / :func:`final_response` render chunks (tagged with their choice
+  ``index``) and results (every choice in ``choices``, choice 0 also in the top-level fields),
+  with per-token log-probabilities when ``sampling.logprobs`` is set;
 - :func:`grpc_field` names a coordinator error's field by its proto path.
 
 Status codes (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, INTERNAL) are chosen by the ingress
@@ -36,9 +40,26 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats
+from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, TokenLogprob
 from cluster.config import DEFAULT_MAX_PROMPT_CHARS
-from cluster.openai_api import CompletionAccumulator, build_generation_request
+from cluster.openai_api import (
+    MAX_CHOICES,
+    ChoiceSpec,
+    CompletionAccumulator,
+    TokenTexts,
+    build_generation_request,
+    check_choices,
+    check_logit_bias,
+    check_n,
+    check_penalty,
+    check_repetition_penalty,
+    check_sample_seeds,
+    check_top_logprobs,
+    choice_specs,
+    merged_speculation,
+    sample_request,
+    total_usage,
+)
 from cluster.validation import MAX_NAME_CHARS, check_request_id
 from protos import specserve_pb2, specserve_pb2_grpc
 
@@ -102,7 +123,12 @@ def add_SpecServeServicer_to_server(servicer: Any, server: Any) -> None:  # noqa
     specserve_pb2_grpc.add_SpecServeServicer_to_server(servicer, _TolerantDecodingServer(server))
 
 _WIRE_TYPE_NAMES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group start", 4: "group end", 5: "32-bit"}
-_SAMPLING_SCALARS: tuple[str, ...] = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+_SAMPLING_SCALARS: tuple[str, ...] = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty",
+)
+#: Sampling fields the coordinator may name without the ``sampling.`` prefix.
+_BARE_SAMPLING_FIELDS: frozenset[str] = frozenset(_SAMPLING_SCALARS) | {"stop", "logit_bias", "logprobs"}
 _SPECULATION_SCALARS: tuple[str, ...] = ("strategy", "method", "gamma", "num_drafts", "ensemble", "mu")
 _SPECULATION_LISTS: tuple[str, ...] = ("weights", "gammas", "members")
 
@@ -158,8 +184,7 @@ def _proto_type_name(field: Any) -> str:
 def grpc_field(error: InvalidRequestError) -> InvalidRequestError:
     """The same error with its field named as in ``GenerateRequest`` (``max_tokens`` ->
     ``sampling.max_tokens``); the coordinator names some sampling fields without the prefix."""
-    bare_sampling = set(_SAMPLING_SCALARS) | {"stop"}
-    if error.field in bare_sampling:
+    if error.field in _BARE_SAMPLING_FIELDS:
         return InvalidRequestError(f"sampling.{error.field}", error.message)
     return error
 
@@ -170,13 +195,36 @@ def _set_scalars(message: Message, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def sampling_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, Any]:
-    """The sampling options the client set explicitly."""
+    """The sampling options the client set explicitly (``n`` aside: see :func:`samples`),
+    the new ones checked here (penalties, ``logit_bias``, ``logprobs`` / ``top_logprobs``)."""
     if not request.HasField("sampling"):
         return {}
-    overrides = _set_scalars(request.sampling, _SAMPLING_SCALARS)
-    if request.sampling.stop:
-        overrides["stop"] = list(request.sampling.stop)
+    sampling = request.sampling
+    overrides = _set_scalars(sampling, _SAMPLING_SCALARS)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if name in overrides:
+            check_penalty(f"sampling.{name}", overrides[name])
+    if "repetition_penalty" in overrides:
+        check_repetition_penalty("sampling.repetition_penalty", overrides["repetition_penalty"])
+    if sampling.stop:
+        overrides["stop"] = list(sampling.stop)
+    if sampling.logit_bias:
+        overrides["logit_bias"] = check_logit_bias("sampling.logit_bias", dict(sampling.logit_bias))
+    top = None
+    if sampling.HasField("top_logprobs"):
+        top = check_top_logprobs("sampling.top_logprobs", sampling.top_logprobs)
+    if sampling.logprobs:
+        overrides["logprobs"] = top or 0
+    elif top:
+        raise InvalidRequestError("sampling.top_logprobs", "needs logprobs: true")
     return overrides
+
+
+def samples(request: specserve_pb2.GenerateRequest) -> int:
+    """``sampling.n`` (checked), 1 when unset."""
+    if request.HasField("sampling") and request.sampling.HasField("n"):
+        return check_n("sampling.n", request.sampling.n)
+    return 1
 
 
 def speculation_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, Any]:
@@ -227,13 +275,16 @@ def client_request_id(request: specserve_pb2.GenerateRequest) -> str | None:
     return check_request_id("request_id", request.request_id)
 
 
-def to_generation_request(
+def to_generation_requests(
     request: specserve_pb2.GenerateRequest,
     request_id: str,
     sampling_defaults: dict[str, Any],
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
-) -> GenerationRequest:
-    """The coordinator request of a gRPC ``GenerateRequest``; raises :class:`InvalidRequestError`."""
+    max_choices: int = MAX_CHOICES,
+) -> tuple[list[ChoiceSpec], list[GenerationRequest]]:
+    """The choices of a gRPC ``GenerateRequest`` (``sampling.n`` samples of its prompt, at most
+    ``max_choices``) and their coordinator requests, every field checked first; raises
+    :class:`InvalidRequestError`."""
     check_wire_types(request)
     if len(request.model) > MAX_NAME_CHARS:
         raise InvalidRequestError("model", f"at most {MAX_NAME_CHARS} characters (got {len(request.model)})")
@@ -242,14 +293,32 @@ def to_generation_request(
             value = getattr(request.speculation, name)
             if len(value) > MAX_NAME_CHARS:
                 raise InvalidRequestError(f"speculation.{name}", f"at most {MAX_NAME_CHARS} characters (got {len(value)})")
-    return build_generation_request(
-        request_id=request_id,
-        prompt=request_prompt(request),
+    prompt = request_prompt(request)
+    overrides = sampling_overrides(request)
+    n = samples(request)
+    check_choices(1, n, max_choices, "prompt", "sampling.n")
+    specs = choice_specs(request_id, [prompt], n)
+    first = build_generation_request(
+        request_id=specs[0].request_id,
+        prompt=prompt,
         sampling_defaults=sampling_defaults,
-        sampling_overrides=sampling_overrides(request),
+        sampling_overrides=overrides,
         speculation=speculation_overrides(request),
         max_prompt_chars=max_prompt_chars,
     )
+    check_sample_seeds("sampling.seed", first.sampling.seed, n)
+    return specs, [sample_request(first, spec) for spec in specs]
+
+
+def to_generation_request(
+    request: specserve_pb2.GenerateRequest,
+    request_id: str,
+    sampling_defaults: dict[str, Any],
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+) -> GenerationRequest:
+    """The coordinator request of a single-sample ``GenerateRequest`` (the first sample's when
+    ``sampling.n`` > 1); raises :class:`InvalidRequestError`."""
+    return to_generation_requests(request, request_id, sampling_defaults, max_prompt_chars)[1][0]
 
 
 def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, specserve_pb2.SpeculationStats]:
@@ -278,15 +347,53 @@ def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, spe
     return usage, speculation
 
 
-def chunk_to_response(chunk: GenerationChunk, model: str) -> specserve_pb2.GenerateResponse:
-    """One streamed message; the final one carries finish_reason, usage and speculation stats."""
+def speculation_to_proto(block: dict[str, Any] | None) -> specserve_pb2.SpeculationStats:
+    """A ``speculation`` block (:func:`cluster.openai_api.merged_speculation`) as a message."""
+    if block is None:
+        return specserve_pb2.SpeculationStats()
+    fields = specserve_pb2.SpeculationStats.DESCRIPTOR.fields_by_name
+    values = {name: value for name, value in block.items() if name in fields and value is not None}
+    return specserve_pb2.SpeculationStats(**values)
+
+
+def logprobs_to_proto(entries: list[TokenLogprob] | None, texts: TokenTexts | None) -> list[specserve_pb2.TokenLogprob]:
+    """Per-token log-probabilities as messages (token text and bytes when ``texts`` is given)."""
+
+    def shown(token_id: int) -> dict[str, Any]:
+        return {} if texts is None else {"token": texts.text_of(token_id), "bytes": texts.bytes_of(token_id)}
+
+    return [
+        specserve_pb2.TokenLogprob(
+            token_id=entry.token_id,
+            logprob=entry.logprob,
+            top_logprobs=[specserve_pb2.TopLogprob(token_id=token_id, logprob=logprob, **shown(token_id))
+                          for token_id, logprob in entry.top],
+            **shown(entry.token_id),
+        )
+        for entry in entries or ()
+    ]
+
+
+def chunk_to_response(
+    chunk: GenerationChunk,
+    model: str,
+    *,
+    index: int = 0,
+    request_id: str | None = None,
+    texts: TokenTexts | None = None,
+) -> specserve_pb2.GenerateResponse:
+    """One streamed message of choice ``index``; a choice's final one carries finish_reason,
+    usage and speculation stats (that choice's). ``request_id``: the request's id (default: the
+    chunk's, which is the request's when it has one choice)."""
     response = specserve_pb2.GenerateResponse(
-        request_id=chunk.request_id,
+        request_id=request_id or chunk.request_id,
         model=model,
         text=chunk.text,
         token_ids=list(chunk.token_ids),
         finished=chunk.finished,
         finish_reason=(chunk.finish_reason or "") if chunk.finished else "",
+        index=index,
+        logprobs=logprobs_to_proto(chunk.logprobs, texts),
     )
     if chunk.finished:
         usage, speculation = stats_to_proto(chunk.stats)
@@ -295,19 +402,48 @@ def chunk_to_response(chunk: GenerationChunk, model: str) -> specserve_pb2.Gener
     return response
 
 
-def final_response(request_id: str, model: str, result: CompletionAccumulator) -> specserve_pb2.GenerateResponse:
-    """The unary ``Generate`` response: whole text and token ids, usage and speculation stats."""
-    usage, speculation = stats_to_proto(result.stats)
+def final_response(
+    request_id: str,
+    model: str,
+    result: CompletionAccumulator | list[CompletionAccumulator],
+    texts: TokenTexts | None = None,
+    wall_s: float | None = None,
+) -> specserve_pb2.GenerateResponse:
+    """The unary ``Generate`` response: every choice in ``choices``; choice 0's text, token ids,
+    finish reason and log-probabilities also in the top-level fields; the usage of all choices
+    and their :func:`cluster.openai_api.merged_speculation` stats."""
+    results = [result] if isinstance(result, CompletionAccumulator) else list(result)
+    choices = []
+    for item in results:
+        usage, speculation = stats_to_proto(item.stats)
+        choices.append(specserve_pb2.Choice(
+            index=item.index,
+            text=item.text,
+            token_ids=item.token_ids,
+            finish_reason=item.finish_reason or "",
+            logprobs=logprobs_to_proto(item.logprobs, texts),
+            usage=usage,
+            speculation=speculation,
+        ))
+    first = choices[0]
     return specserve_pb2.GenerateResponse(
         request_id=request_id,
         model=model,
-        text=result.text,
-        token_ids=result.token_ids,
+        text=first.text,
+        token_ids=first.token_ids,
         finished=True,
-        finish_reason=result.finish_reason or "",
-        usage=usage,
-        speculation=speculation,
+        finish_reason=first.finish_reason,
+        usage=specserve_pb2.Usage(**total_usage(results)),
+        speculation=speculation_to_proto(merged_speculation(results, wall_s)),
+        index=0,
+        logprobs=first.logprobs,
+        choices=choices,
     )
+
+
+def wants_logprobs(request: GenerationRequest) -> bool:
+    """Whether the request asked for per-token log-probabilities."""
+    return request.sampling.logprobs is not None
 
 
 __all__ = [
@@ -321,9 +457,14 @@ __all__ = [
     "chunk_to_response",
     "final_response",
     "grpc_field",
+    "logprobs_to_proto",
     "request_prompt",
+    "samples",
     "sampling_overrides",
     "speculation_overrides",
+    "speculation_to_proto",
     "stats_to_proto",
     "to_generation_request",
+    "to_generation_requests",
+    "wants_logprobs",
 ]

@@ -87,3 +87,96 @@ def test_final_chunk_carries_usage_and_speculation_stats():
     assert (final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.total_tokens) == (4, 6, 10)
     assert dict(final.speculation.model_calls) == {"target": 2, "draft": 8}
     assert list(final.speculation.accepted_lengths) == [3, 1] and final.speculation.block_efficiency == 3.0
+
+
+def test_n_samples_are_seeded_seed_plus_i_with_their_own_ids():
+    request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(n=3, seed=7, temperature=0.5))
+    specs, generations = grpc_service.to_generation_requests(request, "g-1", {})
+    assert [spec.index for spec in specs] == [0, 1, 2]
+    assert [g.request_id for g in generations] == ["g-1-0", "g-1-1", "g-1-2"]
+    assert [g.sampling.seed for g in generations] == [7, 8, 9]
+    assert grpc_service.to_generation_requests(pb.GenerateRequest(prompt="hi"), "g-2", {})[1][0].request_id == "g-2"
+
+
+def test_penalties_logit_bias_and_logprobs_map_onto_sampling_params():
+    request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias={3: -100.0, 9: 2.0},
+        logprobs=True, top_logprobs=4))
+    sampling = grpc_service.to_generation_request(request, "g", {}).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert sampling.logit_bias == {3: -100.0, 9: 2.0} and sampling.logprobs == 4
+    only_tokens = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(logprobs=True))
+    assert grpc_service.to_generation_request(only_tokens, "g", {}).sampling.logprobs == 0
+    neutral = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(
+        presence_penalty=0.0, frequency_penalty=0.0, logprobs=False, top_logprobs=0, n=1))
+    sampling = grpc_service.to_generation_request(neutral, "g", {}).sampling
+    assert (sampling.presence_penalty, sampling.logprobs, sampling.logit_bias) == (0.0, None, {})
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        (pb.SamplingOptions(n=0), "sampling.n"),
+        (pb.SamplingOptions(n=65), "sampling.n"),
+        (pb.SamplingOptions(n=2, seed=2**63 - 1), "sampling.seed"),
+        (pb.SamplingOptions(presence_penalty=float("nan")), "sampling.presence_penalty"),
+        (pb.SamplingOptions(frequency_penalty=float("-inf")), "sampling.frequency_penalty"),
+        (pb.SamplingOptions(frequency_penalty=2.5), "sampling.frequency_penalty"),
+        (pb.SamplingOptions(repetition_penalty=0.0), "sampling.repetition_penalty"),
+        (pb.SamplingOptions(repetition_penalty=float("inf")), "sampling.repetition_penalty"),
+        (pb.SamplingOptions(logit_bias={5: float("nan")}), "sampling.logit_bias"),
+        (pb.SamplingOptions(logit_bias={5: 101.0}), "sampling.logit_bias"),
+        (pb.SamplingOptions(logit_bias={-1: 1.0}), "sampling.logit_bias"),
+        (pb.SamplingOptions(top_logprobs=2), "sampling.top_logprobs"),
+        (pb.SamplingOptions(logprobs=True, top_logprobs=21), "sampling.top_logprobs"),
+        (pb.SamplingOptions(logprobs=True, top_logprobs=-1), "sampling.top_logprobs"),
+    ],
+)
+def test_new_sampling_options_are_checked_by_name(options, field):
+    with pytest.raises(InvalidRequestError) as caught:
+        grpc_service.to_generation_requests(pb.GenerateRequest(prompt="x", sampling=options), "g", {})
+    assert caught.value.field == field
+
+
+def test_choices_beyond_the_deployment_limit_are_refused():
+    request = pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(n=5))
+    with pytest.raises(InvalidRequestError) as caught:
+        grpc_service.to_generation_requests(request, "g", {}, max_choices=4)
+    assert caught.value.field == "sampling.n"
+
+
+def test_coordinator_errors_on_new_fields_get_the_proto_path():
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs"):
+        assert grpc_service.grpc_field(InvalidRequestError(name, "not supported by this server yet")).field \
+            == f"sampling.{name}"
+
+
+def test_unary_response_has_every_choice_and_stream_messages_their_index_and_logprobs():
+    from actors.api import TokenLogprob
+    from cluster.openai_api import CompletionAccumulator, TokenTexts
+
+    texts = TokenTexts(lambda token_id: {1: b"a", 2: b"\xc3", 3: b"\xa9"}[token_id])
+    results = []
+    for index, tokens in enumerate(([1, 2], [3])):
+        result = CompletionAccumulator(index, counts_prompt=index == 0)
+        stats = RequestStats(strategy="sd", method="block", prompt_tokens=4, completion_tokens=len(tokens),
+                             target_calls=1, model_calls={"target": 1})
+        result.add(GenerationChunk(request_id=f"r-{index}", token_ids=tokens, text="x" * len(tokens), finished=True,
+                                   finish_reason="length", stats=stats,
+                                   logprobs=[TokenLogprob(token_id=t, logprob=-0.5, top=[(1, -0.25)]) for t in tokens]))
+        results.append(result)
+    response = grpc_service.final_response("r", "m", results, texts, wall_s=1.0)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert list(response.token_ids) == [1, 2] and response.text == "xx"  # choice 0 in the top-level fields
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (4, 3)  # the prompt counted once
+    assert response.speculation.target_calls == 2 and response.speculation.block_efficiency == 1.5
+    assert response.choices[1].usage.completion_tokens == 1
+    logprob = response.choices[0].logprobs[1]
+    assert (logprob.token_id, logprob.logprob, logprob.token, logprob.bytes) == (2, -0.5, "bytes:\\xc3", b"\xc3")
+    assert [(top.token_id, top.token) for top in logprob.top_logprobs] == [(1, "a")]
+    message = grpc_service.chunk_to_response(
+        GenerationChunk(request_id="r-1", token_ids=[3], text="", logprobs=[TokenLogprob(token_id=3, logprob=-1.0)]),
+        "m", index=1, request_id="r", texts=texts)
+    assert (message.index, message.request_id, message.logprobs[0].bytes) == (1, "r", b"\xa9")
+    plain = grpc_service.chunk_to_response(GenerationChunk(request_id="r", token_ids=[1], text="a"), "m")
+    assert plain.index == 0 and len(plain.logprobs) == 0
