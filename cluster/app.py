@@ -9,8 +9,10 @@ model workers (see :func:`replica_bundles`). Scaling the deployment (``num_repli
 
 Request path: HTTP (FastAPI routes below) or gRPC (methods ``Generate`` / ``GenerateStream``,
 named like the rpcs of ``protos/specserve.proto`` so Serve's gRPC proxy routes to them) ->
-:class:`actors.api.GenerationRequest` -> ``Coordinator.generate`` (an async generator actor
-method, consumed as a streaming ObjectRefGenerator) -> chunks back to the client.
+one :class:`actors.api.GenerationRequest` per choice (prompts x ``n`` samples) ->
+``Coordinator.generate`` (an async generator actor method, consumed as a streaming
+ObjectRefGenerator), the choices of one request concurrently -> chunks back to the client,
+interleaved and tagged with their choice index when streamed.
 
 Every field is checked before any model work (:mod:`cluster.validation`, then the plan and,
 in the coordinator, the prompt against the models), the same way on both protocols. With an
@@ -49,6 +51,7 @@ from cluster import grpc_service
 from cluster.config import GroupConfig, SpecServeArgs, parse_app_args, resolve_api_key
 from cluster.errors import (
     ClientError,
+    clean_text,
     ModelGroupUnavailable,
     ModelNotFound,
     RequestFailed,
@@ -56,18 +59,21 @@ from cluster.errors import (
     client_error,
 )
 from cluster.openai_api import (
+    MAX_CHOICES,
     SSE_DONE,
     ChatCompletionRequest,
+    ChoiceSpec,
+    ChoiceStream,
     CompletionAccumulator,
     CompletionRequest,
+    TokenTexts,
     completion_response,
     error_body,
     http_field,
     models_list,
     parse_body,
     sse_event,
-    stream_chunk,
-    to_generation_request,
+    to_generation_requests,
     usage_chunk,
 )
 from cluster.security import grpc_all_interfaces_warning, require_key
@@ -179,6 +185,71 @@ async def _prime(stream: CoordinatorStream) -> tuple[GenerationChunk | None, Coo
     return first, stream
 
 
+async def _prime_all(streams: list[CoordinatorStream]) -> list[GenerationChunk | None]:
+    """The first chunk of every choice's stream (concurrently); if one fails, every stream is
+    cancelled and the first failure (in choice order) is raised."""
+    try:
+        primed = await asyncio.gather(*(_prime(stream) for stream in streams), return_exceptions=True)
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise
+    failures = [item for item in primed if isinstance(item, BaseException)]
+    if failures:
+        for stream in streams:
+            stream.cancel()
+        raise failures[0]
+    return [first for first, _ in primed]
+
+
+async def _interleave(
+    streams: list[CoordinatorStream], firsts: list[GenerationChunk | None]
+) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """``(position, chunk)`` of every choice's stream as the chunks arrive (each stream starting
+    with its primed first chunk). A failing stream raises here; closing the iterator (the
+    client went away) or a failure cancels every stream."""
+    if len(streams) == 1:
+        try:
+            chunk = firsts[0]
+            while chunk is not None:
+                yield 0, chunk
+                chunk = await anext(streams[0], None)
+        finally:
+            streams[0].cancel()
+        return
+    # A bounded queue: a stream is read no faster than the client reads (the coordinator
+    # merges the chunks of a stream that fell behind).
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(position: int) -> None:
+        try:
+            chunk = firsts[position]
+            while chunk is not None:
+                await queue.put((position, chunk, None))
+                chunk = await anext(streams[position], None)
+            await queue.put((position, None, None))
+        except Exception as error:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((position, None, error))
+
+    tasks = [asyncio.ensure_future(pump(position)) for position in range(len(streams))]
+    try:
+        remaining = len(streams)
+        while remaining:
+            position, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                remaining -= 1
+                continue
+            yield position, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _http_client_error(error: BaseException, request_id: str, chat: bool = False, what: str = "request") -> ClientError:
     if isinstance(error, InvalidRequestError):
         error = http_field(error, chat)
@@ -253,6 +324,12 @@ class SpecServeIngress:
         # Deployment-wide sampling defaults for unset request fields; none beyond
         # actors.api.SamplingParams' own today (the YAML args have no sampling section).
         self._sampling_defaults: dict[str, Any] = {}
+        # Choices (prompts x n) per request: each is a coordinator request, all decoded at once.
+        self._max_choices = max(1, min(MAX_CHOICES, self._config.max_concurrent_requests))
+        # The group's tokenizer, loaded on first use: token texts of log-probabilities and the
+        # echoed text of token-id prompts (the coordinator tokenizes everything else).
+        self._tokenizer: Any = None
+        self._token_texts: TokenTexts | None = None
         placement_group = get_current_placement_group()
         self._placement_group_id = placement_group.id.hex() if placement_group else None
         logger.info(
@@ -281,14 +358,71 @@ class SpecServeIngress:
         self._check_plan(request)
         return CoordinatorStream(self._coordinator, request)
 
-    async def _collect(self, stream: CoordinatorStream) -> CompletionAccumulator:
-        result = CompletionAccumulator()
+    def _start_all(self, requests: list[GenerationRequest]) -> list[CoordinatorStream]:
+        """One coordinator stream per choice (the choices share their plan: checked once)."""
+        self._check_plan(requests[0])
+        streams: list[CoordinatorStream] = []
+        try:
+            for request in requests:
+                streams.append(CoordinatorStream(self._coordinator, request))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        return streams
+
+    async def _collect(self, stream: CoordinatorStream, result: CompletionAccumulator | None = None) -> CompletionAccumulator:
+        result = CompletionAccumulator() if result is None else result
         try:
             async for chunk in stream:
                 result.add(chunk)
         finally:
             stream.cancel()
         return result
+
+    async def _collect_all(self, streams: list[CoordinatorStream], results: list[CompletionAccumulator]) -> None:
+        """Every choice's stream into its accumulator, concurrently; the first failure cancels
+        the other streams and is raised."""
+        if len(streams) == 1:
+            await self._collect(streams[0], results[0])
+            return
+        tasks = [asyncio.ensure_future(self._collect(stream, result)) for stream, result in zip(streams, results)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self._config.tokenizer_path)
+
+    async def _tokenizer_texts(self) -> tuple[Any, TokenTexts]:
+        """The group's tokenizer and its :class:`TokenTexts` (loaded once, off the event loop)."""
+        if self._token_texts is None:
+            tokenizer = await asyncio.to_thread(self._load_tokenizer)
+            self._tokenizer, self._token_texts = tokenizer, TokenTexts.from_tokenizer(tokenizer)
+        return self._tokenizer, self._token_texts
+
+    async def _echo_prefixes(self, body: CompletionRequest | ChatCompletionRequest, specs: list[ChoiceSpec]) -> list[str]:
+        """Each choice's echoed prompt text (``echo``; token-id prompts are decoded), else ""."""
+        if not getattr(body, "echo", False):
+            return ["" for _ in specs]
+        if all(isinstance(spec.prompt, str) for spec in specs):
+            return [spec.prompt for spec in specs]
+        tokenizer, _ = await self._tokenizer_texts()
+
+        def decode() -> list[str]:
+            return [spec.prompt if isinstance(spec.prompt, str) else tokenizer.decode(spec.prompt) for spec in specs]
+
+        try:
+            return await asyncio.to_thread(decode)
+        except Exception as error:  # noqa: BLE001 - ids the tokenizer cannot decode are the client's error
+            raise InvalidRequestError("prompt", f"the token ids cannot be decoded for echo ({type(error).__name__})") from None
 
     # ------------------------------------------------------------------ HTTP
 
@@ -361,6 +495,7 @@ class SpecServeIngress:
         return await self._openai(request, chat=True)
 
     async def _openai(self, http_request: Request, chat: bool) -> Response:
+        started = time.monotonic()
         created = int(time.time())
         request_id = self._new_request_id("chatcmpl" if chat else "cmpl")
         try:
@@ -370,70 +505,87 @@ class SpecServeIngress:
             return _http_error(error, request_id)
         try:
             self._check_model(body.model)
-            generation = to_generation_request(
-                body, request_id, self._sampling_defaults, self._config.max_prompt_chars
+            if body.user:
+                logger.info("request %s: user %r", request_id, clean_text(body.user, 128))
+            specs, generations = to_generation_requests(
+                body, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
             )
-            stream = self._start(generation)
+            texts = (await self._tokenizer_texts())[1] if body.logprobs_count() is not None else None
+            prefixes = await self._echo_prefixes(body, specs)
+            streams = self._start_all(generations)
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
             return _http_error(_unwrap_task_error(error), request_id, chat)
-        if not body.stream:
+        token_ids = bool(body.return_token_ids)
+        if not body.streaming:
+            results = [CompletionAccumulator(spec.index, prefix, counts_prompt=spec.sample_index == 0)
+                       for spec, prefix in zip(specs, prefixes)]
             try:
-                result = await self._collect(stream)
+                await self._collect_all(streams, results)
             except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
                 return _http_error(error, request_id, chat)
-            return JSONResponse(
-                completion_response(request_id, self._model_name, created, result, chat, body.return_token_ids)
-            )
+            response = completion_response(request_id, self._model_name, created, results, chat, token_ids,
+                                           logprobs=texts, wall_s=time.monotonic() - started)
+            return JSONResponse(response)
         try:
-            first, stream = await _prime(stream)
+            firsts = await _prime_all(streams)
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
             return _http_error(error, request_id, chat)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = self._sse_events(stream, first, request_id, created, chat, include_usage, body.return_token_ids)
+        renderers = [
+            ChoiceStream(request_id, self._model_name, created, chat, index=spec.index, prefix=prefix,
+                         counts_prompt=spec.sample_index == 0, token_ids=token_ids, logprobs=texts,
+                         single=len(specs) == 1, include_usage=body.include_usage)
+            for spec, prefix in zip(specs, prefixes)
+        ]
+        events = self._sse_events(streams, firsts, renderers, request_id, created, chat, body.include_usage, started)
         return StreamingResponse(events, media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id})
 
     async def _sse_events(
         self,
-        stream: CoordinatorStream,
-        first: GenerationChunk | None,
+        streams: list[CoordinatorStream],
+        firsts: list[GenerationChunk | None],
+        renderers: list[ChoiceStream],
         request_id: str,
         created: int,
         chat: bool,
         include_usage: bool,
-        token_ids: bool,
+        started: float,
     ) -> AsyncIterator[bytes]:
-        """Server-sent events of one request; cancels the coordinator stream if the client leaves."""
-        stats = None
+        """Server-sent events of one request, the choices interleaved as their chunks arrive;
+        cancels every coordinator stream if the client leaves."""
+        chunks = _interleave(streams, firsts)
         try:
-            chunk = first
-            is_first = True
-            while chunk is not None:
-                yield sse_event(stream_chunk(request_id, self._model_name, created, chunk, chat, is_first, token_ids))
-                is_first = False
-                stats = chunk.stats if chunk.finished else stats
-                chunk = await anext(stream, None)
+            async for position, chunk in chunks:
+                yield sse_event(renderers[position].render(chunk))
             if include_usage:
-                yield sse_event(usage_chunk(request_id, self._model_name, created, stats, chat))
+                results = [renderer.result for renderer in renderers]
+                wall_s = time.monotonic() - started
+                yield sse_event(usage_chunk(request_id, self._model_name, created, results, chat, wall_s))
         except Exception as error:  # noqa: BLE001 - reported to the client as an error event
             response = _http_error(error, request_id, chat)
             yield sse_event(response.body.decode())
         finally:
-            stream.cancel()
+            await chunks.aclose()
+            for stream in streams:
+                stream.cancel()
         yield SSE_DONE
 
     # ------------------------------------------------------------------ gRPC
 
-    def _grpc_request(self, proto: Any, grpc_context: Any, request_id: str) -> tuple[GenerationRequest, str]:
-        """Authenticate, decode and validate one call; returns the request and its id, or
-        raises (the request id is the server's until the client's own is validated)."""
+    async def _grpc_request(
+        self, proto: Any, grpc_context: Any, request_id: str
+    ) -> tuple[list[ChoiceSpec], list[GenerationRequest], str, TokenTexts | None]:
+        """Authenticate, decode and validate one call; returns its choices, their coordinator
+        requests, its id and the token texts of its log-probabilities (None when not asked
+        for), or raises (the request id is the server's until the client's own is validated)."""
         require_key(self._api_key, grpc_context.invocation_metadata() if grpc_context is not None else ())
         proto = grpc_service.check_decoded(proto)
         request_id = self._new_request_id("grpc", grpc_service.client_request_id(proto))
         self._check_model(proto.model)
-        generation = grpc_service.to_generation_request(
-            proto, request_id, self._sampling_defaults, self._config.max_prompt_chars
+        specs, generations = grpc_service.to_generation_requests(
+            proto, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
         )
-        return generation, request_id
+        texts = (await self._tokenizer_texts())[1] if grpc_service.wants_logprobs(generations[0]) else None
+        return specs, generations, request_id, texts
 
     @staticmethod
     def _fail(grpc_context: Any, error: BaseException, request_id: str) -> GrpcRequestError:
@@ -448,11 +600,13 @@ class SpecServeIngress:
     async def Generate(  # noqa: N802 - named like the rpc in protos/specserve.proto
         self, request: specserve_pb2.GenerateRequest, grpc_context: Any = None
     ) -> specserve_pb2.GenerateResponse:
-        """Unary rpc: the whole completion with usage and speculation stats."""
+        """Unary rpc: every choice's whole completion with usage and speculation stats."""
+        started = time.monotonic()
         request_id = self._new_request_id("grpc")
         try:
-            generation, request_id = self._grpc_request(request, grpc_context, request_id)
-            result = await self._collect(self._start(generation))
+            specs, generations, request_id, texts = await self._grpc_request(request, grpc_context, request_id)
+            results = [CompletionAccumulator(spec.index, counts_prompt=spec.sample_index == 0) for spec in specs]
+            await self._collect_all(self._start_all(generations), results)
         except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status
             failure = self._fail(grpc_context, error, request_id)
             if grpc_context is None:
@@ -460,25 +614,33 @@ class SpecServeIngress:
             # The status set on grpc_context is what the client receives; the empty message
             # is not delivered (returning instead of raising keeps the replica log quiet).
             return specserve_pb2.GenerateResponse()
-        return grpc_service.final_response(generation.request_id, self._model_name, result)
+        return grpc_service.final_response(request_id, self._model_name, results, texts, time.monotonic() - started)
 
     async def GenerateStream(  # noqa: N802 - named like the rpc in protos/specserve.proto
         self, request: specserve_pb2.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[specserve_pb2.GenerateResponse]:
-        """Server-streaming rpc: one message per chunk; the last has finished, usage and stats."""
+        """Server-streaming rpc: one message per chunk, tagged with its choice ``index`` (the
+        choices interleaved as they arrive); each choice's last message has finished, usage and
+        stats."""
         request_id = self._new_request_id("grpc")
         try:
-            generation, request_id = self._grpc_request(request, grpc_context, request_id)
-            stream = self._start(generation)
+            specs, generations, request_id, texts = await self._grpc_request(request, grpc_context, request_id)
+            streams = self._start_all(generations)
+            firsts = await _prime_all(streams)
         except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status
             raise self._fail(grpc_context, error, request_id) from None
+        chunks = _interleave(streams, firsts)
         try:
-            async for chunk in stream:
-                yield grpc_service.chunk_to_response(chunk, self._model_name)
+            async for position, chunk in chunks:
+                yield grpc_service.chunk_to_response(
+                    chunk, self._model_name, index=specs[position].index, request_id=request_id, texts=texts
+                )
         except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status
             raise self._fail(grpc_context, error, request_id) from None
         finally:
-            stream.cancel()
+            await chunks.aclose()
+            for stream in streams:
+                stream.cancel()
 
     def __del__(self) -> None:
         group = getattr(self, "_group", None)

@@ -107,6 +107,11 @@ BAD_REQUESTS = [
     ("unknown-method", specserve_pb2.GenerateRequest(prompt="x", speculation=specserve_pb2.SpeculationOptions(strategy="multi_draft", method="block")), "speculation.method"),
     ("gamma-too-large", specserve_pb2.GenerateRequest(prompt="x", speculation=specserve_pb2.SpeculationOptions(gamma=64)), "speculation.gamma"),
     ("num-drafts-zero", specserve_pb2.GenerateRequest(prompt="x", speculation=specserve_pb2.SpeculationOptions(num_drafts=0)), "speculation.num_drafts"),
+    ("n-zero", specserve_pb2.GenerateRequest(prompt="x", sampling=specserve_pb2.SamplingOptions(n=0)), "sampling.n"),
+    ("n-beyond-the-deployment", specserve_pb2.GenerateRequest(prompt="x", sampling=specserve_pb2.SamplingOptions(n=17)), "sampling.n"),
+    ("presence-penalty-nan", specserve_pb2.GenerateRequest(prompt="x", sampling=specserve_pb2.SamplingOptions(presence_penalty=float("nan"))), "sampling.presence_penalty"),
+    ("logit-bias-inf", specserve_pb2.GenerateRequest(prompt="x", sampling=specserve_pb2.SamplingOptions(logit_bias={3: float("inf")})), "sampling.logit_bias"),
+    ("top-logprobs-without-logprobs", specserve_pb2.GenerateRequest(prompt="x", sampling=specserve_pb2.SamplingOptions(top_logprobs=2)), "sampling.top_logprobs"),
 ]
 
 
@@ -120,6 +125,63 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, metadata, rpc, nam
             list(stub.GenerateStream(request_message, metadata=metadata, timeout=60))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith(f"{field}: "), caught.value.details()
+
+
+def test_n_samples_unary_and_streamed(stub, metadata, expected_ids):
+    request = greedy_request()
+    request.sampling.n = 3
+    request.sampling.presence_penalty = 0.0  # neutral values of the new options are served
+    request.sampling.frequency_penalty = 0.0
+    request.sampling.logprobs = False
+    response = stub.Generate(request, metadata=metadata, timeout=120)
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    assert [list(choice.token_ids) for choice in response.choices] == [expected_ids] * 3  # greedy: alike
+    assert list(response.token_ids) == expected_ids and response.finished
+    assert response.usage.completion_tokens == 3 * MAX_TOKENS
+    assert response.usage.prompt_tokens == response.choices[0].usage.prompt_tokens  # the prompt once
+    assert response.speculation.target_calls == sum(c.speculation.target_calls for c in response.choices)
+    messages = list(stub.GenerateStream(request, metadata=metadata, timeout=120))
+    tokens: dict[int, list[int]] = {}
+    for message in messages:
+        tokens.setdefault(message.index, []).extend(message.token_ids)
+    assert tokens == {0: expected_ids, 1: expected_ids, 2: expected_ids}
+    assert sorted(m.index for m in messages if m.finished) == [0, 1, 2]
+    assert len({m.request_id for m in messages}) == 1 and messages[0].request_id.startswith("grpc-")
+
+
+def test_sampled_choices_follow_seed_plus_i(stub, metadata):
+    def tokens(n: int, seed: int) -> list[list[int]]:
+        request = specserve_pb2.GenerateRequest(
+            prompt=PROMPT, sampling=specserve_pb2.SamplingOptions(max_tokens=6, temperature=1.0, seed=seed, n=n,
+                                                                  ignore_eos=True))
+        return [list(choice.token_ids) for choice in stub.Generate(request, metadata=metadata, timeout=120).choices]
+
+    pair = tokens(2, seed=11)
+    assert pair == [tokens(1, seed=11)[0], tokens(1, seed=12)[0]]
+
+
+def test_logprobs_and_penalties_are_served_or_named(stub, metadata):
+    """Engine support is arriving field by field: INVALID_ARGUMENT naming the field, or the answer."""
+    cases = [
+        ("sampling.logprobs", specserve_pb2.SamplingOptions(logprobs=True, top_logprobs=2)),
+        ("sampling.presence_penalty", specserve_pb2.SamplingOptions(presence_penalty=0.5)),
+        ("sampling.repetition_penalty", specserve_pb2.SamplingOptions(repetition_penalty=1.3)),
+        ("sampling.logit_bias", specserve_pb2.SamplingOptions(logit_bias={5: -100.0})),
+    ]
+    for field, options in cases:
+        options.max_tokens = 3
+        options.temperature = 0.0
+        options.ignore_eos = True
+        try:
+            response = stub.Generate(specserve_pb2.GenerateRequest(prompt=PROMPT, sampling=options),
+                                     metadata=metadata, timeout=120)
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.details().startswith(f"{field}: not supported"), error.details()
+            continue
+        assert len(response.token_ids) == 3
+        if field == "sampling.logprobs":
+            assert len(response.logprobs) == 3 and all(len(entry.top_logprobs) == 2 for entry in response.logprobs)
 
 
 def test_wrong_wire_type_is_invalid_argument(channel, metadata):

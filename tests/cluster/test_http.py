@@ -165,10 +165,14 @@ LONG_PROMPT_IDS = [5] * 300  # the tiny models' context is 256 tokens
 BAD_REQUESTS = [
     ("invalid-json", b'{"prompt": "x", ', None),
     ("not-an-object", b"[1, 2]", None),
-    ("unknown-field", {"prompt": "x", "frequency_penalty": 1.0}, "frequency_penalty"),
+    ("unknown-field", {"prompt": "x", "frequency_penalties": 1.0}, "frequency_penalties"),
+    ("frequency-penalty-out-of-range", {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("suffix", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("best-of-above-n", {"prompt": "x", "best_of": 2}, "best_of"),
     ("missing-prompt", {"max_tokens": 4}, "prompt"),
     ("empty-prompt", {"prompt": ""}, "prompt"),
-    ("prompt-list-of-strings", {"prompt": ["a", "b"]}, "prompt"),
+    ("prompt-list-mixed", {"prompt": ["a", [1, 2]]}, "prompt"),
+    ("prompt-list-with-an-empty-one", {"prompt": ["a", ""]}, "prompt"),
     ("max-tokens-zero", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("max-tokens-negative", {"prompt": "x", "max_tokens": -3}, "max_tokens"),
     ("max-tokens-beyond-context", {"prompt": "x", "max_tokens": 10_000}, "max_tokens"),
@@ -176,7 +180,8 @@ BAD_REQUESTS = [
     ("temperature-negative", {"prompt": "x", "temperature": -0.1}, "temperature"),
     ("top-p-zero", {"prompt": "x", "top_p": 0}, "top_p"),
     ("top-p-above-one", {"prompt": "x", "top_p": 1.5}, "top_p"),
-    ("n-two", {"prompt": "x", "n": 2}, "n"),
+    ("n-zero", {"prompt": "x", "n": 0}, "n"),
+    ("n-beyond-the-deployment", {"prompt": "x", "n": 17}, "n"),  # limits.max_concurrent_requests: 16
     ("prompt-too-long", {"prompt": LONG_PROMPT_IDS, "max_tokens": 1}, "prompt"),
     ("unknown-strategy", {"prompt": "x", "speculation": {"strategy": "beam"}}, "speculation.strategy"),
     ("unknown-method", {"prompt": "x", "speculation": {"strategy": "sd", "method": "spectr"}}, "speculation.method"),
@@ -280,4 +285,30 @@ def test_client_disconnect_mid_stream_cancels_the_request(http, serve_app):
     _wait_until_idle(http, request_id, timeout_s=lower_bound_full)
     freed_after = time.monotonic() - started
     assert freed_after < lower_bound_full / 4, (freed_after, lower_bound_full)
+    assert http.get("/health").status_code == 200
+
+
+def test_client_disconnect_mid_stream_cancels_every_choice(http, serve_app):
+    # As above, with n = 3: the three choices are three coordinator requests (`<id>-0`..`<id>-2`),
+    # streamed interleaved; hanging up must free all of them.
+    def body(max_tokens: int, n: int) -> dict:
+        return {"prompt": "x", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "n": n,
+                "speculation": {"strategy": "ar"}}
+
+    started = time.monotonic()
+    assert http.post("/v1/completions", json=body(100, 1)).status_code == 200
+    lower_bound_full = 20 * (time.monotonic() - started)
+
+    with httpx.Client(base_url=serve_app.http_url, timeout=60.0) as client:
+        with client.stream("POST", "/v1/completions", json={**body(2000, 3), "stream": True}) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            while not first:
+                first = next(lines)
+            request_id = json.loads(first[len("data: ") :])["id"]
+            started = time.monotonic()
+            active = http.get("/v1/status").json()["active_requests"]
+            assert sum(session.startswith(request_id) for session in active) >= 1, (request_id, active)
+    _wait_until_idle(http, request_id, timeout_s=lower_bound_full)
+    assert time.monotonic() - started < lower_bound_full / 4
     assert http.get("/health").status_code == 200
