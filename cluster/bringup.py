@@ -6,6 +6,12 @@
   own GPU when the cluster has GPUs and ``gpus_per_model`` is ``auto`` or set; in the given placement group's bundles when one is
   passed: model i in bundle ``first_bundle + i``, see :func:`model_group_bundles`) and one
   Coordinator over them. :meth:`ModelGroup.shutdown` kills them all.
+
+Placement on nodes: a model's ``resources.per_model.<name>.resources`` and the coordinator's
+``resources.coordinator_resources`` (custom Ray resources, e.g. ``{node_draft: 0.01}``) go into
+the actor's ``resources=`` option, so Ray starts it (and restarts it) only on nodes started with
+that resource; they are also in the model's bundle (and, for the coordinator, in a bundle of its
+own after the models') so a placement group lands on those nodes too.
 """
 
 from __future__ import annotations
@@ -72,15 +78,30 @@ def resolve_auto_gpus(config: GroupConfig) -> GroupConfig:
 
 def model_group_bundles(args: SpecServeArgs | GroupConfig | dict[str, Any]) -> list[dict[str, float]]:
     """One placement-group bundle per model worker, in the order :func:`start_model_group`
-    places them (the coordinator needs no bundle of its own when ``coordinator_cpus`` is 0)."""
+    places them (its CPUs, GPUs and custom resources), then, only when the coordinator has
+    custom resources (``coordinator_resources``), one bundle for the coordinator holding them and
+    ``coordinator_cpus``. Without custom resources the coordinator needs no bundle of its own
+    (it goes in any bundle with room)."""
     config = as_group_config(args)
     bundles = []
     for model in config.models:
         bundle = {"CPU": float(model.num_cpus)}
         if model.num_gpus:
             bundle["GPU"] = float(model.num_gpus)
+        bundle.update(model.custom_resources)
+        bundles.append(bundle)
+    if config.coordinator_resources:
+        bundle = {"CPU": float(config.coordinator_cpus)} if config.coordinator_cpus else {}
+        bundle.update(config.coordinator_resources)
         bundles.append(bundle)
     return bundles
+
+
+def coordinator_bundle_index(config: GroupConfig, first_bundle: int = 0) -> int:
+    """Bundle of the coordinator in a placement group built from :func:`model_group_bundles`
+    (whose first bundle is ``first_bundle``): its own bundle after the models' when it has
+    custom resources, else -1 (any bundle with room)."""
+    return first_bundle + len(config.models) if config.coordinator_resources else -1
 
 
 @dataclass
@@ -132,7 +153,10 @@ def start_model_group(
 
     ``placement_group``: reserve the workers in its bundles (model i in bundle
     ``first_bundle + i``; build the bundles with :func:`model_group_bundles`); the coordinator
-    goes in any bundle. ``wait``: block until every model is loaded (load errors surface here).
+    goes in any bundle, or in its own (:func:`coordinator_bundle_index`) when it has custom
+    resources. Custom resources (``ModelSpec.resources``, ``GroupConfig.coordinator_resources``)
+    become the actors' ``resources=`` option. ``wait``: block until every model is loaded (load
+    errors surface here).
     ``worker_cls`` lets tests substitute a worker with the same interface.
     """
     import ray
@@ -145,12 +169,16 @@ def start_model_group(
         # fail as retryable, the next ones are served by the new process.
         options: dict[str, Any] = {"num_cpus": model.num_cpus, "num_gpus": model.num_gpus,
                                    "max_restarts": -1, "max_task_retries": 0}
+        if model.resources:
+            options["resources"] = model.custom_resources
         options.update(_scheduling(placement_group, first_bundle + index))
         workers[model.name] = remote_worker.options(**options).remote(
             model, config.session_idle_timeout_s, max_sessions=worker_sessions(config)
         )
     coordinator_options: dict[str, Any] = {"num_cpus": config.coordinator_cpus, "max_restarts": -1}
-    coordinator_options.update(_scheduling(placement_group, -1))
+    if config.coordinator_resources:
+        coordinator_options["resources"] = dict(config.coordinator_resources)
+    coordinator_options.update(_scheduling(placement_group, coordinator_bundle_index(config, first_bundle)))
     coordinator = ray.remote(Coordinator).options(**coordinator_options).remote(workers, config)
     group = ModelGroup(config=config, workers=workers, coordinator=coordinator)
     if wait:

@@ -20,6 +20,7 @@ travels to the actors.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import string
@@ -80,11 +81,46 @@ class DefaultsArgs(_Strict):
     gammas: list[int] | None = Field(None, description="Per-member proposal lengths (se). Unset: gamma for each.")
 
 
+#: Ray resource names a ``resources`` mapping may not use: CPUs and GPUs have their own fields,
+#: memory is not a placement label.
+RESERVED_RESOURCE_NAMES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+#: Smallest non-zero resource quantity Ray accepts.
+MIN_RESOURCE_QUANTITY = 0.0001
+
+
+def check_custom_resources(resources: dict[str, float]) -> dict[str, float]:
+    """``resources`` if every name is a usable custom Ray resource and every quantity is a
+    finite number >= 0.0001, else ValueError naming the bad resource."""
+    for name, quantity in resources.items():
+        if not name or any(ch.isspace() for ch in name):
+            raise ValueError(f"resource {name!r}: a resource name must be non-empty, without spaces")
+        if name in RESERVED_RESOURCE_NAMES:
+            hint = " (use cpus / gpus)" if name in ("CPU", "GPU") else ""
+            raise ValueError(f"resource {name!r} is not a custom resource{hint}")
+        if not math.isfinite(quantity) or quantity < MIN_RESOURCE_QUANTITY:
+            raise ValueError(
+                f"resource {name!r}: the quantity must be a finite number >= {MIN_RESOURCE_QUANTITY}, got {quantity!r}"
+            )
+    return resources
+
+
 class ModelResourceArgs(_Strict):
     """Resource override for one model."""
 
     gpus: float | None = Field(None, ge=0.0, description="GPUs for this model's worker.")
     cpus: float | None = Field(None, ge=0.0, description="CPUs for this model's worker.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources this model's worker asks for, e.g. {node_draft: 0.01}: the worker "
+        "(and its placement-group bundle) then goes only on nodes started with that resource "
+        "(`ray start --resources='{\"node_draft\": 1}'`). Names other than CPU, GPU, memory, object_store_memory; "
+        "quantities >= 0.0001. Empty: any node.",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        return check_custom_resources(resources)
 
 
 class ResourcesArgs(_Strict):
@@ -98,10 +134,21 @@ class ResourcesArgs(_Strict):
         0.25, ge=0.0, description="CPUs per model worker (small on CPU so a whole group fits on 2 cores)."
     )
     coordinator_cpus: float = Field(0.0, ge=0.0, description="CPUs reserved for the coordinator actor.")
+    coordinator_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources the coordinator asks for, e.g. {node_coordinator: 0.01}: it then goes only "
+        "on nodes started with that resource (in a Serve replica: in a bundle of its own holding them). Same rules "
+        "as per_model.<name>.resources. Empty: any node.",
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU model worker.")
     per_model: dict[str, ModelResourceArgs] = Field(
-        default_factory=dict, description="Per-model overrides keyed by model name."
+        default_factory=dict, description="Per-model overrides keyed by model name (gpus, cpus, custom resources)."
     )
+
+    @field_validator("coordinator_resources")
+    @classmethod
+    def _coordinator_custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        return check_custom_resources(resources)
 
 
 #: Default of ``limits.max_prompt_chars``.
@@ -264,6 +311,7 @@ class SpecServeArgs(_Strict):
                 num_gpus=_override(self.resources.per_model.get(name), "gpus", _auto_none(self.resources.gpus_per_model)),
                 num_cpus=_override(self.resources.per_model.get(name), "cpus", self.resources.cpus_per_model),
                 torch_threads=self.resources.torch_threads,
+                resources=_frozen_resources(self.resources.per_model.get(name)),
             )
             for name, model in self.models.items()
         )
@@ -278,6 +326,7 @@ class SpecServeArgs(_Strict):
             tokenizer_path=tokenizer_path,
             defaults=self.decoding_defaults(),
             coordinator_cpus=self.resources.coordinator_cpus,
+            coordinator_resources=tuple(sorted(self.resources.coordinator_resources.items())),
             max_concurrent_requests=self.limits.max_concurrent_requests,
             max_queued_requests=self.limits.max_queued_requests,
             overlap=self.engine.overlap,
@@ -291,6 +340,10 @@ class SpecServeArgs(_Strict):
 
 def _auto_none(value: float | str) -> float | None:
     return None if value == "auto" else float(value)
+
+
+def _frozen_resources(override: ModelResourceArgs | None) -> tuple[tuple[str, float], ...]:
+    return () if override is None else tuple(sorted(override.resources.items()))
 
 
 def _override(override: ModelResourceArgs | None, field: str, default: float | None) -> float | None:
@@ -311,6 +364,13 @@ class ModelSpec:
     num_gpus: float | None = 0.0  # None: one GPU if the cluster has GPUs (resolved at bring-up)
     num_cpus: float = 0.25
     torch_threads: int = 1
+    #: Custom Ray resources (name, quantity), sorted; they pin the worker to nodes that have them.
+    resources: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def custom_resources(self) -> dict[str, float]:
+        """The custom Ray resources as a dict (the ``resources=`` actor option)."""
+        return dict(self.resources)
 
 
 @dataclass(frozen=True)
@@ -321,6 +381,8 @@ class GroupConfig:
     tokenizer_path: str
     defaults: DecodingDefaults
     coordinator_cpus: float = 0.0
+    #: Custom Ray resources of the coordinator (name, quantity), sorted.
+    coordinator_resources: tuple[tuple[str, float], ...] = ()
     max_concurrent_requests: int = 16
     max_queued_requests: int = 64
     overlap: bool = True
