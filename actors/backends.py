@@ -38,7 +38,7 @@ class SlotBackend:
 
     def __init__(
         self, model: Any, device: str, max_context: int | None = None, *, max_slots: int = 64,
-        scratch_columns: int = 64,
+        scratch_columns: int = 64, initial_slots: int | None = None,
     ):
         from actors.kv_cache import SlotKVCache
 
@@ -55,18 +55,19 @@ class SlotBackend:
         self.capacity = self.max_context + scratch_columns  # columns per slot
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        # Every slot is allocated up front: growing a large cache under load stalls a step
-        # (measured: 1.9 s to grow the embedded target from 4 to 32 slots mid-request), and the
-        # worker's memory is then known at start-up.
+        # By default every slot is allocated up front: growing a large cache under load stalls a
+        # step (measured: 1.9 s to grow the embedded target from 4 to 32 slots mid-request), and
+        # the worker's memory is then known at start-up.
         self.cache = SlotKVCache.from_config(
-            model.config, capacity=self.capacity, max_slots=max_slots, initial_slots=max_slots, dtype=model.dtype,
+            model.config, capacity=self.capacity, max_slots=max_slots, initial_slots=initial_slots or max_slots,
+            dtype=model.dtype,
             device=device,
         )
 
     @classmethod
     def load(
         cls, path: str, *, dtype: str = "float32", revision: str | None = None, device: str = "cpu",
-        max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64,
+        max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64, initial_slots: int | None = None,
     ) -> SlotBackend:
         """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub)."""
         from transformers import AutoModelForCausalLM
@@ -81,7 +82,8 @@ class SlotBackend:
         )
         model.to(device).eval()
         logger.info("loaded %s (%s, %s, sdpa) on %s", path, type(model).__name__, dtype, device)
-        return cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns)
+        return cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
+                   initial_slots=initial_slots)
 
     def allocate(self) -> int:
         """A free cache slot for a new session."""

@@ -34,6 +34,7 @@ from actors.output import OutputTracker
 from actors.plan import DecodingPlan, resolve_plan
 from actors.scheduler import OverloadedError, RequestState, Scheduler  # noqa: F401 (OverloadedError: raised by generate)
 from actors.strategies import MachineSampling, build_machine
+from verifiers.penalties import Penalties
 
 logger = logging.getLogger(__name__)
 
@@ -170,18 +171,15 @@ class Coordinator:
         bad_bias = [t for t in sampling.logit_bias if not 0 <= t < vocab_limit]
         if bad_bias:
             raise InvalidRequestError("logit_bias", f"token ids must lie in [0, {vocab_limit}), got {bad_bias[:5]}")
+        bad_values = [b for b in sampling.logit_bias.values() if not -100.0 <= b <= 100.0]  # NaN fails too
+        if bad_values:
+            raise InvalidRequestError("logit_bias", f"biases must be finite and in [-100, 100], got {bad_values[:5]}")
         return plan, prompt_ids, vocab_limit, max_context
 
     @staticmethod
     def _check_unsupported(sampling: Any) -> None:
         """Fields the API accepts whose engine support is not there yet: a clear 400."""
-        unsupported = {
-            "presence_penalty": sampling.presence_penalty != 0.0,
-            "frequency_penalty": sampling.frequency_penalty != 0.0,
-            "repetition_penalty": sampling.repetition_penalty != 1.0,
-            "logit_bias": bool(sampling.logit_bias),
-            "logprobs": sampling.logprobs is not None,
-        }
+        unsupported = {"logprobs": sampling.logprobs is not None}
         for field, used in unsupported.items():
             if used:
                 raise InvalidRequestError(field, "not supported by this server yet")
@@ -232,14 +230,20 @@ class Coordinator:
     ) -> RequestState:
         sampling = request.sampling
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+        penalties = Penalties(
+            presence=sampling.presence_penalty,
+            frequency=sampling.frequency_penalty,
+            repetition=sampling.repetition_penalty,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in sampling.logit_bias.items())),
+        )
         built = build_machine(
             plan,
-            MachineSampling(sampling.temperature, sampling.top_k, sampling.top_p),
+            MachineSampling(sampling.temperature, sampling.top_k, sampling.top_p, penalties, tuple(prompt_ids)),
             seed=seed,
             max_new_tokens=sampling.max_tokens,
             context_budget=max_context - len(prompt_ids),
         )
-        row_sampling = RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, vocab_limit)
+        row_sampling = RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, vocab_limit, penalties)
         opens = {
             model: OpenSession(tuple(prompt_ids), row_sampling, dict(seeds))
             for model, seeds in built.worker_seeds.items()

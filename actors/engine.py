@@ -34,23 +34,34 @@ from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
 from actors.sessions import Session, SessionNotFoundError, SessionStore
 from verifiers.machines import Extend, MemberBlock, NextLogits, Sample, Sampled, ScoreVerify, Verified
 from verifiers.registry import get_verifier
-from verifiers.sampling import logits_to_probs
+from verifiers.penalties import penalized_probs
 
 logger = logging.getLogger(__name__)
 
 
-def session_rows(session: Session, logits: torch.Tensor) -> torch.Tensor:
-    """The one logits -> rows path of a worker: shared-vocabulary truncation, then
-    ``logits_to_probs`` with the request's temperature / top-k / top-p."""
+def session_rows(session: Session, logits: torch.Tensor, after: list[list[int]]) -> torch.Tensor:
+    """The one logits -> rows path of a worker: shared-vocabulary truncation, then the request's
+    penalties (row ``i`` penalized with the generated tokens followed by ``after[i]``, the
+    uncommitted tokens before its position) and temperature / top-k / top-p
+    (:func:`verifiers.penalties.penalized_probs`)."""
     sampling = session.sampling
-    return logits_to_probs(
-        shared_vocab(session, logits), temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
+    generated = None
+    if sampling.penalties.active:
+        committed = session.generated()
+        generated = [committed + list(tokens) for tokens in after]
+    return penalized_probs(
+        shared_vocab(session, logits), temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        penalties=sampling.penalties, prompt=session.context[: session.prompt_length], generated=generated,
     )
 
 
 def shared_vocab(session: Session, logits: torch.Tensor) -> torch.Tensor:
     limit = session.sampling.vocab_limit
     return logits if limit is None else logits[..., :limit]
+
+
+class ProposalLost(RuntimeError):
+    """The worker that proposed for this step died: the request can be sent again."""
 
 
 class _Task:
@@ -125,7 +136,7 @@ class _SampleTask(_Task):
             self._pending_fed()
             logits = logits.expand(self.need.num_drafts, -1)  # [K, V]: the K drafts share the first row
         logits = shared_vocab(self.session, logits)  # [K, V]
-        tokens = self.source.categorical(session_rows(self.session, logits))  # [K]
+        tokens = self.source.categorical(session_rows(self.session, logits, self.drafts))  # [K]
         for draft, token in zip(self.drafts, tokens.tolist()):
             draft.append(int(token))
         if self.need.return_logits:
@@ -189,10 +200,13 @@ class _ScoreVerifyTask(_Task):
         started = time.perf_counter()
         first = logits[:1].expand(num_drafts, 1, -1)  # [K, 1, V]: every draft's first row
         chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
-        target_probs = session_rows(session, torch.cat([first, chained], dim=1))  # [K, gamma+1, V]
+        drafts = draft_tokens.tolist()
+        target_after = [draft[:j] for draft in drafts for j in range(gamma + 1)]
+        target_probs = session_rows(session, torch.cat([first, chained], dim=1), target_after)  # [K, gamma+1, V]
         # The draft's rows, recomputed bit for bit from its logits by the same transform it
-        # sampled with (same request sampling parameters, same code).
-        draft_probs = session_rows(session, self.proposal.logits)  # [K, gamma, V]
+        # sampled with (same request sampling parameters and penalty contexts, same code).
+        draft_after = [draft[:j] for draft in drafts for j in range(gamma)]
+        draft_probs = session_rows(session, self.proposal.logits, draft_after)  # [K, gamma, V]
         if self.spec.multi_draft:
             batched = (draft_tokens[None], draft_probs[None], target_probs[None])  # B = 1
         else:
@@ -267,7 +281,8 @@ class _ExtendTask(_Task):
         else:
             self.next_logits = logits[0]  # [V]
         if len(self.tokens) < self.need.count:
-            token = int(self.source.categorical(session_rows(self.session, self.next_logits[None]))[0])  # row [1, V]
+            row = session_rows(self.session, self.next_logits[None], [self.queued + self.tokens])  # [1, V]
+            token = int(self.source.categorical(row)[0])
             self.tokens.append(token)
             self.token_logits.append(self.next_logits)
 
@@ -333,7 +348,7 @@ class WorkerEngine:
                 except Exception as error:  # noqa: BLE001 - reported to the one request
                     tasks.append(None)
                     errors[index] = self._fail(item.session_id, error)
-                    if isinstance(error, SessionNotFoundError):
+                    if isinstance(error, (SessionNotFoundError, ProposalLost)):
                         lost.add(index)
             forward_s = self._run_forwards(tasks, errors, items)
             self.steps += 1
@@ -352,7 +367,10 @@ class WorkerEngine:
             return _SampleTask(session, pending, need)
         if isinstance(need, ScoreVerify):
             source_step, source_item = item.proposal_source
-            proposal = proposals[source_step][source_item]
+            source = proposals[source_step]
+            if not isinstance(source, (list, tuple)):  # the proposing worker's step could not be read
+                raise ProposalLost(f"the proposals of this step were lost ({getattr(source, 'error', source)})")
+            proposal = source[source_item]
             if isinstance(proposal, ItemOutcome):  # the proposing item failed
                 raise RuntimeError(f"the proposal failed: {proposal.error}")
             return _ScoreVerifyTask(session, pending, need, proposal)

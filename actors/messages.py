@@ -11,20 +11,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from verifiers.penalties import NO_PENALTIES, Penalties
+
 
 @dataclass(frozen=True)
 class RowSampling:
     """How a worker turns its logits into the rows it samples from / verifies against.
 
     ``vocab_limit`` is the vocabulary shared by every model of the group: logits past it are
-    dropped before ``verifiers.sampling.logits_to_probs`` (models of one family may pad their
-    embedding tables differently; the extra ids are never produced).
+    dropped before ``verifiers.penalties.penalized_probs`` (models of one family may pad their
+    embedding tables differently; the extra ids are never produced). ``penalties`` are applied
+    to every row with the tokens generated before that row's own position.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     vocab_limit: int | None = None
+    penalties: Penalties = NO_PENALTIES
 
 
 @dataclass(frozen=True)

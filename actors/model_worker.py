@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +33,25 @@ logger = logging.getLogger(__name__)
 
 REAPER_PERIOD_S = 5.0
 SCRATCH_COLUMNS = 288  # cache columns past the context per slot: K x gamma drafts, queued segments
+
+
+@dataclass(frozen=True)
+class FailedSource:
+    """A proposing step whose payload could not be read (its worker died)."""
+
+    error: str
+
+
+def _resolve(source: Any) -> Any:
+    """A payload list, fetched if it is an ObjectRef; a :class:`FailedSource` if that fails."""
+    import ray
+
+    if not isinstance(source, ray.ObjectRef):
+        return source
+    try:
+        return ray.get(source)
+    except Exception as error:  # noqa: BLE001 - reported to the items that read it
+        return FailedSource(f"{type(error).__name__}")
 
 
 class ModelWorker:
@@ -105,12 +125,13 @@ class ModelWorker:
 
     # ------------------------------------------------------------------ the step
     def step(
-        self, items: Sequence[WorkItem], *proposals: Sequence[Any], releases: Sequence[str] = ()
+        self, items: Sequence[WorkItem], proposals: Sequence[Any] = (), releases: Sequence[str] = ()
     ) -> tuple[list[ItemOutcome], list[Any]]:
-        """Run one scheduler step (see :meth:`actors.engine.WorkerEngine.step`); ``proposals``
-        are the payload lists of the steps this one's ScoreVerify items read (ObjectRefs,
-        resolved by Ray before the call runs)."""
-        return self.engine.step(items, releases, proposals)
+        """Run one scheduler step (see :meth:`actors.engine.WorkerEngine.step`). ``proposals``
+        are the payload lists of the steps this one's ScoreVerify items read, as ObjectRefs
+        inside the list (so Ray does not fail the whole call when one source failed: a source
+        that cannot be read fails only the items that read it) or as plain lists."""
+        return self.engine.step(items, releases, [_resolve(source) for source in proposals])
 
     # ------------------------------------------------------------------ sessions
     def release(self, session_id: str) -> bool:

@@ -262,7 +262,6 @@ class Scheduler:
         for request in list(self.running):  # every cohort: their sessions on a lost worker are gone too
             if lost & request.opened:  # its sessions died with the worker, whatever this step did
                 self._fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
-                request.opened -= lost
         for request in list(cohort.running):
             outcomes = per_request[id(request)]
             self._advance(request, [outcomes[i] for i in range(len(request.last_needs))])
@@ -310,7 +309,7 @@ class Scheduler:
                 )
                 for e in phase1
             ]
-            outcomes_ref, _ = self._call(model, items, [payload_refs[name] for name in source_models])
+            outcomes_ref, _ = self._call(model, items, [payload_refs[name] for name in source_models])  # refs nested: see ModelWorker.step
             calls[(model, 1)] = (outcomes_ref, phase1)
         for model, ids in self.releases.items():
             if ids and not any(key[0] == model for key in calls):
@@ -319,7 +318,7 @@ class Scheduler:
 
     def _call(self, model: str, items: list[WorkItem], sources: list[Any] = ()) -> tuple[Any, Any]:
         releases, self.releases[model] = self.releases[model], []
-        return self.workers[model].step.options(num_returns=2).remote(items, *sources, releases=releases)
+        return self.workers[model].step.options(num_returns=2).remote(items, proposals=list(sources), releases=releases)
 
     # ------------------------------------------------------------------ results
     def _advance(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:

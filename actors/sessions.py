@@ -52,6 +52,7 @@ class Session:
     context: list[int]
     sampling: RowSampling
     sources: dict[str, TorchRandomSource]
+    prompt_length: int = 0
     base: int = 0
     chain_start: int = 0
     chain_stride: int = 0
@@ -60,6 +61,10 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     tokens_fed: int = 0
     forward_calls: int = 0
+
+    def generated(self) -> list[int]:
+        """The committed tokens after the prompt (what penalties count)."""
+        return self.context[self.prompt_length:]
 
     def source(self, stream: str) -> TorchRandomSource:
         source = self.sources.get(stream)
@@ -118,7 +123,8 @@ class SessionStore:
             if not prompt_ids:
                 raise ValueError("prompt_ids must not be empty")
             sources = {stream: TorchRandomSource(torch.Generator().manual_seed(int(seed))) for stream, seed in seeds.items()}
-            session = Session(session_id, self._allocate(), [int(t) for t in prompt_ids], sampling, sources)
+            session = Session(session_id, self._allocate(), [int(t) for t in prompt_ids], sampling, sources,
+                              prompt_length=len(prompt_ids))
             self._sessions[session_id] = session
             return session
 

@@ -35,6 +35,7 @@ from verifiers.machines import (
     SpeculativeEnsembleMachine,
     SpeculativeMachine,
 )
+from verifiers.penalties import NO_PENALTIES, Penalties
 from verifiers.randomness import TorchRandomSource, stream_seeds
 
 
@@ -45,6 +46,8 @@ class MachineSampling:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    penalties: Penalties = NO_PENALTIES
+    prompt: tuple[int, ...] = ()
 
 
 @dataclass
@@ -76,7 +79,7 @@ def _ensemble_kwargs(plan: DecodingPlan, sampling: MachineSampling, seeds: list[
     return dict(
         ensemble=plan.ensemble, weights=plan.weights, mu=plan.mu, temperature=sampling.temperature,
         top_k=sampling.top_k, top_p=sampling.top_p, own_source=TorchRandomSource(torch.Generator().manual_seed(seeds[-1])),
-        max_new_tokens=max_new_tokens, context_budget=budget,
+        max_new_tokens=max_new_tokens, context_budget=budget, penalties=sampling.penalties, prompt=sampling.prompt,
     )
 
 

@@ -25,9 +25,9 @@ from verifiers.machines import (
     ScoreVerify,
     Verified,
 )
+from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource
 from verifiers.registry import get_verifier
-from verifiers.sampling import logits_to_probs
 
 ModelFn = Callable[[tuple[int, ...]], torch.Tensor]
 
@@ -38,7 +38,8 @@ class LocalExecutor:
     model_fns: model name -> function. prompt: every model's starting context.
     sources: model name -> {stream name: RandomSource} (a machine's ``streams()`` layout).
     vocab_limit: logits are truncated to this many entries (the shared vocabulary; None keeps
-    them whole). Sampling parameters are the request's, identical for every model.
+    them whole). Sampling parameters and penalties are the request's, identical for every model;
+    each row is penalized with the tokens generated before its own position.
     """
 
     def __init__(
@@ -51,9 +52,12 @@ class LocalExecutor:
         top_k: int,
         top_p: float,
         vocab_limit: int | None = None,
+        penalties: Penalties = NO_PENALTIES,
     ):
         self.model_fns = dict(model_fns)
-        self.contexts = {name: tuple(int(t) for t in prompt) for name in self.model_fns}
+        self.prompt = tuple(int(t) for t in prompt)
+        self.penalties = penalties
+        self.contexts = {name: self.prompt for name in self.model_fns}
         self.sources = {name: dict(streams) for name, streams in sources.items()}
         self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         self.vocab_limit = vocab_limit
@@ -82,8 +86,10 @@ class LocalExecutor:
         logits = torch.as_tensor(self.model_fns[model](context)).to(torch.float64)  # [V_model]
         return logits if self.vocab_limit is None else logits[: self.vocab_limit]
 
-    def _rows(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits_to_probs(logits, **self.sampling)
+    def _rows(self, logits: torch.Tensor, contexts: list[tuple[int, ...]]) -> torch.Tensor:
+        """``logits [..., V]``, row ``i`` after ``contexts[i]`` (full contexts) -> rows."""
+        generated = [context[len(self.prompt):] for context in contexts]
+        return penalized_probs(logits, **self.sampling, penalties=self.penalties, prompt=self.prompt, generated=generated)
 
     def _source(self, model: str, stream: str) -> RandomSource:
         try:
@@ -97,8 +103,9 @@ class LocalExecutor:
         drafts: list[list[int]] = [[] for _ in range(need.num_drafts)]
         step_logits: list[torch.Tensor] = []
         for _ in range(need.count):
-            logits = torch.stack([self._logits(need.model, context + tuple(draft)) for draft in drafts])  # [K, V]
-            tokens = source.categorical(self._rows(logits))  # [K]
+            contexts = [context + tuple(draft) for draft in drafts]
+            logits = torch.stack([self._logits(need.model, c) for c in contexts])  # [K, V]
+            tokens = source.categorical(self._rows(logits, contexts))  # [K]
             for draft, token in zip(drafts, tokens.tolist()):
                 draft.append(int(token))
             step_logits.append(logits)
@@ -111,13 +118,12 @@ class LocalExecutor:
         context = self.contexts[need.model]
         draft_tokens = proposal.tokens  # [K, gamma]
         gamma = draft_tokens.shape[1]
-        target_probs = torch.stack(
-            [
-                torch.stack([self._rows(self._logits(need.model, context + tuple(draft[:i]))) for i in range(gamma + 1)])
-                for draft in draft_tokens.tolist()
-            ]
-        )  # [K, gamma+1, V]
-        draft_probs = self._rows(proposal.logits)  # [K, gamma, V]
+        drafts = draft_tokens.tolist()
+        target_contexts = [context + tuple(draft[:i]) for draft in drafts for i in range(gamma + 1)]
+        target_logits = torch.stack([self._logits(need.model, c) for c in target_contexts])  # [K*(gamma+1), V]
+        target_probs = self._rows(target_logits, target_contexts).reshape(len(drafts), gamma + 1, -1)  # [K, gamma+1, V]
+        draft_contexts = [context + tuple(draft[:i]) for draft in drafts for i in range(gamma)]
+        draft_probs = self._rows(proposal.logits, draft_contexts)  # [K, gamma, V]
         if spec.multi_draft:
             batched = (draft_tokens[None], draft_probs[None], target_probs[None])  # B = 1
         else:
@@ -142,8 +148,10 @@ class LocalExecutor:
         tokens: list[int] = []
         token_logits: list[torch.Tensor] = []
         for _ in range(need.count):
-            logits = self._logits(need.model, context + queued + tuple(tokens))  # [V]
-            tokens.append(int(self._source(need.model, need.stream).categorical(self._rows(logits))))
+            row_context = context + queued + tuple(tokens)
+            logits = self._logits(need.model, row_context)  # [V]
+            row = self._rows(logits[None], [row_context])[0]  # [V]
+            tokens.append(int(self._source(need.model, need.stream).categorical(row)))
             token_logits.append(logits)
         # One scoring call covers the queue and the first draw; each further draw is a call.
         self.model_calls[need.model] += max(1, need.count) if queued else need.count

@@ -33,7 +33,8 @@ from typing import Union
 
 import torch
 
-from verifiers.ensemble import default_proposer, make_ensemble, member_probs, next_scorer, verify_segment
+from verifiers.ensemble import default_proposer, make_ensemble, next_scorer, verify_segment
+from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource
 from verifiers.registry import get_verifier
 from verifiers.types import PAD_TOKEN
@@ -253,11 +254,13 @@ class _EnsembleMachine(DecodeMachine):
 
     def __init__(self, members: Sequence[str], *, ensemble: str, weights: Sequence[float] | None, mu: float,
                  temperature: float, top_k: int, top_p: float, own_source: RandomSource,
-                 max_new_tokens: int, context_budget: int | None = None):
+                 max_new_tokens: int, context_budget: int | None = None,
+                 penalties: Penalties = NO_PENALTIES, prompt: Sequence[int] = ()):
         super().__init__(max_new_tokens, context_budget)
         self.members = list(members)
         self.function = make_ensemble(ensemble, len(self.members), weights=weights, mu=mu)
-        self.sampling = (temperature, top_k, top_p)
+        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "penalties": penalties,
+                         "prompt": tuple(prompt)}
         self.own_source = own_source
         self.unsent = _Unsent(self.members, self.committed)
 
@@ -268,15 +271,16 @@ class _EnsembleMachine(DecodeMachine):
     def own_stream(self) -> int:
         return len(self.members)
 
-    def ensemble_rows(self, member_logits: torch.Tensor) -> torch.Tensor:
-        """``member_logits [n, ..., V]`` -> ensemble rows ``[..., V]`` (float64)."""
-        temperature, top_k, top_p = self.sampling
-        return self.function.probs(member_logits.to(torch.float64), temperature=temperature, top_k=top_k, top_p=top_p)
+    def ensemble_rows(self, member_logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
+        """``member_logits [n, N, V]`` -> ensemble rows ``[N, V]`` (float64): the ensemble's
+        logits, penalized with ``generated[i]`` (the tokens generated before row ``i``)."""
+        logits = self.function.logits(member_logits.to(torch.float64))  # [N, V]
+        return penalized_probs(logits, **self.sampling, generated=generated)
 
-    def proposal_rows(self, logits: torch.Tensor) -> torch.Tensor:
-        """One member's ``logits [..., V]`` -> the rows it samples from (float64)."""
-        temperature, top_k, top_p = self.sampling
-        return member_probs(logits.to(torch.float64), temperature=temperature, top_k=top_k, top_p=top_p)
+    def proposal_rows(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
+        """One member's ``logits [N, V]`` -> the rows it samples from (float64), penalized as
+        its worker penalized them."""
+        return penalized_probs(logits.to(torch.float64), **self.sampling, generated=generated)
 
 
 class EnsembleMachine(_EnsembleMachine):
@@ -288,7 +292,8 @@ class EnsembleMachine(_EnsembleMachine):
 
     def consume(self, results: Sequence[object]) -> list[int]:
         member_logits = torch.stack([torch.as_tensor(logits).to(torch.float64).cpu() for logits in results])  # [n, V]
-        token = int(self.own_source.categorical(self.ensemble_rows(member_logits)))
+        row = self.ensemble_rows(member_logits[:, None], [list(self.committed)])[0]  # [V]
+        token = int(self.own_source.categorical(row))
         return self._commit([token])
 
 
@@ -396,8 +401,9 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
         member_logits = torch.stack(
             [torch.stack(rows[:length]) for rows in self.queue.member_logits]
         ).to(torch.float64).cpu()  # [n, g, V]
-        proposal_probs = self.proposal_rows(member_logits[segment.producer])  # [g, V]
-        ensemble_probs = self.ensemble_rows(member_logits)  # [g, V]
+        generated = [self.committed + segment.tokens[:j] for j in range(length)]  # before each position
+        proposal_probs = self.proposal_rows(member_logits[segment.producer], generated)  # [g, V]
+        ensemble_probs = self.ensemble_rows(member_logits, generated)  # [g, V]
         next_token = self.queue.segments[1].tokens[0] if len(self.queue.segments) > 1 else PAD_TOKEN
         verdict = verify_segment(
             torch.tensor([segment.tokens], dtype=torch.int64),  # [1, g]

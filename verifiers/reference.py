@@ -16,6 +16,7 @@ import torch
 
 from verifiers.executor import LocalExecutor, layout_sources, run_machine
 from verifiers.machines import AutoregressiveMachine, SpeculativeMachine
+from verifiers.penalties import NO_PENALTIES, Penalties
 from verifiers.randomness import RandomSource, split_sources
 from verifiers.registry import get_verifier
 
@@ -49,13 +50,15 @@ def speculative_generate(
     generator: torch.Generator | RandomSource,
     top_k: int = 0,
     top_p: float = 1.0,
+    penalties: Penalties = NO_PENALTIES,
 ) -> tuple[list[int], dict]:
     """Speculative decoding with the verification rule ``method`` (see :mod:`verifiers.registry`).
 
     ``draft_fn`` / ``target_fn`` map the full context (prompt included) as a tuple of token
     ids to logits ``[V]``; both are turned into rows by
-    ``logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)``
-    (identically for draft and target). Returns ``(tokens, stats)``: exactly
+    ``penalized_probs(logits, temperature=..., top_k=..., top_p=..., penalties=...)``
+    (identically for draft and target; each row penalized with the tokens generated before
+    its own position, :mod:`verifiers.penalties`). Returns ``(tokens, stats)``: exactly
     ``max_new_tokens`` generated ids (the last block is truncated; no EOS handling) and a
     dict with ``target_calls`` (one per iteration), ``draft_calls`` (``gamma`` per
     iteration: one batched step over the K drafts), ``accepted`` (accepted lengths per
@@ -90,6 +93,7 @@ def speculative_generate(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        penalties=penalties,
     )
     generated = run_machine(machine, executor)
     iterations = len(machine.accepted_lengths)
@@ -124,6 +128,7 @@ def autoregressive_generate(
     generator: torch.Generator | RandomSource,
     top_k: int = 0,
     top_p: float = 1.0,
+    penalties: Penalties = NO_PENALTIES,
 ) -> tuple[list[int], dict]:
     """Plain autoregressive sampling from the target (the baseline every method must equal
     in law). Returns ``(tokens, stats)`` with ``stats["target_calls"] == max_new_tokens``.
@@ -143,6 +148,7 @@ def autoregressive_generate(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        penalties=penalties,
     )
     generated = run_machine(machine, executor)
     return generated, {"target_calls": max_new_tokens}

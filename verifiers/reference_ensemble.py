@@ -25,6 +25,7 @@ import torch
 from verifiers.ensemble import SEGMENT_METHODS, EnsembleKind, VerifyMethod, make_ensemble, shared_vocab_logits
 from verifiers.executor import LocalExecutor, layout_sources, run_machine
 from verifiers.machines import EnsembleMachine, SpeculativeEnsembleMachine
+from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource, split_sources
 
 logger = logging.getLogger(__name__)
@@ -41,14 +42,21 @@ def ensemble_next_token_probs(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    penalties: Penalties = NO_PENALTIES,
+    prompt: Sequence[int] = (),
 ) -> Callable[[tuple[int, ...]], torch.Tensor]:
     """The ensemble law as a function of the context: ``context -> row [V]`` (what every
-    ensemble loop must reproduce; feed it to :func:`verifiers.exact.sequence_law`)."""
+    ensemble loop must reproduce; feed it to :func:`verifiers.exact.sequence_law`). With
+    penalties, the tokens after ``prompt`` are the generated ones."""
     function = make_ensemble(ensemble, len(model_fns), weights=weights, mu=mu)
+    prompt = tuple(prompt)
 
     def next_token_probs(context: tuple[int, ...]) -> torch.Tensor:
         member_logits = shared_vocab_logits([torch.as_tensor(fn(tuple(context))) for fn in model_fns])  # [n, V]
-        return function.probs(member_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        logits = function.logits(member_logits)[None]  # [1, V]
+        generated = [tuple(context)[len(prompt):]]
+        return penalized_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, penalties=penalties,
+                               prompt=prompt, generated=generated)[0]
 
     return next_token_probs
 
@@ -65,6 +73,7 @@ def ensemble_autoregressive_generate(
     generator: torch.Generator | RandomSource,
     top_k: int = 0,
     top_p: float = 1.0,
+    penalties: Penalties = NO_PENALTIES,
 ) -> tuple[list[int], dict]:
     """The standard (non-speculative) ensemble: every member scores every token.
 
@@ -79,9 +88,9 @@ def ensemble_autoregressive_generate(
     sources = split_sources(generator, len(model_fns) + 1)
     machine = EnsembleMachine(
         _member_names(model_fns), ensemble=ensemble, weights=weights, mu=mu, temperature=temperature, top_k=top_k,
-        top_p=top_p, own_source=sources[-1], max_new_tokens=max_new_tokens,
+        top_p=top_p, own_source=sources[-1], max_new_tokens=max_new_tokens, penalties=penalties, prompt=prompt,
     )
-    generated = run_machine(machine, _executor(machine, model_fns, prompt, sources, temperature, top_k, top_p))
+    generated = run_machine(machine, _executor(machine, model_fns, prompt, sources, temperature, top_k, top_p, penalties))
     return generated, {"model_calls": [max_new_tokens] * len(model_fns)}
 
 
@@ -99,6 +108,7 @@ def ensemble_generate(
     generator: torch.Generator | RandomSource,
     top_k: int = 0,
     top_p: float = 1.0,
+    penalties: Penalties = NO_PENALTIES,
 ) -> tuple[list[int], dict]:
     """Speculative ensemble (paper 001): lossless sampling from the ensemble law.
 
@@ -155,8 +165,9 @@ def ensemble_generate(
     machine = SpeculativeEnsembleMachine(
         _member_names(model_fns), gammas=gammas, method=method, ensemble=ensemble, weights=weights, mu=mu,
         temperature=temperature, top_k=top_k, top_p=top_p, own_source=sources[-1], max_new_tokens=max_new_tokens,
+        penalties=penalties, prompt=prompt,
     )
-    executor = _executor(machine, model_fns, prompt, sources, temperature, top_k, top_p)
+    executor = _executor(machine, model_fns, prompt, sources, temperature, top_k, top_p, penalties)
     generated = run_machine(machine, executor)
     stats: dict = {
         "model_calls": [executor.model_calls[name] for name in machine.members],
@@ -181,6 +192,7 @@ def _executor(
     temperature: float,
     top_k: int,
     top_p: float,
+    penalties: Penalties,
 ) -> LocalExecutor:
     """The members as functions on the shared vocabulary (``V = min_i V_i``, read from each
     member's logits on the prompt: the prefill every member does anyway, not counted)."""
@@ -198,6 +210,7 @@ def _executor(
         top_k=top_k,
         top_p=top_p,
         vocab_limit=vocab,
+        penalties=penalties,
     )
 
 

@@ -17,6 +17,7 @@ from cluster.bringup import start_model_group
 from tests.actors.fake_models import FAKE_MODELS, POISON_PROMPT, FunctionModelWorker, fake_group_config
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from verifiers.exact import sequence_law
+from verifiers.penalties import Penalties, penalized_probs
 from verifiers.reference import autoregressive_generate, speculative_generate
 from verifiers.reference_ensemble import (
     ensemble_autoregressive_generate,
@@ -325,3 +326,68 @@ def test_overlap_changes_no_token(fake_group):
         serial_group.shutdown()
     for request, a, b in zip(requests, overlapped, serial):
         assert _tokens(a) == _tokens(b), request.speculation
+
+
+PENALTY_FIELDS = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.8, "logit_bias": {2: 0.9, 0: -0.5}}
+PENALTIES = Penalties(presence=0.7, frequency=0.4, repetition=1.8, logit_bias=((0, -0.5), (2, 0.9)))
+
+
+def _penalized_request(seed: int, speculation: dict, max_tokens: int = MAX_TOKENS) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"pen-{seed}", prompt_ids=list(PROMPT),
+        sampling={"max_tokens": max_tokens, "seed": seed, **PENALTY_FIELDS}, speculation=speculation,
+    )
+
+
+def _penalized_reference(speculation: dict, seed: int) -> list[int]:
+    generator = _generator(seed)
+    strategy = speculation["strategy"]
+    if strategy == "ar":
+        return autoregressive_generate(M["target"], PROMPT, MAX_TOKENS, generator=generator, penalties=PENALTIES)[0]
+    if strategy in ("sd", "multi_draft"):
+        return speculative_generate(
+            M["draft"], M["target"], PROMPT, MAX_TOKENS, gamma=speculation["gamma"], method=speculation["method"],
+            num_drafts=speculation.get("num_drafts", 1), generator=generator, penalties=PENALTIES,
+        )[0]
+    members = [M[name] for name in speculation["members"]]
+    if strategy == "ensemble":
+        return ensemble_autoregressive_generate(members, PROMPT, MAX_TOKENS, generator=generator, penalties=PENALTIES)[0]
+    return ensemble_generate(members, PROMPT, MAX_TOKENS, gammas=speculation["gammas"], method=speculation["method"],
+                             generator=generator, penalties=PENALTIES)[0]
+
+
+PENALTY_CASES = [
+    {"strategy": "ar"},
+    {"strategy": "sd", "method": "token", "gamma": 3},
+    {"strategy": "sd", "method": "block", "gamma": 3},
+    {"strategy": "sd", "method": "greedy_block", "gamma": 2},
+    {"strategy": "multi_draft", "method": "spectr", "gamma": 3, "num_drafts": 2},
+    {"strategy": "multi_draft", "method": "sequential_gbv", "gamma": 2, "num_drafts": 3},
+    {"strategy": "ensemble", "members": ["target", "partner"]},
+    {"strategy": "se", "method": "block", "members": ["target", "partner"], "gammas": [2, 3]},
+]
+
+
+@pytest.mark.parametrize("speculation", PENALTY_CASES, ids=lambda s: "-".join(str(v) for v in s.values())[:40])
+def test_penalties_match_the_reference(fake_group, speculation):
+    """Penalties and logit bias through the batched workers: token for token the reference loop
+    (whose law tests/verifiers/test_penalties.py proves exact by enumeration)."""
+    requests = [_penalized_request(seed, speculation) for seed in SEEDS]
+    for seed, chunks in zip(SEEDS, run_requests(fake_group, requests)):
+        assert _tokens(chunks) == _penalized_reference(speculation, seed)
+
+
+def test_penalized_law_through_coordinator(fake_group):
+    """Chi-square of 3-token sequences sampled through the coordinator with penalties against
+    the exact penalized target law; significance 1e-3."""
+    length, count = 3, 600
+    speculation = {"strategy": "sd", "method": "block", "gamma": 2}
+    requests = [_penalized_request(10_000 + i, speculation, max_tokens=length) for i in range(count)]
+    samples = [tuple(_tokens(chunks)) for chunks in run_requests(fake_group, requests)]
+
+    def next_token_probs(context):
+        logits = torch.as_tensor(M["target"](context))[None]
+        return penalized_probs(logits, temperature=1.0, penalties=PENALTIES, prompt=PROMPT,
+                               generated=[tuple(context)[len(PROMPT):]])[0]
+
+    assert chi_square_pvalue(samples, sequence_law(next_token_probs, PROMPT, length)) > CHI_SQUARE_SIGNIFICANCE

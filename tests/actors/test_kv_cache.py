@@ -106,7 +106,7 @@ def test_copy_columns_moves_every_layer_keys_and_values():
 def test_growth_inside_a_model_forward_keeps_sessions():
     """Four sessions fill the initial storage; a fifth grows it; all five then continue in one
     forward and match the embedded target run per row with a DynamicCache."""
-    backend = SlotBackend.load(resolve_model_path("embedded:target"), max_context=64, max_slots=8)
+    backend = SlotBackend.load(resolve_model_path("embedded:target"), max_context=64, max_slots=8, initial_slots=4)
     assert backend.cache.num_slots == 4
     generator = torch.Generator().manual_seed(3)
     contexts = [torch.randint(1, 4096, (n,), generator=generator).tolist() for n in (6, 21, 13, 40, 9)]

@@ -46,7 +46,7 @@ def _open(prompt=PROMPT, sampling=SAMPLING, seeds=None) -> OpenSession:
 
 
 def _run(worker, *items: WorkItem, releases=(), proposals=()):
-    outcomes, payloads = worker.step(list(items), *proposals, releases=list(releases))
+    outcomes, payloads = worker.step(list(items), proposals=list(proposals), releases=list(releases))
     for outcome in outcomes:
         assert outcome.error is None, outcome.error
     return outcomes, payloads
@@ -127,7 +127,7 @@ def test_k_drafts_in_one_row_then_the_winner_continues(worker, full_logits):
         outcome = worker.step(
             [WorkItem("multi", ScoreVerify("target", (), proposal=0, method="spectr"), open=_open(sampling=SHARP, seeds={"verify": 3}),
                       proposal_source=(0, 0))],
-            [proposal],
+            proposals=[[proposal]],
         )[0][0]
         assert outcome.error is None, outcome.error
         verified = outcome.value

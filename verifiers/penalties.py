@@ -1,0 +1,100 @@
+"""Repetition / presence / frequency penalties and logit bias: context-dependent changes of the
+logits that define the law a request samples from.
+
+The penalized law at a position depends on the tokens generated *before that position*, so
+inside a speculative block every position has its own context: draft token ``j`` of draft ``k``
+was drawn from the draft's logits penalized with the generated tokens plus draft ``k``'s first
+``j`` tokens, and the target row it is verified against is penalized with exactly the same
+context. Every maker of rows (the serving workers, the reference executor, the ensemble
+machines) goes through :func:`penalized_probs`, so the draft rows, the target rows and the
+verification agree position by position, and every strategy stays lossless with respect to the
+penalized target (or ensemble) law.
+
+Semantics (as in vLLM / transformers, applied in this order to float64 logits):
+
+1. ``repetition`` (``r``, 1 = off): the logit ``l`` of every token that occurs in the prompt or
+   in the generated tokens becomes ``l / r`` if ``l > 0`` else ``l * r``;
+2. ``frequency`` and ``presence`` (OpenAI): ``l -= frequency * count + presence * (count > 0)``,
+   ``count`` = occurrences among the generated tokens (not the prompt);
+3. ``logit_bias``: ``l += bias[token]``.
+
+``-inf`` stays ``-inf`` (a token the model rules out stays out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from verifiers.sampling import logits_to_probs
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """The request's penalties; the default changes nothing."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0 or bool(self.logit_bias)
+
+
+NO_PENALTIES = Penalties()
+
+
+def penalize(
+    logits: torch.Tensor, penalties: Penalties, prompt: Sequence[int], generated: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """``logits [N, V]`` (row ``i`` after ``prompt + generated[i]``) -> penalized float64 logits
+    ``[N, V]`` (a copy). Ids at or past ``V`` (outside the shared vocabulary) are ignored."""
+    logits = logits.to(torch.float64).clone()  # [N, V]
+    vocab = logits.shape[-1]
+    if len(generated) != logits.shape[0]:
+        raise ValueError(f"{len(generated)} generated contexts for {logits.shape[0]} rows")
+    prompt_seen = _counts(prompt, vocab) > 0 if penalties.repetition != 1.0 else None  # [V]
+    for row, tokens in enumerate(generated):
+        counts = _counts(tokens, vocab)  # [V]
+        if prompt_seen is not None:
+            seen = prompt_seen | (counts > 0)  # [V]
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / penalties.repetition, values * penalties.repetition)
+        if penalties.frequency or penalties.presence:
+            logits[row] -= penalties.frequency * counts + penalties.presence * (counts > 0).to(torch.float64)
+    for token, bias in penalties.logit_bias:
+        if 0 <= token < vocab:
+            logits[:, token] += bias
+    return logits
+
+
+def penalized_probs(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    penalties: Penalties = NO_PENALTIES,
+    prompt: Sequence[int] = (),
+    generated: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """``logits [..., V]`` -> the rows sampled from: penalties (when active; ``generated``
+    holds one context per row of the flattened leading dimensions), then
+    :func:`verifiers.sampling.logits_to_probs`."""
+    if penalties.active:
+        shape = logits.shape
+        if generated is None:
+            raise ValueError("penalties need the generated context of every row")
+        logits = penalize(logits.reshape(-1, shape[-1]), penalties, prompt, generated).reshape(shape)
+    return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def _counts(tokens: Sequence[int], vocab: int) -> torch.Tensor:
+    """Occurrences of each id ``< vocab`` in ``tokens`` -> float64 ``[V]``."""
+    ids = torch.as_tensor(list(tokens), dtype=torch.int64)
+    ids = ids[(ids >= 0) & (ids < vocab)]
+    return torch.bincount(ids, minlength=vocab).to(torch.float64)
