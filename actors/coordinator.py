@@ -167,7 +167,6 @@ class Coordinator:
             )
         if sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this deployment has none")
-        self._check_unsupported(sampling)
         bad_bias = [t for t in sampling.logit_bias if not 0 <= t < vocab_limit]
         if bad_bias:
             raise InvalidRequestError("logit_bias", f"token ids must lie in [0, {vocab_limit}), got {bad_bias[:5]}")
@@ -175,14 +174,6 @@ class Coordinator:
         if bad_values:
             raise InvalidRequestError("logit_bias", f"biases must be finite and in [-100, 100], got {bad_values[:5]}")
         return plan, prompt_ids, vocab_limit, max_context
-
-    @staticmethod
-    def _check_unsupported(sampling: Any) -> None:
-        """Fields the API accepts whose engine support is not there yet: a clear 400."""
-        unsupported = {"logprobs": sampling.logprobs is not None}
-        for field, used in unsupported.items():
-            if used:
-                raise InvalidRequestError(field, "not supported by this server yet")
 
     async def validate(self, request: GenerationRequest | dict) -> dict[str, Any]:
         """Check a request without running it: the resolved plan and the prompt length, or
@@ -238,7 +229,8 @@ class Coordinator:
         )
         built = build_machine(
             plan,
-            MachineSampling(sampling.temperature, sampling.top_k, sampling.top_p, penalties, tuple(prompt_ids)),
+            MachineSampling(sampling.temperature, sampling.top_k, sampling.top_p, penalties, tuple(prompt_ids),
+                            sampling.logprobs),
             seed=seed,
             max_new_tokens=sampling.max_tokens,
             context_budget=max_context - len(prompt_ids),

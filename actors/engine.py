@@ -35,6 +35,7 @@ from actors.sessions import Session, SessionNotFoundError, SessionStore
 from verifiers.machines import Extend, MemberBlock, NextLogits, Sample, Sampled, ScoreVerify, Verified
 from verifiers.registry import get_verifier
 from verifiers.penalties import penalized_probs
+from verifiers.sampling import token_logprob
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class _SampleTask(_Task):
         self.need = need
         self.drafts: list[list[int]] = [[] for _ in range(need.num_drafts)]
         self.step_logits: list[torch.Tensor] = []
+        self.logprobs: list = []  # draft 0's draws, when the need asks for them
         self.source = session.source(need.stream)
 
     @property
@@ -136,7 +138,10 @@ class _SampleTask(_Task):
             self._pending_fed()
             logits = logits.expand(self.need.num_drafts, -1)  # [K, V]: the K drafts share the first row
         logits = shared_vocab(self.session, logits)  # [K, V]
-        tokens = self.source.categorical(session_rows(self.session, logits, self.drafts))  # [K]
+        rows = session_rows(self.session, logits, self.drafts)  # [K, V]
+        tokens = self.source.categorical(rows)  # [K]
+        if self.need.logprobs is not None:
+            self.logprobs.append(token_logprob(rows[0], int(tokens[0]), self.need.logprobs))
         for draft, token in zip(self.drafts, tokens.tolist()):
             draft.append(int(token))
         if self.need.return_logits:
@@ -147,10 +152,11 @@ class _SampleTask(_Task):
         session.chain_start, session.chain_stride = session.base, stride
         session.chains = [draft[:stride] for draft in self.drafts] if stride else []
         tokens = torch.tensor(self.drafts, dtype=torch.int64)  # [K, n]
+        logprobs = self.logprobs if self.need.logprobs is not None else None
         if not self.need.return_logits:
-            return Sampled(tokens), None
+            return Sampled(tokens, logprobs=logprobs), None
         logits = torch.stack(self.step_logits, dim=1)  # [K, n, V]
-        return Sampled(tokens), Sampled(tokens, logits)
+        return Sampled(tokens, logprobs=logprobs), Sampled(tokens, logits)
 
 
 class _ScoreVerifyTask(_Task):
@@ -214,6 +220,10 @@ class _ScoreVerifyTask(_Task):
         result = self.spec.verify(*batched, generator=self.source, state=session.verify_state)
         session.verify_state = result.state
         emitted = result.emitted(0)
+        chosen = 0 if result.draft_index is None else int(result.draft_index[0])
+        logprobs = None
+        if self.need.logprobs is not None:  # each emitted token under the target row at its position
+            logprobs = [token_logprob(target_probs[chosen, j], t, self.need.logprobs) for j, t in enumerate(emitted)]
         session.chain_start, session.chain_stride = session.base, gamma
         session.chains = draft_tokens.tolist()
         session.context.extend(emitted)
@@ -221,6 +231,7 @@ class _ScoreVerifyTask(_Task):
             emitted=emitted,
             num_accepted=int(result.num_accepted[0]),
             draft_index=None if result.draft_index is None else int(result.draft_index[0]),
+            logprobs=logprobs,
         )
         self.verify_s = time.perf_counter() - started
 
@@ -321,6 +332,18 @@ class _NextLogitsTask(_Task):
         return self.logits, None
 
 
+SHORT_ROW_TOKENS = 16  # rows up to this long (decode, verification) share a forward; longer ones (prefills) get their own
+
+
+def _length_groups(rows: dict[int, RowWork]) -> list[dict[int, RowWork]]:
+    """Split one forward's rows by length: a batch is padded to its longest row, so a prompt's
+    prefill in the same forward as 15 one-to-five-token rows would make every row cost the
+    prompt's length. Short rows go in one forward, long rows in another."""
+    short = {i: row for i, row in rows.items() if len(row) <= SHORT_ROW_TOKENS}
+    long = {i: row for i, row in rows.items() if len(row) > SHORT_ROW_TOKENS}
+    return [group for group in (short, long) if group]
+
+
 class WorkerEngine:
     """Sessions + a slot backend + the batched step. Thread-safe (one step at a time)."""
 
@@ -397,9 +420,11 @@ class WorkerEngine:
                     tasks[i] = None
                     errors[i] = self._fail(items[i].session_id, error)
             started = time.perf_counter()
-            logits = self._forward(rows, tasks, errors, items)
+            logits: dict[int, torch.Tensor] = {}
+            for group in _length_groups(rows):
+                logits.update(self._forward(group, tasks, errors, items))
+                self.rows_per_forward.append(len(group))
             forward_s += time.perf_counter() - started
-            self.rows_per_forward.append(len(logits))
             del self.rows_per_forward[:-256]
             for i, row_logits in logits.items():
                 task = tasks[i]

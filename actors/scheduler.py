@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.api import GenerationChunk, RequestStats
+from actors.api import GenerationChunk, RequestStats, TokenLogprob
 from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan
@@ -328,6 +328,7 @@ class Scheduler:
         if failed:
             self._fail(request, failed[0].error, retryable=any(o.retryable for o in failed))
             return
+        logged = len(request.machine.token_logprobs)
         try:
             tokens = request.machine.consume([o.value for o in outcomes])
         except Exception as error:  # noqa: BLE001 - a machine error ends this request only
@@ -336,8 +337,9 @@ class Scheduler:
             return
         self._record(request, outcomes)
         delta = request.output.add(tokens)
+        logprobs = self._chunk_logprobs(request, logged, len(delta.token_ids))
         if request.output.finished or request.machine.done:
-            self._finish(request, delta)
+            self._finish(request, delta, logprobs)
             return
         if not delta.token_ids:
             request.empty_steps = request.empty_steps + 1 if not tokens else 0
@@ -345,7 +347,17 @@ class Scheduler:
                 self._fail(request, f"strategy {request.plan.strategy} made no progress in {MAX_EMPTY_STEPS} steps")
             return
         request.empty_steps = 0
-        request.chunks.put_nowait(GenerationChunk(request_id=request.request_id, token_ids=delta.token_ids, text=delta.text))
+        request.chunks.put_nowait(GenerationChunk(request_id=request.request_id, token_ids=delta.token_ids,
+                                                  text=delta.text, logprobs=logprobs))
+
+    @staticmethod
+    def _chunk_logprobs(request: RequestState, start: int, count: int) -> list[TokenLogprob] | None:
+        """The log-probabilities of the chunk's tokens (the output keeps a prefix of the step's
+        tokens: EOS, a stop string or max_tokens can cut it)."""
+        if request.machine.logprobs is None:
+            return None
+        entries = request.machine.token_logprobs[start: start + count]
+        return [TokenLogprob(token_id=t, logprob=lp, top=list(top)) for t, lp, top in entries]
 
     def _record(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:
         stats, plan = request.stats, request.plan
@@ -365,13 +377,14 @@ class Scheduler:
                 if isinstance(need, (Extend, NextLogits)):
                     stats.bytes_moved += _nbytes(outcome.value)
 
-    def _finish(self, request: RequestState, delta: Any) -> None:
+    def _finish(self, request: RequestState, delta: Any, logprobs: list[TokenLogprob] | None = None) -> None:
         request.finished = True
         request.chunks.put_nowait(
             GenerationChunk(
                 request_id=request.request_id,
                 token_ids=delta.token_ids,
                 text=delta.text,
+                logprobs=logprobs,
                 finished=True,
                 finish_reason=request.output.finish_reason or "length",
                 stats=request_stats(request),

@@ -48,6 +48,7 @@ class MachineSampling:
     top_p: float = 1.0
     penalties: Penalties = NO_PENALTIES
     prompt: tuple[int, ...] = ()
+    logprobs: int | None = None
 
 
 @dataclass
@@ -63,14 +64,14 @@ def _layout(machine: DecodeMachine, seeds: list[int]) -> dict[str, dict[str, int
 
 
 def _ar(plan: DecodingPlan, sampling: MachineSampling, seed: int, max_new_tokens: int, budget: int) -> BuiltMachine:
-    machine = AutoregressiveMachine(plan.target, max_new_tokens, budget)
+    machine = AutoregressiveMachine(plan.target, max_new_tokens, budget, logprobs=sampling.logprobs)
     return BuiltMachine(machine, _layout(machine, stream_seeds(seed, 1)))
 
 
 def _speculative(plan: DecodingPlan, sampling: MachineSampling, seed: int, max_new_tokens: int, budget: int) -> BuiltMachine:
     machine = SpeculativeMachine(
         plan.draft, plan.target, method=plan.method, gamma=plan.gamma, num_drafts=plan.num_drafts,
-        max_new_tokens=max_new_tokens, context_budget=budget,
+        max_new_tokens=max_new_tokens, context_budget=budget, logprobs=sampling.logprobs,
     )
     return BuiltMachine(machine, _layout(machine, stream_seeds(seed, 2)))
 
@@ -80,6 +81,7 @@ def _ensemble_kwargs(plan: DecodingPlan, sampling: MachineSampling, seeds: list[
         ensemble=plan.ensemble, weights=plan.weights, mu=plan.mu, temperature=sampling.temperature,
         top_k=sampling.top_k, top_p=sampling.top_p, own_source=TorchRandomSource(torch.Generator().manual_seed(seeds[-1])),
         max_new_tokens=max_new_tokens, context_budget=budget, penalties=sampling.penalties, prompt=sampling.prompt,
+        logprobs=sampling.logprobs,
     )
 
 

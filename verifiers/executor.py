@@ -28,6 +28,7 @@ from verifiers.machines import (
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource
 from verifiers.registry import get_verifier
+from verifiers.sampling import token_logprob
 
 ModelFn = Callable[[tuple[int, ...]], torch.Tensor]
 
@@ -102,16 +103,21 @@ class LocalExecutor:
         context = self.contexts[need.model]
         drafts: list[list[int]] = [[] for _ in range(need.num_drafts)]
         step_logits: list[torch.Tensor] = []
+        logprobs = []
         for _ in range(need.count):
             contexts = [context + tuple(draft) for draft in drafts]
             logits = torch.stack([self._logits(need.model, c) for c in contexts])  # [K, V]
-            tokens = source.categorical(self._rows(logits, contexts))  # [K]
+            rows = self._rows(logits, contexts)  # [K, V]
+            tokens = source.categorical(rows)  # [K]
+            if need.logprobs is not None:
+                logprobs.append(token_logprob(rows[0], int(tokens[0]), need.logprobs))
             for draft, token in zip(drafts, tokens.tolist()):
                 draft.append(int(token))
             step_logits.append(logits)
         self.model_calls[need.model] += need.count
         logits = torch.stack(step_logits, dim=1) if need.return_logits else None  # [K, n, V]
-        return Sampled(tokens=torch.tensor(drafts, dtype=torch.int64), logits=logits)
+        return Sampled(tokens=torch.tensor(drafts, dtype=torch.int64), logits=logits,
+                       logprobs=logprobs if need.logprobs is not None else None)
 
     def _score_verify(self, need: ScoreVerify, proposal: Sampled) -> Verified:
         spec = get_verifier(need.method)
@@ -133,12 +139,17 @@ class LocalExecutor:
         )
         self.verify_states[need.model] = result.state
         emitted = result.emitted(0)
+        chosen = 0 if result.draft_index is None else int(result.draft_index[0])
+        logprobs = None if need.logprobs is None else [
+            token_logprob(target_probs[chosen, j], t, need.logprobs) for j, t in enumerate(emitted)
+        ]
         self.contexts[need.model] = context + tuple(emitted)
         self.model_calls[need.model] += 1
         return Verified(
             emitted=emitted,
             num_accepted=int(result.num_accepted[0]),
             draft_index=None if result.draft_index is None else int(result.draft_index[0]),
+            logprobs=logprobs,
         )
 
     def _extend(self, need: Extend) -> MemberBlock:

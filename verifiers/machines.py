@@ -36,6 +36,7 @@ import torch
 from verifiers.ensemble import default_proposer, make_ensemble, next_scorer, verify_segment
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource
+from verifiers.sampling import token_logprob
 from verifiers.registry import get_verifier
 from verifiers.types import PAD_TOKEN
 
@@ -58,6 +59,7 @@ class Sample:
     num_drafts: int = 1
     return_logits: bool = False
     stream: str = "sample"
+    logprobs: int | None = None  # report each draw's log-probability (and this many alternatives)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class ScoreVerify:
     proposal: int
     method: str
     stream: str = "verify"
+    logprobs: int | None = None  # report each emitted token's log-probability under the target row
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,10 @@ class NextLogits:
 
 Need = Union[Sample, ScoreVerify, Extend, NextLogits]
 
+#: ``(token, logprob, ((id, logprob), ...))``: a token's log-probability under the law it was
+#: sampled from and the most likely alternatives (:func:`verifiers.sampling.token_logprob`).
+TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
+
 
 # -------------------------------------------------------------------------------- results
 @dataclass(frozen=True)
@@ -108,6 +115,7 @@ class Sampled:
 
     tokens: torch.Tensor
     logits: torch.Tensor | None = None
+    logprobs: list[TokenLogprob] | None = None  # draft 0's draws, when asked for
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,7 @@ class Verified:
     emitted: list[int]
     num_accepted: int
     draft_index: int | None = None
+    logprobs: list[TokenLogprob] | None = None  # per emitted token, under the target's row there
 
 
 @dataclass(frozen=True)
@@ -136,13 +145,18 @@ class DecodeMachine(ABC):
     max_new_tokens: the most tokens this machine will ever commit (the driver may stop earlier:
     EOS, stop strings). context_budget: positions left after the prompt in the smallest model
     context (None: unlimited, as in the reference loops); blocks are clipped near its end.
+    logprobs: when not None, ``token_logprobs`` gets one entry per committed token: its
+    log-probability under the law it was sampled from (the target's for ar / sd / multi_draft,
+    the ensemble's for ensemble / se, never the draft's) and the ``logprobs`` most likely ids.
     """
 
-    def __init__(self, max_new_tokens: int, context_budget: int | None = None):
+    def __init__(self, max_new_tokens: int, context_budget: int | None = None, logprobs: int | None = None):
         self.max_new_tokens = int(max_new_tokens)
         self.context_budget = context_budget
         self.committed: list[int] = []
         self.accepted_lengths: list[int] = []
+        self.logprobs = logprobs  # None: not asked for; k: the token's and k alternatives
+        self.token_logprobs: list[TokenLogprob] = []  # aligned with committed, when asked for
 
     @property
     def done(self) -> bool:
@@ -167,9 +181,13 @@ class DecodeMachine(ABC):
             return max(1, block)
         return max(1, min(block, self.context_budget - len(self.committed)))
 
-    def _commit(self, tokens: Sequence[int]) -> list[int]:
+    def _commit(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> list[int]:
         tokens = [int(t) for t in tokens]
         self.committed.extend(tokens)
+        if self.logprobs is not None:
+            if logprobs is None or len(logprobs) != len(tokens):
+                raise RuntimeError("log-probabilities were asked for but the step did not return one per token")
+            self.token_logprobs.extend(logprobs)
         return tokens
 
 
@@ -195,8 +213,8 @@ class AutoregressiveMachine(DecodeMachine):
     on the target (``verifiers.reference.autoregressive_generate``)."""
 
     def __init__(self, target: str, max_new_tokens: int, context_budget: int | None = None,
-                 tokens_per_step: int = AR_TOKENS_PER_STEP):
-        super().__init__(max_new_tokens, context_budget)
+                 tokens_per_step: int = AR_TOKENS_PER_STEP, logprobs: int | None = None):
+        super().__init__(max_new_tokens, context_budget, logprobs)
         self.target = target
         self.tokens_per_step = tokens_per_step
         self.unsent = _Unsent([target], self.committed)
@@ -207,11 +225,11 @@ class AutoregressiveMachine(DecodeMachine):
     def needs(self) -> list[Need]:
         remaining = self.max_new_tokens - len(self.committed)
         count = self.lookahead(min(self.tokens_per_step, max(1, remaining)))
-        return [Sample(self.target, self.unsent.take(self.target), count)]
+        return [Sample(self.target, self.unsent.take(self.target), count, logprobs=self.logprobs)]
 
     def consume(self, results: Sequence[object]) -> list[int]:
         (sampled,) = results
-        return self._commit(sampled.tokens[0].tolist())
+        return self._commit(sampled.tokens[0].tolist(), sampled.logprobs)
 
 
 class SpeculativeMachine(DecodeMachine):
@@ -220,8 +238,8 @@ class SpeculativeMachine(DecodeMachine):
     (stream 1 on the target) and emits the accepted prefix plus one token."""
 
     def __init__(self, draft: str, target: str, *, method: str, gamma: int, num_drafts: int,
-                 max_new_tokens: int, context_budget: int | None = None):
-        super().__init__(max_new_tokens, context_budget)
+                 max_new_tokens: int, context_budget: int | None = None, logprobs: int | None = None):
+        super().__init__(max_new_tokens, context_budget, logprobs)
         if not get_verifier(method).multi_draft and num_drafts != 1:
             raise ValueError(f"method {method!r} is single-draft; num_drafts must be 1, got {num_drafts}")
         self.draft, self.target = draft, target
@@ -236,7 +254,8 @@ class SpeculativeMachine(DecodeMachine):
         gamma = self.lookahead(self.gamma)
         return [
             Sample(self.draft, self.unsent.take(self.draft), gamma, self.num_drafts, return_logits=True),
-            ScoreVerify(self.target, self.unsent.take(self.target), proposal=0, method=self.method),
+            ScoreVerify(self.target, self.unsent.take(self.target), proposal=0, method=self.method,
+                        logprobs=self.logprobs),
         ]
 
     def consume(self, results: Sequence[object]) -> list[int]:
@@ -244,7 +263,7 @@ class SpeculativeMachine(DecodeMachine):
         self.accepted_lengths.append(verified.num_accepted)
         if verified.draft_index is not None:
             self.draft_indices.append(verified.draft_index)
-        tokens = self._commit(verified.emitted)
+        tokens = self._commit(verified.emitted, verified.logprobs)
         self.unsent.mark(self.target)
         return tokens
 
@@ -255,8 +274,8 @@ class _EnsembleMachine(DecodeMachine):
     def __init__(self, members: Sequence[str], *, ensemble: str, weights: Sequence[float] | None, mu: float,
                  temperature: float, top_k: int, top_p: float, own_source: RandomSource,
                  max_new_tokens: int, context_budget: int | None = None,
-                 penalties: Penalties = NO_PENALTIES, prompt: Sequence[int] = ()):
-        super().__init__(max_new_tokens, context_budget)
+                 penalties: Penalties = NO_PENALTIES, prompt: Sequence[int] = (), logprobs: int | None = None):
+        super().__init__(max_new_tokens, context_budget, logprobs)
         self.members = list(members)
         self.function = make_ensemble(ensemble, len(self.members), weights=weights, mu=mu)
         self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "penalties": penalties,
@@ -277,6 +296,12 @@ class _EnsembleMachine(DecodeMachine):
         logits = self.function.logits(member_logits.to(torch.float64))  # [N, V]
         return penalized_probs(logits, **self.sampling, generated=generated)
 
+    def _logprobs_of(self, tokens: Sequence[int], rows: torch.Tensor) -> list[TokenLogprob] | None:
+        """Token ``i``'s log-probability under ``rows[i]`` (the ensemble law), when asked for."""
+        if self.logprobs is None:
+            return None
+        return [token_logprob(row, token, self.logprobs) for token, row in zip(tokens, rows)]
+
     def proposal_rows(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
         """One member's ``logits [N, V]`` -> the rows it samples from (float64), penalized as
         its worker penalized them."""
@@ -294,7 +319,7 @@ class EnsembleMachine(_EnsembleMachine):
         member_logits = torch.stack([torch.as_tensor(logits).to(torch.float64).cpu() for logits in results])  # [n, V]
         row = self.ensemble_rows(member_logits[:, None], [list(self.committed)])[0]  # [V]
         token = int(self.own_source.categorical(row))
-        return self._commit([token])
+        return self._commit([token], self._logprobs_of([token], row[None]))
 
 
 @dataclass
@@ -390,12 +415,16 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
         if block.tokens.numel():
             self.queue.add_segment(member, block.tokens.tolist(), list(block.token_logits))
         committed: list[int] = []
+        logprobs: list[TokenLogprob] = []
         while self.queue.first_segment_verifiable():
-            committed.extend(self._verify_first_segment())
-        return self._commit(committed)
+            tokens, token_logprobs = self._verify_first_segment()
+            committed.extend(tokens)
+            logprobs.extend(token_logprobs or [])
+        return self._commit(committed, logprobs if self.logprobs is not None else None)
 
-    def _verify_first_segment(self) -> list[int]:
-        """Verify the oldest segment against the ensemble rows; update the queue."""
+    def _verify_first_segment(self) -> tuple[list[int], list[TokenLogprob] | None]:
+        """Verify the oldest segment against the ensemble rows; update the queue; return the
+        committed tokens and their log-probabilities under the ensemble rows at their positions."""
         segment = self.queue.segments[0]
         length = len(segment.tokens)
         member_logits = torch.stack(
@@ -420,4 +449,5 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
             self.queue.pop_first()
         else:
             self.queue.clear()
-        return verdict.emitted(0)
+        emitted = verdict.emitted(0)
+        return emitted, self._logprobs_of(emitted, ensemble_probs[: len(emitted)])

@@ -129,3 +129,12 @@ def _first_of_tie_group(sorted_desc: torch.Tensor) -> torch.Tensor:
     starts_group[..., 1:] = sorted_desc[..., 1:] != sorted_desc[..., :-1]
     start_positions = torch.where(starts_group, positions, torch.zeros_like(positions))
     return torch.cummax(start_positions, dim=-1).values
+
+
+def token_logprob(row: torch.Tensor, token: int, top: int) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """``(token, log row[token], ((id, logprob) of the ``top`` most likely ids, most likely
+    first))`` for one probability row ``[V]`` (the law the token was sampled from)."""
+    logs = torch.log(row.to(torch.float64))  # [V]; log 0 = -inf
+    best = torch.topk(logs, min(top, logs.shape[-1])) if top > 0 else None
+    alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
+    return int(token), float(logs[int(token)]), alternatives

@@ -85,7 +85,9 @@ def test_one_step_batches_sessions_and_matches_full_forwards(worker, full_logits
              for i, p in enumerate(prompts)]
     try:
         outcomes, payloads = _run(worker, *items)
-        assert worker.engine.rows_per_forward[-3:] == [4, 4, 4]  # three forwards, all four sessions in each
+        # The prompts' forward is split by length (the 30-token prefill alone), then two draft
+        # steps with all four sessions in one forward each.
+        assert worker.engine.rows_per_forward[-4:] == [3, 1, 4, 4]
         for i, (prompt, payload) in enumerate(zip(prompts, payloads)):
             tokens = payload.tokens[0].tolist()
             expected = full_logits(prompt + tokens)[len(prompt) - 1: len(prompt) + 2]  # [3, V]
