@@ -152,6 +152,7 @@ class GenerationChunk(_Frozen):
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None
     error: str | None = Field(None, description="Set when the request failed; the chunk is then final.")
+    timed_out: bool = Field(False, description="With error: the request ran past limits.request_timeout_s.")
     retryable: bool = Field(
         False, description="With error: the request failed because a model worker became unavailable "
         "(it is being restarted); the same request can be sent again (HTTP 503 / gRPC UNAVAILABLE)."

@@ -86,6 +86,7 @@ class Coordinator:
             max_running=config.max_concurrent_requests,
             max_waiting=config.max_queued_requests,
             cohorts=2 if config.overlap else 1,
+            request_timeout_s=config.request_timeout_s,
         )
         self.worker_infos: dict[str, WorkerInfo] | None = None
 

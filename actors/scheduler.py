@@ -116,12 +116,14 @@ class Scheduler:
     loop). ``cohorts``: 1 (every running request in every step) or 2 (two alternating cohorts
     that keep the draft and the target busy at the same time)."""
 
-    def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int, cohorts: int = 1):
+    def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int, cohorts: int = 1,
+                 request_timeout_s: float = 600.0):
         if cohorts not in (1, 2):
             raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
         self.workers = dict(workers)
         self.max_running = int(max_running)
         self.max_waiting = int(max_waiting)
+        self.request_timeout_s = float(request_timeout_s)
         self.waiting: deque[RequestState] = deque()
         self.cohorts = [Cohort(i) for i in range(cohorts)]
         self.releases: dict[str, list[str]] = {name: [] for name in self.workers}
@@ -181,13 +183,17 @@ class Scheduler:
 
     async def _run(self, cohort: Cohort) -> None:
         while True:
+            self._expire(cohort)
             self._drop_left(cohort)
             self._admit(cohort)
             if not cohort.running:
                 await self._flush_releases()
                 async with self._wakeup:
                     if not (self.waiting and len(self.running) < self.max_running):
-                        await self._wakeup.wait()  # a submit, a cancel or a finished request wakes it
+                        try:  # a submit, a cancel or a finished request wakes it; waiting ones can expire
+                            await asyncio.wait_for(self._wakeup.wait(), timeout=self.request_timeout_s / 4)
+                        except asyncio.TimeoutError:
+                            pass
                 continue
             started = time.perf_counter()
             try:
@@ -197,6 +203,16 @@ class Scheduler:
                 logger.exception("scheduler step failed; failing the cohort's requests")
                 for request in list(cohort.running):
                     self._fail(request, f"internal error: {type(error).__name__}")
+
+    def _expire(self, cohort: Cohort) -> None:
+        """End the requests (running in this cohort, or waiting) older than the request timeout."""
+        now = time.perf_counter()
+        message = f"the request ran past limits.request_timeout_s={self.request_timeout_s:g} s"
+        for request in [*cohort.running, *self.waiting]:
+            if not request.finished and now - request.submitted > self.request_timeout_s:
+                self._fail(request, message, timed_out=True)
+        for request in [r for r in self.waiting if r.finished]:
+            self.waiting.remove(request)
 
     def _drop_left(self, cohort: Cohort) -> None:
         """Remove finished and cancelled requests; queue their sessions for release."""
@@ -391,7 +407,7 @@ class Scheduler:
             )
         )
 
-    def _fail(self, request: RequestState, message: str, retryable: bool = False) -> None:
+    def _fail(self, request: RequestState, message: str, retryable: bool = False, timed_out: bool = False) -> None:
         if request.finished:
             return
         request.finished = True
@@ -403,6 +419,7 @@ class Scheduler:
                 finish_reason="error",
                 error=message,
                 retryable=retryable,
+                timed_out=timed_out,
                 stats=request_stats(request),
             )
         )

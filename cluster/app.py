@@ -55,6 +55,7 @@ from cluster.errors import (
     ModelGroupUnavailable,
     ModelNotFound,
     RequestFailed,
+    RequestTimedOut,
     Unauthenticated,
     client_error,
 )
@@ -158,6 +159,8 @@ class CoordinatorStream:
             raise _unwrap_task_error(error) from None
         if chunk.error is not None:
             self._finished = True
+            if chunk.timed_out:  # past limits.request_timeout_s: 504 / DEADLINE_EXCEEDED
+                raise RequestTimedOut(chunk.error)
             if chunk.retryable:  # a worker died and is being restarted: 503 / UNAVAILABLE
                 raise ModelGroupUnavailable(f"the model group reported: {chunk.error}")
             raise RequestFailed(f"the model group reported: {chunk.error}")

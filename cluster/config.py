@@ -165,6 +165,11 @@ class LimitsArgs(_Strict):
     session_idle_timeout_s: float = Field(
         300.0, gt=0.0, description="A worker frees a request's KV cache after this long without a call."
     )
+    request_timeout_s: float = Field(
+        600.0, gt=0.0, le=86400.0,
+        description="A request still unfinished this long after it arrived (waiting included) ends with HTTP 504 / "
+        "gRPC DEADLINE_EXCEEDED and its sessions are freed; bounds the work of clients that vanished unnoticed.",
+    )
     max_prompt_chars: int = Field(
         DEFAULT_MAX_PROMPT_CHARS,
         ge=1,
@@ -332,6 +337,7 @@ class SpecServeArgs(_Strict):
             overlap=self.engine.overlap,
             session_idle_timeout_s=self.limits.session_idle_timeout_s,
             max_prompt_chars=self.limits.max_prompt_chars,
+            request_timeout_s=self.limits.request_timeout_s,
             host=self.server.host,
             http_port=self.server.http_port,
             grpc_port=self.server.grpc_port,
@@ -388,6 +394,7 @@ class GroupConfig:
     overlap: bool = True
     session_idle_timeout_s: float = 300.0
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    request_timeout_s: float = 600.0
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 9000

@@ -48,6 +48,10 @@ class ModelGroupUnavailable(RuntimeError):
     """The replica's coordinator or a model worker died (the message is for the log only)."""
 
 
+class RequestTimedOut(TimeoutError):
+    """The request ran past ``limits.request_timeout_s`` (the message names the limit)."""
+
+
 class RequestFailed(RuntimeError):
     """The coordinator reported an error in the middle of a request (the message is for the log only)."""
 
@@ -93,6 +97,10 @@ def client_error(error: BaseException, request_id: str, what: str = "request") -
     if isinstance(error, Unauthenticated):
         return ClientError(401, grpc.StatusCode.UNAUTHENTICATED, clean_text(str(error)), None,
                            "invalid_request_error", "invalid_api_key", request_id)
+    if isinstance(error, RequestTimedOut):
+        logger.warning("%s %s timed out: %s", what, request_id, error)
+        return ClientError(504, grpc.StatusCode.DEADLINE_EXCEEDED, clean_text(str(error)), None, "server_error",
+                           "timeout", request_id)
     if isinstance(error, OverloadedError):
         logger.warning("%s %s refused: %s", what, request_id, error.message)
         return ClientError(429, grpc.StatusCode.RESOURCE_EXHAUSTED, clean_text(f"{error.message}; retry later"), None,
@@ -115,6 +123,7 @@ __all__ = [
     "ModelGroupUnavailable",
     "ModelNotFound",
     "RequestFailed",
+    "RequestTimedOut",
     "Unauthenticated",
     "clean_text",
     "client_error",

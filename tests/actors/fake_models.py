@@ -126,7 +126,7 @@ class FunctionModelWorker(ModelWorker):
         return self.backend.positions_computed
 
 
-def fake_group_config(overlap: bool = True, **defaults: Any) -> GroupConfig:
+def fake_group_config(overlap: bool = True, request_timeout_s: float = 600.0, **defaults: Any) -> GroupConfig:
     """A GroupConfig over the four fake models (no tokenizer: token ids only); ``overlap``:
     two alternating cohorts (the default) or one."""
     roles = {"target": "target", "draft": "draft", "partner": "member", "partner2": "member"}
@@ -141,4 +141,5 @@ def fake_group_config(overlap: bool = True, **defaults: Any) -> GroupConfig:
         max_queued_requests=1024,
         session_idle_timeout_s=120.0,
         overlap=overlap,
+        request_timeout_s=request_timeout_s,
     )

@@ -90,3 +90,20 @@ def test_killed_workers_fail_their_requests_retryably_and_the_group_recovers(slo
     (again,) = run_requests(slow_group, [requests[0]])
     (fresh,) = run_requests(slow_group, [requests[0]])
     assert _tokens(again) == _tokens(fresh)
+
+
+def test_a_request_past_its_timeout_ends_and_frees_its_sessions(ray_session):
+    """limits.request_timeout_s bounds every request: a slow one ends with a timed-out error
+    (HTTP 504) and its sessions are freed; a short one on the same group completes."""
+    group = start_model_group(fake_group_config(request_timeout_s=1.0), worker_cls=SlowFunctionModelWorker)
+    try:
+        slow, quick = run_requests(group, [_request(1, {"strategy": "ar"}, max_tokens=60),
+                                           _request(2, {"strategy": "ar"}, max_tokens=4)])
+        assert slow[-1].timed_out and "request_timeout_s=1" in slow[-1].error
+        assert quick[-1].error is None and len(_tokens(quick)) == 4
+        deadline = time.monotonic() + 10
+        while any(ray.get(w.num_sessions.remote()) for w in group.workers.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(ray.get(w.num_sessions.remote()) for w in group.workers.values())
+    finally:
+        group.shutdown()

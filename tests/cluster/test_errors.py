@@ -88,3 +88,17 @@ def test_client_errors_keep_their_message_cleaned_and_bounded():
 def test_clean_text():
     assert clean_text("\x1b[1;31mboom\x1b[0m\ttab\x00nul") == "boom tab nul"
     assert clean_text("z" * 10, limit=5) == "zz..."
+
+
+def test_limits_map_to_429_and_504_naming_the_limit():
+    import grpc
+
+    from actors.scheduler import OverloadedError
+    from cluster.errors import RequestTimedOut, client_error
+
+    busy = client_error(OverloadedError("server busy: 16 running (limit max_concurrent_requests=16)"), "req-1")
+    assert (busy.http_status, busy.grpc_code) == (429, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert "max_concurrent_requests" in busy.message
+    late = client_error(RequestTimedOut("the request ran past limits.request_timeout_s=600 s"), "req-2")
+    assert (late.http_status, late.grpc_code) == (504, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert "request_timeout_s" in late.message
