@@ -171,6 +171,13 @@ class Scheduler:
             for cohort, task in zip(self.cohorts, self._loop_tasks or [None] * len(self.cohorts))
         ]
 
+    async def close(self) -> None:
+        """Stop the step loops (the coordinator's event loop is about to end)."""
+        for task in self._loop_tasks:
+            task.cancel()
+        await asyncio.gather(*self._loop_tasks, return_exceptions=True)
+        self._loop_tasks = []
+
     def _notify(self) -> None:
         if self._wakeup is None:
             return

@@ -104,25 +104,35 @@ class RayRunner:
 
 
 class _LocalMethod:
-    def __init__(self, method):
+    def __init__(self, method, num_returns: int = 1):
         self._method = method
+        self._num_returns = num_returns
 
-    def remote(self, *args, **kwargs) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
+    def remote(self, *args, **kwargs) -> asyncio.Future | tuple[asyncio.Future, ...]:
+        loop = asyncio.get_running_loop()
+        futures = tuple(loop.create_future() for _ in range(self._num_returns))
         try:
             args = tuple(_resolve(a) for a in args)
             kwargs = {k: _resolve(v) for k, v in kwargs.items()}
-            future.set_result(self._method(*args, **kwargs))
-        except Exception as error:  # delivered to whoever awaits the future, as Ray would
-            future.set_exception(error)
-        return future
+            result = self._method(*args, **kwargs)
+            values = (result,) if self._num_returns == 1 else tuple(result)
+            for future, value in zip(futures, values):
+                future.set_result(value)
+        except Exception as error:  # delivered to whoever awaits the futures, as Ray would
+            for future in futures:
+                future.set_exception(error)
+        return futures[0] if self._num_returns == 1 else futures
 
-    def options(self, **_ignored) -> _LocalMethod:
-        return self
+    def options(self, num_returns: int = 1, **_ignored) -> _LocalMethod:
+        """Ray's ``num_returns`` (an int): that many futures; other options do not apply here."""
+        return _LocalMethod(self._method, num_returns if isinstance(num_returns, int) else 1)
 
 
 def _resolve(value: Any) -> Any:
-    """A future passed as an argument is replaced by its value (Ray does this for ObjectRefs)."""
+    """A future passed as an argument, or inside a list argument, is replaced by its value (as
+    Ray's ObjectRefs are by Ray, or by the worker that reads them)."""
+    if isinstance(value, list):
+        return [_resolve(v) for v in value]
     return value.result() if isinstance(value, asyncio.Future) else value
 
 
@@ -165,4 +175,5 @@ class LocalRunner:
         return collector.record(wall_s=wall_s, prompt_id=prompt_id, prompt_kind=prompt_kind, repeat=repeat, seed=seed)
 
     def close(self) -> None:
+        self.loop.run_until_complete(self.coordinator.scheduler.close())
         self.loop.close()
