@@ -246,11 +246,16 @@ async def _interleave(
                 continue
             yield position, chunk
     finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            stream.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks, streams)
+
+
+async def _cancel_all(tasks: list[asyncio.Future], streams: list[CoordinatorStream]) -> None:
+    """Cancel the choices' tasks and their coordinator streams (a client went away, or they ended)."""
+    for task in tasks:
+        task.cancel()
+    for stream in streams:
+        stream.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _http_client_error(error: BaseException, request_id: str, chat: bool = False, what: str = "request") -> ClientError:
@@ -393,11 +398,7 @@ class SpecServeIngress:
         try:
             await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
-                task.cancel()
-            for stream in streams:
-                stream.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(tasks, streams)
 
     def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
