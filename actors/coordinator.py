@@ -32,7 +32,7 @@ from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
 from actors.messages import OpenSession, RowSampling, WorkerInfo
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan, resolve_plan
-from actors.scheduler import OverloadedError, RequestState, Scheduler  # noqa: F401 (OverloadedError: raised by generate)
+from actors.scheduler import RequestState, Scheduler
 from actors.strategies import MachineSampling, build_machine
 from verifiers.penalties import Penalties
 

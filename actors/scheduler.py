@@ -31,6 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from actors.api import GenerationChunk, RequestStats, TokenLogprob
 from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
 from actors.output import OutputTracker
@@ -248,8 +250,7 @@ class Scheduler:
             cohort.running.append(request)
 
     async def _flush_releases(self) -> None:
-        calls = [self.workers[m].step.options(num_returns=2).remote([], releases=ids) for m, ids in self.releases.items() if ids]
-        self.releases = {name: [] for name in self.workers}
+        calls = [self._call(model, []) for model, ids in self.releases.items() if ids]
         for outcomes_ref, _ in calls:
             try:
                 await outcomes_ref
@@ -433,8 +434,6 @@ class Scheduler:
 
 
 def _nbytes(value: Any) -> int:
-    import torch
-
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     tensors = [getattr(value, name, None) for name in ("queued_logits", "token_logits")]

@@ -11,8 +11,9 @@ Both loops take ``model_fns``: one function per member mapping the full context 
 included) as a tuple of token ids to logits ``[V_i]``. The vocabularies are truncated to the
 shared one (``V = min_i V_i``, read from each member's logits on the prompt: the prefill every
 member does anyway, not counted in ``model_calls``). Rows come from
-:mod:`verifiers.ensemble`: member rows ``member_probs`` and ensemble rows ``EnsembleFunction.probs``,
-both with the same ``temperature`` / ``top_k`` / ``top_p``.
+:func:`verifiers.penalties.penalized_probs`: a member's own logits for its proposals, the
+ensemble's logits (``EnsembleFunction.logits``) for verification, both with the same
+``temperature`` / ``top_k`` / ``top_p`` and penalties (see :mod:`verifiers.machines`).
 """
 
 from __future__ import annotations
@@ -197,11 +198,11 @@ def _executor(
     """The members as functions on the shared vocabulary (``V = min_i V_i``, read from each
     member's logits on the prompt: the prefill every member does anyway, not counted)."""
     prompt = tuple(int(t) for t in prompt)
-    vocab = shared_vocab_logits([torch.as_tensor(fn(prompt)) for fn in model_fns]).shape[-1]
-    for i, fn in enumerate(model_fns):
-        logits = torch.as_tensor(fn(prompt))
+    prompt_logits = [torch.as_tensor(fn(prompt)) for fn in model_fns]
+    for i, logits in enumerate(prompt_logits):
         if logits.dim() != 1:
-            raise ValueError(f"member {i} returned logits of shape {tuple(logits.shape)}; expected [>= {vocab}]")
+            raise ValueError(f"member {i} returned logits of shape {tuple(logits.shape)}; expected [V]")
+    vocab = shared_vocab_logits(prompt_logits).shape[-1]
     return LocalExecutor(
         dict(zip(machine.members, model_fns)),
         prompt,
