@@ -30,6 +30,15 @@ from pydantic import ValidationError
 
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
 from actors.messages import OpenSession, RowSampling, WorkerInfo
+from actors.metrics import (
+    NO_METHOD,
+    RAY_EXPORT_PERIOD_S,
+    GroupIdentity,
+    MetricsRecorder,
+    RayMetricsExporter,
+    SchedulerMetrics,
+    group_snapshot,
+)
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan, resolve_plan
 from actors.scheduler import RequestState, Scheduler
@@ -38,6 +47,20 @@ from verifiers.penalties import Penalties
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a metrics snapshot waits for each worker's counters (a busy worker answers after its
+#: current step); a worker that does not answer in time is left out and counted as failed.
+WORKER_METRICS_TIMEOUT_S = 2.0
+DEFAULT_MODEL_GROUP = "specserve"
+
+
+def _inside_ray_actor() -> bool:
+    """True when this code runs in a Ray actor (where ``ray.util.metrics`` export works)."""
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001 - no Ray here: nothing to export to
+        return False
 
 
 def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
@@ -65,9 +88,13 @@ class Coordinator:
     config:  a :class:`cluster.config.GroupConfig` (roles, defaults, tokenizer path, limits);
              ``tokenizer_path=None`` runs on token ids only (no text, no stop strings).
     eos_token_ids: overrides the tokenizer's EOS id(s).
+    identity: the group's metric labels (served model name, owning replica).
+    export_to_ray: copy the metrics into ``ray.util.metrics`` every few seconds (default: when
+    running as a Ray actor).
     """
 
-    def __init__(self, workers: dict[str, Any], config: Any, eos_token_ids: list[int] | None = None):
+    def __init__(self, workers: dict[str, Any], config: Any, eos_token_ids: list[int] | None = None,
+                 identity: GroupIdentity | None = None, export_to_ray: bool | None = None):
         self.workers = dict(workers)
         self.config = config
         self.roles = dict(config.roles)
@@ -81,14 +108,19 @@ class Coordinator:
             self.eos_token_ids = frozenset([int(self.tokenizer.eos_token_id)])
         else:
             self.eos_token_ids = frozenset()
+        self.identity = identity if identity is not None else GroupIdentity(DEFAULT_MODEL_GROUP)
+        self.export_to_ray = _inside_ray_actor() if export_to_ray is None else export_to_ray
+        self.metrics = SchedulerMetrics(MetricsRecorder(keep_pending=self.export_to_ray))
         self.scheduler = Scheduler(
             self.workers,
             max_running=config.max_concurrent_requests,
             max_waiting=config.max_queued_requests,
             cohorts=2 if config.overlap else 1,
             request_timeout_s=config.request_timeout_s,
+            metrics=self.metrics,
         )
         self.worker_infos: dict[str, WorkerInfo] | None = None
+        self._export_task: asyncio.Task | None = None
 
     @staticmethod
     def _load_tokenizer(path: str | None):
@@ -127,6 +159,49 @@ class Coordinator:
             "batch_sizes": list(self.scheduler.batch_sizes),
             "step_seconds": list(self.scheduler.step_seconds),
         }
+
+    # ------------------------------------------------------------------ metrics
+    async def metrics_snapshot(self) -> dict[str, Any]:
+        """The group's metrics now (:func:`actors.metrics.group_snapshot`): the recorded
+        families, running / waiting requests and every worker's cumulative counters (workers that
+        do not answer within :data:`WORKER_METRICS_TIMEOUT_S` are left out and counted)."""
+        self._ensure_export()
+        worker_totals, failed = await self._worker_metrics()
+        return self._snapshot(worker_totals, failed)
+
+    def _snapshot(self, worker_totals: dict[str, dict[str, float]], failed: int) -> dict[str, Any]:
+        return group_snapshot(self.identity, self.metrics.recorder, len(self.scheduler.running),
+                              len(self.scheduler.waiting), worker_totals, failed)
+
+    async def _worker_metrics(self) -> tuple[dict[str, dict[str, float]], int]:
+        """Each worker's ``metrics()`` (name -> totals) and how many did not answer in time."""
+        names = list(self.workers)
+
+        async def one(name: str) -> dict[str, float]:
+            return await asyncio.wait_for(self.workers[name].metrics.remote(), timeout=WORKER_METRICS_TIMEOUT_S)
+
+        results = await asyncio.gather(*(one(name) for name in names), return_exceptions=True)
+        totals = {name: result for name, result in zip(names, results) if isinstance(result, dict)}
+        for name, result in zip(names, results):
+            if not isinstance(result, dict):
+                logger.warning("metrics of worker %s unavailable: %s", name, type(result).__name__)
+        return totals, len(names) - len(totals)
+
+    def _ensure_export(self) -> None:
+        """Start the periodic copy into ``ray.util.metrics`` (once, in the running event loop)."""
+        if not self.export_to_ray or (self._export_task is not None and not self._export_task.done()):
+            return
+        self._export_task = asyncio.get_running_loop().create_task(self._export_forever())
+
+    async def _export_forever(self) -> None:
+        exporter = RayMetricsExporter(self.identity)
+        while True:
+            await asyncio.sleep(RAY_EXPORT_PERIOD_S)
+            try:
+                worker_totals, failed = await self._worker_metrics()
+                exporter.export(self._snapshot(worker_totals, failed), self.metrics.recorder.take_pending())
+            except Exception:  # noqa: BLE001 - metrics must never stop the coordinator
+                logger.exception("exporting metrics to Ray failed")
 
     async def health(self) -> bool:
         """True when every worker answers."""
@@ -197,8 +272,13 @@ class Coordinator:
     # ------------------------------------------------------------------ decoding
     async def generate(self, request: GenerationRequest | dict) -> AsyncIterator[GenerationChunk]:
         """Stream the request's output (see the module docstring)."""
-        request = self._parse(request)
-        plan, prompt_ids, vocab_limit, max_context = await self._prepare(request)
+        self._ensure_export()
+        try:
+            request = self._parse(request)
+            plan, prompt_ids, vocab_limit, max_context = await self._prepare(request)
+        except InvalidRequestError:
+            self.metrics.refused(self._plan_labels(request), "invalid")
+            raise
         state = self._request_state(request, plan, prompt_ids, vocab_limit, max_context)
         self.scheduler.submit(state)  # OverloadedError when the waiting line is full
         try:
@@ -212,6 +292,18 @@ class Coordinator:
                     return
         finally:
             self.scheduler.cancel(state)  # no-op when finished; else it leaves at the next step
+
+    def _plan_labels(self, request: Any) -> tuple[str, str]:
+        """(strategy, method) of a request refused before it ran, as far as they resolve."""
+        try:
+            plan = resolve_plan(request.speculation, self.config.defaults, self.roles)
+        except Exception:  # noqa: BLE001 - the plan itself is what was invalid
+            return NO_METHOD, NO_METHOD
+        return plan.strategy, plan.method or NO_METHOD
+
+    def count_invalid(self) -> None:
+        """A request the ingress refused as invalid (400) before it reached here."""
+        self.metrics.refused((NO_METHOD, NO_METHOD), "invalid")
 
     async def generate_all(self, request: GenerationRequest | dict) -> list[GenerationChunk]:
         """Non-streaming convenience: every chunk of :meth:`generate` in a list."""

@@ -353,6 +353,21 @@ class WorkerEngine:
         self.sessions = SessionStore(backend.allocate, backend.free, idle_timeout_s, name)
         self.steps = 0
         self.rows_per_forward: list[int] = []  # recent batch sizes (for metrics)
+        # Cumulative since the worker started (monotonic; read at scrape time, see metrics()).
+        self.forward_seconds_total = 0.0
+        self.step_seconds_total = 0.0
+        self.forward_passes_total = 0
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters: seconds in forward passes and in step calls, steps, forward
+        passes, and the open sessions now (``actors.metrics.WORKER_KEYS``)."""
+        return {
+            "forward_seconds_total": self.forward_seconds_total,
+            "step_seconds_total": self.step_seconds_total,
+            "steps": self.steps,
+            "forward_passes_total": self.forward_passes_total,
+            "sessions": len(self.sessions),
+        }
 
     def step(
         self, items: Sequence[WorkItem], releases: Sequence[str] = (), proposals: Sequence[Sequence[Any]] = ()
@@ -360,22 +375,32 @@ class WorkerEngine:
         """Run one step; returns (outcomes aligned with ``items``, payloads aligned with
         ``items``). ``proposals[i][j]`` is the payload of item j of the i-th source step."""
         with self.sessions.lock:
-            for session_id in releases:
-                self.sessions.release(session_id)
-            tasks: list[_Task | None] = []
-            errors: dict[int, str] = {}
-            lost: set[int] = set()
-            for index, item in enumerate(items):
-                try:
-                    tasks.append(self._task(item, proposals))
-                except Exception as error:  # noqa: BLE001 - reported to the one request
-                    tasks.append(None)
-                    errors[index] = self._fail(item.session_id, error)
-                    if isinstance(error, (SessionNotFoundError, ProposalLost)):
-                        lost.add(index)
-            forward_s = self._run_forwards(tasks, errors, items)
-            self.steps += 1
-            return self._outcomes(items, tasks, errors, lost, forward_s)
+            started = time.perf_counter()
+            try:
+                return self._step(items, releases, proposals)
+            finally:
+                self.step_seconds_total += time.perf_counter() - started
+
+    def _step(
+        self, items: Sequence[WorkItem], releases: Sequence[str], proposals: Sequence[Sequence[Any]]
+    ) -> tuple[list[ItemOutcome], list[Any]]:
+        """The body of :meth:`step` (under the session lock)."""
+        for session_id in releases:
+            self.sessions.release(session_id)
+        tasks: list[_Task | None] = []
+        errors: dict[int, str] = {}
+        lost: set[int] = set()
+        for index, item in enumerate(items):
+            try:
+                tasks.append(self._task(item, proposals))
+            except Exception as error:  # noqa: BLE001 - reported to the one request
+                tasks.append(None)
+                errors[index] = self._fail(item.session_id, error)
+                if isinstance(error, (SessionNotFoundError, ProposalLost)):
+                    lost.add(index)
+        forward_s = self._run_forwards(tasks, errors, items)
+        self.steps += 1
+        return self._outcomes(items, tasks, errors, lost, forward_s)
 
     # ------------------------------------------------------------------ internals
     def _task(self, item: WorkItem, proposals: Sequence[Sequence[Any]]) -> _Task:
@@ -424,7 +449,10 @@ class WorkerEngine:
             for group in _length_groups(rows):
                 logits.update(self._forward(group, tasks, errors, items))
                 self.rows_per_forward.append(len(group))
-            forward_s += time.perf_counter() - started
+                self.forward_passes_total += 1
+            elapsed = time.perf_counter() - started
+            forward_s += elapsed
+            self.forward_seconds_total += elapsed
             del self.rows_per_forward[:-256]
             for i, row_logits in logits.items():
                 task = tasks[i]

@@ -159,6 +159,11 @@ class ModelWorker:
         rows = list(self.engine.rows_per_forward)
         return {"steps": self.engine.steps, "sessions": len(self.engine.sessions), "rows_per_forward": rows}
 
+    def metrics(self) -> dict[str, float]:
+        """Cumulative since this worker started: seconds in forward passes and in step calls,
+        steps and forward passes; and the open sessions now (:meth:`WorkerEngine.metrics`)."""
+        return self.engine.metrics()
+
     # ------------------------------------------------------------------ idle sessions
     def reap_idle_sessions(self) -> list[str]:
         """Free sessions idle for longer than the idle timeout; returns their ids."""

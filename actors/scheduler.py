@@ -35,6 +35,7 @@ import torch
 
 from actors.api import GenerationChunk, RequestStats, TokenLogprob
 from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
+from actors.metrics import NO_METHOD, RequestClock, SchedulerMetrics
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan
 from verifiers.machines import DecodeMachine, Extend, NextLogits, Sample, ScoreVerify
@@ -91,6 +92,12 @@ class RequestState:
     last_needs: list = field(default_factory=list)
     cancelled: bool = False
     finished: bool = False
+    clock: RequestClock = field(default_factory=RequestClock)
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        """The request's metric labels: (strategy, method)."""
+        return self.plan.strategy, self.plan.method or NO_METHOD
 
 
 @dataclass
@@ -119,7 +126,7 @@ class Scheduler:
     that keep the draft and the target busy at the same time)."""
 
     def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int, cohorts: int = 1,
-                 request_timeout_s: float = 600.0):
+                 request_timeout_s: float = 600.0, metrics: SchedulerMetrics | None = None):
         if cohorts not in (1, 2):
             raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
         self.workers = dict(workers)
@@ -132,6 +139,7 @@ class Scheduler:
         self.steps = 0
         self.batch_sizes: deque[int] = deque(maxlen=256)
         self.step_seconds: deque[float] = deque(maxlen=256)
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self._wakeup: asyncio.Condition | None = None
         self._loop_tasks: list[asyncio.Task] = []
 
@@ -145,6 +153,7 @@ class Scheduler:
         """Queue a request (raises OverloadedError when the waiting line is full)."""
         running = len(self.running)
         if len(self.waiting) >= self.max_waiting and running >= self.max_running:
+            self.metrics.refused(request.labels, "rejected")
             raise OverloadedError(
                 f"server busy: {running} requests running (limit max_concurrent_requests="
                 f"{self.max_running}) and {len(self.waiting)} waiting (limit max_queued_requests={self.max_waiting})"
@@ -157,6 +166,8 @@ class Scheduler:
         """The client went away: the request leaves at the next step boundary."""
         if not request.finished:
             request.cancelled = True
+            self.metrics.ended(request.labels, request.clock, "cancelled", time.perf_counter(), request.submitted,
+                               admitted=bool(request.started))
             logger.info("request %s cancelled", request.session_id)
             self._notify()
 
@@ -207,7 +218,9 @@ class Scheduler:
             started = time.perf_counter()
             try:
                 await self._step(cohort)
-                self.step_seconds.append(time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                self.step_seconds.append(elapsed)
+                self.metrics.step_duration(elapsed)
             except Exception as error:  # noqa: BLE001 - a scheduler bug must not hang every request
                 logger.exception("scheduler step failed; failing the cohort's requests")
                 for request in list(cohort.running):
@@ -248,6 +261,8 @@ class Scheduler:
             request = self.waiting.popleft()
             request.started = time.perf_counter()
             cohort.running.append(request)
+            self.metrics.admitted(request.labels, request.clock, len(request.prompt_ids),
+                                  request.started - request.submitted)
 
     async def _flush_releases(self) -> None:
         calls = [self._call(model, []) for model, ids in self.releases.items() if ids]
@@ -272,6 +287,7 @@ class Scheduler:
         placed = self._place([(request, request.last_needs) for request in cohort.running])
         self.steps += 1
         self.batch_sizes.append(len(cohort.running))
+        self.metrics.step(len(cohort.running))
         per_request: dict[int, dict[int, ItemOutcome]] = {id(r): {} for r in cohort.running}
         lost: set[str] = set()
         for (model, _), (ref, entries) in self._call_workers(placed).items():
@@ -353,6 +369,7 @@ class Scheduler:
             self._fail(request, failed[0].error, retryable=any(o.retryable for o in failed))
             return
         logged = len(request.machine.token_logprobs)
+        verified_before = len(request.machine.accepted_lengths)
         try:
             tokens = request.machine.consume([o.value for o in outcomes])
         except Exception as error:  # noqa: BLE001 - a machine error ends this request only
@@ -360,7 +377,11 @@ class Scheduler:
             self._fail(request, f"{type(error).__name__}: {error}")
             return
         self._record(request, outcomes)
+        self._record_verifications(request, verified_before)
         delta = request.output.add(tokens)
+        if delta.token_ids:
+            self.metrics.tokens(request.labels, request.clock, len(delta.token_ids), time.perf_counter(),
+                                request.submitted)
         logprobs = self._chunk_logprobs(request, logged, len(delta.token_ids))
         if request.output.finished or request.machine.done:
             self._finish(request, delta, logprobs)
@@ -401,8 +422,29 @@ class Scheduler:
                 if isinstance(need, (Extend, NextLogits)):
                     stats.bytes_moved += _nbytes(outcome.value)
 
+    def _record_verifications(self, request: RequestState, first_new: int) -> None:
+        """The speculation counters of the verifications this step made (``accepted_lengths``
+        entries from ``first_new`` on): sd / multi_draft one per step, K drafts of the Sample
+        need's ``count`` tokens; se one per verified segment (its length in draft tokens)."""
+        machine = request.machine
+        accepted = machine.accepted_lengths[first_new:]
+        if not accepted:
+            return
+        if request.plan.strategy == "se":
+            lengths = machine.segment_lengths[first_new:]
+            for length, count in zip(lengths, accepted):
+                self.metrics.verified(request.labels, 1, length, count)
+            return
+        sample = next((need for need in request.last_needs if isinstance(need, Sample)), None)
+        if sample is None:
+            return
+        for count in accepted:
+            self.metrics.verified(request.labels, sample.num_drafts, sample.num_drafts * sample.count, count)
+
     def _finish(self, request: RequestState, delta: Any, logprobs: list[TokenLogprob] | None = None) -> None:
         request.finished = True
+        self.metrics.ended(request.labels, request.clock, request.output.finish_reason or "length",
+                           time.perf_counter(), request.submitted)
         request.chunks.put_nowait(
             GenerationChunk(
                 request_id=request.request_id,
@@ -419,6 +461,9 @@ class Scheduler:
         if request.finished:
             return
         request.finished = True
+        status = "timed_out" if timed_out else "unavailable" if retryable else "error"
+        self.metrics.ended(request.labels, request.clock, status, time.perf_counter(), request.submitted,
+                           admitted=bool(request.started))
         logger.error("request %s failed: %s", request.session_id, message)
         request.chunks.put_nowait(
             GenerationChunk(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.coordinator import Coordinator
+from actors.metrics import COORDINATOR_NAMESPACE, GroupIdentity
 from actors.model_worker import ModelWorker
 from cluster.config import GroupConfig, SpecServeArgs, parse_app_args
 
@@ -148,6 +149,7 @@ def start_model_group(
     first_bundle: int = 0,
     worker_cls: type = ModelWorker,
     wait: bool = True,
+    identity: GroupIdentity | None = None,
 ) -> ModelGroup:
     """Start one ModelWorker per model and a Coordinator over them.
 
@@ -158,6 +160,10 @@ def start_model_group(
     become the actors' ``resources=`` option. ``wait``: block until every model is loaded (load
     errors surface here).
     ``worker_cls`` lets tests substitute a worker with the same interface.
+    ``identity``: the group's metric labels (served model name, owning replica); when given, the
+    coordinator is a named actor (``identity.actor_name`` in namespace
+    :data:`actors.metrics.COORDINATOR_NAMESPACE`) so ``GET /metrics`` finds every group of an
+    application.
     """
     import ray
 
@@ -179,7 +185,9 @@ def start_model_group(
     if config.coordinator_resources:
         coordinator_options["resources"] = dict(config.coordinator_resources)
     coordinator_options.update(_scheduling(placement_group, coordinator_bundle_index(config, first_bundle)))
-    coordinator = ray.remote(Coordinator).options(**coordinator_options).remote(workers, config)
+    if identity is not None:
+        coordinator_options.update(name=identity.actor_name, namespace=COORDINATOR_NAMESPACE)
+    coordinator = ray.remote(Coordinator).options(**coordinator_options).remote(workers, config, identity=identity)
     group = ModelGroup(config=config, workers=workers, coordinator=coordinator)
     if wait:
         try:
