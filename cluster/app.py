@@ -45,9 +45,11 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
+from actors.metrics import GroupIdentity
 from actors.scheduler import OverloadedError
 from actors.plan import resolve_plan
 from cluster import grpc_service
+from cluster.metrics import CONTENT_TYPE, CoordinatorDirectory, render
 from cluster.config import GroupConfig, SpecServeArgs, parse_app_args, resolve_api_key
 from cluster.errors import (
     ClientError,
@@ -317,9 +319,10 @@ class SpecServeIngress:
     """One replica: a model group plus the HTTP routes and gRPC methods that feed it."""
 
     def __init__(self, args: dict[str, Any], start_group: Callable[..., Any] | None = None):
-        """``start_group(config, placement_group=..., first_bundle=...)`` builds the model group (default:
-        :func:`cluster.bringup.start_model_group`); it must return an object with a
-        ``coordinator`` actor handle and a ``shutdown()`` method."""
+        """``start_group(config, placement_group=..., first_bundle=..., identity=...)`` builds the
+        model group (default: :func:`cluster.bringup.start_model_group`); it must return an object
+        with a ``coordinator`` actor handle and a ``shutdown()`` method. ``identity`` (the served
+        model name and this replica's id) names the coordinator so ``GET /metrics`` finds it."""
         if start_group is None:
             from cluster.bringup import start_model_group as start_group
 
@@ -345,8 +348,11 @@ class SpecServeIngress:
             [model.name for model in self._config.models],
             self._placement_group_id,
         )
-        self._group = start_group(self._config, placement_group=placement_group, first_bundle=MODEL_BUNDLE_OFFSET)
+        identity = GroupIdentity(self._model_name, _replica_id() or uuid.uuid4().hex[:12])
+        self._group = start_group(self._config, placement_group=placement_group, first_bundle=MODEL_BUNDLE_OFFSET,
+                                  identity=identity)
         self._coordinator = self._group.coordinator
+        self._metrics = CoordinatorDirectory(self._model_name, identity.actor_name, self._coordinator)
 
     # ------------------------------------------------------------------ shared request path
 
@@ -357,6 +363,17 @@ class SpecServeIngress:
         if model and model != self._model_name:
             shown = model if len(model) <= 64 else model[:61] + "..."
             raise ModelNotFound(f"model {shown!r} is not served here; served model: {self._model_name!r}")
+
+    def _count_if_invalid(self, error: BaseException) -> None:
+        """Count a request this replica refused as invalid (400 / INVALID_ARGUMENT) before it
+        reached the coordinator, in the group's ``specserve_requests{status="invalid"}``
+        (a fire-and-forget call; bad requests are rare and cheap to report)."""
+        if not isinstance(error, InvalidRequestError):
+            return
+        try:
+            self._coordinator.count_invalid.remote()
+        except Exception as failure:  # noqa: BLE001 - metrics never fail a request
+            logger.debug("could not count an invalid request: %s", failure)
 
     def _check_plan(self, request: GenerationRequest) -> None:
         """Resolve the strategy against the deployment now, so a bad one fails before any work."""
@@ -482,6 +499,17 @@ class SpecServeIngress:
             }
         )
 
+    @fastapi_app.get("/metrics")
+    async def metrics(self, http_request: Request) -> Response:
+        """Prometheus text: the metrics of every model group (replica) of this application
+        (:mod:`cluster.metrics`); needs the API key when one is set."""
+        try:
+            self._http_auth(http_request)
+        except Unauthenticated as error:
+            return _http_error(error, self._new_request_id("metrics"))
+        scrape = await self._metrics.scrape()
+        return Response(render(self._model_name, scrape), media_type=CONTENT_TYPE)
+
     @fastapi_app.get("/v1/models")
     async def models(self, http_request: Request) -> JSONResponse:
         try:
@@ -506,6 +534,7 @@ class SpecServeIngress:
             self._http_auth(http_request)
             body = parse_body(ChatCompletionRequest if chat else CompletionRequest, await http_request.body())
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response (fields named as sent)
+            self._count_if_invalid(error)
             return _http_error(error, request_id)
         try:
             self._check_model(body.model)
@@ -518,6 +547,7 @@ class SpecServeIngress:
             prefixes = await self._echo_prefixes(body, specs)
             streams = self._start_all(generations)
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
+            self._count_if_invalid(error)
             return _http_error(_unwrap_task_error(error), request_id, chat)
         token_ids = bool(body.return_token_ids)
         if not body.streaming:
@@ -582,12 +612,17 @@ class SpecServeIngress:
         requests, its id and the token texts of its log-probabilities (None when not asked
         for), or raises (the request id is the server's until the client's own is validated)."""
         require_key(self._api_key, grpc_context.invocation_metadata() if grpc_context is not None else ())
-        proto = grpc_service.check_decoded(proto)
-        request_id = self._new_request_id("grpc", grpc_service.client_request_id(proto))
-        self._check_model(proto.model)
-        specs, generations = grpc_service.to_generation_requests(
-            proto, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
-        )
+        try:
+            proto = grpc_service.check_decoded(proto)
+            request_id = self._new_request_id("grpc", grpc_service.client_request_id(proto))
+            self._check_model(proto.model)
+            specs, generations = grpc_service.to_generation_requests(
+                proto, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
+            )
+            self._check_plan(generations[0])
+        except Exception as error:  # noqa: BLE001 - counted, then answered by the caller
+            self._count_if_invalid(error)
+            raise
         texts = (await self._tokenizer_texts())[1] if grpc_service.wants_logprobs(generations[0]) else None
         return specs, generations, request_id, texts
 
