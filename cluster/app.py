@@ -104,6 +104,8 @@ HEALTH_TIMEOUT_S = 10.0
 #: (Serve's own ``x-request-id`` header holds Serve's id for the same request).
 REQUEST_ID_HEADER = "specserve-request-id"
 REQUEST_ID_METADATA = "specserve-request-id"
+#: Response header of ``GET /metrics``: the replica that answered the scrape (it covers them all).
+REPLICA_HEADER = "specserve-replica"
 
 
 def replica_bundles(config: GroupConfig) -> list[dict[str, float]]:
@@ -508,7 +510,8 @@ class SpecServeIngress:
         except Unauthenticated as error:
             return _http_error(error, self._new_request_id("metrics"))
         scrape = await self._metrics.scrape()
-        return Response(render(self._model_name, scrape), media_type=CONTENT_TYPE)
+        return Response(render(self._model_name, scrape), media_type=CONTENT_TYPE,
+                        headers={REPLICA_HEADER: _replica_id()})
 
     @fastapi_app.get("/v1/models")
     async def models(self, http_request: Request) -> JSONResponse:

@@ -70,3 +70,34 @@ def test_both_replicas_serve_requests(two_replica_app, greedy_reference):
         results = [http.post("/v1/completions", json=body).json() for _ in range(4)]
     assert all(result["choices"][0]["token_ids"] == expected for result in results)
     assert all(result["model"] == APP for result in results)
+
+
+def test_a_scrape_on_either_replica_covers_both(two_replica_app):
+    """GET /metrics answered by either replica shows both replicas' model groups."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.app import REPLICA_HEADER
+
+    with httpx.Client(base_url=two_replica_app, timeout=60) as http:
+        replicas = set()
+        for _ in range(60):
+            replicas.add(http.get("/v1/status").json()["replica"])
+            if len(replicas) == 2:
+                break
+        answered = set()
+        for _ in range(60):
+            response = http.get("/metrics")
+            assert response.status_code == 200
+            answered.add(response.headers[REPLICA_HEADER])
+            samples = [s for family in text_string_to_metric_families(response.text) for s in family.samples]
+            running = {s.labels["replica"] for s in samples if s.name == "specserve_num_requests_running"}
+            assert running == replicas
+            workers = {(s.labels["replica"], s.labels["worker"]) for s in samples
+                       if s.name == "specserve_worker_forward_seconds_total"}
+            assert workers == {(replica, worker) for replica in replicas for worker in ("target", "draft")}
+            scraped = {s.labels["state"]: s.value for s in samples if s.name == "specserve_scrape_coordinators"}
+            assert scraped == {"ok": 2, "failed": 0}
+            assert all(s.labels["model_group"] == APP for s in samples if "model_group" in s.labels)
+            if len(answered) == 2:
+                break
+    assert answered == replicas, "scrapes should reach both replicas"
