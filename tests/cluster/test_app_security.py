@@ -90,7 +90,7 @@ GRPC_REQUEST = specserve_pb2.GenerateRequest(
 def test_http_without_the_right_key_is_401_everywhere_but_health(http, headers):
     for method, path, body in [("POST", "/v1/completions", BODY),
                                ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-                               ("GET", "/v1/models", None), ("GET", "/v1/status", None)]:
+                               ("GET", "/v1/models", None), ("GET", "/v1/status", None), ("GET", "/metrics", None)]:
         response = http.request(method, path, json=body, headers=headers)
         assert response.status_code == 401, (path, response.text)
         error = response.json()["error"]
@@ -108,6 +108,7 @@ def test_http_with_the_right_key_is_served(http):
         assert response.json()["usage"]["completion_tokens"] == 3
     assert http.get("/v1/models", headers=bearer(KEY)).json()["data"][0]["id"] == APP
     assert http.get("/v1/status", headers=bearer(KEY)).json()["model"] == APP
+    assert "specserve_requests_total" in http.get("/metrics", headers=bearer(KEY)).text
     # An unauthenticated bad request is refused for the key, not for the body.
     assert http.post("/v1/completions", content=b"\xff", headers={"content-type": "application/json"}).status_code == 401
 
