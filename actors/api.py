@@ -7,9 +7,9 @@ plain data (picklable) so they travel through Ray unchanged.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
 Strategy = Literal["ar", "sd", "multi_draft", "ensemble", "se"]
 SingleDraftMethod = Literal["token", "block", "greedy_block"]
@@ -20,6 +20,20 @@ FinishReason = Literal["stop", "length", "error"]
 MAX_GAMMA = 32
 MAX_DRAFTS = 8
 MAX_TOP_LOGPROBS = 20
+
+
+def check_gamma(value: object) -> int | str:
+    """A draft block length: an int in ``[1, MAX_GAMMA]`` or ``"auto"`` (:mod:`verifiers.adaptive`)."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GAMMA:
+        raise ValueError(f'must be an integer in [1, {MAX_GAMMA}] or "auto", got {value!r}')
+    return value
+
+
+#: ``gamma`` as requests and configs spell it (one error message naming the field, not one per
+#: member of the union).
+GammaValue = Annotated[Union[int, Literal["auto"]], PlainValidator(check_gamma, json_schema_input_type=Union[int, Literal["auto"]])]
 
 
 class InvalidRequestError(ValueError):
@@ -80,7 +94,12 @@ class SpeculationParams(_Frozen):
         None,
         description="Verification rule: token | block | greedy_block (sd), token | block (se); spectr | sequential_gbv | spectr_gbv (multi_draft).",
     )
-    gamma: int | None = Field(None, ge=1, le=MAX_GAMMA, description="Draft block length (sd, multi_draft).")
+    gamma: GammaValue | None = Field(
+        None,
+        description='Draft block length (sd, multi_draft), or "auto": chosen before each draft from the '
+        "request's acceptance so far, in [1, gamma_max] (lossless like any fixed gamma).",
+    )
+    gamma_max: int | None = Field(None, ge=1, le=MAX_GAMMA, description='Largest block "auto" may draft.')
     num_drafts: int | None = Field(None, ge=1, le=MAX_DRAFTS, description="K i.i.d. drafts (multi_draft).")
     ensemble: EnsembleKind | None = Field(None, description="weighted | contrastive (ensemble, se).")
     weights: list[float] | None = Field(None, description="Weighted ensemble weights, one per member, summing to 1.")
@@ -121,6 +140,9 @@ class RequestStats(_Frozen):
     target_calls: int = Field(0, description="Forward calls of the target (or of the verifying members).")
     model_calls: dict[str, int] = Field(default_factory=dict, description="Forward calls per model name.")
     accepted_lengths: list[int] = Field(default_factory=list, description="Accepted draft tokens per iteration.")
+    draft_lengths: list[int] = Field(
+        default_factory=list, description='Tokens drafted per iteration (per draft): gamma, or the choices of "auto".'
+    )
     block_efficiency: float = Field(0.0, description="Generated tokens per target call.")
     tokens_per_second: float = 0.0
     time_draft_s: float = 0.0

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from actors.api import MAX_DRAFTS, MAX_GAMMA, InvalidRequestError, SpeculationParams
+from verifiers.adaptive import AdaptiveGammaSettings
 
 ModelRole = str  # "target" | "draft" | "member"
 
@@ -39,7 +40,9 @@ class DecodingDefaults:
 
     strategy: str = "sd"
     method: str | None = None
-    gamma: int = 4
+    gamma: int | str = 4  # or "auto"
+    gamma_max: int = 8
+    draft_cost_ratio: float = 0.15
     num_drafts: int = 2
     ensemble: str = "weighted"
     members: tuple[str, ...] | None = None
@@ -55,7 +58,8 @@ class DecodingPlan:
     target / draft: model names of the verifier and the proposer (sd, multi_draft; the target
     alone for ar). members / weights / gammas: ensemble members in order (ensemble, se);
     ``gammas[i]`` is member i's proposal length (se); for contrastive, members[0] is the expert
-    and members[1] the amateur.
+    and members[1] the amateur. adaptive: set when gamma is "auto" (sd, multi_draft); ``gamma``
+    is then the largest block it may draft.
     """
 
     strategy: str
@@ -69,6 +73,7 @@ class DecodingPlan:
     weights: tuple[float, ...] | None
     mu: float
     gammas: tuple[int, ...]
+    adaptive: AdaptiveGammaSettings | None = None
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -164,6 +169,20 @@ def _resolve_gammas(requested, default, members: tuple[str, ...], gamma: int) ->
     return gammas
 
 
+def _resolve_gamma(
+    speculation: SpeculationParams, defaults: DecodingDefaults, strategy: str
+) -> tuple[int, AdaptiveGammaSettings | None]:
+    """``(gamma, adaptive)``: a fixed block, or for ``"auto"`` the settings of
+    :mod:`verifiers.adaptive` and its largest block."""
+    gamma = _pick(speculation.gamma, defaults.gamma)
+    if gamma != "auto":
+        if isinstance(gamma, str):
+            raise InvalidRequestError("speculation.gamma", f'expected an integer or "auto", got {gamma!r}')
+        return _check_range("speculation.gamma", gamma, 1, MAX_GAMMA), None
+    gamma_max = _check_range("speculation.gamma_max", _pick(speculation.gamma_max, defaults.gamma_max), 1, MAX_GAMMA)
+    return gamma_max, AdaptiveGammaSettings(gamma_max=gamma_max, draft_cost_ratio=defaults.draft_cost_ratio)
+
+
 def _role_model(models: Mapping[str, ModelRole], role: str, strategy: str) -> str:
     names = [name for name, model_role in models.items() if model_role == role]
     if not names:
@@ -182,7 +201,7 @@ def resolve_plan(
             "speculation.strategy", f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGY_METHODS)}"
         )
     method = _check_method(strategy, speculation.method, defaults.method, defaults.strategy)
-    gamma = _check_range("speculation.gamma", _pick(speculation.gamma, defaults.gamma), 1, MAX_GAMMA)
+    gamma, adaptive = _resolve_gamma(speculation, defaults, strategy)
     num_drafts = _check_range("speculation.num_drafts", _pick(speculation.num_drafts, defaults.num_drafts), 1, MAX_DRAFTS)
     mu = float(_pick(speculation.mu, defaults.mu))
     if not math.isfinite(mu) or mu < 0:
@@ -200,6 +219,12 @@ def resolve_plan(
             raise InvalidRequestError("speculation.ensemble", f"expected weighted or contrastive, got {ensemble!r}")
         members = _resolve_members(speculation.members, defaults.members, models, strategy, ensemble)
         weights = _resolve_weights(speculation.weights, defaults.weights, members, ensemble)
+        if adaptive is not None and _pick(speculation.gammas, defaults.gammas) is None:
+            raise InvalidRequestError(
+                "speculation.gamma",
+                '"auto" adapts the blocks of sd and multi_draft; se takes fixed proposal lengths: '
+                "give gammas or an integer gamma",
+            )
         gammas = _resolve_gammas(speculation.gammas, defaults.gammas, members, gamma)
     return DecodingPlan(
         strategy=strategy,
@@ -213,4 +238,5 @@ def resolve_plan(
         weights=weights,
         mu=mu,
         gammas=gammas,
+        adaptive=adaptive if strategy in ("sd", "multi_draft") else None,
     )

@@ -71,7 +71,7 @@ def _ar(plan: DecodingPlan, sampling: MachineSampling, seed: int, max_new_tokens
 def _speculative(plan: DecodingPlan, sampling: MachineSampling, seed: int, max_new_tokens: int, budget: int) -> BuiltMachine:
     machine = SpeculativeMachine(
         plan.draft, plan.target, method=plan.method, gamma=plan.gamma, num_drafts=plan.num_drafts,
-        max_new_tokens=max_new_tokens, context_budget=budget, logprobs=sampling.logprobs,
+        max_new_tokens=max_new_tokens, context_budget=budget, logprobs=sampling.logprobs, adaptive=plan.adaptive,
     )
     return BuiltMachine(machine, _layout(machine, stream_seeds(seed, 2)))
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from actors.api import MAX_DRAFTS, MAX_GAMMA, EnsembleKind, InvalidRequestError, SpeculationParams, Strategy
+from actors.api import MAX_DRAFTS, MAX_GAMMA, EnsembleKind, GammaValue, InvalidRequestError, SpeculationParams, Strategy
 from actors.plan import DecodingDefaults, resolve_plan
 
 ModelRole = Literal["target", "draft", "member"]
@@ -70,7 +70,17 @@ class DefaultsArgs(_Strict):
         description="Verification rule of the default strategy: token | block | greedy_block (sd), "
         "spectr | sequential_gbv | spectr_gbv (multi_draft), token | block (se). Unset: the strategy's first rule.",
     )
-    gamma: int = Field(4, ge=1, le=MAX_GAMMA, description="Draft block length (sd, multi_draft; se default per member).")
+    gamma: GammaValue = Field(
+        4,
+        description='Draft block length (sd, multi_draft; se default per member), or "auto": each request chooses '
+        "its block before each draft from its own acceptance so far, in [1, gamma_max] (sd, multi_draft).",
+    )
+    gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description='Largest block gamma "auto" may draft.')
+    draft_cost_ratio: float = Field(
+        0.15, ge=0.0, le=10.0,
+        description='Time of one draft forward over one target verification forward, used by gamma "auto" to '
+        "weigh longer blocks (0.15: the embedded family on one CPU thread; measure yours with specserve bench).",
+    )
     num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")
     ensemble: EnsembleKind = Field("weighted", description="weighted | contrastive (ensemble, se).")
     members: list[str] | None = Field(
@@ -274,7 +284,7 @@ class SpecServeArgs(_Strict):
         d = self.defaults
         # The defaults are checked as if a request spelled them all out: for the default
         # strategy, and (when ensemble settings are given) for the ensemble strategies too.
-        as_request = {"gamma": d.gamma, "num_drafts": d.num_drafts, "ensemble": d.ensemble, "members": d.members,
+        as_request = {"gamma": d.gamma, "gamma_max": d.gamma_max, "num_drafts": d.num_drafts, "ensemble": d.ensemble, "members": d.members,
                       "weights": d.weights, "mu": d.mu, "gammas": d.gammas}
         checks = [SpeculationParams(strategy=d.strategy, method=d.method, **as_request)]
         if d.strategy not in ("ensemble", "se") and any(v is not None for v in (d.members, d.weights, d.gammas)):
@@ -293,6 +303,8 @@ class SpecServeArgs(_Strict):
             strategy=d.strategy,
             method=d.method,
             gamma=d.gamma,
+            gamma_max=d.gamma_max,
+            draft_cost_ratio=d.draft_cost_ratio,
             num_drafts=d.num_drafts,
             ensemble=d.ensemble,
             members=tuple(d.members) if d.members is not None else None,

@@ -129,7 +129,7 @@ _SAMPLING_SCALARS: tuple[str, ...] = (
 )
 #: Sampling fields the coordinator may name without the ``sampling.`` prefix.
 _BARE_SAMPLING_FIELDS: frozenset[str] = frozenset(_SAMPLING_SCALARS) | {"stop", "logit_bias", "logprobs"}
-_SPECULATION_SCALARS: tuple[str, ...] = ("strategy", "method", "gamma", "num_drafts", "ensemble", "mu")
+_SPECULATION_SCALARS: tuple[str, ...] = ("strategy", "method", "gamma", "gamma_max", "num_drafts", "ensemble", "mu")
 _SPECULATION_LISTS: tuple[str, ...] = ("weights", "gammas", "members")
 
 
@@ -232,6 +232,10 @@ def speculation_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, A
     if not request.HasField("speculation"):
         return {}
     overrides = _set_scalars(request.speculation, _SPECULATION_SCALARS)
+    if request.speculation.HasField("gamma_auto") and request.speculation.gamma_auto:
+        if "gamma" in overrides:
+            raise InvalidRequestError("speculation.gamma_auto", "set either gamma or gamma_auto, not both")
+        overrides["gamma"] = "auto"
     for name in _SPECULATION_LISTS:
         values = list(getattr(request.speculation, name))
         if values:

@@ -33,6 +33,7 @@ from typing import Union
 
 import torch
 
+from verifiers.adaptive import AdaptiveGamma, AdaptiveGammaSettings
 from verifiers.ensemble import default_proposer, make_ensemble, next_scorer, verify_segment
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource
@@ -235,23 +236,42 @@ class AutoregressiveMachine(DecodeMachine):
 class SpeculativeMachine(DecodeMachine):
     """``sd`` / ``multi_draft`` (``verifiers.reference.speculative_generate``): each step the
     draft samples K x gamma tokens (stream 0 on the draft), the target scores and verifies them
-    (stream 1 on the target) and emits the accepted prefix plus one token."""
+    (stream 1 on the target) and emits the accepted prefix plus one token.
+
+    ``adaptive``: when given, gamma is chosen before each draft from this request's accepted
+    lengths so far (:mod:`verifiers.adaptive`, ``gamma: "auto"``) and ``gamma`` is unused;
+    ``gammas`` records the block drafted at each step either way."""
 
     def __init__(self, draft: str, target: str, *, method: str, gamma: int, num_drafts: int,
-                 max_new_tokens: int, context_budget: int | None = None, logprobs: int | None = None):
+                 max_new_tokens: int, context_budget: int | None = None, logprobs: int | None = None,
+                 adaptive: AdaptiveGammaSettings | None = None):
         super().__init__(max_new_tokens, context_budget, logprobs)
         if not get_verifier(method).multi_draft and num_drafts != 1:
             raise ValueError(f"method {method!r} is single-draft; num_drafts must be 1, got {num_drafts}")
         self.draft, self.target = draft, target
         self.method, self.gamma, self.num_drafts = method, gamma, num_drafts
+        self.chooser = AdaptiveGamma(adaptive) if adaptive is not None else None
+        # Stateful (greedy) rules carry a distribution modification over the positions after
+        # the emitted tokens; the next block must cover them (gamma >= pending + 1).
+        self.stateful = get_verifier(method).stateful
+        self.pending_positions = 0
         self.unsent = _Unsent([draft, target], self.committed)
         self.draft_indices: list[int] = []
+        self.gammas: list[int] = []  # the block drafted at each step
 
     def streams(self) -> dict[str, dict[str, int]]:
         return {self.draft: {"sample": 0}, self.target: {"verify": 1}}
 
+    def next_gamma(self) -> int:
+        """The block the next step drafts (chosen from the past only, clipped at the context end).
+        Adaptive blocks never leave a stateful rule's pending modification uncovered."""
+        if self.chooser is None:
+            return self.lookahead(self.gamma)
+        return self.lookahead(max(self.chooser.choose(), self.pending_positions + 1))
+
     def needs(self) -> list[Need]:
-        gamma = self.lookahead(self.gamma)
+        gamma = self.next_gamma()
+        self.gammas.append(gamma)
         return [
             Sample(self.draft, self.unsent.take(self.draft), gamma, self.num_drafts, return_logits=True),
             ScoreVerify(self.target, self.unsent.take(self.target), proposal=0, method=self.method,
@@ -261,6 +281,11 @@ class SpeculativeMachine(DecodeMachine):
     def consume(self, results: Sequence[object]) -> list[int]:
         _, verified = results
         self.accepted_lengths.append(verified.num_accepted)
+        gamma, emitted = self.gammas[-1], verified.num_accepted + 1
+        if self.chooser is not None:
+            self.chooser.observe(gamma, verified.num_accepted)
+        if self.stateful:
+            self.pending_positions = max(self.pending_positions - emitted, gamma - emitted, 0)
         if verified.draft_index is not None:
             self.draft_indices.append(verified.draft_index)
         tokens = self._commit(verified.emitted, verified.logprobs)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.executor import LocalExecutor, layout_sources, run_machine
 from verifiers.machines import AutoregressiveMachine, SpeculativeMachine
 from verifiers.penalties import NO_PENALTIES, Penalties
@@ -51,6 +52,7 @@ def speculative_generate(
     top_k: int = 0,
     top_p: float = 1.0,
     penalties: Penalties = NO_PENALTIES,
+    adaptive: AdaptiveGammaSettings | None = None,
 ) -> tuple[list[int], dict]:
     """Speculative decoding with the verification rule ``method`` (see :mod:`verifiers.registry`).
 
@@ -62,8 +64,9 @@ def speculative_generate(
     ``max_new_tokens`` generated ids (the last block is truncated; no EOS handling) and a
     dict with ``target_calls`` (one per iteration), ``draft_calls`` (``gamma`` per
     iteration: one batched step over the K drafts), ``accepted`` (accepted lengths per
-    iteration), ``draft_index`` (multi-draft: the chosen draft per iteration) and
-    ``iterations``.
+    iteration), ``gammas`` (the block drafted per iteration), ``draft_index`` (multi-draft: the
+    chosen draft per iteration) and ``iterations``. ``adaptive``: choose each iteration's block
+    from the accepted lengths so far (:mod:`verifiers.adaptive`; ``gamma`` is then unused).
 
     Random-stream contract (the distributed coordinator reproduces this loop token for
     token, so it is part of the interface):
@@ -84,7 +87,8 @@ def speculative_generate(
     _check_loop_args(max_new_tokens, gamma, num_drafts, get_verifier(method).multi_draft, method)
     draft_source, verify_source = split_sources(generator, 2)
     machine = SpeculativeMachine(
-        "draft", "target", method=method, gamma=gamma, num_drafts=num_drafts, max_new_tokens=max_new_tokens
+        "draft", "target", method=method, gamma=gamma, num_drafts=num_drafts, max_new_tokens=max_new_tokens,
+        adaptive=adaptive,
     )
     executor = LocalExecutor(
         {"draft": draft_fn, "target": target_fn},
@@ -99,8 +103,9 @@ def speculative_generate(
     iterations = len(machine.accepted_lengths)
     stats = {
         "target_calls": iterations,
-        "draft_calls": gamma * iterations,
+        "draft_calls": sum(machine.gammas),
         "accepted": list(machine.accepted_lengths),
+        "gammas": list(machine.gammas),
         "draft_index": list(machine.draft_indices),
         "iterations": iterations,
     }

@@ -16,6 +16,8 @@ from actors.api import GenerationRequest, InvalidRequestError
 from cluster.bringup import start_model_group
 from tests.actors.fake_models import FAKE_MODELS, POISON_PROMPT, FunctionModelWorker, fake_group_config
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
+from actors.plan import DecodingDefaults
+from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.exact import sequence_law
 from verifiers.penalties import Penalties, penalized_probs
 from verifiers.reference import autoregressive_generate, speculative_generate
@@ -117,6 +119,29 @@ def test_speculative_matches_reference(fake_group, strategy, method, num_drafts,
         assert final.bytes_moved > 0
 
 
+ADAPTIVE_CASES = [("sd", "block", 1), ("sd", "greedy_block", 1), ("multi_draft", "sequential_gbv", 2)]
+
+
+@pytest.mark.parametrize("strategy,method,num_drafts", ADAPTIVE_CASES)
+def test_adaptive_gamma_matches_reference(fake_group, strategy, method, num_drafts):
+    """gamma "auto": the coordinator drafts the blocks the reference loop chooses, token for token."""
+    speculation = {"strategy": strategy, "method": method, "gamma": "auto", "gamma_max": 5, "num_drafts": num_drafts}
+    settings = AdaptiveGammaSettings(gamma_max=5, draft_cost_ratio=DecodingDefaults().draft_cost_ratio)
+    requests = [_request(seed, speculation, max_tokens=30) for seed in SEEDS]
+    blocks = set()
+    for seed, chunks in zip(SEEDS, run_requests(fake_group, requests)):
+        expected, stats = speculative_generate(
+            M["draft"], M["target"], PROMPT, 30, gamma=1, method=method, num_drafts=num_drafts,
+            generator=_generator(seed), adaptive=settings,
+        )
+        assert _tokens(chunks) == expected
+        final = chunks[-1].stats
+        assert final.accepted_lengths == stats["accepted"]
+        assert final.draft_lengths == stats["gammas"]
+        blocks.update(stats["gammas"])
+    assert len(blocks) > 1, "the blocks never varied"
+
+
 ENSEMBLE_CASES = [
     ("weighted", ["target", "partner"], None),
     ("weighted", ["target", "partner", "partner2"], [0.5, 0.3, 0.2]),
@@ -172,9 +197,10 @@ def _sample_sequences(group, speculation: dict, count: int, length: int) -> list
     [
         {"strategy": "sd", "method": "block", "gamma": 2},
         {"strategy": "multi_draft", "method": "sequential_gbv", "gamma": 2, "num_drafts": 2},
+        {"strategy": "sd", "method": "greedy_block", "gamma": "auto", "gamma_max": 3},
         {"strategy": "se", "method": "token", "ensemble": "weighted", "members": ["target", "partner"], "gammas": [2, 1]},
     ],
-    ids=["sd-block", "multi_draft-sequential_gbv", "se-token"],
+    ids=["sd-block", "multi_draft-sequential_gbv", "sd-greedy_block-auto", "se-token"],
 )
 def test_sampled_law_through_coordinator(fake_group, speculation):
     """Chi-square goodness of fit of 3-token sequences (vocab 6: 216 outcomes, pooled below 5

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pathlib
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from actors.api import InvalidRequestError, SpeculationParams
 from actors.plan import resolve_plan
@@ -137,3 +139,37 @@ def test_plan_falls_back_to_each_strategys_default_method():
     with pytest.raises(InvalidRequestError) as raised:
         resolve_plan(SpeculationParams(strategy="ensemble", members=["target"]), config.defaults, config.roles)
     assert raised.value.field == "speculation.members"
+
+
+def test_gamma_auto_resolves_to_adaptive_settings_for_speculative_strategies():
+    with pytest.raises(ConfigError, match="defaults.gamma"):  # the default se of these args has no gammas
+        parse_app_args(_with(defaults__gamma="auto"))
+    config = parse_app_args(
+        _with(defaults__gamma="auto", defaults__gamma_max=6, defaults__draft_cost_ratio=0.2, defaults__gammas=[3, 3])
+    ).freeze()
+    plan = resolve_plan(SpeculationParams(), config.defaults, config.roles)
+    assert plan.adaptive is not None and plan.gamma == 6
+    assert (plan.adaptive.gamma_max, plan.adaptive.draft_cost_ratio) == (6, 0.2)
+    plan = resolve_plan(SpeculationParams(strategy="multi_draft", gamma_max=3), config.defaults, config.roles)
+    assert plan.adaptive.gamma_max == 3 and plan.gamma == 3
+    plan = resolve_plan(SpeculationParams(gamma=5), config.defaults, config.roles)
+    assert plan.adaptive is None and plan.gamma == 5
+    plan = resolve_plan(SpeculationParams(strategy="se"), config.defaults, config.roles)
+    assert plan.adaptive is None and plan.gammas == (3, 3)
+    # se takes fixed proposal lengths: with gamma "auto" and no default gammas it needs them.
+    no_gammas = dataclasses.replace(config.defaults, gammas=None)
+    with pytest.raises(InvalidRequestError) as raised:
+        resolve_plan(SpeculationParams(strategy="se"), no_gammas, config.roles)
+    assert raised.value.field == "speculation.gamma" and "gammas" in raised.value.message
+    plan = resolve_plan(SpeculationParams(strategy="se", gammas=[2, 3]), no_gammas, config.roles)
+    assert plan.adaptive is None and plan.gammas == (2, 3)
+
+
+@pytest.mark.parametrize("value", [0, 33, "fast", True, 2.5])
+def test_bad_gamma_is_named_with_both_accepted_forms(value):
+    with pytest.raises(ConfigError) as raised:
+        parse_app_args(_with(defaults__gamma=value))
+    assert "defaults.gamma" in str(raised.value) and '"auto"' in str(raised.value)
+    with pytest.raises(ValidationError) as invalid:
+        SpeculationParams(gamma=value)
+    assert invalid.value.errors()[0]["loc"] == ("gamma",)

@@ -180,3 +180,15 @@ def test_unary_response_has_every_choice_and_stream_messages_their_index_and_log
     assert (message.index, message.request_id, message.logprobs[0].bytes) == (1, "r", b"\xa9")
     plain = grpc_service.chunk_to_response(GenerationChunk(request_id="r", token_ids=[1], text="a"), "m")
     assert plain.index == 0 and len(plain.logprobs) == 0
+
+
+def test_gamma_auto_and_gamma_max():
+    request = pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(gamma_auto=True, gamma_max=6))
+    generation = grpc_service.to_generation_request(request, "g-2", sampling_defaults={})
+    assert generation.speculation.gamma == "auto" and generation.speculation.gamma_max == 6
+    fixed = pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(gamma_auto=False, gamma=3))
+    assert grpc_service.to_generation_request(fixed, "g-3", sampling_defaults={}).speculation.gamma == 3
+    both = pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(gamma_auto=True, gamma=3))
+    with pytest.raises(InvalidRequestError) as raised:
+        grpc_service.to_generation_request(both, "g-4", sampling_defaults={})
+    assert raised.value.field == "speculation.gamma_auto"

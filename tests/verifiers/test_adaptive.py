@@ -1,0 +1,186 @@
+"""Adaptive draft length (``gamma: "auto"``, verifiers/adaptive.py): the rule, and proof by exact
+enumeration that choosing each block from the request's past keeps every lossless rule exact.
+
+The enumeration cases are chosen so the chosen blocks really differ between branches of the
+choice tree (asserted): a test where every branch drafts the same gamma would prove nothing
+beyond the fixed-gamma tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.verifiers.tiny_models import model_pair, target_law
+from verifiers.adaptive import AdaptiveGamma, AdaptiveGammaSettings, best_gamma, expected_tokens
+from verifiers.exact import exact_law, total_variation
+from verifiers.executor import LocalExecutor, layout_sources, run_machine
+from verifiers.machines import SpeculativeMachine
+from verifiers.randomness import split_sources
+from verifiers.reference import speculative_generate
+
+PROMPT = (1,)
+EXACT_TOLERANCE = 1e-9
+
+# A prior and cost that make the first block 1 and move the next ones with each acceptance.
+VARYING = dict(draft_cost_ratio=0.3, prior_acceptance=0.6, prior_weight=1.0, decay=1.0)
+
+
+# ------------------------------------------------------------------------------- the rule
+def test_expected_tokens_is_the_geometric_sum():
+    for alpha in (0.0, 0.3, 0.8, 1.0):
+        for gamma in (1, 2, 5):
+            direct = sum(alpha**i for i in range(gamma + 1))
+            assert expected_tokens(alpha, gamma) == pytest.approx(direct, rel=1e-6)
+
+
+def test_best_gamma_grows_with_acceptance_and_shrinks_with_draft_cost():
+    by_alpha = [best_gamma(alpha, 16, 0.15) for alpha in (0.1, 0.5, 0.7, 0.9, 0.97)]
+    assert by_alpha == sorted(by_alpha) and by_alpha[0] == 1 and by_alpha[-1] > 6
+    by_cost = [best_gamma(0.8, 16, cost) for cost in (0.01, 0.1, 0.5, 2.0)]
+    assert by_cost == sorted(by_cost, reverse=True) and by_cost[-1] == 1
+    assert best_gamma(0.999, 5, 0.0) == 5  # capped at gamma_max
+
+
+def test_best_gamma_maximises_tokens_per_unit_time():
+    for alpha in (0.2, 0.55, 0.85):
+        chosen = best_gamma(alpha, 10, 0.2)
+        rates = [expected_tokens(alpha, g) / (0.2 * g + 1.0) for g in range(1, 11)]
+        assert rates[chosen - 1] == pytest.approx(max(rates))
+
+
+def test_chooser_follows_the_request_acceptance():
+    chooser = AdaptiveGamma(AdaptiveGammaSettings(gamma_max=8))
+    start = chooser.choose()
+    for _ in range(6):
+        chooser.observe(chooser.choose(), chooser.choose())  # every block accepted in full
+    assert chooser.choose() > start
+    high = chooser.choose()
+    chooser.observe(high, 0)
+    assert chooser.choose() <= high
+    for _ in range(20):
+        chooser.observe(chooser.choose(), 0)  # every block rejected at once
+    assert chooser.choose() == 1
+
+
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("gamma_max", {"gamma_max": 0}),
+        ("draft_cost_ratio", {"gamma_max": 4, "draft_cost_ratio": -1.0}),
+        ("prior_acceptance", {"gamma_max": 4, "prior_acceptance": 1.5}),
+        ("prior_weight", {"gamma_max": 4, "prior_weight": 0.0}),
+        ("decay", {"gamma_max": 4, "decay": 0.0}),
+    ],
+)
+def test_bad_settings_name_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        AdaptiveGammaSettings(**kwargs)
+
+
+def test_observe_rejects_impossible_counts():
+    chooser = AdaptiveGamma(AdaptiveGammaSettings(gamma_max=4))
+    with pytest.raises(ValueError, match="num_accepted"):
+        chooser.observe(2, 3)
+
+
+# --------------------------------------------------------------------- exact enumeration
+def _adaptive_law(method: str, vocab: int, length: int, seed: int, num_drafts: int, settings: AdaptiveGammaSettings):
+    """(exact law of the emitted tokens, the set of gamma sequences seen over the choice tree)."""
+    draft_fn, target_fn = model_pair(vocab, seed)
+    histories: set[tuple[int, ...]] = set()
+
+    def procedure(source):
+        tokens, stats = speculative_generate(
+            draft_fn, target_fn, PROMPT, length, gamma=1, method=method, num_drafts=num_drafts,
+            generator=source, adaptive=settings,
+        )
+        histories.add(tuple(stats["gammas"]))
+        return tuple(tokens)
+
+    return exact_law(procedure), histories, target_fn
+
+
+# (method, vocab, tokens, seed, K, gamma_max): single-draft rules with blocks of 1-3 over
+# 4 tokens; multi-draft rules with 1-2 (their choice trees grow fast with gamma).
+ADAPTIVE_CASES = [
+    pytest.param("token", 2, 4, 5, 1, 3, id="token-V2"),
+    pytest.param("block", 2, 4, 5, 1, 3, id="block-V2"),
+    pytest.param("greedy_block", 2, 4, 5, 1, 3, id="greedy_block-V2"),
+    pytest.param("spectr", 2, 3, 11, 2, 2, id="spectr-K2"),
+    pytest.param("sequential_gbv", 2, 3, 11, 2, 2, id="sequential_gbv-K2"),
+    pytest.param("sequential_gbv", 2, 4, 14, 1, 3, id="sequential_gbv-K1-nested"),
+]
+
+
+@pytest.mark.parametrize("method,vocab,length,seed,num_drafts,gamma_max", ADAPTIVE_CASES)
+def test_adaptive_gamma_keeps_the_target_law_exactly(method, vocab, length, seed, num_drafts, gamma_max):
+    settings = AdaptiveGammaSettings(gamma_max=gamma_max, **VARYING)
+    law, histories, target_fn = _adaptive_law(method, vocab, length, seed, num_drafts, settings)
+    blocks_used = {gamma for history in histories for gamma in history}
+    assert len(histories) > 1 and len(blocks_used) > 1, f"gamma never varied: {histories}"
+    assert total_variation(law, target_law(target_fn, PROMPT, length)) < EXACT_TOLERANCE
+
+
+def test_greedy_rules_get_blocks_that_cover_their_pending_modification():
+    """After a short accepted prefix greedy_block carries a modification over the rest of the
+    block; the adaptive rule never drafts less than that (a shorter block is an error in the
+    verifier), so some histories lift a block above the chooser's own pick."""
+    settings = AdaptiveGammaSettings(gamma_max=3, **VARYING)
+    _, histories, _ = _adaptive_law("greedy_block", 2, 4, 5, 1, settings)
+    _, stateless, _ = _adaptive_law("block", 2, 4, 5, 1, settings)
+    assert any(history[1:] == (3, 3) for history in histories)
+    assert not any(history[1:] == (3, 3) for history in stateless)
+
+
+class _HistoryPeekingChooser:
+    """Not the production rule: a block length that depends on the committed tokens and the last
+    accepted length (anything fixed before the draft is sampled is allowed)."""
+
+    def __init__(self, machine: SpeculativeMachine, gamma_max: int):
+        self.machine, self.gamma_max = machine, gamma_max
+
+    def choose(self) -> int:
+        last = self.machine.accepted_lengths[-1] if self.machine.accepted_lengths else 0
+        return 1 + (sum(self.machine.committed) + last) % self.gamma_max
+
+    def observe(self, gamma: int, num_accepted: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("method", ["token", "block", "greedy_block"])
+def test_any_rule_fixed_before_the_draft_is_exact(method):
+    draft_fn, target_fn = model_pair(3, 7)
+    length, gamma_max = 3, 3
+    histories: set[tuple[int, ...]] = set()
+
+    def procedure(source):
+        machine = SpeculativeMachine("draft", "target", method=method, gamma=1, num_drafts=1, max_new_tokens=length,
+                                     adaptive=AdaptiveGammaSettings(gamma_max=gamma_max))
+        machine.chooser = _HistoryPeekingChooser(machine, gamma_max)
+        executor = LocalExecutor({"draft": draft_fn, "target": target_fn}, PROMPT,
+                                 layout_sources(machine.streams(), split_sources(source, 2)),
+                                 temperature=1.0, top_k=0, top_p=1.0)
+        tokens = run_machine(machine, executor)
+        histories.add(tuple(machine.gammas))
+        return tuple(tokens[:length])
+
+    law = exact_law(procedure)
+    assert len({g for history in histories for g in history}) == gamma_max
+    assert total_variation(law, target_law(target_fn, PROMPT, length)) < EXACT_TOLERANCE
+
+
+def test_adaptive_loop_is_reproducible_and_reports_its_blocks():
+    draft_fn, target_fn = model_pair(6, 3, noise=0.5)
+    settings = AdaptiveGammaSettings(gamma_max=6)
+    runs = [
+        speculative_generate(draft_fn, target_fn, PROMPT, 40, gamma=1, method="block", adaptive=settings,
+                             generator=torch.Generator().manual_seed(9))
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    _, stats = runs[0]
+    assert len(stats["gammas"]) == stats["iterations"] == len(stats["accepted"])
+    assert all(1 <= g <= 6 for g in stats["gammas"])
+    assert all(a <= g for a, g in zip(stats["accepted"], stats["gammas"]))
+    assert stats["draft_calls"] == sum(stats["gammas"])

@@ -1,0 +1,104 @@
+"""Adaptive draft length: each request picks gamma before each draft from its own acceptance.
+
+Why it stays lossless. Every verification rule is exact for any FIXED block length: given the
+context, one iteration's emitted block followed by the target's own sampling has the target's
+law. A rule that chooses the next gamma from what already happened (the accepted lengths so
+far), before the draft is sampled, fixes gamma given the past; conditioning on the past, the
+iteration is one of the fixed-gamma iterations, so by induction over iterations the output law
+is the target's. The exact-enumeration tests (``tests/verifiers/test_adaptive.py``) check it for
+every lossless rule on tiny context-dependent models with histories that really change gamma,
+including the stateful greedy rules. The choice uses only the request's own history, never
+timings, so a seeded request gives the same tokens alone or in a batch, run after run.
+
+The rule. Under the i.i.d. acceptance model (each draft token accepted with probability
+``alpha`` given the previous ones were), one iteration with ``gamma`` drafts yields
+
+    E[tokens](gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)
+
+tokens (Fu et al. 2025, App. A.2, Eq. (12), with this project's block of ``gamma`` drafts plus
+the target's own token; Leviathan et al. 2023 state the same) and costs ``gamma * c + 1``
+target-forward equivalents, ``c`` the cost of one draft forward relative to one verification
+forward (the cost coefficient of Fu et al. 2025, Sec. 3.2). The rule picks the gamma in
+``[1, gamma_max]`` that maximises ``E[tokens](gamma) / (gamma * c + 1)`` at the current
+estimate of ``alpha``: a Beta-prior estimate from decayed counts of accepted and rejected draft
+positions (a block that stopped before its end counts one rejection).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALPHA_CEILING = 1.0 - 1e-9  # E[tokens] is gamma + 1 at alpha = 1; keep the closed form finite
+
+
+@dataclass(frozen=True)
+class AdaptiveGammaSettings:
+    """How ``gamma: "auto"`` chooses.
+
+    gamma_max: the largest block it may draft. draft_cost_ratio: ``c``, one draft forward's
+    time over one verification forward's. prior_acceptance / prior_weight: the Beta prior on the
+    per-token acceptance rate (mean, pseudo-count). decay: weight kept by older observations per
+    iteration (1: all history counts equally)."""
+
+    gamma_max: int
+    draft_cost_ratio: float = 0.15
+    prior_acceptance: float = 0.6
+    prior_weight: float = 2.0
+    decay: float = 0.9
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gamma_max, bool) or not isinstance(self.gamma_max, int) or self.gamma_max < 1:
+            raise ValueError(f"gamma_max must be an int >= 1, got {self.gamma_max!r}")
+        if not 0.0 <= self.draft_cost_ratio:
+            raise ValueError(f"draft_cost_ratio must be >= 0, got {self.draft_cost_ratio!r}")
+        if not 0.0 <= self.prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must be in [0, 1], got {self.prior_acceptance!r}")
+        if not self.prior_weight > 0.0:
+            raise ValueError(f"prior_weight must be > 0, got {self.prior_weight!r}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens emitted by one iteration of ``gamma`` drafts at per-token acceptance
+    ``alpha`` (accepted prefix plus the target's token): ``sum_{i=0..gamma} alpha^i``."""
+    alpha = min(max(alpha, 0.0), ALPHA_CEILING)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def best_gamma(alpha: float, gamma_max: int, draft_cost_ratio: float) -> int:
+    """The gamma in ``[1, gamma_max]`` with the most expected tokens per unit of time
+    ``E[tokens](gamma) / (gamma * c + 1)``; ties go to the shorter block."""
+    best, best_rate = 1, -1.0
+    for gamma in range(1, gamma_max + 1):
+        rate = expected_tokens(alpha, gamma) / (gamma * draft_cost_ratio + 1.0)
+        if rate > best_rate * (1.0 + 1e-12):
+            best, best_rate = gamma, rate
+    return best
+
+
+class AdaptiveGamma:
+    """One request's gamma chooser: :meth:`choose` before each draft, :meth:`observe` after
+    each verification (``num_accepted`` of the ``gamma`` drafted tokens were accepted)."""
+
+    def __init__(self, settings: AdaptiveGammaSettings):
+        self.settings = settings
+        self.accepted = 0.0  # decayed count of accepted draft positions
+        self.rejected = 0.0  # decayed count of rejected ones (at most one per iteration)
+
+    @property
+    def acceptance(self) -> float:
+        """Posterior mean of the per-token acceptance rate."""
+        s = self.settings
+        return (self.accepted + s.prior_weight * s.prior_acceptance) / (self.accepted + self.rejected + s.prior_weight)
+
+    def choose(self) -> int:
+        s = self.settings
+        return best_gamma(self.acceptance, s.gamma_max, s.draft_cost_ratio)
+
+    def observe(self, gamma: int, num_accepted: int) -> None:
+        if not 0 <= num_accepted <= gamma:
+            raise ValueError(f"num_accepted must be in [0, {gamma}], got {num_accepted}")
+        decay = self.settings.decay
+        self.accepted = decay * self.accepted + num_accepted
+        self.rejected = decay * self.rejected + (1.0 if num_accepted < gamma else 0.0)
