@@ -340,6 +340,7 @@ def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, spe
         target_calls=stats.target_calls,
         model_calls=dict(stats.model_calls),
         accepted_lengths=list(stats.accepted_lengths),
+        draft_lengths=list(stats.draft_lengths),
         block_efficiency=stats.block_efficiency,
         tokens_per_second=stats.tokens_per_second,
         time_draft_s=stats.time_draft_s,

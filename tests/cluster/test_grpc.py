@@ -60,6 +60,13 @@ def test_unary_generate_equals_target_greedy(stub, metadata, serve_app, expected
     assert len(response.speculation.accepted_lengths) >= 1
 
 
+def test_gamma_auto_equals_target_greedy(stub, metadata, expected_ids):
+    response = stub.Generate(greedy_request(gamma_auto=True, gamma_max=5), metadata=metadata, timeout=120)
+    assert list(response.token_ids) == expected_ids
+    drafted = list(response.speculation.draft_lengths)
+    assert len(drafted) == len(response.speculation.accepted_lengths) and all(1 <= d <= 5 for d in drafted)
+
+
 def test_client_request_id_is_kept(stub, metadata):
     request = greedy_request()
     request.request_id = "my-request-1"

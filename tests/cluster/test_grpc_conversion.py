@@ -77,7 +77,8 @@ def test_coordinator_sampling_fields_get_the_proto_path():
 
 def test_final_chunk_carries_usage_and_speculation_stats():
     stats = RequestStats(strategy="multi_draft", method="spectr", prompt_tokens=4, completion_tokens=6, target_calls=2,
-                         model_calls={"target": 2, "draft": 8}, accepted_lengths=[3, 1], block_efficiency=3.0)
+                         model_calls={"target": 2, "draft": 8}, accepted_lengths=[3, 1], draft_lengths=[4, 2],
+                         block_efficiency=3.0)
     middle = grpc_service.chunk_to_response(GenerationChunk(request_id="r", token_ids=[1, 2], text="ab"), "m")
     assert not middle.finished and not middle.HasField("usage") and middle.finish_reason == ""
     final = grpc_service.chunk_to_response(
@@ -87,6 +88,7 @@ def test_final_chunk_carries_usage_and_speculation_stats():
     assert (final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.total_tokens) == (4, 6, 10)
     assert dict(final.speculation.model_calls) == {"target": 2, "draft": 8}
     assert list(final.speculation.accepted_lengths) == [3, 1] and final.speculation.block_efficiency == 3.0
+    assert list(final.speculation.draft_lengths) == [4, 2]
 
 
 def test_n_samples_are_seeded_seed_plus_i_with_their_own_ids():

@@ -82,6 +82,20 @@ def test_completion_equals_target_greedy_with_stats(http, serve_app, expected_id
     assert all(0 <= n <= 4 for n in speculation["accepted_lengths"])
 
 
+@pytest.mark.parametrize("strategy,method", [("sd", "greedy_block"), ("multi_draft", "spectr")])
+def test_gamma_auto_equals_target_greedy_and_reports_its_blocks(http, expected_ids, strategy, method):
+    speculation = {"strategy": strategy, "method": method, "gamma": "auto", "gamma_max": 6}
+    response = http.post("/v1/completions", json=greedy_body(speculation=speculation))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["token_ids"] == expected_ids
+    drafted, accepted = body["speculation"]["draft_lengths"], body["speculation"]["accepted_lengths"]
+    assert len(drafted) == len(accepted) == body["speculation"]["target_calls"]
+    assert all(1 <= d <= 6 and 0 <= a <= d for d, a in zip(drafted, accepted))
+    bad = http.post("/v1/completions", json=greedy_body(speculation={"gamma": "fast"}))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculation.gamma"
+
+
 def test_streaming_completion_sends_sse_chunks_then_done(http, expected_ids, greedy_reference):
     body = greedy_body(stream=True, stream_options={"include_usage": True})
     with http.stream("POST", "/v1/completions", json=body) as response:
