@@ -142,6 +142,7 @@ class Scheduler:
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self._wakeup: asyncio.Condition | None = None
         self._loop_tasks: list[asyncio.Task] = []
+        self._notify_tasks: set[asyncio.Task] = set()
 
     @property
     def running(self) -> list[RequestState]:
@@ -186,10 +187,12 @@ class Scheduler:
 
     async def close(self) -> None:
         """Stop the step loops (the coordinator's event loop is about to end)."""
-        for task in self._loop_tasks:
+        tasks = [*self._loop_tasks, *self._notify_tasks]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._loop_tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._loop_tasks = []
+        self._notify_tasks.clear()
 
     def _notify(self) -> None:
         if self._wakeup is None:
@@ -199,7 +202,11 @@ class Scheduler:
             async with self._wakeup:
                 self._wakeup.notify_all()
 
-        asyncio.get_running_loop().create_task(notify())
+        # Kept until done: the loop holds only weak references to tasks, and close() cancels
+        # the ones still pending.
+        task = asyncio.get_running_loop().create_task(notify())
+        self._notify_tasks.add(task)
+        task.add_done_callback(self._notify_tasks.discard)
 
     async def _run(self, cohort: Cohort) -> None:
         while True:
