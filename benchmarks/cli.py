@@ -1,7 +1,8 @@
 """The ``bench`` subcommand of the ``specserve`` CLI.
 
     specserve bench [--config deploy/default.yaml] [--quick] --out DIR
-    specserve bench --mode serve-load [--concurrency 1,4,16,32] [--strategies ar,sd,multi_draft,se] --out DIR
+    specserve bench --mode serve-load [--concurrency 1,4,16,32] [--strategies ar,sd,multi_draft,se]
+                    [--overlap on,off] --out DIR
 
 The default mode (``suite``) runs the benchmark suite (``benchmarks.suite``) over the committed
 prompt set and writes ``results.json``, ``results.md`` and PNG plots under ``DIR``. The
@@ -27,6 +28,36 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def gamma_list(text: str) -> tuple[int | str, ...]:
+    """``2,4,8,auto``: draft lengths, each an integer or ``auto`` (adaptive, chosen per request)."""
+    from actors.api import check_gamma
+
+    values: list[int | str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            values.append(check_gamma("auto" if part.lower() == "auto" else int(part)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated draft lengths (integers or auto), got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one draft length, got {text!r}")
+    return tuple(dict.fromkeys(values))
+
+
+OVERLAP_WORDS = {"on": True, "off": False, "true": True, "false": False}
+
+
+def overlap_list(text: str) -> tuple[bool, ...]:
+    """``on,off`` (or ``off``, ``on``): the overlap settings to run, in run order (off first)."""
+    words = [part.strip().lower() for part in text.split(",") if part.strip()]
+    unknown = [w for w in words if w not in OVERLAP_WORDS]
+    if unknown or not words:
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off; got {text!r}")
+    return tuple(sorted({OVERLAP_WORDS[w] for w in words}))
 
 
 def _mode_list(text: str) -> tuple[str, ...]:
@@ -72,7 +103,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="Tokens generated per prompt (per request in serve-load, default 48).")
     parser.add_argument("--repeats", type=int, default=None, help="Passes over the prompt set.")
     parser.add_argument("--seed", type=int, default=None, help="Base seed.")
-    parser.add_argument("--gammas", type=_int_list, default=None, help="Draft lengths of sd and the peer, e.g. 2,4,8.")
+    parser.add_argument("--gammas", type=gamma_list, default=None,
+                        help="Draft lengths of sd and the peer, e.g. 2,4,8; 'auto' adds sd cases with the adaptive "
+                        "draft length (gamma: auto), e.g. 2,4,8,auto.")
+    parser.add_argument("--gamma-max", type=int, default=None,
+                        help="Largest block of the auto cases (default: the largest fixed gamma of the run, else the "
+                        "deployment's default).")
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
                         help="Keep only the last N tokens of each prompt (small-context models).")
     parser.add_argument("--prompts", type=pathlib.Path, default=None,
@@ -90,6 +126,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                       help="Bound on one request in seconds (default 300).")
     load.add_argument("--worker-class", default=None,
                       help="Ray actor class of the model workers, for their peak memory (default ModelWorker).")
+    load.add_argument("--overlap", type=overlap_list, default=None,
+                      help="on,off: run every level once per setting of the scheduler's overlap (args.engine.overlap; "
+                      "a server per setting, overlap off first); on or off: one pass with it forced. Default: the "
+                      "YAML as it is.")
     parser.set_defaults(handler=run_bench_command)
     return parser
 
@@ -101,16 +141,17 @@ def settings_from_args(args: argparse.Namespace):
     overrides = {
         "modes": args.modes, "strategies": args.strategies, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
         "repeats": args.repeats, "seed": args.seed, "gammas": args.gammas, "se_gammas": args.se_gammas, "temperature": args.temperature,
-        "max_prompt_tokens": args.max_prompt_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens, "gamma_max": args.gamma_max,
     }
     values.update({k: v for k, v in overrides.items() if v is not None})
     return BenchSettings(**values)
 
 
 SUITE_ONLY_FLAGS = {"quick": "--quick", "modes": "--modes", "repeats": "--repeats", "gammas": "--gammas",
-                    "se_gammas": "--se-gammas", "max_prompt_tokens": "--max-prompt-tokens"}
+                    "gamma_max": "--gamma-max", "se_gammas": "--se-gammas", "max_prompt_tokens": "--max-prompt-tokens"}
 SERVE_LOAD_ONLY_FLAGS = {"concurrency": "--concurrency", "requests_per_level": "--requests-per-level",
-                         "request_timeout": "--request-timeout", "worker_class": "--worker-class"}
+                         "request_timeout": "--request-timeout", "worker_class": "--worker-class",
+                         "overlap": "--overlap"}
 
 
 def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
@@ -124,6 +165,7 @@ def serve_load_settings_from_args(args: argparse.Namespace):
         "concurrency": args.concurrency, "strategies": args.strategies, "max_tokens": args.max_tokens,
         "requests_per_level": args.requests_per_level, "seed": args.seed, "temperature": args.temperature,
         "num_prompts": args.num_prompts, "request_timeout_s": args.request_timeout, "worker_class": args.worker_class,
+        "overlap": args.overlap,
     }
     return ServeLoadSettings(**{k: v for k, v in overrides.items() if v is not None})
 

@@ -14,7 +14,16 @@ the application has an API key). Everything is timed on the client
 side (see :mod:`benchmarks.serve_load_report` for the definitions). Before each level the
 peak-RSS counters of the server's model-worker processes (the Ray actors whose process title
 is ``ray::<worker_class>``, found among the server subprocess's descendants in ``/proc``) are
-reset; after it their ``VmHWM`` is read. Then the server is stopped (SIGINT, as Ctrl-C).
+reset; after it their ``VmHWM`` is read. Right before and right after each level's timed part
+the server's ``GET /metrics`` is scraped; the growth of each worker's cumulative
+``specserve_worker_forward_seconds_total`` and ``specserve_worker_step_seconds_total`` over
+the level's wall time is the worker's *busy fraction* in forward passes and in step calls. Then
+the server is stopped (SIGINT, as Ctrl-C).
+
+With ``overlap`` set (``--overlap on,off``), the whole set of levels runs once per setting of
+the scheduler's two-cohort overlap, overlap off first: for each, a copy of the YAML with the
+application's ``args.engine.overlap`` set is written into the output directory and a server is
+started on it (and stopped after its levels). Every level records the setting it ran with.
 
 Strategies: ``ar``; ``sd`` (block verification, gamma 4); ``multi_draft`` (SpecTr, K = 2,
 gamma 4); ``ensemble`` (the standard weighted ensemble of the target and the first member
@@ -25,6 +34,7 @@ proposing 1 token).
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import json
 import logging
@@ -39,10 +49,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from benchmarks.prompts import PROMPTS_PATH, Prompt, load_prompts
-from benchmarks.serve_load_report import LevelRun, RequestRecord, ServeLoadResults, write_json, write_results
+from benchmarks.serve_load_report import (
+    LevelRun,
+    RequestRecord,
+    ServeLoadResults,
+    busy_text,
+    write_json,
+    write_results,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +97,9 @@ class ServeLoadSettings(BaseModel):
     level_timeout_s: float = Field(1200.0, gt=0, description="No request of a level starts after this long.")
     start_timeout_s: float = Field(600.0, gt=0, description="Bound on the server's start-up (until /health is 200).")
     worker_class: str = Field("ModelWorker", description="Ray actor class of the model workers (process title).")
+    overlap: tuple[bool, ...] | None = Field(
+        None, description="Run every level once per setting of args.engine.overlap (a server per setting, off "
+        "first); None: one pass with the YAML as it is.")
 
     @model_validator(mode="after")
     def _known(self) -> ServeLoadSettings:
@@ -88,7 +109,13 @@ class ServeLoadSettings(BaseModel):
                              f"{SERVE_LOAD_STRATEGIES}")
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency: every level needs at least one client, got {self.concurrency}")
+        if self.overlap is not None and (not self.overlap or len(set(self.overlap)) != len(self.overlap)):
+            raise ValueError(f"overlap: one or two distinct settings, got {self.overlap}")
         return self
+
+    def overlap_passes(self) -> list[bool | None]:
+        """The server passes: None (the YAML as it is) or each overlap setting, off first."""
+        return [None] if self.overlap is None else sorted(self.overlap)
 
     def requests_for(self, concurrency: int) -> int:
         return self.requests_per_level or max(32, 4 * concurrency)
@@ -233,6 +260,103 @@ class MemoryProbe:
                 "peak": "during the level" if self.reset_ok else "since the process started"}
 
 
+WORKER_FORWARD_SECONDS = "specserve_worker_forward_seconds_total"
+WORKER_STEP_SECONDS = "specserve_worker_step_seconds_total"
+
+
+def worker_seconds(metrics_text: str, model_group: str | None = None) -> dict[str, dict[str, float]]:
+    """Each worker's cumulative seconds in forward passes and in step calls, from a ``/metrics``
+    text: ``{worker: {"forward_s": ..., "step_s": ...}}``. A worker is named by its ``worker``
+    label, or ``worker@replica`` when the scrape covers several replicas (model groups); samples
+    of another ``model_group`` than ``model_group`` (when given) are left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fields = {WORKER_FORWARD_SECONDS: "forward_s", WORKER_STEP_SECONDS: "step_s"}
+    found: dict[tuple[str, str], dict[str, float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            field_name = fields.get(sample.name)
+            if field_name is None or "worker" not in sample.labels:
+                continue
+            if model_group is not None and sample.labels.get("model_group", model_group) != model_group:
+                continue
+            key = (sample.labels.get("replica", ""), sample.labels["worker"])
+            found.setdefault(key, {})[field_name] = float(sample.value)
+    replicas = {replica for replica, _ in found}
+    return {(worker if len(replicas) <= 1 else f"{worker}@{replica}"): values
+            for (replica, worker), values in sorted(found.items(), key=lambda item: (item[0][1], item[0][0]))}
+
+
+def busy_fractions(before: dict[str, dict[str, float]] | None, after: dict[str, dict[str, float]] | None,
+                   wall_s: float) -> dict[str, dict[str, float | None]] | None:
+    """``{worker: {"forward_fraction", "step_fraction"}}``: growth of each counter over ``wall_s``.
+    None without both scrapes; a fraction is None for a counter missing from either scrape or one
+    that went down (the worker restarted during the level)."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    fractions: dict[str, dict[str, float | None]] = {}
+    for worker in sorted(set(before) & set(after)):
+        row: dict[str, float | None] = {}
+        for field_name, name in (("forward_s", "forward_fraction"), ("step_s", "step_fraction")):
+            start, end = before[worker].get(field_name), after[worker].get(field_name)
+            if start is None or end is None or end < start:
+                if start is not None and end is not None:
+                    logger.warning("%s of worker %s went down during the level (restarted?)", field_name, worker)
+                row[name] = None
+            else:
+                row[name] = (end - start) / wall_s
+        fractions[worker] = row
+    return fractions
+
+
+class MetricsProbe:
+    """Scrapes the server's ``GET /metrics`` (through the client that carries the API key)."""
+
+    def __init__(self, url: str, model_group: str | None):
+        self.url = url
+        self.model_group = model_group
+        self._warned = False
+
+    async def scrape(self, client) -> dict[str, dict[str, float]] | None:
+        try:
+            response = await client.get(self.url)
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:MAX_ERROR_CHARS]}")
+            return worker_seconds(response.text, self.model_group)
+        except Exception as exc:  # noqa: BLE001 - the level's other figures stand without it
+            if not self._warned:
+                logger.warning("could not scrape %s (no busy fractions): %s: %s", self.url, type(exc).__name__, exc)
+                self._warned = True
+            return None
+
+
+def overlap_config(document: dict[str, Any], app_name: str | None, overlap: bool, where: str) -> dict[str, Any]:
+    """A copy of a Serve config ``document`` whose application has ``args.engine.overlap`` = ``overlap``."""
+    from cluster.config import select_application
+
+    changed = copy.deepcopy(document)
+    application = select_application(changed, app_name, where)
+    args = application.get("args")
+    if args is None:
+        args = application["args"] = {}
+    engine = args.get("engine")
+    args["engine"] = {**(engine if isinstance(engine, dict) else {}), "overlap": bool(overlap)}
+    return changed
+
+
+def write_overlap_config(config_path: pathlib.Path, app_name: str | None, overlap: bool,
+                         out_dir: pathlib.Path) -> pathlib.Path:
+    """Write ``config_path`` with ``args.engine.overlap`` = ``overlap`` into ``out_dir``; its path."""
+    from cluster.config import read_serve_config
+
+    document = overlap_config(read_serve_config(config_path), app_name, overlap, str(config_path))
+    path = out_dir / f"{config_path.stem}.overlap-{'on' if overlap else 'off'}.yaml"
+    header = (f"# {config_path} with args.engine.overlap: {str(bool(overlap)).lower()} "
+              f"(written by specserve bench --mode serve-load --overlap)\n")
+    path.write_text(header + yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+    return path
+
+
 class ServerProcess:
     """``specserve serve`` in a subprocess: started, waited for, stopped (output in ``log_path``)."""
 
@@ -319,6 +443,7 @@ class LevelPlan:
     case: LoadCase
     concurrency: int
     requests: int
+    overlap: bool | None = None  # the server's args.engine.overlap (None: not known)
 
 
 class LoadClient:
@@ -327,6 +452,7 @@ class LoadClient:
     def __init__(self, base_url: str, model: str, settings: ServeLoadSettings, prompts: list[Prompt],
                  api_key: str | None = None):
         self.url = base_url + "/v1/completions"
+        self.metrics = MetricsProbe(base_url + "/metrics", model)
         self.model = model
         self.settings = settings
         self.prompts = prompts
@@ -342,7 +468,7 @@ class LoadClient:
         }
 
     async def request(self, client, case: LoadCase, concurrency: int, index: int, level_start: float,
-                      max_tokens: int) -> RequestRecord:
+                      max_tokens: int, overlap: bool | None = None) -> RequestRecord:
         prompt = self.prompts[index % len(self.prompts)]
         body = self.body(case, index, max_tokens)
         times: list[float] = []
@@ -397,7 +523,7 @@ class LoadClient:
             seed=body["seed"], ok=error is None, error=None if error is None else error[:MAX_ERROR_CHARS],
             sent_s=sent - level_start, e2e_s=time.perf_counter() - sent, chunk_times_s=times, chunk_tokens=tokens,
             usage_completion_tokens=(final.get("usage") or {}).get("completion_tokens"),
-            target_calls=speculation.get("target_calls"),
+            target_calls=speculation.get("target_calls"), overlap=overlap,
         )
 
     async def run_level(self, plan: LevelPlan, memory: MemoryProbe) -> tuple[LevelRun, list[RequestRecord]]:
@@ -409,11 +535,12 @@ class LoadClient:
         async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, headers=self.headers) as client:
             warm_started = time.perf_counter()
             warm = await self.request(client, plan.case, plan.concurrency, -1, warm_started,
-                                      min(settings.warmup_tokens, settings.max_tokens))
+                                      min(settings.warmup_tokens, settings.max_tokens), plan.overlap)
             warmup_s = time.perf_counter() - warm_started
             if not warm.ok:
                 logger.warning("%s warm-up failed: %s", plan.case.label, warm.error)
             memory.start_level()
+            seconds_before = await self.metrics.scrape(client)
             records: list[RequestRecord] = []
             counter = itertools.count()
             started = time.perf_counter()
@@ -425,14 +552,16 @@ class LoadClient:
                     if index >= plan.requests or time.perf_counter() > deadline:
                         return
                     records.append(await self.request(client, plan.case, plan.concurrency, index, started,
-                                                      settings.max_tokens))
+                                                      settings.max_tokens, plan.overlap))
 
             await asyncio.gather(*(closed_loop() for _ in range(plan.concurrency)))
             wall_s = time.perf_counter() - started
+            seconds_after = await self.metrics.scrape(client)
         records.sort(key=lambda r: r.index)
         run = LevelRun(label=plan.case.label, strategy=plan.case.strategy, concurrency=plan.concurrency,
                        requests=plan.requests, wall_s=wall_s, warmup_ok=warm.ok, warmup_s=warmup_s,
-                       memory=memory.read(), load_average=_load_avg())
+                       memory=memory.read(), load_average=_load_avg(), overlap=plan.overlap,
+                       busy=busy_fractions(seconds_before, seconds_after, wall_s))
         return run, records
 
 
@@ -455,7 +584,8 @@ def run_serve_load(
     prompts_path: pathlib.Path = PROMPTS_PATH,
     plot_prefix: str = "",
 ) -> ServeLoadResults:
-    """Start the server, run every level, stop the server, write the results under ``out_dir``."""
+    """Start the server, run every level, stop the server (once per overlap pass), write the
+    results under ``out_dir``."""
     from benchmarks.run import environment_info
     from cluster.config import load_app_args, read_serve_config, select_application
 
@@ -466,14 +596,15 @@ def run_serve_load(
     group = load_app_args(config_path, app_name).freeze()
     cases = serve_load_cases(settings, group.roles)
     prompts = load_prompts(prompts_path, settings.num_prompts)
-    plans = [LevelPlan(case, c, settings.requests_for(c)) for c in settings.concurrency for case in cases]
-    logger.info("%d levels (%s at concurrency %s), %d requests of %d tokens",
-                len(plans), ", ".join(c.label for c in cases), ",".join(map(str, settings.concurrency)),
-                sum(p.requests for p in plans), settings.max_tokens)
+    passes = settings.overlap_passes()
+    per_pass = [(case, c, settings.requests_for(c)) for c in settings.concurrency for case in cases]
+    logger.info("%d levels (%s at concurrency %s)%s, %d requests of %d tokens",
+                len(per_pass) * len(passes), ", ".join(c.label for c in cases), ",".join(map(str, settings.concurrency)),
+                "" if passes == [None] else " with overlap " + ", then ".join(_on_off(o) for o in passes),
+                sum(n for _, _, n in per_pass) * len(passes), settings.max_tokens)
     out_dir.mkdir(parents=True, exist_ok=True)
     route_prefix = application.get("route_prefix") or "/"
     model = application.get("name") or "specserve"
-    server = ServerProcess(config_path, out_dir / "server.log", settings.start_timeout_s)
     environment: dict[str, Any] = environment_info() | {
         "config": str(config_path), "app": model, "num_prompts": len(prompts),
         "models": {m.name: {"path": m.path, "role": m.role} for m in group.models},
@@ -481,29 +612,46 @@ def run_serve_load(
     }
     results = ServeLoadResults(settings=settings.model_dump(mode="json"), environment=environment, command=command,
                                levels=[], records=[])
-    try:
-        server.start(route_prefix)
-        environment["server_start_s"] = server.start_s
-        client = LoadClient(server.url + route_prefix.rstrip("/"), model, settings, prompts, _api_key(application))
-        memory = MemoryProbe(server.process.pid if server.process else None, settings.worker_class)
-        for plan in plans:
-            if server.process is not None and server.process.poll() is not None:
-                raise RuntimeError(f"the server exited with code {server.process.returncode}:\n{server.log_tail()}")
-            run, records = asyncio.run(client.run_level(plan, memory))
-            results.levels.append(run)
-            results.records.extend(records)
-            summary = results.summarize().summaries[-1]
-            logger.info("%s at %d: %d ok, %d failed, %.1f tok/s, TTFT p50 %s ms, ITL p50 %s ms, workers peak %s MiB",
-                        plan.case.label, plan.concurrency, summary.completed, summary.failed,
-                        summary.tokens_per_second, _ms(summary.ttft_median_s), _ms(summary.itl_median_s),
-                        "n/a" if summary.worker_peak_rss_mib_total is None else f"{summary.worker_peak_rss_mib_total:.0f}")
-            write_json(results, out_dir)  # what is measured so far survives an interruption
-    finally:
-        server.stop()
+    for overlap in passes:
+        if overlap is None:
+            pass_config, effective = config_path, getattr(group, "overlap", None)
+        else:
+            pass_config, effective = write_overlap_config(config_path, app_name, overlap, out_dir), overlap
+        server = ServerProcess(pass_config, out_dir / "server.log", settings.start_timeout_s)
+        plans = [LevelPlan(case, c, n, effective) for case, c, n in per_pass]
+        try:
+            server.start(route_prefix)
+            environment.setdefault("server_start_s", server.start_s)
+            if overlap is not None:
+                environment.setdefault("server_passes", []).append(
+                    {"overlap": overlap, "config": str(pass_config), "server_start_s": server.start_s})
+            client = LoadClient(server.url + route_prefix.rstrip("/"), model, settings, prompts, _api_key(application))
+            memory = MemoryProbe(server.process.pid if server.process else None, settings.worker_class)
+            for plan in plans:
+                if server.process is not None and server.process.poll() is not None:
+                    raise RuntimeError(f"the server exited with code {server.process.returncode}:\n{server.log_tail()}")
+                run, records = asyncio.run(client.run_level(plan, memory))
+                results.levels.append(run)
+                results.records.extend(records)
+                summary = results.summarize().summaries[-1]
+                logger.info("%s at %d%s: %d ok, %d failed, %.1f tok/s, TTFT p50 %s ms, ITL p50 %s ms, "
+                            "workers peak %s MiB, busy (forward / step) %s",
+                            plan.case.label, plan.concurrency, "" if overlap is None else f", overlap {_on_off(overlap)}",
+                            summary.completed, summary.failed, summary.tokens_per_second, _ms(summary.ttft_median_s),
+                            _ms(summary.itl_median_s),
+                            "n/a" if summary.worker_peak_rss_mib_total is None else f"{summary.worker_peak_rss_mib_total:.0f}",
+                            busy_text(summary.busy))
+                write_json(results, out_dir)  # what is measured so far survives an interruption
+        finally:
+            server.stop()
     environment.update(load_average_end=_load_avg(), wall_time_s=time.perf_counter() - started)
     results.summarize()
     write_results(results, out_dir, plot_prefix=plot_prefix)
     return results
+
+
+def _on_off(overlap: bool | None) -> str:
+    return "n/a" if overlap is None else ("on" if overlap else "off")
 
 
 def _api_key(application: dict[str, Any]) -> str | None:

@@ -15,6 +15,15 @@ is measured on the client side, from the streamed ``/v1/completions`` responses:
   request sent to last response finished; the warm-up request is not in it).
 * **worker peak RSS**: ``VmHWM`` of each model-worker process, reset (``/proc/PID/clear_refs``)
   just before the level starts, so it is the peak resident set during the level.
+* **busy fraction** (per model worker): the growth of the server's cumulative
+  ``specserve_worker_forward_seconds_total`` (``..._step_seconds_total``) between a ``/metrics``
+  scrape right before and one right after the level's timed part, over the level's wall time:
+  the fraction of the level the worker spent in forward passes (in step calls, which include
+  the forwards). The only server-side figure.
+
+A run with ``--overlap on,off`` holds every level twice, once per setting of the scheduler's
+overlap (``overlap`` of each level and record); levels are told apart by (label, concurrency,
+overlap).
 
 Medians and 99th percentiles use linear interpolation between order statistics (numpy's
 default); with few samples the p99 is close to the maximum.
@@ -56,6 +65,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in that chunk
     usage_completion_tokens: int | None = None  # the server's count (final chunk's usage)
     target_calls: int | None = None  # the server's speculation stats, when streamed
+    overlap: bool | None = None  # the server's args.engine.overlap (None: not recorded)
 
     @property
     def completion_tokens(self) -> int:
@@ -90,6 +100,8 @@ class LevelRun:
     warmup_s: float
     memory: dict[str, Any] | None = None  # see benchmarks.serve_load.MemoryProbe.read
     load_average: str = "n/a"
+    overlap: bool | None = None  # the server's args.engine.overlap (None: not recorded)
+    busy: dict[str, dict[str, float | None]] | None = None  # worker -> forward_fraction, step_fraction
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,8 @@ class LevelSummary:
     worker_peak_rss_mib_max: float | None
     workers: int
     errors: list[str] = field(default_factory=list)
+    overlap: bool | None = None
+    busy: dict[str, dict[str, float | None]] | None = None  # worker -> forward_fraction, step_fraction
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -176,6 +190,8 @@ def summarize_level(run: LevelRun, records: list[RequestRecord], max_tokens: int
         worker_peak_rss_mib_max=max(peak_values) if peak_values else None,
         workers=len(peaks),
         errors=errors,
+        overlap=run.overlap,
+        busy=run.busy,
     )
 
 
@@ -191,11 +207,11 @@ class ServeLoadResults:
     summaries: list[LevelSummary] = field(default_factory=list)
 
     def summarize(self) -> ServeLoadResults:
-        by_level: dict[tuple[str, int], list[RequestRecord]] = defaultdict(list)
+        by_level: dict[tuple[str, int, bool | None], list[RequestRecord]] = defaultdict(list)
         for record in self.records:
-            by_level[(record.label, record.concurrency)].append(record)
+            by_level[(record.label, record.concurrency, record.overlap)].append(record)
         max_tokens = int(self.settings["max_tokens"])
-        self.summaries = [summarize_level(run, by_level[(run.label, run.concurrency)], max_tokens)
+        self.summaries = [summarize_level(run, by_level[(run.label, run.concurrency, run.overlap)], max_tokens)
                           for run in self.levels]
         return self
 
@@ -266,18 +282,41 @@ def _f(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-def level_table(summaries: list[LevelSummary]) -> list[str]:
+def on_off(overlap: bool | None) -> str:
+    return "–" if overlap is None else ("on" if overlap else "off")
+
+
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.0f}%"
+
+
+def busy_text(busy: dict[str, dict[str, float | None]] | None) -> str:
+    """``target 62% / 75%, draft 20% / 31%`` (forward / step), or n/a without a scrape."""
+    if not busy:
+        return "n/a"
+    return ", ".join(f"{worker} {_percent(row.get('forward_fraction'))} / {_percent(row.get('step_fraction'))}"
+                     for worker, row in busy.items())
+
+
+def has_overlap_passes(summaries: list[LevelSummary]) -> bool:
+    """Whether the run holds levels under both overlap settings (``--overlap on,off``)."""
+    return len({s.overlap for s in summaries if s.overlap is not None}) > 1
+
+
+def level_table(summaries: list[LevelSummary], *, overlap_column: bool = False) -> list[str]:
+    head, rule = (" overlap |", " :---: |") if overlap_column else ("", "")
     lines = [
-        "| strategy | concurrency | ok / failed | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | chunk gap p99 ms "
+        f"| strategy | concurrency |{head} ok / failed | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | chunk gap p99 ms "
         "| TPOT p50 ms | e2e p50 / p99 s | tokens / chunk | worker peak RSS MiB (sum / max) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| --- | ---: |{rule} ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for s in summaries:
         failed = f"**{s.failed}**" if s.failed else "0"
         memory = (f"{_f(s.worker_peak_rss_mib_total, 0)} / {_f(s.worker_peak_rss_mib_max, 0)}"
                   if s.worker_peak_rss_mib_total is not None else "–")
+        overlap = f" {on_off(s.overlap)} |" if overlap_column else ""
         lines.append(
-            f"| {s.label} | {s.concurrency} | {s.completed} / {failed} | {_f(s.tokens_per_second)} "
+            f"| {s.label} | {s.concurrency} |{overlap} {s.completed} / {failed} | {_f(s.tokens_per_second)} "
             f"| {_ms(s.ttft_median_s)} / {_ms(s.ttft_p99_s)} | {_ms(s.itl_median_s)} / {_ms(s.itl_p99_s)} "
             f"| {_ms(s.chunk_gap_p99_s)} | {_ms(s.tpot_median_s)} | {_f(s.e2e_median_s, 2)} / {_f(s.e2e_p99_s, 2)} "
             f"| {_f(s.tokens_per_chunk, 2)} | {memory} |"
@@ -285,9 +324,58 @@ def level_table(summaries: list[LevelSummary]) -> list[str]:
     return lines
 
 
+def busy_workers(summaries: list[LevelSummary]) -> list[str]:
+    """Every worker with a busy fraction in some level, in first-seen order."""
+    return list(dict.fromkeys(worker for s in summaries for worker in (s.busy or {})))
+
+
+def busy_table(summaries: list[LevelSummary], *, overlap_column: bool = False) -> list[str]:
+    """Busy fractions: one row per level, one column per worker (forward / step)."""
+    workers = busy_workers(summaries)
+    if not workers:
+        return []
+    head, rule = (" overlap |", " :---: |") if overlap_column else ("", "")
+    lines = [f"| strategy | concurrency |{head} " + " | ".join(workers) + " |",
+             f"| --- | ---: |{rule}" + " ---: |" * len(workers)]
+    for s in summaries:
+        busy = s.busy or {}
+        cells = " | ".join(f"{_percent((busy.get(w) or {}).get('forward_fraction'))} / "
+                           f"{_percent((busy.get(w) or {}).get('step_fraction'))}" if w in busy else "–"
+                           for w in workers)
+        overlap = f" {on_off(s.overlap)} |" if overlap_column else ""
+        lines.append(f"| {s.label} | {s.concurrency} |{overlap} {cells} |")
+    return lines
+
+
+def overlap_table(summaries: list[LevelSummary]) -> list[str]:
+    """Overlap off and on side by side, one row per (strategy, concurrency) that ran under both."""
+    by_key = {(s.label, s.concurrency, s.overlap): s for s in summaries}
+    rows = list(dict.fromkeys((s.label, s.concurrency) for s in summaries))
+    lines = ["| strategy | concurrency | overlap off tok/s | overlap on tok/s | on/off | busy fractions off "
+             "| busy fractions on |", "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for label, concurrency in sorted(rows, key=lambda row: row[1]):
+        off, on = by_key.get((label, concurrency, False)), by_key.get((label, concurrency, True))
+        if off is None or on is None:
+            continue
+        ratio = (f"{on.tokens_per_second / off.tokens_per_second:.2f}x" if off.tokens_per_second > 0 else "–")
+        lines.append(f"| {label} | {concurrency} | {_f(off.tokens_per_second)} | {_f(on.tokens_per_second)} | {ratio} "
+                     f"| {_busy_cell(off.busy)} | {_busy_cell(on.busy)} |")
+    return lines if len(lines) > 2 else []
+
+
+def _busy_cell(busy: dict[str, dict[str, float | None]] | None) -> str:
+    return "–" if not busy else busy_text(busy)
+
+
+def _level_name(s: LevelSummary, with_overlap: bool) -> str:
+    return f"{s.label} (overlap {on_off(s.overlap)})" if with_overlap else s.label
+
+
 def render_markdown(results: ServeLoadResults, plots: dict[str, str]) -> str:
     settings, env = results.settings, results.environment
-    summaries = sorted(results.summaries, key=lambda s: s.concurrency)  # strategies in the order they ran
+    passes = has_overlap_passes(results.summaries)
+    # strategies in the order they ran; with overlap passes, pass by pass (off first)
+    summaries = sorted(results.summaries, key=lambda s: (bool(s.overlap) if passes else False, s.concurrency))
     top = max(settings["concurrency"])
     lines = [
         "# Serving under load",
@@ -300,8 +388,9 @@ def render_markdown(results: ServeLoadResults, plots: dict[str, str]) -> str:
         f"`/v1/completions` requests between them ({settings['max_tokens']} tokens each, EOS ignored, "
         f"temperature {settings['temperature']}, request i: prompt i mod {env.get('num_prompts')} of the "
         f"committed set, seed {settings['seed']} + i). Levels ran concurrency by concurrency, the strategies "
-        f"in turn at each. Code: commit {env.get('git_commit', 'n/a')}. Machine: {env.get('cpu_count')} CPUs, "
-        f"torch {env.get('torch')}, ray {env.get('ray')}; server start-up {_f(env.get('server_start_s'), 0)} s; "
+        f"in turn at each{_passes_text() if passes else ''}. Code: commit {env.get('git_commit', 'n/a')}. "
+        f"Machine: {env.get('cpu_count')} CPUs, torch {env.get('torch')}, ray {env.get('ray')}; "
+        f"server start-up {_start_text(env)}; "
         f"load average at start {env.get('load_average_start')}, at end {env.get('load_average_end')}; "
         f"wall time {_f(env.get('wall_time_s'), 0)} s.",
         *_admission_note(settings, env),
@@ -312,29 +401,65 @@ def render_markdown(results: ServeLoadResults, plots: dict[str, str]) -> str:
         "*TPOT* = per request (end-to-end - TTFT) / (tokens - 1); *worker peak RSS* = VmHWM of the "
         "model-worker processes during the level (reset before it), summed over the workers and the "
         "largest one (resident pages include shared libraries, so the sum overstates the machine's total).",
+        *_overlap_note(summaries, passes),
         "",
-        *level_table(summaries),
+        *level_table(summaries, overlap_column=passes),
         "",
     ]
+    busy = busy_table(summaries, overlap_column=passes)
+    if busy:
+        lines += ["## Busy fraction of the model workers", "",
+                  "Per level and model worker: seconds in forward passes / seconds in step calls (forwards, "
+                  "sampling, verification, sessions), as a fraction of the level's wall time; from the server's "
+                  "`specserve_worker_forward_seconds_total` and `specserve_worker_step_seconds_total`, scraped at "
+                  "`/metrics` right before and right after the level's timed part.", "", *busy, ""]
+    if passes:
+        compared = overlap_table(summaries)
+        if compared:
+            lines += ["## Overlap off and on", "",
+                      "The same levels under `args.engine.overlap` false and true (a server started per setting, "
+                      "overlap off first); busy fractions per worker as forward / step.", "", *compared, ""]
     at_top = [s for s in summaries if s.concurrency == top]
     if at_top:
         lines += [f"## Peak resident memory of the model workers at concurrency {top}", "",
                   "| strategy | workers | peak RSS per worker MiB | sum MiB |", "| --- | ---: | --- | ---: |"]
         for s in at_top:
-            run = next(r for r in results.levels if r.label == s.label and r.concurrency == s.concurrency)
+            run = next(r for r in results.levels
+                       if r.label == s.label and r.concurrency == s.concurrency and r.overlap == s.overlap)
             workers = (run.memory or {}).get("workers") or {}
             per = ", ".join(f"{w['peak_rss_bytes'] / MIB:.0f}" for _, w in sorted(workers.items()))
-            lines.append(f"| {s.label} | {s.workers} | {per or '–'} | {_f(s.worker_peak_rss_mib_total, 0)} |")
+            lines.append(f"| {_level_name(s, passes)} | {s.workers} | {per or '–'} | "
+                         f"{_f(s.worker_peak_rss_mib_total, 0)} |")
         lines.append("")
         since_start = [r for r in results.levels if r.memory and r.memory.get("peak") != "during the level"]
         if since_start:
             lines += ["The peak counters could not be reset here: these peaks are since the workers started.", ""]
     errors = [(s, e) for s in summaries for e in s.errors]
     if errors:
-        lines += ["## Errors", ""] + [f"- {s.label} at {s.concurrency}: `{e}`" for s, e in errors] + [""]
+        lines += ["## Errors", ""] + [f"- {_level_name(s, passes)} at {s.concurrency}: `{e}`" for s, e in errors] + [""]
     for name, path in plots.items():
         lines += [f"![{name}]({path})", ""]
     return "\n".join(lines)
+
+
+def _passes_text() -> str:
+    return ("; every level ran twice, once per setting of the scheduler's overlap (`args.engine.overlap`), "
+            "overlap off first, each pass with its own server start")
+
+
+def _start_text(env: dict[str, Any]) -> str:
+    passes = env.get("server_passes") or []
+    if len(passes) > 1:
+        return ", ".join(f"{_f(p.get('server_start_s'), 0)} s (overlap {on_off(p.get('overlap'))})" for p in passes)
+    return f"{_f(env.get('server_start_s'), 0)} s"
+
+
+def _overlap_note(summaries: list[LevelSummary], passes: bool) -> list[str]:
+    """The overlap setting of a single-pass run, when recorded."""
+    settings = {s.overlap for s in summaries if s.overlap is not None}
+    if passes or len(settings) != 1:
+        return []
+    return ["", f"Scheduler overlap (`args.engine.overlap`): {on_off(settings.pop())}."]
 
 
 def _admission_note(settings: dict[str, Any], env: dict[str, Any]) -> list[str]:
@@ -364,9 +489,10 @@ def write_plot(results: ServeLoadResults, out_dir: pathlib.Path) -> pathlib.Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    passes = has_overlap_passes(results.summaries)
     series: dict[str, list[LevelSummary]] = defaultdict(list)
     for s in sorted(results.summaries, key=lambda s: s.concurrency):
-        series[s.label].append(s)
+        series[_level_name(s, passes)].append(s)
     figure, axes = plt.subplots(2, 2, figsize=(11, 8))
     panels = (
         (axes[0][0], "aggregate tokens/s", lambda s: s.tokens_per_second, None),

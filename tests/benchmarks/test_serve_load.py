@@ -12,11 +12,30 @@ import pathlib
 import pytest
 import yaml
 
-from benchmarks.cli import add_bench_parser
+from benchmarks.cli import add_bench_parser, overlap_list, serve_load_settings_from_args
 from benchmarks.publish import SERVE_LOAD_END, SERVE_LOAD_START, results_section, splice
 from benchmarks.run import rerender
-from benchmarks.serve_load import LoadClient, ServeLoadSettings, _api_key, serve_load_cases
-from benchmarks.serve_load_report import PLOT_FILES, LevelRun, RequestRecord, percentile, summarize_level
+from benchmarks.serve_load import (
+    LoadClient,
+    ServeLoadSettings,
+    _api_key,
+    busy_fractions,
+    overlap_config,
+    serve_load_cases,
+    worker_seconds,
+    write_overlap_config,
+)
+from benchmarks.serve_load_report import (
+    PLOT_FILES,
+    LevelRun,
+    RequestRecord,
+    ServeLoadResults,
+    busy_text,
+    percentile,
+    render_markdown,
+    summarize_level,
+)
+from cluster.config import load_app_args
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ROLES = {"target": "target", "draft": "draft", "partner": "member", "partner2": "member"}
@@ -125,6 +144,12 @@ def test_serve_load_end_to_end(tmp_path, monkeypatch):
         assert s["workers"] == 2 and s["worker_peak_rss_mib_max"] > 0
         assert s["worker_peak_rss_mib_total"] >= s["worker_peak_rss_mib_max"]
         assert s["block_efficiency"] >= 1.0
+        # busy fractions from the server's /metrics: both workers, fractions of the level's wall time
+        assert set(s["busy"]) == {"target", "draft"}, key
+        for worker, busy in s["busy"].items():
+            assert 0 <= busy["forward_fraction"] <= busy["step_fraction"] <= 1.05, (key, worker)
+        assert s["busy"]["target"]["forward_fraction"] > 0  # the draft is idle under ar
+        assert (s["busy"]["draft"]["forward_fraction"] > 0) == (key[0] != "ar"), key
     records = results["records"]
     assert len(records) == 8 and sorted({r["seed"] for r in records}) == [0, 1]
     for record in records:
@@ -134,9 +159,134 @@ def test_serve_load_end_to_end(tmp_path, monkeypatch):
     markdown = (out / "results.md").read_text()
     assert markdown.startswith("# Serving under load") and "Command: `specserve bench --mode serve-load" in markdown
     assert "| sd/block/g4 | 2 | 2 / 0 |" in markdown and "Peak resident memory of the model workers at concurrency 2" in markdown
+    assert "## Busy fraction of the model workers" in markdown and "| strategy | concurrency | draft | target |" in markdown
     assert (out / "serve_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "specserve is serving" in (out / "server.log").read_text()  # the server's own output is kept
     # Re-rendering from results.json gives the same summaries.
     rerendered = rerender(out)
     assert [s.label for s in rerendered.summaries] == [s["label"] for s in results["summaries"]]
     assert json.loads((out / "results.json").read_text())["summaries"] == results["summaries"]
+
+
+# ----------------------------------------------------------------------------- busy fractions
+
+def _metrics_text(forward: float, step: float, replica: str = "r1") -> str:
+    """A ``/metrics`` text as the server renders it (cluster.metrics), one group with two workers."""
+    from actors.metrics import GroupIdentity, SchedulerMetrics, group_snapshot
+    from cluster.metrics import ScrapeResult, render
+
+    workers = {"target": {"forward_seconds_total": forward, "step_seconds_total": step, "steps": 3,
+                          "forward_passes_total": 3, "sessions": 1},
+               "draft": {"forward_seconds_total": forward / 4, "step_seconds_total": step / 2, "steps": 3,
+                         "forward_passes_total": 3, "sessions": 1}}
+    snapshot = group_snapshot(GroupIdentity("specserve", replica), SchedulerMetrics().recorder, running=0, waiting=0,
+                              worker_totals=workers, workers_failed=0)
+    return render("specserve", ScrapeResult([snapshot])).decode()
+
+
+def test_busy_fractions_from_two_metrics_scrapes():
+    before = worker_seconds(_metrics_text(10.0, 12.0))
+    assert before == {"draft": {"forward_s": 2.5, "step_s": 6.0}, "target": {"forward_s": 10.0, "step_s": 12.0}}
+    after = worker_seconds(_metrics_text(13.0, 16.0))
+    busy = busy_fractions(before, after, wall_s=4.0)
+    assert busy["target"] == {"forward_fraction": pytest.approx(0.75), "step_fraction": pytest.approx(1.0)}
+    assert busy["draft"] == {"forward_fraction": pytest.approx(0.1875), "step_fraction": pytest.approx(0.5)}
+    # a counter that went down (the worker restarted) gives no fraction; a missing scrape, none at all
+    assert busy_fractions(after, before, wall_s=4.0)["target"] == {"forward_fraction": None, "step_fraction": None}
+    assert busy_fractions(None, after, wall_s=4.0) is None
+    assert busy_text(busy) == "draft 19% / 50%, target 75% / 100%"
+    assert busy_text(None) == "n/a"
+
+
+def test_worker_seconds_names_replicas_only_when_there_are_several():
+    text = (
+        "# HELP specserve_worker_forward_seconds_total f\n# TYPE specserve_worker_forward_seconds_total counter\n"
+        'specserve_worker_forward_seconds_total{model_group="specserve",replica="a",worker="target"} 1.5\n'
+        'specserve_worker_forward_seconds_total{model_group="specserve",replica="b",worker="target"} 2.5\n'
+        'specserve_worker_forward_seconds_total{model_group="other",replica="c",worker="target"} 9.0\n'
+        "# HELP specserve_worker_step_seconds_total s\n# TYPE specserve_worker_step_seconds_total counter\n"
+        'specserve_worker_step_seconds_total{model_group="specserve",replica="a",worker="target"} 2.0\n'
+    )
+    assert worker_seconds(text, "specserve") == {"target@a": {"forward_s": 1.5, "step_s": 2.0},
+                                                 "target@b": {"forward_s": 2.5}}
+    assert len(worker_seconds(text)) == 3
+    assert busy_fractions({"target@b": {"forward_s": 2.5}}, {"target@b": {"forward_s": 3.5}}, 2.0) == {
+        "target@b": {"forward_fraction": 0.5, "step_fraction": None}}
+
+
+# ----------------------------------------------------------------------------- overlap passes
+
+def test_overlap_option_and_config_rewrite(tmp_path):
+    assert overlap_list("on,off") == (False, True) and overlap_list("ON") == (True,)
+    with pytest.raises(argparse.ArgumentTypeError):
+        overlap_list("maybe")
+    args = _parser().parse_args(["bench", "--mode", "serve-load", "--overlap", "on,off", "--out", str(tmp_path)])
+    settings = serve_load_settings_from_args(args)
+    assert settings.overlap == (False, True) and settings.overlap_passes() == [False, True]
+    assert ServeLoadSettings().overlap_passes() == [None]
+    args = _parser().parse_args(["bench", "--overlap", "on", "--out", str(tmp_path)])
+    assert args.handler(args) == 2  # a serve-load flag in suite mode
+
+    source = REPO / "deploy" / "default.yaml"
+    original = yaml.safe_load(source.read_text())
+    for overlap in (False, True):
+        path = write_overlap_config(source, None, overlap, tmp_path)
+        assert path.parent == tmp_path and path.name == f"default.overlap-{'on' if overlap else 'off'}.yaml"
+        written = yaml.safe_load(path.read_text())
+        assert written["applications"][0]["args"]["engine"] == {"overlap": overlap}
+        written["applications"][0]["args"].pop("engine")
+        assert written == original  # nothing else changes
+        assert load_app_args(path).freeze().overlap is overlap
+    document = {"applications": [{"name": "a", "args": {"engine": {"overlap": True}}}, {"name": "b"}]}
+    changed = overlap_config(document, "b", False, "test")
+    assert changed["applications"][1]["args"] == {"engine": {"overlap": False}}
+    assert document["applications"][1] == {"name": "b"}  # the original is untouched
+    assert overlap_config(document, "a", False, "test")["applications"][0]["args"]["engine"] == {"overlap": False}
+
+
+def _level(label: str, concurrency: int, overlap: bool | None, wall_s: float, busy=None) -> tuple[LevelRun, list]:
+    run = LevelRun(label=label, strategy=label.split("/")[0], concurrency=concurrency, requests=1, wall_s=wall_s,
+                   warmup_ok=True, warmup_s=0.1, overlap=overlap, busy=busy)
+    record = RequestRecord(label=label, concurrency=concurrency, index=0, prompt_id="p", seed=0, ok=True, error=None,
+                           sent_s=0.0, e2e_s=0.5, chunk_times_s=[0.1, 0.5], chunk_tokens=[2, 2], overlap=overlap)
+    return run, [record]
+
+
+def _results(levels) -> ServeLoadResults:
+    return ServeLoadResults(
+        settings=ServeLoadSettings(concurrency=(2,), strategies=("sd",), max_tokens=4).model_dump(mode="json"),
+        environment={"config": "x.yaml", "num_prompts": 1}, command="specserve bench --mode serve-load",
+        levels=[run for run, _ in levels], records=[r for _, records in levels for r in records]).summarize()
+
+
+def test_report_puts_overlap_off_and_on_side_by_side_with_busy_fractions():
+    busy_off = {"target": {"forward_fraction": 0.5, "step_fraction": 0.6},
+                "draft": {"forward_fraction": 0.1, "step_fraction": 0.2}}
+    busy_on = {"target": {"forward_fraction": 0.7, "step_fraction": 0.8},
+               "draft": {"forward_fraction": 0.2, "step_fraction": None}}
+    results = _results([_level("sd/block/g4", 2, False, 2.0, busy_off), _level("sd/block/g4", 2, True, 1.0, busy_on)])
+    assert [(s.overlap, s.tokens_per_second) for s in results.summaries] == [(False, 2.0), (True, 4.0)]
+    assert results.summaries[1].busy == busy_on
+    markdown = render_markdown(results, {})
+    assert "| strategy | concurrency | overlap off tok/s | overlap on tok/s | on/off | busy fractions off " \
+           "| busy fractions on |" in markdown
+    assert ("| sd/block/g4 | 2 | 2.0 | 4.0 | 2.00x | target 50% / 60%, draft 10% / 20% "
+            "| target 70% / 80%, draft 20% / – |") in markdown
+    assert "| strategy | concurrency | overlap | target | draft |" in markdown  # the busy table
+    assert "| sd/block/g4 | 2 | off | 50% / 60% | 10% / 20% |" in markdown
+    assert "| sd/block/g4 | 2 | on | 1 / 0 |" in markdown  # the level table carries the setting
+    # results.json round trip keeps the passes apart
+    again = ServeLoadResults.from_json(json.loads(json.dumps(results.to_json())))
+    assert [(s.overlap, s.busy) for s in again.summaries] == [(False, busy_off), (True, busy_on)]
+
+
+def test_single_pass_report_keeps_its_format():
+    # A run recorded before overlap and busy fractions existed renders as it did.
+    results = _results([_level("sd/block/g4", 2, None, 1.0)])
+    markdown = render_markdown(results, {})
+    assert "| strategy | concurrency | ok / failed | tok/s |" in markdown and "overlap" not in markdown
+    assert "Busy fraction" not in markdown
+    busy = {"target": {"forward_fraction": 0.25, "step_fraction": 0.5}}
+    markdown = render_markdown(_results([_level("sd/block/g4", 2, True, 1.0, busy)]), {})
+    assert "overlap off tok/s" not in markdown and "Scheduler overlap (`args.engine.overlap`): on." in markdown
+    assert "## Busy fraction of the model workers" in markdown and "| sd/block/g4 | 2 | 25% / 50% |" in markdown
