@@ -8,7 +8,12 @@ Block efficiency and mean accepted length are counts, not timings, so no machine
 affects them; they are pooled over every iteration of every prompt (total generated tokens /
 total target calls; total accepted / total iterations). A per-prompt median of a ratio like
 64 tokens / n calls moves in coarse steps (64/17 = 3.76, 64/18 = 3.56), so the pooled figure is
-the one compared; the per-prompt median is kept as ``block_efficiency_median``.
+the one compared; the per-prompt median is kept as ``block_efficiency_median``. The mean drafted
+block length is pooled the same way (total drafted tokens / total iterations).
+
+Adaptive draft length (``gamma: "auto"``): each auto case is set against the fixed-gamma case of
+the same rule and mode with the most tokens/s (the best fixed gamma of the run), by the paired
+tokens/s ratio and by block efficiency.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class CaseSummary:
     ms_per_iteration: dict[str, float]
     bytes_per_token: float
     block_efficiency_median: float | None = None
+    mean_draft_length: float | None = None
     block_efficiency_by_kind: dict[str, float] = field(default_factory=dict)
     tokens_per_second_by_kind: dict[str, float] = field(default_factory=dict)
 
@@ -80,6 +86,12 @@ def pooled_mean_accepted(records: list[RunRecord]) -> float | None:
     """Total accepted draft tokens / total iterations over ``records`` (None without drafts)."""
     accepted = [length for r in records for length in r.accepted_lengths]
     return sum(accepted) / len(accepted) if accepted else None
+
+
+def pooled_mean_draft_length(records: list[RunRecord]) -> float | None:
+    """Total drafted tokens / total iterations over ``records`` (None without drafts)."""
+    drafted = [length for r in records for length in r.draft_lengths]
+    return sum(drafted) / len(drafted) if drafted else None
 
 
 def _per_iteration_ms(record: RunRecord) -> dict[str, float]:
@@ -123,6 +135,7 @@ def summarize_case(case: BenchCase, records: list[RunRecord]) -> CaseSummary | N
         ms_per_iteration={part: median(s[part] for s in splits) for part in splits[0]},
         bytes_per_token=median(r.bytes_moved / max(r.completion_tokens, 1) for r in own),
         block_efficiency_median=median(r.block_efficiency for r in own),
+        mean_draft_length=pooled_mean_draft_length(own),
         block_efficiency_by_kind={k: pooled_block_efficiency(rs) for k, rs in sorted(by_kind.items())},
         tokens_per_second_by_kind={k: median(r.tokens_per_second for r in rs) for k, rs in sorted(by_kind.items())},
     )
@@ -273,6 +286,8 @@ def peer_comparisons(summaries: list[CaseSummary]) -> list[PeerComparison]:
         if s.group != "sd":
             continue
         _, method, gamma_part = s.label.split("/")
+        if not gamma_part[1:].isdigit():  # gamma "auto": the peer has no counterpart
+            continue
         peer = by_key.get(f"hf:peer/assisted/{gamma_part}")
         if peer is None:
             continue
@@ -307,6 +322,54 @@ def _peer_checks(summaries: list[CaseSummary]) -> list[TargetCheck]:
                 f"{row.ratio:.2f}x ({row.sd_speedup:.2f}x vs {row.peer_speedup:.2f}x)", row.ratio >= 1.15,
             ))
     return checks
+
+
+@dataclass(frozen=True)
+class AdaptiveComparison:
+    """An sd case with ``gamma: "auto"`` against the best fixed gamma (most tokens/s) of its rule and mode."""
+
+    mode: str
+    method: str
+    auto_key: str
+    best_fixed_key: str
+    best_fixed_gamma: int
+    auto_tokens_per_second: float
+    best_fixed_tokens_per_second: float
+    tokens_per_second_ratio: float | None  # median over prompts of auto / best fixed (paired)
+    auto_block_efficiency: float
+    best_fixed_block_efficiency: float
+    auto_mean_draft_length: float | None
+    best_fixed_mean_draft_length: float | None
+
+
+def sd_gamma(summary: CaseSummary) -> int | str | None:
+    """The gamma of an sd case (an int, or "auto"); None for any other case."""
+    if summary.group != "sd":
+        return None
+    part = summary.label.rsplit("/", 1)[-1][1:]
+    return int(part) if part.isdigit() else part
+
+
+def adaptive_comparisons(summaries: list[CaseSummary], records: list[RunRecord]) -> list[AdaptiveComparison]:
+    rows = []
+    for auto in summaries:
+        if sd_gamma(auto) != "auto":
+            continue
+        method = auto.label.split("/")[1]
+        fixed = [s for s in summaries if s.mode == auto.mode and s.label.split("/")[:2] == ["sd", method]
+                 and isinstance(sd_gamma(s), int)]
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda s: s.tokens_per_second)
+        ratio = median(paired_ratios(records, auto.key, best.key, lambda r: r.tokens_per_second))
+        rows.append(AdaptiveComparison(
+            mode=auto.mode, method=method, auto_key=auto.key, best_fixed_key=best.key, best_fixed_gamma=sd_gamma(best),
+            auto_tokens_per_second=auto.tokens_per_second, best_fixed_tokens_per_second=best.tokens_per_second,
+            tokens_per_second_ratio=ratio, auto_block_efficiency=auto.block_efficiency,
+            best_fixed_block_efficiency=best.block_efficiency, auto_mean_draft_length=auto.mean_draft_length,
+            best_fixed_mean_draft_length=best.mean_draft_length,
+        ))
+    return rows
 
 
 def to_jsonable(items) -> list[dict]:

@@ -16,6 +16,7 @@ class RunRecord:
     ``target_calls`` are forward calls of the verifying model(s); for the ensembles, the
     forward calls of every member (``model_calls`` has the per-model split).
     The time split is the sum over the request's iterations (``iterations`` of them).
+    ``draft_lengths`` are the tokens drafted per iteration (gamma, or the choices of ``auto``).
     """
 
     case: str
@@ -34,6 +35,7 @@ class RunRecord:
     time_verify_s: float = 0.0
     time_coordination_s: float = 0.0
     bytes_moved: int = 0
+    draft_lengths: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -51,11 +53,19 @@ class RunRecord:
             return None
         return sum(self.accepted_lengths) / len(self.accepted_lengths)
 
+    @property
+    def mean_draft_length(self) -> float | None:
+        """Mean tokens drafted per iteration (None for strategies without drafts)."""
+        if not self.draft_lengths:
+            return None
+        return sum(self.draft_lengths) / len(self.draft_lengths)
+
     def to_dict(self) -> dict:
         record = asdict(self)
         record["tokens_per_second"] = self.tokens_per_second
         record["block_efficiency"] = self.block_efficiency
         record["mean_accepted"] = self.mean_accepted
+        record["mean_draft_length"] = self.mean_draft_length
         return record
 
 
@@ -82,4 +92,5 @@ def record_from_stats(
         time_verify_s=stats.time_verify_s,
         time_coordination_s=stats.time_coordination_s,
         bytes_moved=stats.bytes_moved,
+        draft_lengths=list(stats.draft_lengths),
     )

@@ -6,10 +6,18 @@ import json
 import logging
 import pathlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.analysis import CaseSummary, Overhead, PeerComparison, TargetCheck, to_jsonable
+from benchmarks.analysis import (
+    AdaptiveComparison,
+    CaseSummary,
+    Overhead,
+    PeerComparison,
+    TargetCheck,
+    sd_gamma,
+    to_jsonable,
+)
 from benchmarks.records import RunRecord
 from benchmarks.suite import BenchSettings
 
@@ -30,6 +38,7 @@ class BenchResults:
     peer: list[PeerComparison]
     checks: list[TargetCheck]
     records: list[RunRecord]
+    adaptive: list[AdaptiveComparison] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -40,6 +49,7 @@ class BenchResults:
             "distribution_overhead": to_jsonable(self.overhead),
             "peer_comparison": to_jsonable(self.peer),
             "target_checks": to_jsonable(self.checks),
+            "adaptive_gamma": to_jsonable(self.adaptive),
             "records": [r.to_dict() for r in self.records],
         }
 
@@ -99,6 +109,46 @@ def _kind_table(summaries: list[CaseSummary]) -> list[str]:
     return lines
 
 
+def adaptive_section(results: BenchResults) -> list[str]:
+    """sd with gamma "auto" next to the fixed gammas of the same rule and mode, and the
+    "best fixed gamma vs auto" lines; empty when the run has no auto case."""
+    autos = [s for s in results.summaries if sd_gamma(s) == "auto"]
+    if not autos:
+        return []
+    rows = [s for s in results.summaries if sd_gamma(s) is not None
+            and any(a.mode == s.mode and a.label.split("/")[1] == s.label.split("/")[1] for a in autos)]
+    modes, methods = list(results.settings.modes), list(results.settings.sd_methods)
+    rows.sort(key=lambda s: (modes.index(s.mode) if s.mode in modes else len(modes),
+                             methods.index(s.label.split("/")[1]) if s.label.split("/")[1] in methods else len(methods),
+                             sd_gamma(s) == "auto", sd_gamma(s) if isinstance(sd_gamma(s), int) else 0))
+    limit = results.settings.auto_gamma_max()
+    lines = [
+        "## Adaptive draft length (gamma auto)",
+        "",
+        "`gamma: \"auto\"`: each request chooses its block before each draft from its own acceptance so far, "
+        f"in [1, gamma_max] (gamma_max = {limit if limit is not None else 'the deployment default'}). "
+        "*mean drafted* = draft tokens per iteration, pooled over all prompts.",
+        "",
+        "| case | mode | block eff. | mean accepted | mean drafted | tok/s | speedup |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in rows:
+        lines.append(f"| {s.label} | {s.mode} | {_f(s.block_efficiency)} | {_f(s.mean_accepted)} "
+                     f"| {_f(s.mean_draft_length)} | {_f(s.tokens_per_second, 0)} | {_f(s.speedup, 2, 'x')} |")
+    lines.append("")
+    for row in results.adaptive:
+        lines.append(
+            f"- best fixed gamma vs auto, {row.method} ({row.mode}): best fixed gamma {row.best_fixed_gamma} "
+            f"{row.best_fixed_tokens_per_second:.0f} tok/s, auto {row.auto_tokens_per_second:.0f} tok/s: auto / best "
+            f"fixed {_f(row.tokens_per_second_ratio, 2, 'x')} tokens/s (paired median); block efficiency "
+            f"{row.best_fixed_block_efficiency:.2f} vs {row.auto_block_efficiency:.2f} (auto drafted "
+            f"{_f(row.auto_mean_draft_length)} tokens per iteration)"
+        )
+    if results.adaptive:
+        lines.append("")
+    return lines
+
+
 def render_markdown(results: BenchResults, plots: dict[str, str]) -> str:
     settings, env = results.settings, results.environment
     groups = defaultdict(list)
@@ -130,6 +180,7 @@ def render_markdown(results: BenchResults, plots: dict[str, str]) -> str:
                        ("Ensembles and speculative ensembles", "ensembles")):
         if groups[key]:
             lines += [f"## {title}", "", *_case_table(groups[key], member_calls=key == "ensembles"), ""]
+    lines += adaptive_section(results)
     if results.peer:
         lines += [
             "## sd versus transformers assisted generation",
@@ -205,11 +256,16 @@ def _primary_mode(summaries: list[CaseSummary]) -> str:
 def _plot_block_efficiency(plt, results: BenchResults):
     mode = _primary_mode(results.summaries)
     series: dict[str, dict[int, float]] = defaultdict(dict)
+    adaptive: dict[str, tuple[float, float]] = {}  # sd rule -> (mean drafted, block efficiency) of gamma auto
     multi: list[tuple[str, float]] = []
     for s in results.summaries:
         if s.group == "sd" and s.mode == mode:
-            _, method, gamma = s.label.split("/")
-            series[f"sd {method}"][int(gamma[1:])] = s.block_efficiency
+            _, method, _ = s.label.split("/")
+            gamma = sd_gamma(s)
+            if isinstance(gamma, int):
+                series[f"sd {method}"][gamma] = s.block_efficiency
+            elif s.mean_draft_length is not None:
+                adaptive[f"sd {method}"] = (s.mean_draft_length, s.block_efficiency)
         elif s.label.startswith("peer/assisted/"):
             series["transformers assisted"][int(s.label.rsplit("/g", 1)[1])] = s.block_efficiency
         elif s.group == "multi_draft" and s.mode == mode:
@@ -219,9 +275,14 @@ def _plot_block_efficiency(plt, results: BenchResults):
         return None
     figure, axes = plt.subplots(1, 2 if multi else 1, figsize=(11 if multi else 6, 4), squeeze=False)
     left = axes[0][0]
+    colors = {}
     for name, points in sorted(series.items()):
         gammas = sorted(points)
-        left.plot(gammas, [points[g] for g in gammas], marker="o", label=name)
+        (line,) = left.plot(gammas, [points[g] for g in gammas], marker="o", label=name)
+        colors[name] = line.get_color()
+    for name, (drafted, efficiency) in sorted(adaptive.items()):
+        left.plot([drafted], [efficiency], marker="*", markersize=12, linestyle="none", color=colors.get(name),
+                  label=f"{name} auto (at its mean drafted length)")
     left.set_xlabel("gamma (draft tokens per iteration)")
     left.set_ylabel("block efficiency (tokens per target call)")
     left.set_title(f"Single draft ({mode})")

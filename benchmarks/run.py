@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.analysis import check_targets, distribution_overhead, peer_comparisons, summarize
+from benchmarks.analysis import adaptive_comparisons, check_targets, distribution_overhead, peer_comparisons, summarize
 from benchmarks.harness import WARMUP_PROMPT, Runner, TokenizedPrompt, run_cases
 from benchmarks.prompts import PROMPTS_PATH, load_prompts
 from benchmarks.report import BenchResults, write_results
@@ -123,6 +123,7 @@ def analyze(settings: BenchSettings, cases, records, environment: dict[str, Any]
         peer=peer_comparisons(summaries),
         checks=check_targets(settings, summaries, overhead),
         records=records,
+        adaptive=adaptive_comparisons(summaries, records),
     )
 
 
@@ -139,7 +140,7 @@ def rerender(run_dir: pathlib.Path, *, plot_prefix: str = "") -> Any:
         return serve_load_report.rerender(run_dir, plot_prefix=plot_prefix)
     settings = BenchSettings(**data["settings"])
     roles = {name: model["role"] for name, model in data["environment"]["models"].items()}
-    derived = ("tokens_per_second", "block_efficiency", "mean_accepted")
+    derived = ("tokens_per_second", "block_efficiency", "mean_accepted", "mean_draft_length")
     records = [RunRecord(**{k: v for k, v in r.items() if k not in derived}) for r in data["records"]]
     results = analyze(settings, build_cases(settings, roles), records, data["environment"], data["command"])
     write_results(results, run_dir, plot_prefix=plot_prefix)

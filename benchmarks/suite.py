@@ -2,7 +2,10 @@
 
 A *case* is one way of producing ``max_tokens`` tokens for a prompt, e.g. ``sd`` with block
 verification at gamma 4 on separate Ray actors (``ray:sd/block/g4``), the same in one process
-(``local:sd/block/g4``), or transformers assisted generation (``hf:peer/assisted/g4``). Every
+(``local:sd/block/g4``), or transformers assisted generation (``hf:peer/assisted/g4``). A gamma
+of ``auto`` in ``gammas`` adds the sd cases with the adaptive draft length (``ray:sd/block/gauto``:
+``gamma: "auto"``, ``gamma_max`` = ``settings.gamma_max`` or the largest fixed gamma of the run),
+sent through the coordinator like any other request; the peer has no such case. Every
 case names the case its speedup is measured against (``baseline``): ``ar`` of the same mode for
 ``sd`` and ``multi_draft``; the standard ensemble of the same kind and members for ``se``;
 transformers' own sampling loop for the peer.
@@ -14,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.api import SpeculationParams
+from actors.api import GammaValue, SpeculationParams
 
 Mode = Literal["ray", "local", "hf"]
 MODES: tuple[Mode, ...] = ("ray", "local", "hf")
@@ -45,7 +48,12 @@ class BenchSettings(BaseModel):
     repeats: int = Field(1, ge=1, description="Passes over the prompt set (each with its own seeds).")
     warmup_tokens: int = Field(16, ge=1, description="Tokens of the untimed warm-up run of every case.")
     modes: tuple[Mode, ...] = Field(MODES, min_length=1, description="ray (separate actors), local (one process), hf (peer).")
-    gammas: tuple[int, ...] = Field((2, 4, 8), min_length=1, description="Draft lengths of sd and of the peer.")
+    gammas: tuple[GammaValue, ...] = Field(
+        (2, 4, 8), min_length=1,
+        description='Draft lengths of sd and of the peer; "auto": sd with the adaptive draft length (no peer case).')
+    gamma_max: int | None = Field(
+        None, ge=1, description='Largest block of the "auto" cases; None: the largest fixed gamma of the run (the '
+        "deployment's default when there is none).")
     sd_methods: tuple[str, ...] = Field(SINGLE_DRAFT_METHODS, description="Single-draft verification rules.")
     multi_draft_methods: tuple[str, ...] | None = Field(
         None, description="Multi-draft verification rules; None: every rule the coordinator accepts for multi_draft."
@@ -84,7 +92,19 @@ class BenchSettings(BaseModel):
             raise ValueError(f"strategies: unknown {unknown}; expected a subset of {STRATEGIES}")
         if self.se_method not in ("token", "block"):
             raise ValueError(f"se_method: expected token or block, got {self.se_method!r}")
+        if len(set(self.gammas)) != len(self.gammas):
+            raise ValueError(f"gammas: each draft length once, got {self.gammas}")
         return self
+
+    @property
+    def fixed_gammas(self) -> tuple[int, ...]:
+        return tuple(g for g in self.gammas if g != "auto")
+
+    def auto_gamma_max(self) -> int | None:
+        """``gamma_max`` of the auto cases: the setting, else the largest fixed gamma (None: the deployment's)."""
+        if self.gamma_max is not None:
+            return self.gamma_max
+        return max(self.fixed_gammas) if self.fixed_gammas else None
 
 
 QUICK_SETTINGS = {"num_prompts": 4, "max_tokens": 48, "warmup_tokens": 8}
@@ -142,9 +162,10 @@ def _strategy_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode, 
     if has_draft and "sd" in wanted:
         for method in settings.sd_methods:
             for gamma in settings.gammas:
+                limit = settings.auto_gamma_max() if gamma == "auto" else None
                 cases.append(BenchCase(
                     mode=mode, label=f"sd/{method}/g{gamma}", group="sd", baseline=ar_key,
-                    speculation=SpeculationParams(strategy="sd", method=method, gamma=gamma),
+                    speculation=SpeculationParams(strategy="sd", method=method, gamma=gamma, gamma_max=limit),
                 ))
     if has_draft and "multi_draft" in wanted:
         for method in settings.multi_draft_methods or multi_draft_methods():
@@ -192,6 +213,6 @@ def _ensemble_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode) 
 def _peer_cases(settings: BenchSettings) -> list[BenchCase]:
     ar_key = "hf:peer/ar"
     cases = [BenchCase(mode="hf", label="peer/ar", group="peer", baseline=ar_key)]
-    for gamma in settings.gammas:
+    for gamma in settings.fixed_gammas:  # transformers has no "auto" of this kind
         cases.append(BenchCase(mode="hf", label=f"peer/assisted/g{gamma}", group="peer", peer_gamma=gamma, baseline=ar_key))
     return cases

@@ -15,12 +15,13 @@ import json
 import pytest
 import yaml
 
-from benchmarks.analysis import check_targets, paired_ratios, summarize
-from benchmarks.cli import add_bench_parser
+from benchmarks.analysis import adaptive_comparisons, check_targets, paired_ratios, peer_comparisons, summarize
+from benchmarks.cli import add_bench_parser, gamma_list, settings_from_args
 from benchmarks.peer import accepted_lengths_from_cache
 from benchmarks.prompts import Prompt, code_prompt, load_prompts, prose_prompts
 from benchmarks.publish import results_section
 from benchmarks.records import RunRecord
+from benchmarks.report import BenchResults, render_markdown
 from benchmarks.run import rerender
 from benchmarks.suite import BenchSettings, build_cases
 from tests.conftest import tiny_args_dict
@@ -64,6 +65,29 @@ def test_strategy_subset_keeps_baselines():
     keys = {c.key for c in build_cases(BenchSettings(strategies=("se",), modes=("local",)), ROLES)}
     names = ("weighted/n2", "weighted/n3", "contrastive/n2")
     assert keys == {f"local:ensemble/{name}" for name in names} | {f"local:se/{name}/g{g}" for name in names for g in (1, 5)}
+
+
+def test_gammas_accept_auto():
+    assert gamma_list("2,4,8,auto") == (2, 4, 8, "auto") and gamma_list(" AUTO ") == ("auto",)
+    for bad in ("0", "2,x", "", "33"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            gamma_list(bad)
+    parser = argparse.ArgumentParser(prog="specserve")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--out", "x", "--gammas", "2,4,auto", "--strategies", "sd,peer"])
+    settings = settings_from_args(args)
+    assert settings.gammas == (2, 4, "auto") and settings.auto_gamma_max() == 4
+    assert BenchSettings(**settings.model_dump(mode="json")) == settings  # results.json round trip
+    cases = {case.key: case for case in build_cases(settings, ROLES)}
+    auto = cases["ray:sd/block/gauto"].speculation
+    assert (auto.strategy, auto.method, auto.gamma, auto.gamma_max) == ("sd", "block", "auto", 4)
+    assert cases["local:sd/greedy_block/gauto"].baseline == "local:ar"
+    assert cases["ray:sd/block/g4"].speculation.gamma_max is None
+    assert not any("auto" in key for key in cases if key.startswith("hf:"))  # the peer has no auto
+    assert BenchSettings(gammas=("auto",)).auto_gamma_max() is None  # the deployment's default
+    assert BenchSettings(gammas=(2, "auto"), gamma_max=6).auto_gamma_max() == 6
+    with pytest.raises(ValueError):
+        BenchSettings(gammas=(2, 2))
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -120,6 +144,47 @@ def test_speedups_are_paired_per_prompt_medians():
     assert block_check.met is True and block_check.measured.startswith("1.667x")  # 4.0 vs 2.4
 
 
+def test_auto_gamma_is_set_against_the_best_fixed_gamma():
+    def record(case, prompt, tokens_per_s, calls, drafted):
+        return RunRecord(case=case, prompt_id=prompt, prompt_kind="code", repeat=0, seed=0, completion_tokens=16,
+                         wall_s=16 / tokens_per_s, target_calls=calls, iterations=calls,
+                         accepted_lengths=[1] * calls, draft_lengths=drafted)
+
+    records = []
+    for prompt, scale in (("a", 1.0), ("b", 2.0)):
+        records += [record("ray:ar", prompt, 50 * scale, 16, []),
+                    record("ray:sd/block/g2", prompt, 80 * scale, 8, [2] * 8),
+                    record("ray:sd/block/g4", prompt, 100 * scale, 6, [4] * 6),
+                    record("ray:sd/block/gauto", prompt, 110 * scale, 5, [3, 4, 4, 5, 4])]
+    settings = BenchSettings(modes=("ray",), strategies=("sd",), gammas=(2, 4, "auto"), sd_methods=("block",))
+    cases = build_cases(settings, ROLES)
+    summaries = summarize(cases, records)
+    by_key = {s.key: s for s in summaries}
+    assert by_key["ray:sd/block/gauto"].mean_draft_length == 4.0 and by_key["ray:sd/block/g2"].mean_draft_length == 2.0
+    assert by_key["ray:ar"].mean_draft_length is None
+    (row,) = adaptive_comparisons(summaries, records)
+    assert (row.best_fixed_key, row.best_fixed_gamma) == ("ray:sd/block/g4", 4)
+    assert row.tokens_per_second_ratio == pytest.approx(1.1)
+    assert (row.auto_block_efficiency, row.best_fixed_block_efficiency) == (16 / 5, 16 / 6)
+    assert peer_comparisons(summaries) == []  # no peer, and auto has no peer counterpart
+    results = BenchResults(settings=settings, environment={}, command="specserve bench", summaries=summaries,
+                           overhead=[], peer=[], checks=[], records=records, adaptive=[row])
+    markdown = render_markdown(results, {})
+    assert "## Adaptive draft length (gamma auto)" in markdown and "gamma_max = 4" in markdown
+    assert "| case | mode | block eff. | mean accepted | mean drafted | tok/s | speedup |" in markdown
+    assert "| sd/block/gauto | ray | 3.20 | 1.00 | 4.00 |" in markdown
+    assert "| sd/block/g2 | ray | 2.00 | 1.00 | 2.00 |" in markdown
+    assert ("- best fixed gamma vs auto, block (ray): best fixed gamma 4 150 tok/s, auto 165 tok/s: auto / best fixed "
+            "1.10x tokens/s (paired median); block efficiency 2.67 vs 3.20") in markdown
+    assert results.to_json()["adaptive_gamma"][0]["best_fixed_gamma"] == 4
+    plain = BenchSettings(modes=("ray",), strategies=("sd",), gammas=(2, 4), sd_methods=("block",))
+    fixed_only = [r for r in records if "auto" not in r.case]
+    no_auto = BenchResults(settings=plain, environment={}, command="specserve bench",
+                           summaries=summarize(build_cases(plain, ROLES), fixed_only), overhead=[], peer=[],
+                           checks=[], records=fixed_only)
+    assert "Adaptive" not in render_markdown(no_auto, {})
+
+
 def test_results_section_for_the_docs():
     text = "# Benchmark results\n\n## Targets\n\n![speedup](speedup.png)\n![x](img/time_split.png)\n"
     assert results_section(text) == (
@@ -150,7 +215,7 @@ def test_bench_command_smoke(tiny_checkpoints, ray_session, tmp_path):
     add_bench_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args([
         "bench", "--config", str(config), "--out", str(out), "--quick", "--prompts", str(prompts),
-        "--strategies", "ar,sd,ensemble,se,peer", "--gammas", "2", "--max-tokens", "8", "--max-prompt-tokens", "48",
+        "--strategies", "ar,sd,ensemble,se,peer", "--gammas", "2,auto", "--max-tokens", "8", "--max-prompt-tokens", "48",
     ])
     assert args.handler(args) == 0
 
@@ -176,15 +241,24 @@ def test_bench_command_smoke(tiny_checkpoints, ray_session, tmp_path):
         assert 1.0 <= summaries[key]["block_efficiency"] <= 3.0
         assert 0.0 <= summaries[key]["mean_accepted"] <= 2.0
     # The same seeds give the same tokens on Ray actors and in one process: same counts.
-    for label in ("sd/block/g2", "sd/greedy_block/g2", "se/contrastive/n2/g5"):
+    for label in ("sd/block/g2", "sd/greedy_block/g2", "se/contrastive/n2/g5", "sd/block/gauto"):
         assert summaries[f"ray:{label}"]["block_efficiency"] == summaries[f"local:{label}"]["block_efficiency"]
+    # gamma auto (gamma_max 2, the largest fixed gamma) ran through the coordinator: blocks of 1 or 2 drafts
+    for mode in ("ray", "local"):
+        auto = summaries[f"{mode}:sd/block/gauto"]
+        assert 1.0 <= auto["mean_draft_length"] <= 2.0 and auto["block_efficiency"] >= 1.0
+        assert summaries[f"{mode}:sd/block/g2"]["mean_draft_length"] == 2.0
+    assert {row["auto_key"] for row in results["adaptive_gamma"]} >= {"ray:sd/block/gauto", "local:sd/token/gauto"}
+    assert all(max(r["draft_lengths"]) <= 2 for r in records if r["case"].endswith("gauto"))
+    assert "hf:peer/assisted/gauto" not in keys
     assert summaries["ray:sd/block/g2"]["bytes_per_token"] > 0
     assert {row["label"] for row in results["distribution_overhead"]} >= {"ar", "sd/token/g2", "se/weighted/n2/g1"}
     assert "ray:ensemble/weighted/n3" not in keys  # two weighted members only in this group
     assert results["peer_comparison"]
     markdown = (out / "results.md").read_text()
     for heading in ("## Speculative decoding", "## Ensembles and speculative ensembles",
-                    "## sd versus transformers assisted generation", "## Distribution overhead", "## Targets"):
+                    "## sd versus transformers assisted generation", "## Distribution overhead", "## Targets",
+                    "## Adaptive draft length (gamma auto)", "- best fixed gamma vs auto, block (ray)"):
         assert heading in markdown
     for name in ("block_efficiency.png", "speedup.png", "time_split.png", "distribution_overhead.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
