@@ -236,7 +236,7 @@ def test_overlap_option_and_config_rewrite(tmp_path):
         assert written["applications"][0]["args"]["engine"] == {"overlap": overlap}
         written["applications"][0]["args"].pop("engine")
         assert written == original  # nothing else changes
-        assert load_app_args(path).freeze().overlap is overlap
+        assert load_app_args(path).engine.overlap is overlap  # the server accepts the copy
     document = {"applications": [{"name": "a", "args": {"engine": {"overlap": True}}}, {"name": "b"}]}
     changed = overlap_config(document, "b", False, "test")
     assert changed["applications"][1]["args"] == {"engine": {"overlap": False}}
