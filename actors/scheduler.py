@@ -510,7 +510,7 @@ def request_stats(request: RequestState) -> RequestStats:
         target_calls=target_calls,
         model_calls=dict(stats.model_calls),
         accepted_lengths=list(request.machine.accepted_lengths),
-        draft_lengths=list(getattr(request.machine, "gammas", ())),
+        draft_lengths=list(getattr(request.machine, "draft_lengths", ())),
         block_efficiency=completion / target_calls if target_calls else 0.0,
         tokens_per_second=completion / elapsed if elapsed > 0 else 0.0,
         time_draft_s=stats.time_draft_s,

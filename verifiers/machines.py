@@ -240,7 +240,7 @@ class SpeculativeMachine(DecodeMachine):
 
     ``adaptive``: when given, gamma is chosen before each draft from this request's accepted
     lengths so far (:mod:`verifiers.adaptive`, ``gamma: "auto"``) and ``gamma`` is unused;
-    ``gammas`` records the block drafted at each step either way."""
+    ``draft_lengths`` records the block drafted at each step either way."""
 
     def __init__(self, draft: str, target: str, *, method: str, gamma: int, num_drafts: int,
                  max_new_tokens: int, context_budget: int | None = None, logprobs: int | None = None,
@@ -257,7 +257,7 @@ class SpeculativeMachine(DecodeMachine):
         self.pending_positions = 0
         self.unsent = _Unsent([draft, target], self.committed)
         self.draft_indices: list[int] = []
-        self.gammas: list[int] = []  # the block drafted at each step
+        self.draft_lengths: list[int] = []  # the block drafted at each step
 
     def streams(self) -> dict[str, dict[str, int]]:
         return {self.draft: {"sample": 0}, self.target: {"verify": 1}}
@@ -271,7 +271,7 @@ class SpeculativeMachine(DecodeMachine):
 
     def needs(self) -> list[Need]:
         gamma = self.next_gamma()
-        self.gammas.append(gamma)
+        self.draft_lengths.append(gamma)
         return [
             Sample(self.draft, self.unsent.take(self.draft), gamma, self.num_drafts, return_logits=True),
             ScoreVerify(self.target, self.unsent.take(self.target), proposal=0, method=self.method,
@@ -281,7 +281,7 @@ class SpeculativeMachine(DecodeMachine):
     def consume(self, results: Sequence[object]) -> list[int]:
         _, verified = results
         self.accepted_lengths.append(verified.num_accepted)
-        gamma, emitted = self.gammas[-1], verified.num_accepted + 1
+        gamma, emitted = self.draft_lengths[-1], verified.num_accepted + 1
         if self.chooser is not None:
             self.chooser.observe(gamma, verified.num_accepted)
         if self.stateful:

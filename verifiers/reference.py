@@ -64,7 +64,7 @@ def speculative_generate(
     ``max_new_tokens`` generated ids (the last block is truncated; no EOS handling) and a
     dict with ``target_calls`` (one per iteration), ``draft_calls`` (``gamma`` per
     iteration: one batched step over the K drafts), ``accepted`` (accepted lengths per
-    iteration), ``gammas`` (the block drafted per iteration), ``draft_index`` (multi-draft: the
+    iteration), ``draft_lengths`` (the block drafted per iteration), ``draft_index`` (multi-draft: the
     chosen draft per iteration) and ``iterations``. ``adaptive``: choose each iteration's block
     from the accepted lengths so far (:mod:`verifiers.adaptive`; ``gamma`` is then unused).
 
@@ -103,9 +103,9 @@ def speculative_generate(
     iterations = len(machine.accepted_lengths)
     stats = {
         "target_calls": iterations,
-        "draft_calls": sum(machine.gammas),
+        "draft_calls": sum(machine.draft_lengths),
         "accepted": list(machine.accepted_lengths),
-        "gammas": list(machine.gammas),
+        "draft_lengths": list(machine.draft_lengths),
         "draft_index": list(machine.draft_indices),
         "iterations": iterations,
     }

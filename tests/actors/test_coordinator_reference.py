@@ -137,8 +137,8 @@ def test_adaptive_gamma_matches_reference(fake_group, strategy, method, num_draf
         assert _tokens(chunks) == expected
         final = chunks[-1].stats
         assert final.accepted_lengths == stats["accepted"]
-        assert final.draft_lengths == stats["gammas"]
-        blocks.update(stats["gammas"])
+        assert final.draft_lengths == stats["draft_lengths"]
+        blocks.update(stats["draft_lengths"])
     assert len(blocks) > 1, "the blocks never varied"
 
 

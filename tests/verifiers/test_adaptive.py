@@ -95,7 +95,7 @@ def _adaptive_law(method: str, vocab: int, length: int, seed: int, num_drafts: i
             draft_fn, target_fn, PROMPT, length, gamma=1, method=method, num_drafts=num_drafts,
             generator=source, adaptive=settings,
         )
-        histories.add(tuple(stats["gammas"]))
+        histories.add(tuple(stats["draft_lengths"]))
         return tuple(tokens)
 
     return exact_law(procedure), histories, target_fn
@@ -162,7 +162,7 @@ def test_any_rule_fixed_before_the_draft_is_exact(method):
                                  layout_sources(machine.streams(), split_sources(source, 2)),
                                  temperature=1.0, top_k=0, top_p=1.0)
         tokens = run_machine(machine, executor)
-        histories.add(tuple(machine.gammas))
+        histories.add(tuple(machine.draft_lengths))
         return tuple(tokens[:length])
 
     law = exact_law(procedure)
@@ -180,7 +180,7 @@ def test_adaptive_loop_is_reproducible_and_reports_its_blocks():
     ]
     assert runs[0] == runs[1]
     _, stats = runs[0]
-    assert len(stats["gammas"]) == stats["iterations"] == len(stats["accepted"])
-    assert all(1 <= g <= 6 for g in stats["gammas"])
-    assert all(a <= g for a, g in zip(stats["accepted"], stats["gammas"]))
-    assert stats["draft_calls"] == sum(stats["gammas"])
+    assert len(stats["draft_lengths"]) == stats["iterations"] == len(stats["accepted"])
+    assert all(1 <= g <= 6 for g in stats["draft_lengths"])
+    assert all(a <= g for a, g in zip(stats["accepted"], stats["draft_lengths"]))
+    assert stats["draft_calls"] == sum(stats["draft_lengths"])
