@@ -145,7 +145,7 @@ class Coordinator:
         return {
             "models": {name: {"role": info.role, "vocab_size": info.vocab_size, "max_context": info.max_context,
                               "device": info.device, "gpu_ids": list(info.gpu_ids)} for name, info in infos.items()},
-            "defaults": vars(self.config.defaults) if hasattr(self.config.defaults, "__dict__") else {},
+            "defaults": self.config.defaults.model_dump(),
             "max_concurrent_requests": self.config.max_concurrent_requests,
             "active_requests": sorted(self.scheduler.active_session_ids()),
         }

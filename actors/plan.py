@@ -4,9 +4,13 @@ A :class:`DecodingPlan` is the frozen, fully specified description of how one re
 decoded: which strategy, which verification rule, which models and block lengths. It is built
 once per request by :func:`resolve_plan` before any model work, and every invalid value raises
 :class:`actors.api.InvalidRequestError` naming the offending field, so the serving layer can
-answer 400 / INVALID_ARGUMENT. The deployment's own defaults are validated with the same code
-when the configuration is loaded (``cluster.config``), so a bad YAML fails at start-up with the
-same message a bad request would get.
+answer 400 / INVALID_ARGUMENT.
+
+:class:`DecodingDefaults` is the ``defaults`` section of the deployment's YAML args, declared
+here once (frozen pydantic, every field described) because the plan is what reads it;
+``cluster.config`` uses it as its schema and validates it with :func:`resolve_plan` when the
+configuration is loaded, so a bad YAML fails at start-up with the same message a bad request
+would get.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from actors.api import MAX_DRAFTS, MAX_GAMMA, InvalidRequestError, SpeculationParams
+from pydantic import BaseModel, ConfigDict, Field
+
+from actors.api import MAX_DRAFTS, MAX_GAMMA, EnsembleKind, GammaValue, InvalidRequestError, SpeculationParams, Strategy
 from verifiers.adaptive import AdaptiveGammaSettings
 
 ModelRole = str  # "target" | "draft" | "member"
@@ -34,21 +40,39 @@ STRATEGY_METHODS: dict[str, tuple[str, ...]] = {
 WEIGHT_SUM_TOLERANCE = 1e-6
 
 
-@dataclass(frozen=True)
-class DecodingDefaults:
-    """Deployment-wide defaults for every field of :class:`actors.api.SpeculationParams`."""
+class DecodingDefaults(BaseModel):
+    """Deployment-wide values for the fields of :class:`actors.api.SpeculationParams` a request
+    leaves unset (the ``defaults`` section of the YAML args)."""
 
-    strategy: str = "sd"
-    method: str | None = None
-    gamma: int | str = 4  # or "auto"
-    gamma_max: int = 8
-    draft_cost_ratio: float = 0.15
-    num_drafts: int = 2
-    ensemble: str = "weighted"
-    members: tuple[str, ...] | None = None
-    weights: tuple[float, ...] | None = None
-    mu: float = 0.1
-    gammas: tuple[int, ...] | None = None
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    strategy: Strategy = Field("sd", description="ar | sd | multi_draft | ensemble | se.")
+    method: str | None = Field(
+        None,
+        description="Verification rule of the default strategy: token | block | greedy_block (sd), "
+        "spectr | sequential_gbv | spectr_gbv (multi_draft), token | block (se). Unset: the strategy's first rule.",
+    )
+    gamma: GammaValue = Field(
+        4,
+        description='Draft block length (sd, multi_draft; se default per member), or "auto": each request chooses '
+        "its block before each draft from its own acceptance so far, in [1, gamma_max] (sd, multi_draft).",
+    )
+    gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description='Largest block gamma "auto" may draft.')
+    draft_cost_ratio: float = Field(
+        0.15, ge=0.0, le=10.0,
+        description='Time of one draft forward over one target verification forward, used by gamma "auto" to '
+        "weigh longer blocks (0.15: the embedded family on one CPU thread; measure yours with specserve bench).",
+    )
+    num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")
+    ensemble: EnsembleKind = Field("weighted", description="weighted | contrastive (ensemble, se).")
+    members: tuple[str, ...] | None = Field(
+        None, description="Ensemble members in order (contrastive: expert, amateur). Unset: target then members."
+    )
+    weights: tuple[float, ...] | None = Field(
+        None, description="Weighted-ensemble weights, one per member, summing to 1."
+    )
+    mu: float = Field(0.1, ge=0.0, description="Contrastive strength: softmax(expert - mu * amateur).")
+    gammas: tuple[int, ...] | None = Field(None, description="Per-member proposal lengths (se). Unset: gamma for each.")
 
 
 @dataclass(frozen=True)

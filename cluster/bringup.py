@@ -16,7 +16,6 @@ own after the models') so a placement group lands on those nodes too.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -72,9 +71,9 @@ def resolve_auto_gpus(config: GroupConfig) -> GroupConfig:
         return config
     gpus = 1.0 if cluster_has_gpus() else 0.0
     models = tuple(
-        model if model.num_gpus is not None else dataclasses.replace(model, num_gpus=gpus) for model in config.models
+        model if model.num_gpus is not None else model.model_copy(update={"num_gpus": gpus}) for model in config.models
     )
-    return dataclasses.replace(config, models=models)
+    return config.model_copy(update={"models": models})
 
 
 def model_group_bundles(args: SpecServeArgs | GroupConfig | dict[str, Any]) -> list[dict[str, float]]:
@@ -89,7 +88,7 @@ def model_group_bundles(args: SpecServeArgs | GroupConfig | dict[str, Any]) -> l
         bundle = {"CPU": float(model.num_cpus)}
         if model.num_gpus:
             bundle["GPU"] = float(model.num_gpus)
-        bundle.update(model.custom_resources)
+        bundle.update(model.resources)
         bundles.append(bundle)
     if config.coordinator_resources:
         bundle = {"CPU": float(config.coordinator_cpus)} if config.coordinator_cpus else {}
@@ -176,7 +175,7 @@ def start_model_group(
         options: dict[str, Any] = {"num_cpus": model.num_cpus, "num_gpus": model.num_gpus,
                                    "max_restarts": -1, "max_task_retries": 0}
         if model.resources:
-            options["resources"] = model.custom_resources
+            options["resources"] = dict(model.resources)
         options.update(_scheduling(placement_group, first_bundle + index))
         workers[model.name] = remote_worker.options(**options).remote(
             model, config.session_idle_timeout_s, max_sessions=worker_sessions(config)

@@ -15,7 +15,6 @@ to stdout as it is accepted; with ``--json`` stdout gets one JSON object (``text
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -123,9 +122,9 @@ def _only_used_models(config, request):
         "ensemble": plan.ensemble, "members": list(plan.members) or None,
         "weights": list(plan.weights) if plan.weights else None, "mu": plan.mu, "gammas": list(plan.gammas) or None,
     })
-    defaults = dataclasses.replace(config.defaults, strategy=plan.strategy, method=plan.method,
-                                   members=plan.members or None, weights=plan.weights, gammas=plan.gammas or None)
-    return dataclasses.replace(config, models=models, defaults=defaults), request.model_copy(update={"speculation": speculation})
+    defaults = config.defaults.model_copy(update={"strategy": plan.strategy, "method": plan.method, "members": plan.members or None,
+                                                  "weights": plan.weights, "gammas": plan.gammas or None})
+    return config.model_copy(update={"models": models, "defaults": defaults}), request.model_copy(update={"speculation": speculation})
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""Schema of the specserve application ``args`` in Ray Serve YAML files, and its frozen form.
+"""Schema of the specserve application ``args`` in Ray Serve YAML files, and the group config built from it.
 
 ``deploy/*.yaml`` are Ray Serve config files::
 
@@ -9,13 +9,32 @@
         args: {models: ..., defaults: ..., resources: ..., limits: ..., server: ..., security: ...}
         deployments: [...]
 
-:class:`SpecServeArgs` validates ``args`` (pydantic, ``extra="forbid"``, every field
-described; errors name the bad key and value) and :meth:`SpecServeArgs.freeze` translates it
-once into the frozen :class:`GroupConfig` that bring-up, the coordinator and the serving layer
-use. :func:`load_app_args` reads one application's ``args`` from a YAML file.
-:func:`resolve_api_key` gives an application's API key (``security.api_key``, else the
-``SPECSERVE_API_KEY`` environment variable); the key never enters :class:`GroupConfig`, which
-travels to the actors.
+:class:`SpecServeArgs` validates ``args`` (pydantic, frozen, ``extra="forbid"``, every field
+described; errors name the bad key and value). :func:`load_app_args` reads one application's
+``args`` from a YAML file. :func:`resolve_api_key` gives an application's API key
+(``security.api_key``, else the ``SPECSERVE_API_KEY`` environment variable).
+
+Each setting is declared once, in these args models, and the rest of the system receives
+those frozen models (or models inheriting them), never copies of their fields.
+:meth:`SpecServeArgs.freeze` is the one place that derives what bring-up, the coordinator and
+the serving layer need from them, as a :class:`GroupConfig`:
+
+* ``defaults``: the args' own :class:`actors.plan.DecodingDefaults` (what ``resolve_plan`` takes);
+* ``models``: one :class:`ModelSpec` per worker: the model's :class:`ModelArgs` (``path``
+  resolved) plus its actor's CPUs, GPUs (``None``: ``auto``, settled at bring-up), torch
+  threads and custom resources, from ``resources`` (group values, then ``per_model``);
+* ``tokenizer_path``: resolved, the target's path when unset;
+* the limits, the engine settings and the coordinator's resources, as the args declare them.
+
+:class:`ModelSpec` and :class:`GroupConfig` are frozen pydantic models that *inherit* the
+sections they carry (:class:`ModelArgs`; :class:`LimitsArgs`, :class:`EngineArgs`,
+:class:`CoordinatorResourceArgs`) instead of copying their fields, so a field's default, bounds
+and description live in one place, while the actors still read one flat object
+(``config.max_concurrent_requests``, ``spec.path``). They add only the derived values. Why a
+derived object and not :class:`SpecServeArgs` itself: the API key (``security``) must not travel
+to the actors, and the resolved paths and per-worker resources need a home that bring-up can
+settle (``gpus_per_model: auto``) without re-validating the YAML. The server addresses stay in
+the args (only ``specserve serve`` reads them). Everything here pickles, for Ray.
 """
 
 from __future__ import annotations
@@ -24,13 +43,12 @@ import math
 import os
 import pathlib
 import string
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from actors.api import MAX_DRAFTS, MAX_GAMMA, EnsembleKind, GammaValue, InvalidRequestError, SpeculationParams, Strategy
+from actors.api import InvalidRequestError, SpeculationParams
 from actors.plan import DecodingDefaults, resolve_plan
 
 ModelRole = Literal["target", "draft", "member"]
@@ -41,11 +59,11 @@ class ConfigError(ValueError):
     """The deployment configuration is invalid; the message names the key and the value."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ModelArgs(_Strict):
+class ModelArgs(_Frozen):
     """One model of the group; each runs in its own ModelWorker actor."""
 
     path: str = Field(..., min_length=1, description="Hub id, local checkpoint directory, or embedded:<name>.")
@@ -59,36 +77,6 @@ class ModelArgs(_Strict):
     max_context: int | None = Field(
         None, ge=2, description="Context length override; default: the model's max_position_embeddings."
     )
-
-
-class DefaultsArgs(_Strict):
-    """Strategy settings used when a request leaves a field unset (see actors.api.SpeculationParams)."""
-
-    strategy: Strategy = Field("sd", description="ar | sd | multi_draft | ensemble | se.")
-    method: str | None = Field(
-        None,
-        description="Verification rule of the default strategy: token | block | greedy_block (sd), "
-        "spectr | sequential_gbv | spectr_gbv (multi_draft), token | block (se). Unset: the strategy's first rule.",
-    )
-    gamma: GammaValue = Field(
-        4,
-        description='Draft block length (sd, multi_draft; se default per member), or "auto": each request chooses '
-        "its block before each draft from its own acceptance so far, in [1, gamma_max] (sd, multi_draft).",
-    )
-    gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description='Largest block gamma "auto" may draft.')
-    draft_cost_ratio: float = Field(
-        0.15, ge=0.0, le=10.0,
-        description='Time of one draft forward over one target verification forward, used by gamma "auto" to '
-        "weigh longer blocks (0.15: the embedded family on one CPU thread; measure yours with specserve bench).",
-    )
-    num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")
-    ensemble: EnsembleKind = Field("weighted", description="weighted | contrastive (ensemble, se).")
-    members: list[str] | None = Field(
-        None, description="Ensemble members in order (contrastive: expert, amateur). Unset: target then members."
-    )
-    weights: list[float] | None = Field(None, description="Weighted-ensemble weights, one per member, summing to 1.")
-    mu: float = Field(0.1, ge=0.0, description="Contrastive strength: softmax(expert - mu * amateur).")
-    gammas: list[int] | None = Field(None, description="Per-member proposal lengths (se). Unset: gamma for each.")
 
 
 #: Ray resource names a ``resources`` mapping may not use: CPUs and GPUs have their own fields,
@@ -114,7 +102,7 @@ def check_custom_resources(resources: dict[str, float]) -> dict[str, float]:
     return resources
 
 
-class ModelResourceArgs(_Strict):
+class ModelResourceArgs(_Frozen):
     """Resource override for one model."""
 
     gpus: float | None = Field(None, ge=0.0, description="GPUs for this model's worker.")
@@ -133,7 +121,24 @@ class ModelResourceArgs(_Strict):
         return check_custom_resources(resources)
 
 
-class ResourcesArgs(_Strict):
+class CoordinatorResourceArgs(_Frozen):
+    """What the coordinator actor of a model group asks Ray for (part of ``resources``)."""
+
+    coordinator_cpus: float = Field(0.0, ge=0.0, description="CPUs reserved for the coordinator actor.")
+    coordinator_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources the coordinator asks for, e.g. {node_coordinator: 0.01}: it then goes only "
+        "on nodes started with that resource (in a Serve replica: in a bundle of its own holding them). Same rules "
+        "as per_model.<name>.resources. Empty: any node.",
+    )
+
+    @field_validator("coordinator_resources")
+    @classmethod
+    def _coordinator_custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        return check_custom_resources(resources)
+
+
+class ResourcesArgs(CoordinatorResourceArgs):
     """What each actor of a model group asks Ray for."""
 
     gpus_per_model: float | Literal["auto"] = Field(
@@ -143,29 +148,17 @@ class ResourcesArgs(_Strict):
     cpus_per_model: float = Field(
         0.25, ge=0.0, description="CPUs per model worker (small on CPU so a whole group fits on 2 cores)."
     )
-    coordinator_cpus: float = Field(0.0, ge=0.0, description="CPUs reserved for the coordinator actor.")
-    coordinator_resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources the coordinator asks for, e.g. {node_coordinator: 0.01}: it then goes only "
-        "on nodes started with that resource (in a Serve replica: in a bundle of its own holding them). Same rules "
-        "as per_model.<name>.resources. Empty: any node.",
-    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU model worker.")
     per_model: dict[str, ModelResourceArgs] = Field(
         default_factory=dict, description="Per-model overrides keyed by model name (gpus, cpus, custom resources)."
     )
-
-    @field_validator("coordinator_resources")
-    @classmethod
-    def _coordinator_custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
-        return check_custom_resources(resources)
 
 
 #: Default of ``limits.max_prompt_chars``.
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000
 
 
-class LimitsArgs(_Strict):
+class LimitsArgs(_Frozen):
     """Admission, request-size and session limits of one model group."""
 
     max_concurrent_requests: int = Field(16, ge=1, description="Requests decoded at once by one coordinator.")
@@ -205,7 +198,7 @@ def check_api_key(key: str, where: str) -> str:
     return key
 
 
-class SecurityArgs(_Strict):
+class SecurityArgs(_Frozen):
     """Client authentication of the HTTP and gRPC endpoints."""
 
     api_key: str | None = Field(
@@ -222,7 +215,7 @@ class SecurityArgs(_Strict):
         return None if value is None else check_api_key(value, "security.api_key")
 
 
-class ServerArgs(_Strict):
+class ServerArgs(_Frozen):
     """Where the HTTP and gRPC servers listen (used by `specserve serve`)."""
 
     host: str = Field("127.0.0.1", description="Bind address of the HTTP and gRPC servers.")
@@ -230,7 +223,7 @@ class ServerArgs(_Strict):
     grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
 
 
-class EngineArgs(_Strict):
+class EngineArgs(_Frozen):
     """How the step scheduler runs the requests in flight (docs/engine.md)."""
 
     overlap: bool = Field(
@@ -240,14 +233,14 @@ class EngineArgs(_Strict):
     )
 
 
-class SpecServeArgs(_Strict):
+class SpecServeArgs(_Frozen):
     """The ``args`` of a specserve application in a Ray Serve YAML file."""
 
     models: dict[str, ModelArgs] = Field(..., min_length=1, description="Model name -> model; one per worker actor.")
     tokenizer: str | None = Field(
         None, description="Tokenizer path/hub id/embedded:<name>; default: the target's (else the first model's)."
     )
-    defaults: DefaultsArgs = Field(default_factory=DefaultsArgs, description="Default strategy settings.")
+    defaults: DecodingDefaults = Field(default_factory=DecodingDefaults, description="Default strategy settings.")
     resources: ResourcesArgs = Field(default_factory=ResourcesArgs, description="Per-actor resources.")
     limits: LimitsArgs = Field(default_factory=LimitsArgs, description="Admission and session limits.")
     server: ServerArgs = Field(default_factory=ServerArgs, description="HTTP/gRPC bind address and ports.")
@@ -291,125 +284,73 @@ class SpecServeArgs(_Strict):
             checks.append(SpeculationParams(strategy="se", **as_request))
         try:
             for speculation in checks:
-                resolve_plan(speculation, self.decoding_defaults(), roles)
+                resolve_plan(speculation, d, roles)
         except InvalidRequestError as error:
             field = error.field.replace("speculation.", "defaults.")
             raise ValueError(f"{field}: {error.message}") from None
         return self
 
-    def decoding_defaults(self) -> DecodingDefaults:
-        d = self.defaults
-        return DecodingDefaults(
-            strategy=d.strategy,
-            method=d.method,
-            gamma=d.gamma,
-            gamma_max=d.gamma_max,
-            draft_cost_ratio=d.draft_cost_ratio,
-            num_drafts=d.num_drafts,
-            ensemble=d.ensemble,
-            members=tuple(d.members) if d.members is not None else None,
-            weights=tuple(d.weights) if d.weights is not None else None,
-            mu=d.mu,
-            gammas=tuple(d.gammas) if d.gammas is not None else None,
-        )
-
     def freeze(self) -> GroupConfig:
-        """Translate into the frozen objects the rest of the system uses (paths resolved)."""
+        """The :class:`GroupConfig` of this group: the values derived from the args, computed here
+        once (model paths resolved, each worker's resources, the tokenizer); no API key."""
         from models import resolve_model_path
 
-        models = tuple(
-            ModelSpec(
+        resources = self.resources
+        models = []
+        for name, model in self.models.items():
+            override = resources.per_model.get(name) or ModelResourceArgs()
+            group_gpus = None if resources.gpus_per_model == "auto" else float(resources.gpus_per_model)
+            models.append(ModelSpec(
+                **(model.model_dump() | {"path": resolve_model_path(model.path)}),
                 name=name,
-                path=resolve_model_path(model.path),
-                role=model.role,
-                dtype=model.dtype,
-                revision=model.revision,
-                max_context=model.max_context,
-                num_gpus=_override(self.resources.per_model.get(name), "gpus", _auto_none(self.resources.gpus_per_model)),
-                num_cpus=_override(self.resources.per_model.get(name), "cpus", self.resources.cpus_per_model),
-                torch_threads=self.resources.torch_threads,
-                resources=_frozen_resources(self.resources.per_model.get(name)),
-            )
-            for name, model in self.models.items()
-        )
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            target = [m for m in models if m.role == "target"]
-            tokenizer_path = (target or list(models))[0].path
+                num_gpus=group_gpus if override.gpus is None else override.gpus,
+                num_cpus=resources.cpus_per_model if override.cpus is None else override.cpus,
+                torch_threads=resources.torch_threads,
+                resources=override.resources,
+            ))
+        if self.tokenizer is not None:
+            tokenizer_path = resolve_model_path(self.tokenizer)
         else:
-            tokenizer_path = resolve_model_path(tokenizer)
+            tokenizer_path = ([m for m in models if m.role == "target"] or models)[0].path
         return GroupConfig(
-            models=models,
+            models=tuple(models),
             tokenizer_path=tokenizer_path,
-            defaults=self.decoding_defaults(),
-            coordinator_cpus=self.resources.coordinator_cpus,
-            coordinator_resources=tuple(sorted(self.resources.coordinator_resources.items())),
-            max_concurrent_requests=self.limits.max_concurrent_requests,
-            max_queued_requests=self.limits.max_queued_requests,
-            overlap=self.engine.overlap,
-            session_idle_timeout_s=self.limits.session_idle_timeout_s,
-            max_prompt_chars=self.limits.max_prompt_chars,
-            request_timeout_s=self.limits.request_timeout_s,
-            host=self.server.host,
-            http_port=self.server.http_port,
-            grpc_port=self.server.grpc_port,
+            defaults=self.defaults,
+            **self.limits.model_dump(),
+            **self.engine.model_dump(),
+            **resources.model_dump(include=set(CoordinatorResourceArgs.model_fields)),
         )
 
 
-def _auto_none(value: float | str) -> float | None:
-    return None if value == "auto" else float(value)
+class ModelSpec(ModelArgs):
+    """One model worker as bring-up starts it: its :class:`ModelArgs` (``path`` resolved) and what
+    its actor asks Ray for. Built by :meth:`SpecServeArgs.freeze`."""
+
+    name: str = Field(..., min_length=1, description="The model's name (its key under models).")
+    num_gpus: float | None = Field(
+        ..., ge=0.0,
+        description="GPUs of the worker actor (per_model gpus, else gpus_per_model); None: 'auto', settled by "
+        "bring-up (one GPU when the Ray cluster has GPUs, else none).",
+    )
+    num_cpus: float = Field(..., ge=0.0, description="CPUs of the worker actor (per_model cpus, else cpus_per_model).")
+    torch_threads: int = Field(..., ge=1, description="torch intra-op threads of a CPU worker (resources.torch_threads).")
+    resources: dict[str, float] = Field(
+        ...,
+        description="Custom Ray resources of the worker actor and its placement-group bundle (per_model resources); "
+        "they pin it to nodes that have them.",
+    )
 
 
-def _frozen_resources(override: ModelResourceArgs | None) -> tuple[tuple[str, float], ...]:
-    return () if override is None else tuple(sorted(override.resources.items()))
+class GroupConfig(LimitsArgs, EngineArgs, CoordinatorResourceArgs):
+    """A whole model group (workers + coordinator) as bring-up, the coordinator and the serving
+    layer receive it. The limits, engine and coordinator-resource fields are the args' own
+    (inherited); the rest is derived by :meth:`SpecServeArgs.freeze`."""
 
-
-def _override(override: ModelResourceArgs | None, field: str, default: float | None) -> float | None:
-    value = None if override is None else getattr(override, field)
-    return default if value is None else value
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model worker: what to load and what to ask Ray for."""
-
-    name: str
-    path: str
-    role: str
-    dtype: str = "float32"
-    revision: str | None = None
-    max_context: int | None = None
-    num_gpus: float | None = 0.0  # None: one GPU if the cluster has GPUs (resolved at bring-up)
-    num_cpus: float = 0.25
-    torch_threads: int = 1
-    #: Custom Ray resources (name, quantity), sorted; they pin the worker to nodes that have them.
-    resources: tuple[tuple[str, float], ...] = ()
-
-    @property
-    def custom_resources(self) -> dict[str, float]:
-        """The custom Ray resources as a dict (the ``resources=`` actor option)."""
-        return dict(self.resources)
-
-
-@dataclass(frozen=True)
-class GroupConfig:
-    """A whole model group (workers + coordinator), frozen from :class:`SpecServeArgs`."""
-
-    models: tuple[ModelSpec, ...]
-    tokenizer_path: str
-    defaults: DecodingDefaults
-    coordinator_cpus: float = 0.0
-    #: Custom Ray resources of the coordinator (name, quantity), sorted.
-    coordinator_resources: tuple[tuple[str, float], ...] = ()
-    max_concurrent_requests: int = 16
-    max_queued_requests: int = 64
-    overlap: bool = True
-    session_idle_timeout_s: float = 300.0
-    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
-    request_timeout_s: float = 600.0
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 9000
+    models: tuple[ModelSpec, ...] = Field(..., min_length=1, description="One worker per model, in the args' order.")
+    tokenizer_path: str | None = Field(
+        ..., description="Tokenizer to load (resolved); None: token ids only (no text, no stop strings)."
+    )
+    defaults: DecodingDefaults = Field(..., description="Default strategy settings (the args' defaults).")
 
     @property
     def roles(self) -> dict[str, str]:

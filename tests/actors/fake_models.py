@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from actors.model_worker import ModelWorker
-from actors.plan import DecodingDefaults
-from cluster.config import GroupConfig, ModelSpec
+from cluster.config import GroupConfig, parse_app_args
 from tests.verifiers.tiny_models import TinyModel, model_pair
 
 VOCAB = 6
@@ -127,19 +126,16 @@ class FunctionModelWorker(ModelWorker):
 
 
 def fake_group_config(overlap: bool = True, request_timeout_s: float = 600.0, **defaults: Any) -> GroupConfig:
-    """A GroupConfig over the four fake models (no tokenizer: token ids only); ``overlap``:
-    two alternating cohorts (the default) or one."""
+    """The GroupConfig of YAML args over the four fake models (validated and derived like any
+    deployment's), without a tokenizer (token ids only); ``overlap``: two alternating cohorts
+    (the default) or one; ``defaults``: the args' ``defaults`` over sd / token / gamma 3."""
     roles = {"target": "target", "draft": "draft", "partner": "member", "partner2": "member"}
-    models = tuple(
-        ModelSpec(name=name, path=f"fake:{name}", role=role, num_cpus=0.1) for name, role in roles.items()
-    )
-    return GroupConfig(
-        models=models,
-        tokenizer_path=None,
-        defaults=DecodingDefaults(**{"strategy": "sd", "method": "token", "gamma": 3, **defaults}),
-        max_concurrent_requests=64,
-        max_queued_requests=1024,
-        session_idle_timeout_s=120.0,
-        overlap=overlap,
-        request_timeout_s=request_timeout_s,
-    )
+    args = parse_app_args({
+        "models": {name: {"path": f"fake:{name}", "role": role} for name, role in roles.items()},
+        "defaults": {"strategy": "sd", "method": "token", "gamma": 3, **defaults},
+        "resources": {"gpus_per_model": 0, "cpus_per_model": 0.1},
+        "limits": {"max_concurrent_requests": 64, "max_queued_requests": 1024, "session_idle_timeout_s": 120.0,
+                   "request_timeout_s": request_timeout_s},
+        "engine": {"overlap": overlap},
+    })
+    return args.freeze().model_copy(update={"tokenizer_path": None})

@@ -5,7 +5,6 @@ the counters can be compared exactly with what the requests returned."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -162,7 +161,7 @@ def test_ray_export_sends_deltas_observations_and_gauges():
 # ------------------------------------------------------------------ through a coordinator
 @pytest.fixture
 def local_coordinator():
-    config = dataclasses.replace(fake_group_config(), max_concurrent_requests=8)
+    config = fake_group_config().model_copy(update={"max_concurrent_requests": 8})
     workers = {m.name: FunctionModelWorker(m, 60.0, max_sessions=24) for m in config.models}
     coordinator = Coordinator({name: LocalActorHandle(w) for name, w in workers.items()}, config,
                               identity=GroupIdentity("fake", "replica-a"), export_to_ray=False)

@@ -25,7 +25,8 @@ ATOL = 1e-5  # float32 model: cached vs one-shot attention differ by rounding on
 @pytest.fixture(scope="module")
 def worker(tiny_checkpoints):
     threads = torch.get_num_threads()
-    spec = ModelSpec(name="target", path=str(tiny_checkpoints["target"]), role="target", torch_threads=1)
+    spec = ModelSpec(name="target", path=str(tiny_checkpoints["target"]), role="target",
+                     num_gpus=0, num_cpus=0.25, torch_threads=1, resources={})
     yield ModelWorker(spec, idle_timeout_s=600, max_sessions=32)
     torch.set_num_threads(threads)
 

@@ -13,7 +13,7 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
-import dataclasses, json, logging
+import json, logging
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from actors.api import GenerationRequest
@@ -23,8 +23,8 @@ from tests.actors.fake_models import FunctionModelWorker, fake_group_config
 logging.basicConfig(level=logging.WARNING)
 ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, log_to_driver=False)
 config = fake_group_config()
-config = dataclasses.replace(
-    config, models=tuple(dataclasses.replace(m, num_gpus=1) for m in config.models if m.name != "partner2"))
+config = config.model_copy(update={
+    "models": tuple(m.model_copy(update={"num_gpus": 1}) for m in config.models if m.name != "partner2")})
 
 def run(group):
     infos = ray.get([worker.info.remote() for worker in group.workers.values()])
@@ -34,8 +34,8 @@ def run(group):
             "devices": sorted({i.device for i in infos}),
             "tokens": [t for c in chunks for t in c.token_ids], "error": chunks[-1].error}
 
-auto_config = dataclasses.replace(
-    config, models=tuple(dataclasses.replace(m, num_gpus=None) for m in config.models))  # gpus_per_model: auto
+auto_config = config.model_copy(update={
+    "models": tuple(m.model_copy(update={"num_gpus": None}) for m in config.models)})  # gpus_per_model: auto
 group = start_model_group(auto_config, worker_cls=FunctionModelWorker)
 auto = run(group)
 group.shutdown()

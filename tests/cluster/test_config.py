@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import pathlib
 
 import pytest
@@ -157,7 +156,7 @@ def test_gamma_auto_resolves_to_adaptive_settings_for_speculative_strategies():
     plan = resolve_plan(SpeculationParams(strategy="se"), config.defaults, config.roles)
     assert plan.adaptive is None and plan.gammas == (3, 3)
     # se takes fixed proposal lengths: with gamma "auto" and no default gammas it needs them.
-    no_gammas = dataclasses.replace(config.defaults, gammas=None)
+    no_gammas = config.defaults.model_copy(update={"gammas": None})
     with pytest.raises(InvalidRequestError) as raised:
         resolve_plan(SpeculationParams(strategy="se"), no_gammas, config.roles)
     assert raised.value.field == "speculation.gamma" and "gammas" in raised.value.message

@@ -84,9 +84,9 @@ def test_custom_resources_reach_the_model_specs_and_the_replica_bundles():
     args = placement_args("/m/target", "/m/draft")
     args["resources"]["coordinator_cpus"] = 0.5
     config = parse_app_args(args).freeze()
-    assert config.model("draft").custom_resources == {"node_draft": PIN}
-    assert config.model("target").custom_resources == {"node_target": PIN}
-    assert dict(config.coordinator_resources) == {"node_coordinator": PIN}
+    assert config.model("draft").resources == {"node_draft": PIN}
+    assert config.model("target").resources == {"node_target": PIN}
+    assert config.coordinator_resources == {"node_coordinator": PIN}
     bundles = replica_bundles(config)
     assert bundles == [
         {"CPU": pytest.approx(INGRESS_CPUS + 0.5)},  # the replica (app.py: it keeps the coordinator's CPUs too)
@@ -104,7 +104,7 @@ def test_without_custom_resources_nothing_changes():
     args = placement_args("/m/target", "/m/draft")
     del args["resources"]["coordinator_resources"], args["resources"]["per_model"]
     config = parse_app_args(args).freeze()
-    assert all(model.resources == () for model in config.models) and config.coordinator_resources == ()
+    assert all(model.resources == {} for model in config.models) and config.coordinator_resources == {}
     assert model_group_bundles(config) == [{"CPU": 0.25}, {"CPU": 0.25}]
     assert coordinator_bundle_index(config, 1) == -1  # any bundle, as before
 
@@ -147,9 +147,9 @@ def test_the_multinode_example_pins_draft_target_and_coordinator_to_their_nodes(
 
     args = load_app_args(EXAMPLE)
     config = args.freeze()
-    assert config.model("draft").custom_resources == {"node_draft": PIN}
-    assert config.model("target").custom_resources == {"node_target": PIN}
-    assert dict(config.coordinator_resources) == {"node_coordinator": PIN}
+    assert config.model("draft").resources == {"node_draft": PIN}
+    assert config.model("target").resources == {"node_target": PIN}
+    assert config.coordinator_resources == {"node_coordinator": PIN}
     bundles = replica_bundles(config)
     assert [set(bundle) - {"CPU", "GPU"} for bundle in bundles] == [set(), {"node_target"}, {"node_draft"}, {"node_coordinator"}]
 
