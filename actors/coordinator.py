@@ -115,7 +115,7 @@ class Coordinator:
             self.workers,
             max_running=config.max_concurrent_requests,
             max_waiting=config.max_queued_requests,
-            cohorts=2 if config.overlap else 1,
+            cohorts=2 if config.uses_overlap else 1,
             request_timeout_s=config.request_timeout_s,
             metrics=self.metrics,
         )

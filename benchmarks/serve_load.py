@@ -614,7 +614,9 @@ def run_serve_load(
                                levels=[], records=[])
     for overlap in passes:
         if overlap is None:
-            pass_config, effective = config_path, getattr(group, "overlap", None)
+            # "auto" is settled by the server against its cluster's GPUs: not known here.
+            configured = getattr(group, "overlap", None)
+            pass_config, effective = config_path, configured if isinstance(configured, bool) else None
         else:
             pass_config, effective = write_overlap_config(config_path, app_name, overlap, out_dir), overlap
         server = ServerProcess(pass_config, out_dir / "server.log", settings.start_timeout_s)

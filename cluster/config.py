@@ -226,10 +226,12 @@ class ServerArgs(_Frozen):
 class EngineArgs(_Frozen):
     """How the step scheduler runs the requests in flight (docs/engine.md)."""
 
-    overlap: bool = Field(
-        True,
+    overlap: bool | Literal["auto"] = Field(
+        "auto",
         description="Two alternating cohorts of requests, so the draft proposes for one while the target verifies "
-        "the other (every request's tokens are the same either way); false: one cohort, every request in every step.",
+        "the other (every request's tokens are the same either way); false: one cohort, every request in every step; "
+        "auto: on when every model worker has its own GPU, off on CPU, where the workers share the cores and the "
+        "halved batches cost more than the overlap gains (docs/benchmarks.md).",
     )
 
 
@@ -356,6 +358,14 @@ class GroupConfig(LimitsArgs, EngineArgs, CoordinatorResourceArgs):
     def roles(self) -> dict[str, str]:
         """Model name -> role."""
         return {model.name: model.role for model in self.models}
+
+    @property
+    def uses_overlap(self) -> bool:
+        """Whether the scheduler runs two cohorts: ``overlap``, with ``auto`` settled as on when
+        every worker has a GPU of its own (``num_gpus`` None, i.e. not settled yet, counts as none)."""
+        if self.overlap != "auto":
+            return bool(self.overlap)
+        return all(model.num_gpus is not None and model.num_gpus >= 1 for model in self.models)
 
     def model(self, name: str) -> ModelSpec:
         for model in self.models:

@@ -172,3 +172,18 @@ def test_bad_gamma_is_named_with_both_accepted_forms(value):
     with pytest.raises(ValidationError) as invalid:
         SpeculationParams(gamma=value)
     assert invalid.value.errors()[0]["loc"] == ("gamma",)
+
+
+def test_overlap_auto_is_on_only_when_every_worker_has_a_gpu():
+    config = parse_app_args(BASE_ARGS).freeze()
+    assert config.overlap == "auto" and not config.uses_overlap  # GPUs not settled: none
+    on_gpus = config.model_copy(update={"models": tuple(m.model_copy(update={"num_gpus": 1.0}) for m in config.models)})
+    assert on_gpus.uses_overlap
+    shared = config.model_copy(update={"models": tuple(m.model_copy(update={"num_gpus": 0.5}) for m in config.models)})
+    assert not shared.uses_overlap
+    on_cpu = config.model_copy(update={"models": tuple(m.model_copy(update={"num_gpus": 0.0}) for m in config.models)})
+    assert not on_cpu.uses_overlap
+    for forced in (True, False):
+        assert parse_app_args(_with(engine={"overlap": forced})).freeze().uses_overlap is forced
+    with pytest.raises(ConfigError, match="engine.overlap"):
+        parse_app_args(_with(engine={"overlap": "sometimes"}))
