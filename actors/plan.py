@@ -59,9 +59,10 @@ class DecodingDefaults(BaseModel):
     )
     gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description='Largest block gamma "auto" may draft.')
     draft_cost_ratio: float = Field(
-        0.15, ge=0.0, le=10.0,
-        description='Time of one draft forward over one target verification forward, used by gamma "auto" to '
-        "weigh longer blocks (0.15: the embedded family on one CPU thread; measure yours with specserve bench).",
+        0.07, ge=0.0, le=10.0,
+        description='Time one more drafted token adds to an iteration, over the time of an iteration without drafts '
+        '(target verification and coordination), used by gamma "auto" to weigh longer blocks. 0.07: the embedded '
+        "family served on Ray (docs/benchmarks.md: the ms/iter of sd at gamma 4 and 8); measure yours the same way.",
     )
     num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")
     ensemble: EnsembleKind = Field("weighted", description="weighted | contrastive (ensemble, se).")

@@ -17,8 +17,11 @@ The rule. Under the i.i.d. acceptance model (each draft token accepted with prob
 
 tokens (Fu et al. 2025, App. A.2, Eq. (12), with this project's block of ``gamma`` drafts plus
 the target's own token; Leviathan et al. 2023 state the same) and costs ``gamma * c + 1``
-target-forward equivalents, ``c`` the cost of one draft forward relative to one verification
-forward (the cost coefficient of Fu et al. 2025, Sec. 3.2). The rule picks the gamma in
+iteration equivalents, ``c`` the time one more drafted token adds to an iteration relative to
+the time of an iteration without drafts: the target's verification forward and whatever else
+each iteration pays once (Ray hops, coordination). That is the cost coefficient of Fu et al.
+2025, Sec. 3.2 (proposal over verifier call time) with the fixed per-iteration costs counted
+on the verifier's side, where a served iteration pays them. The rule picks the gamma in
 ``[1, gamma_max]`` that maximises ``E[tokens](gamma) / (gamma * c + 1)`` at the current
 estimate of ``alpha``: a Beta-prior estimate from decayed counts of accepted and rejected draft
 positions (a block that stopped before its end counts one rejection).
@@ -35,13 +38,13 @@ ALPHA_CEILING = 1.0 - 1e-9  # E[tokens] is gamma + 1 at alpha = 1; keep the clos
 class AdaptiveGammaSettings:
     """How ``gamma: "auto"`` chooses.
 
-    gamma_max: the largest block it may draft. draft_cost_ratio: ``c``, one draft forward's
-    time over one verification forward's. prior_acceptance / prior_weight: the Beta prior on the
+    gamma_max: the largest block it may draft. draft_cost_ratio: ``c``, the time one more
+    drafted token adds to an iteration over the time of an iteration without drafts. prior_acceptance / prior_weight: the Beta prior on the
     per-token acceptance rate (mean, pseudo-count). decay: weight kept by older observations per
     iteration (1: all history counts equally)."""
 
     gamma_max: int
-    draft_cost_ratio: float = 0.15
+    draft_cost_ratio: float = 0.07
     prior_acceptance: float = 0.6
     prior_weight: float = 2.0
     decay: float = 0.9

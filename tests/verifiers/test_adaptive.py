@@ -50,7 +50,7 @@ def test_best_gamma_maximises_tokens_per_unit_time():
 
 
 def test_chooser_follows_the_request_acceptance():
-    chooser = AdaptiveGamma(AdaptiveGammaSettings(gamma_max=8))
+    chooser = AdaptiveGamma(AdaptiveGammaSettings(gamma_max=8, draft_cost_ratio=0.15))
     start = chooser.choose()
     for _ in range(6):
         chooser.observe(chooser.choose(), chooser.choose())  # every block accepted in full
