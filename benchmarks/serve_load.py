@@ -608,7 +608,8 @@ def run_serve_load(
     environment: dict[str, Any] = environment_info() | {
         "config": str(config_path), "app": model, "num_prompts": len(prompts),
         "models": {m.name: {"path": m.path, "role": m.role} for m in group.models},
-        "max_concurrent_requests": group.max_concurrent_requests, "load_average_start": load_start,
+        "max_concurrent_requests": group.max_concurrent_requests, "max_queued_requests": group.max_queued_requests,
+        "load_average_start": load_start,
     }
     results = ServeLoadResults(settings=settings.model_dump(mode="json"), environment=environment, command=command,
                                levels=[], records=[])

@@ -466,8 +466,11 @@ def _admission_note(settings: dict[str, Any], env: dict[str, Any]) -> list[str]:
     limit = env.get("max_concurrent_requests")
     if not limit or max(settings["concurrency"]) <= limit:
         return []
+    queued = env.get("max_queued_requests")
+    where = (f"the scheduler's waiting line (`limits.max_queued_requests` = {queued})" if queued
+             else "the scheduler's waiting line")
     return ["", f"The deployment runs at most `limits.max_concurrent_requests` = {limit} requests at once; "
-            f"above {limit} clients the rest wait in Ray Serve's queue, and that wait is part of their TTFT."]
+            f"above {limit} clients the rest wait in {where}, and that wait is part of their TTFT."]
 
 
 def _requests_text(levels: list[LevelRun]) -> str:

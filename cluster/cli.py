@@ -6,7 +6,7 @@ with ``parser.set_defaults(handler=...)``. Add a subcommand by writing such a fu
 appending it to :data:`SUBCOMMANDS`.
 
 ``specserve generate --config deploy/default.yaml --prompt TEXT --max-tokens N [--strategy S]
-[--method M] [--gamma G] [--num-drafts K] [--temperature T] [--seed S] [--json]`` runs one
+[--method M] [--gamma G|auto] [--num-drafts K] [--temperature T] [--seed S] [--json]`` runs one
 request on a model group started for it (local Ray unless ``RAY_ADDRESS`` is set). Text streams
 to stdout as it is accepted; with ``--json`` stdout gets one JSON object (``text``,
 ``token_ids``, ``finish_reason``, ``stats``) and progress goes to the log (stderr).
@@ -23,6 +23,16 @@ from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("specserve")
+
+
+def _gamma(text: str) -> int | str:
+    """``--gamma``: an integer or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected an integer or "auto", got {text!r}') from None
 
 
 def _comma_list(kind: Callable[[str], Any]) -> Callable[[str], list]:
@@ -46,7 +56,8 @@ def add_generate_command(subparsers: Any) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="maximum generated tokens")
     parser.add_argument("--strategy", choices=["ar", "sd", "multi_draft", "ensemble", "se"], help="decoding strategy")
     parser.add_argument("--method", help="verification rule (token|block|greedy_block, spectr|sequential_gbv|spectr_gbv)")
-    parser.add_argument("--gamma", type=int, help="draft block length")
+    parser.add_argument("--gamma", type=_gamma, help='draft block length, or "auto": each block chosen from the acceptance so far')
+    parser.add_argument("--gamma-max", type=int, help='largest block of --gamma auto')
     parser.add_argument("--num-drafts", type=int, help="K drafts (multi_draft)")
     parser.add_argument("--ensemble", choices=["weighted", "contrastive"], help="ensemble function (ensemble, se)")
     parser.add_argument("--members", type=_comma_list(str), help="ensemble members, comma-separated")
@@ -91,9 +102,9 @@ def _build_request(args: argparse.Namespace):
     speculation = {
         key: value
         for key, value in {
-            "strategy": args.strategy, "method": args.method, "gamma": args.gamma, "num_drafts": args.num_drafts,
-            "ensemble": args.ensemble, "members": args.members, "weights": args.weights, "mu": args.mu,
-            "gammas": args.gammas,
+            "strategy": args.strategy, "method": args.method, "gamma": args.gamma, "gamma_max": args.gamma_max,
+            "num_drafts": args.num_drafts, "ensemble": args.ensemble, "members": args.members, "weights": args.weights,
+            "mu": args.mu, "gammas": args.gammas,
         }.items()
         if value is not None
     }
@@ -118,8 +129,10 @@ def _only_used_models(config, request):
     plan = resolve_plan(request.speculation, config.defaults, config.roles)
     models = tuple(model for model in config.models if model.name in plan.models)
     speculation = request.speculation.model_copy(update={
-        "strategy": plan.strategy, "method": plan.method, "gamma": plan.gamma, "num_drafts": plan.num_drafts,
-        "ensemble": plan.ensemble, "members": list(plan.members) or None,
+        "strategy": plan.strategy, "method": plan.method, "num_drafts": plan.num_drafts, "ensemble": plan.ensemble,
+        # an adaptive plan stays adaptive (its gamma is only the largest block)
+        "gamma": "auto" if plan.adaptive is not None else plan.gamma,
+        "gamma_max": plan.adaptive.gamma_max if plan.adaptive is not None else request.speculation.gamma_max, "members": list(plan.members) or None,
         "weights": list(plan.weights) if plan.weights else None, "mu": plan.mu, "gammas": list(plan.gammas) or None,
     })
     defaults = config.defaults.model_copy(update={"strategy": plan.strategy, "method": plan.method, "members": plan.members or None,

@@ -59,6 +59,29 @@ def test_generate_json_prints_one_object(ray_session, tiny_yaml, tiny_checkpoint
     assert stats["completion_tokens"] == 12 and stats["target_calls"] == len(stats["accepted_lengths"])
 
 
+def test_generate_gamma_auto_keeps_the_plan_adaptive_and_equals_target_greedy(ray_session, tiny_yaml, tiny_checkpoints,
+                                                                             capsys):
+    code = main([
+        "generate", "--config", str(tiny_yaml), "--prompt", PROMPT, "--max-tokens", "12", "--strategy", "sd",
+        "--method", "greedy_block", "--gamma", "auto", "--gamma-max", "5", "--temperature", "0", "--ignore-eos", "--json",
+    ])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["token_ids"] == _target_greedy(tiny_checkpoints["target"], PROMPT, 12)
+    drafted = result["stats"]["draft_lengths"]
+    assert len(drafted) == result["stats"]["target_calls"] and all(1 <= d <= 5 for d in drafted)
+
+
+def test_gamma_argument_takes_an_integer_or_auto(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--prompt", "x", "--gamma", "auto"]).gamma == "auto"
+    assert parser.parse_args(["generate", "--prompt", "x", "--gamma", "3"]).gamma == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "x", "--gamma", "fast"])
+    assert '"auto"' in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
