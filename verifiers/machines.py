@@ -264,10 +264,16 @@ class SpeculativeMachine(DecodeMachine):
 
     def next_gamma(self) -> int:
         """The block the next step drafts (chosen from the past only, clipped at the context end).
-        Adaptive blocks never leave a stateful rule's pending modification uncovered."""
-        if self.chooser is None:
-            return self.lookahead(self.gamma)
-        return self.lookahead(max(self.chooser.choose(), self.pending_positions + 1))
+        No block leaves a stateful rule's pending modification uncovered."""
+        gamma = self.gamma if self.chooser is None else max(self.chooser.choose(), self.pending_positions + 1)
+        block = self.lookahead(gamma)
+        if self.stateful and block <= self.pending_positions:
+            # Near the context end a greedy rule's pending modification can reach past the room
+            # left, and a shorter block would break the rule. Draft past the end instead: those
+            # positions are never emitted (max_new_tokens fits the context), the slots' scratch
+            # columns hold them, and the iteration stays the exact one of its block.
+            block = self.pending_positions + 1
+        return block
 
     def needs(self) -> list[Need]:
         gamma = self.next_gamma()

@@ -191,3 +191,23 @@ def test_sessions_are_released_after_requests(model_group, greedy_results):
             break
         time.sleep(0.2)
     assert not any(counts)
+
+
+@pytest.mark.parametrize("speculation", [{"strategy": "sd", "method": "greedy_block", "gamma": 6},
+                                         {"strategy": "sd", "method": "greedy_block", "gamma": "auto"}])
+def test_greedy_block_fills_the_context_on_real_models(model_group, tokenizer, speculation):
+    """Sampled greedy_block with max_tokens filling the 256-token context exactly: the last
+    blocks draft past the context end (scratch columns) rather than below the pending
+    modification, and every request completes."""
+    from tests.conftest import TINY_CONTEXT
+
+    max_tokens = TINY_CONTEXT - len(tokenizer(PROMPT)["input_ids"])
+    requests = [
+        GenerationRequest(request_id=f"fill-{seed}", prompt=PROMPT, speculation=speculation,
+                          sampling={"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True, "seed": seed})
+        for seed in range(3)
+    ]
+    for chunks in _run(model_group, requests):
+        final = chunks[-1]
+        assert final.finished and final.error is None, final.error
+        assert final.stats.completion_tokens == max_tokens

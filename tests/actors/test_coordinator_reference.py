@@ -417,3 +417,19 @@ def test_penalized_law_through_coordinator(fake_group):
                                generated=[tuple(context)[len(PROMPT):]])[0]
 
     assert chi_square_pvalue(samples, sequence_law(next_token_probs, PROMPT, length)) > CHI_SQUARE_SIGNIFICANCE
+
+
+@pytest.mark.parametrize("speculation", [
+    {"strategy": "sd", "method": "greedy_block", "gamma": 4},
+    {"strategy": "sd", "method": "greedy_block", "gamma": "auto", "gamma_max": 6},
+    {"strategy": "multi_draft", "method": "sequential_gbv", "gamma": 4, "num_drafts": 2},
+])
+def test_greedy_rules_run_to_the_context_end(fake_group, speculation):
+    """max_tokens filling the context exactly: a greedy rule's last blocks may not be clipped
+    below its pending modification (that used to fail the request near the end)."""
+    from tests.actors.fake_models import FAKE_CONTEXT
+
+    max_tokens = FAKE_CONTEXT - len(PROMPT)
+    requests = [_request(seed, speculation, max_tokens=max_tokens) for seed in range(6)]
+    for chunks in run_requests(fake_group, requests):
+        assert len(_tokens(chunks)) == max_tokens

@@ -184,3 +184,30 @@ def test_adaptive_loop_is_reproducible_and_reports_its_blocks():
     assert all(1 <= g <= 6 for g in stats["draft_lengths"])
     assert all(a <= g for a, g in zip(stats["accepted"], stats["draft_lengths"]))
     assert stats["draft_calls"] == sum(stats["draft_lengths"])
+
+
+@pytest.mark.parametrize("method,adaptive", [("greedy_block", None), ("greedy_block", AdaptiveGammaSettings(gamma_max=3))])
+def test_greedy_rules_stay_exact_at_the_context_end(method, adaptive):
+    """With 4 positions of context left and blocks of 3, a greedy rule's pending modification
+    reaches past the end on some branches; the block then runs past the end (never emitted)
+    instead of being clipped below the modification, and the law stays exact."""
+    draft_fn, target_fn = model_pair(2, 5)
+    length = 4
+    past_the_end: list[bool] = []
+
+    def procedure(source):
+        machine = SpeculativeMachine("draft", "target", method=method, gamma=3, num_drafts=1, max_new_tokens=length,
+                                     context_budget=length, adaptive=adaptive)
+        executor = LocalExecutor({"draft": draft_fn, "target": target_fn}, PROMPT,
+                                 layout_sources(machine.streams(), split_sources(source, 2)),
+                                 temperature=1.0, top_k=0, top_p=1.0)
+        tokens = run_machine(machine, executor)
+        committed = 0
+        for block, accepted in zip(machine.draft_lengths, machine.accepted_lengths):
+            past_the_end.append(committed + block > length)
+            committed += accepted + 1
+        return tuple(tokens[:length])
+
+    law = exact_law(procedure)
+    assert any(past_the_end), "no branch needed a block past the context end"
+    assert total_variation(law, target_law(target_fn, PROMPT, length)) < EXACT_TOLERANCE
