@@ -195,14 +195,12 @@ def _resolve_gammas(requested, default, members: tuple[str, ...], gamma: int) ->
 
 
 def _resolve_gamma(
-    speculation: SpeculationParams, defaults: DecodingDefaults, strategy: str
+    speculation: SpeculationParams, defaults: DecodingDefaults
 ) -> tuple[int, AdaptiveGammaSettings | None]:
     """``(gamma, adaptive)``: a fixed block, or for ``"auto"`` the settings of
     :mod:`verifiers.adaptive` and its largest block."""
     gamma = _pick(speculation.gamma, defaults.gamma)
-    if gamma != "auto":
-        if isinstance(gamma, str):
-            raise InvalidRequestError("speculation.gamma", f'expected an integer or "auto", got {gamma!r}')
+    if gamma != "auto":  # both models validate gamma as GammaValue: an int or "auto"
         return _check_range("speculation.gamma", gamma, 1, MAX_GAMMA), None
     gamma_max = _check_range("speculation.gamma_max", _pick(speculation.gamma_max, defaults.gamma_max), 1, MAX_GAMMA)
     return gamma_max, AdaptiveGammaSettings(gamma_max=gamma_max, draft_cost_ratio=defaults.draft_cost_ratio)
@@ -226,7 +224,7 @@ def resolve_plan(
             "speculation.strategy", f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGY_METHODS)}"
         )
     method = _check_method(strategy, speculation.method, defaults.method, defaults.strategy)
-    gamma, adaptive = _resolve_gamma(speculation, defaults, strategy)
+    gamma, adaptive = _resolve_gamma(speculation, defaults)
     num_drafts = _check_range("speculation.num_drafts", _pick(speculation.num_drafts, defaults.num_drafts), 1, MAX_DRAFTS)
     mu = float(_pick(speculation.mu, defaults.mu))
     if not math.isfinite(mu) or mu < 0:

@@ -246,14 +246,15 @@ class SpeculativeMachine(DecodeMachine):
                  max_new_tokens: int, context_budget: int | None = None, logprobs: int | None = None,
                  adaptive: AdaptiveGammaSettings | None = None):
         super().__init__(max_new_tokens, context_budget, logprobs)
-        if not get_verifier(method).multi_draft and num_drafts != 1:
+        rule = get_verifier(method)
+        if not rule.multi_draft and num_drafts != 1:
             raise ValueError(f"method {method!r} is single-draft; num_drafts must be 1, got {num_drafts}")
         self.draft, self.target = draft, target
         self.method, self.gamma, self.num_drafts = method, gamma, num_drafts
         self.chooser = AdaptiveGamma(adaptive) if adaptive is not None else None
         # Stateful (greedy) rules carry a distribution modification over the positions after
         # the emitted tokens; the next block must cover them (gamma >= pending + 1).
-        self.stateful = get_verifier(method).stateful
+        self.stateful = rule.stateful
         self.pending_positions = 0
         self.unsent = _Unsent([draft, target], self.committed)
         self.draft_indices: list[int] = []
@@ -265,14 +266,13 @@ class SpeculativeMachine(DecodeMachine):
     def next_gamma(self) -> int:
         """The block the next step drafts (chosen from the past only, clipped at the context end).
         No block leaves a stateful rule's pending modification uncovered."""
-        gamma = self.gamma if self.chooser is None else max(self.chooser.choose(), self.pending_positions + 1)
-        block = self.lookahead(gamma)
-        if self.stateful and block <= self.pending_positions:
-            # Near the context end a greedy rule's pending modification can reach past the room
-            # left, and a shorter block would break the rule. Draft past the end instead: those
-            # positions are never emitted (max_new_tokens fits the context), the slots' scratch
-            # columns hold them, and the iteration stays the exact one of its block.
-            block = self.pending_positions + 1
+        block = self.lookahead(self.gamma if self.chooser is None else self.chooser.choose())
+        if self.stateful:
+            # A greedy rule's pending modification must be covered, also where it reaches past
+            # the room left at the context end: the block then runs past the end (positions never
+            # emitted, since max_new_tokens fits the context; the slots' scratch columns hold
+            # them), and the iteration stays the exact one of its block.
+            block = max(block, self.pending_positions + 1)
         return block
 
     def needs(self) -> list[Need]:
