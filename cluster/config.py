@@ -43,10 +43,10 @@ import math
 import os
 import pathlib
 import string
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from actors.api import InvalidRequestError, SpeculationParams
 from actors.plan import DecodingDefaults, resolve_plan
@@ -102,12 +102,16 @@ def check_custom_resources(resources: dict[str, float]) -> dict[str, float]:
     return resources
 
 
+#: A custom-resources mapping, checked by :func:`check_custom_resources`.
+CustomResources = Annotated[dict[str, float], AfterValidator(check_custom_resources)]
+
+
 class ModelResourceArgs(_Frozen):
     """Resource override for one model."""
 
     gpus: float | None = Field(None, ge=0.0, description="GPUs for this model's worker.")
     cpus: float | None = Field(None, ge=0.0, description="CPUs for this model's worker.")
-    resources: dict[str, float] = Field(
+    resources: CustomResources = Field(
         default_factory=dict,
         description="Custom Ray resources this model's worker asks for, e.g. {node_draft: 0.01}: the worker "
         "(and its placement-group bundle) then goes only on nodes started with that resource "
@@ -115,27 +119,17 @@ class ModelResourceArgs(_Frozen):
         "quantities >= 0.0001. Empty: any node.",
     )
 
-    @field_validator("resources")
-    @classmethod
-    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
-        return check_custom_resources(resources)
-
 
 class CoordinatorResourceArgs(_Frozen):
     """What the coordinator actor of a model group asks Ray for (part of ``resources``)."""
 
     coordinator_cpus: float = Field(0.0, ge=0.0, description="CPUs reserved for the coordinator actor.")
-    coordinator_resources: dict[str, float] = Field(
+    coordinator_resources: CustomResources = Field(
         default_factory=dict,
         description="Custom Ray resources the coordinator asks for, e.g. {node_coordinator: 0.01}: it then goes only "
         "on nodes started with that resource (in a Serve replica: in a bundle of its own holding them). Same rules "
         "as per_model.<name>.resources. Empty: any node.",
     )
-
-    @field_validator("coordinator_resources")
-    @classmethod
-    def _coordinator_custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
-        return check_custom_resources(resources)
 
 
 class ResourcesArgs(CoordinatorResourceArgs):
