@@ -261,6 +261,14 @@ def test_concurrent_requests_all_complete_and_bad_ones_do_not_disturb_them(serve
     assert all(ids == expected_ids for i, (_, ids) in enumerate(results) if i % 5 != 4)
 
 
+def _first_event_id(lines) -> str:
+    """The ``id`` of the first server-sent event of a stream (blank keep-alive lines skipped)."""
+    first = next(lines)
+    while not first:
+        first = next(lines)
+    return json.loads(first[len("data: ") :])["id"]
+
+
 def _wait_until_idle(http, request_id: str, timeout_s: float) -> float:
     """Seconds until no session of ``request_id`` is active and every worker is empty."""
     start = time.monotonic()
@@ -288,10 +296,7 @@ def test_client_disconnect_mid_stream_cancels_the_request(http, serve_app):
     with httpx.Client(base_url=serve_app.http_url, timeout=60.0) as client:
         with client.stream("POST", "/v1/completions", json={**body(2000), "stream": True}) as response:
             lines = response.iter_lines()  # keep a reference: dropping it closes the response
-            first = next(lines)
-            while not first:
-                first = next(lines)
-            request_id = json.loads(first[len("data: ") :])["id"]
+            request_id = _first_event_id(lines)
             started = time.monotonic()
             active = http.get("/v1/status").json()["active_requests"]
             assert any(session.startswith(request_id) for session in active), (request_id, active)
@@ -316,10 +321,7 @@ def test_client_disconnect_mid_stream_cancels_every_choice(http, serve_app):
     with httpx.Client(base_url=serve_app.http_url, timeout=60.0) as client:
         with client.stream("POST", "/v1/completions", json={**body(2000, 3), "stream": True}) as response:
             lines = response.iter_lines()
-            first = next(lines)
-            while not first:
-                first = next(lines)
-            request_id = json.loads(first[len("data: ") :])["id"]
+            request_id = _first_event_id(lines)
             started = time.monotonic()
             active = http.get("/v1/status").json()["active_requests"]
             assert sum(session.startswith(request_id) for session in active) >= 1, (request_id, active)

@@ -133,6 +133,15 @@ def test_greedy_rules_get_blocks_that_cover_their_pending_modification():
     assert not any(history[1:] == (3, 3) for history in stateless)
 
 
+def _run_local(machine: SpeculativeMachine, draft_fn, target_fn, source) -> list[int]:
+    """Drive ``machine`` (built by the test, unlike in ``speculative_generate``) with the
+    reference executor at temperature 1, on ``source``'s two streams."""
+    executor = LocalExecutor({"draft": draft_fn, "target": target_fn}, PROMPT,
+                             layout_sources(machine.streams(), split_sources(source, 2)),
+                             temperature=1.0, top_k=0, top_p=1.0)
+    return run_machine(machine, executor)
+
+
 class _HistoryPeekingChooser:
     """Not the production rule: a block length that depends on the committed tokens and the last
     accepted length (anything fixed before the draft is sampled is allowed)."""
@@ -158,10 +167,7 @@ def test_any_rule_fixed_before_the_draft_is_exact(method):
         machine = SpeculativeMachine("draft", "target", method=method, gamma=1, num_drafts=1, max_new_tokens=length,
                                      adaptive=AdaptiveGammaSettings(gamma_max=gamma_max))
         machine.chooser = _HistoryPeekingChooser(machine, gamma_max)
-        executor = LocalExecutor({"draft": draft_fn, "target": target_fn}, PROMPT,
-                                 layout_sources(machine.streams(), split_sources(source, 2)),
-                                 temperature=1.0, top_k=0, top_p=1.0)
-        tokens = run_machine(machine, executor)
+        tokens = _run_local(machine, draft_fn, target_fn, source)
         histories.add(tuple(machine.draft_lengths))
         return tuple(tokens[:length])
 
@@ -198,10 +204,7 @@ def test_greedy_rules_stay_exact_at_the_context_end(method, adaptive):
     def procedure(source):
         machine = SpeculativeMachine("draft", "target", method=method, gamma=3, num_drafts=1, max_new_tokens=length,
                                      context_budget=length, adaptive=adaptive)
-        executor = LocalExecutor({"draft": draft_fn, "target": target_fn}, PROMPT,
-                                 layout_sources(machine.streams(), split_sources(source, 2)),
-                                 temperature=1.0, top_k=0, top_p=1.0)
-        tokens = run_machine(machine, executor)
+        tokens = _run_local(machine, draft_fn, target_fn, source)
         committed = 0
         for block, accepted in zip(machine.draft_lengths, machine.accepted_lengths):
             past_the_end.append(committed + block > length)
