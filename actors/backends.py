@@ -20,11 +20,17 @@ from typing import Any
 
 import torch
 
-from actors.batch import RowWork, build_batch
+from actors.batch import RowWork, build_batch, reads_in_place
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 2048
+
+#: What one more forward costs, in padded token positions (how the engine splits a step's rows
+#: into forwards: :func:`actors.engine.forward_groups`). CPU: measured on the embedded target,
+#: one thread (a forward's fixed cost ~4.5 ms; a padded position 0.3-0.9 ms). CUDA: kernel
+#: launches dominate small forwards and a padded position is nearly free; a guess, unmeasured.
+FORWARD_OVERHEAD_TOKENS = {"cpu": 8, "cuda": 512}
 
 
 class SlotBackend:
@@ -53,6 +59,7 @@ class SlotBackend:
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(max_context or _config_context(model.config))
         self.capacity = self.max_context + scratch_columns  # columns per slot
+        self.forward_overhead_tokens = FORWARD_OVERHEAD_TOKENS.get(torch.device(device).type, FORWARD_OVERHEAD_TOKENS["cuda"])
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         # By default every slot is allocated up front: growing a large cache under load stalls a
@@ -106,8 +113,9 @@ class SlotBackend:
         for row in rows:
             if not self.cache.is_allocated(row.slot):
                 raise ValueError(f"RowWork.slot {row.slot} is not allocated")
-        batch = build_batch(rows, capacity=self.capacity, device=self.device)
-        self.cache.bind(batch.slots, batch.write_columns, batch.kv_length)
+        in_place = reads_in_place(rows) and max(row.slot for row in rows) < self.cache.num_slots
+        batch = build_batch(rows, capacity=self.capacity, device=self.device, in_place=in_place)
+        self.cache.bind(batch.slots, batch.write_columns, batch.kv_length, batch.first_slot)
         try:
             output = self.decoder(
                 input_ids=batch.input_ids,  # [B, L]
@@ -121,7 +129,10 @@ class SlotBackend:
         hidden = output.last_hidden_state  # [B, L, hidden]
         kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.keep_index)  # [N_keep, hidden]
         logits = self.lm_head(kept).float()  # [N_keep, V]
-        return list(logits.split(batch.keep_counts))  # B x [len(keep), V]
+        per_row: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
+        for index, row_logits in zip(batch.row_order, logits.split(batch.keep_counts)):
+            per_row[index] = row_logits  # [len(keep), V]
+        return per_row
 
 
 def _config_context(config: Any) -> int:

@@ -15,6 +15,15 @@ one row (:func:`chains_row`: chains laid out side by side, each token seeing onl
   any row touches plus one; a padded query copies its row's last real query (a fully masked
   query row gives NaN in some attention kernels);
 * the flat indices of the kept positions, whose logits are the only ones computed.
+
+**Reading the slots in place.** When the rows' slots form a run ``first_slot, first_slot + 1,
+...`` (:func:`reads_in_place`), row ``b`` of the batch is slot ``first_slot + b`` and attention
+reads keys/values straight out of the cache's storage (a view), instead of gathering every
+row's keys and values of every layer into a new tensor. A slot in the run with no row of its
+own (a *filler*: its session is in another forward, or idle) gets a row that writes only its
+trash column and reads only column 0, so nothing it owns changes. Gathering reads and writes
+all of ``[B, H, T_kv, D]`` per layer, which in a 16-row decode forward of the embedded target
+cost about a quarter of the forward (``docs/engine.md``).
 """
 
 from __future__ import annotations
@@ -28,6 +37,11 @@ import torch
 #: Rows at least this long whose tokens see exactly the earlier new tokens and themselves get a
 #: triangular block in the mask instead of O(L^2) scattered entries (a long prefill).
 CAUSAL_BLOCK_MIN_TOKENS = 16
+
+#: Filler rows cost a padded row each; they are accepted only in forwards of rows up to this
+#: long (decode, verification), at most one per four real rows.
+IN_PLACE_FILLER_MAX_WIDTH = 16
+IN_PLACE_ROWS_PER_FILLER = 4
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,18 @@ def _check_capacity(row: RowWork, capacity: int) -> None:
             raise ValueError(f"RowWork.attend[{i}] must be < capacity {capacity}, got {seen} (slot {row.slot})")
 
 
+def reads_in_place(rows: Sequence[RowWork]) -> bool:
+    """Whether a forward over ``rows`` should read the slots in place (see the module doc): always
+    when the slots form a run with no gap; with gaps only in short-row forwards and with at most
+    one filler row per :data:`IN_PLACE_ROWS_PER_FILLER` real rows."""
+    slots = [row.slot for row in rows]
+    fillers = max(slots) - min(slots) + 1 - len(rows)
+    if fillers <= 0:
+        return True
+    width = max(len(row) for row in rows)
+    return width <= IN_PLACE_FILLER_MAX_WIDTH and fillers * IN_PLACE_ROWS_PER_FILLER <= len(rows)
+
+
 @dataclass(frozen=True)
 class RaggedBatch:
     """The padded tensors of one forward over ``B`` rows of up to ``L`` new tokens."""
@@ -167,16 +193,22 @@ class RaggedBatch:
     position_ids: torch.Tensor  # [B, L] long: rotary positions, padding repeats the row's last
     write_columns: torch.Tensor  # [B, L] long: storage column per token, padding -> trash column
     attention_mask: torch.Tensor  # [B, 1, L, T_kv] bool: True = attend
-    kv_length: int  # T_kv: columns [0, T_kv) of each slot are gathered for attention
+    kv_length: int  # T_kv: columns [0, T_kv) of each slot are read by attention
     keep_index: torch.Tensor  # [N_keep] long: flat indices b * L + i of the kept positions, row-major
-    keep_counts: tuple[int, ...]  # [B] kept positions per row (split sizes of the kept logits)
+    keep_counts: tuple[int, ...]  # [R] kept positions per given row, in ``row_order``
+    row_order: tuple[int, ...]  # [R] index into the given rows of each batch row that is not a filler, in batch order
+    first_slot: int | None  # in place: batch row b is slot first_slot + b; None: slots are gathered
 
 
-def build_batch(rows: Sequence[RowWork], *, capacity: int, device: str | torch.device = "cpu") -> RaggedBatch:
+def build_batch(
+    rows: Sequence[RowWork], *, capacity: int, device: str | torch.device = "cpu", in_place: bool = False
+) -> RaggedBatch:
     """Pad ``rows`` into the tensors of one forward, on ``device``.
 
     ``capacity`` is the number of usable columns per slot; column ``capacity`` is the trash
-    column padded tokens write to. Rows must use distinct slots.
+    column padded tokens write to. Rows must use distinct slots. With ``in_place`` the batch
+    rows are the slots from the lowest to the highest given one, in order, filler rows where a
+    slot has no given row; otherwise the batch rows are the given rows, in order.
     """
     if not rows:
         raise ValueError("build_batch needs at least one RowWork")
@@ -185,20 +217,31 @@ def build_batch(rows: Sequence[RowWork], *, capacity: int, device: str | torch.d
         raise ValueError(f"RowWork.slot must be distinct within one forward, got {slots}")
     for row in rows:
         _check_capacity(row, capacity)
-    batch, width = len(rows), max(len(row) for row in rows)
+    layout = _layout(rows, in_place)  # per batch row: the given row's index, or a filler's slot as ~slot
+    batch, width = len(layout), max(len(row) for row in rows)
     kv_length = max(row.end_column for row in rows)
 
-    input_ids, positions, columns = [], [], []
+    batch_slots, prefixes, input_ids, positions, columns = [], [], [], [], []
     attend_rows, attend_queries, attend_columns = [], [], []
     keep_index, causal_rows = [], []
-    for b, row in enumerate(rows):
+    for b, entry in enumerate(layout):
+        if entry < 0:  # a filler: writes its trash column, reads column 0
+            batch_slots.append(~entry)
+            prefixes.append(1)
+            input_ids.extend((0,) * width)
+            positions.extend((0,) * width)
+            columns.extend((capacity,) * width)
+            continue
+        row = rows[entry]
         pad = width - len(row)
+        batch_slots.append(row.slot)
+        prefixes.append(row.prefix_length)
         input_ids.extend(row.token_ids + (0,) * pad)
         positions.extend(row.positions + (row.positions[-1],) * pad)
         columns.extend(row.columns + (capacity,) * pad)
+        keep_index.extend(b * width + i for i in row.keep)
         if len(row) >= CAUSAL_BLOCK_MIN_TOKENS and _is_causal(row):
             causal_rows.append(b)
-            keep_index.extend(b * width + i for i in row.keep)
             continue
         # A padded query sees exactly what the row's last real query sees.
         attend = row.attend + (row.attend[-1],) * pad
@@ -206,10 +249,9 @@ def build_batch(rows: Sequence[RowWork], *, capacity: int, device: str | torch.d
         attend_columns.extend(itertools.chain.from_iterable(attend))
         attend_queries.extend(itertools.chain.from_iterable(itertools.repeat(i, n) for i, n in enumerate(counts)))
         attend_rows.extend(itertools.repeat(b, sum(counts)))
-        keep_index.extend(b * width + i for i in row.keep)
 
     # One host-to-device transfer for every index list, then views into it.
-    parts = (slots, [row.prefix_length for row in rows], input_ids, positions, columns, keep_index,
+    parts = (batch_slots, prefixes, input_ids, positions, columns, keep_index,
              attend_rows, attend_queries, attend_columns)
     flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long, device=device)  # [sum of lengths]
     (slots_t, prefix, ids_t, positions_t, columns_t, keep_t, rows_t, queries_t, seen_t) = torch.split(
@@ -219,9 +261,10 @@ def build_batch(rows: Sequence[RowWork], *, capacity: int, device: str | torch.d
     mask = mask[:, None, :].repeat(1, width, 1)  # [B, L, T_kv]
     mask[rows_t, queries_t, seen_t] = True
     for b in causal_rows:
-        length = len(rows[b])
+        length = len(rows[layout[b]])
         block = torch.ones(width, length, dtype=torch.bool, device=device).tril()  # [L, L_b]; padding: all
         mask[b, :, columns_t[b * width : b * width + length]] = block
+    row_order = tuple(entry for entry in layout if entry >= 0)
     return RaggedBatch(
         slots=slots_t,  # [B]
         input_ids=ids_t.view(batch, width),  # [B, L]
@@ -230,5 +273,15 @@ def build_batch(rows: Sequence[RowWork], *, capacity: int, device: str | torch.d
         attention_mask=mask[:, None],  # [B, 1, L, T_kv]
         kv_length=kv_length,
         keep_index=keep_t,  # [N_keep]
-        keep_counts=tuple(len(row.keep) for row in rows),
+        keep_counts=tuple(len(rows[i].keep) for i in row_order),
+        row_order=row_order,
+        first_slot=min(slots) if in_place else None,
     )
+
+
+def _layout(rows: Sequence[RowWork], in_place: bool) -> list[int]:
+    """Per batch row, the index of its given row, or ``~slot`` (negative) for a filler."""
+    if not in_place:
+        return list(range(len(rows)))
+    by_slot = {row.slot: i for i, row in enumerate(rows)}
+    return [by_slot.get(slot, ~slot) for slot in range(min(by_slot), max(by_slot) + 1)]

@@ -86,9 +86,10 @@ def test_one_step_batches_sessions_and_matches_full_forwards(worker, full_logits
              for i, p in enumerate(prompts)]
     try:
         outcomes, payloads = _run(worker, *items)
-        # The prompts' forward is split by length (the 30-token prefill alone), then two draft
-        # steps with all four sessions in one forward each.
-        assert worker.engine.rows_per_forward[-4:] == [3, 1, 4, 4]
+        # The prompts' forward is split where padding costs more than a forward
+        # (forward_groups: rows of 30, 10 and 3 + 2 tokens), then two draft steps with all four
+        # sessions in one forward each.
+        assert worker.engine.rows_per_forward[-5:] == [1, 1, 2, 4, 4]
         for i, (prompt, payload) in enumerate(zip(prompts, payloads)):
             tokens = payload.tokens[0].tolist()
             expected = full_logits(prompt + tokens)[len(prompt) - 1: len(prompt) + 2]  # [3, V]
