@@ -100,6 +100,14 @@ class SlotBackend:
         """Give ``slot`` back."""
         self.cache.free(slot)
 
+    def free_slots(self) -> list[int]:
+        """Slots not handed out (their stale keys/values intact), lowest first."""
+        return self.cache.free_slots()
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy every layer's keys/values of columns ``[0, length)`` from one slot to another."""
+        self.cache.copy_prefix(src_slot, dst_slot, length)
+
     def copy_columns(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy every layer's keys/values in ``slot`` from columns ``src`` to columns ``dst``."""
         self.cache.copy_columns(slot, src, dst)

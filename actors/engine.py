@@ -31,6 +31,7 @@ import torch
 
 from actors.batch import RowWork, linear_row
 from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
+from actors.prefix_cache import PrefixCache
 from actors.sessions import Session, SessionNotFoundError, SessionStore
 from verifiers.machines import Extend, MemberBlock, NextLogits, Sample, Sampled, ScoreVerify, Verified
 from verifiers.registry import get_verifier
@@ -368,10 +369,11 @@ def forward_groups(rows: dict[int, RowWork], overhead_tokens: int) -> list[dict[
 class WorkerEngine:
     """Sessions + a slot backend + the batched step. Thread-safe (one step at a time)."""
 
-    def __init__(self, backend: Any, name: str, idle_timeout_s: float = 300.0):
+    def __init__(self, backend: Any, name: str, idle_timeout_s: float = 300.0, prefix_caching: bool = True):
         self.backend = backend
         self.name = name
-        self.sessions = SessionStore(backend.allocate, backend.free, idle_timeout_s, name)
+        self.prefix_cache = PrefixCache(backend, enabled=prefix_caching)
+        self.sessions = SessionStore(self.prefix_cache, idle_timeout_s, name)
         self.steps = 0
         self.rows_per_forward: list[int] = []  # recent batch sizes (for metrics)
         # Cumulative since the worker started (monotonic; read at scrape time, see metrics()).
@@ -382,13 +384,16 @@ class WorkerEngine:
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters: seconds in forward passes and in step calls, steps, forward
-        passes, and the open sessions now (``actors.metrics.WORKER_KEYS``)."""
+        passes, prompt tokens opened and reused from the prefix cache, and the open sessions now
+        (``actors.metrics.WORKER_KEYS``)."""
         return {
             "forward_seconds_total": self.forward_seconds_total,
             "step_seconds_total": self.step_seconds_total,
             "steps": self.steps,
             "forward_passes_total": self.forward_passes_total,
             "sessions": len(self.sessions),
+            "prompt_tokens_total": self.prefix_cache.prompt_tokens_total,
+            "prefix_reused_tokens_total": self.prefix_cache.reused_tokens_total,
         }
 
     def step(

@@ -165,6 +165,21 @@ class SlotKVCache(Cache):
         self._allocated.remove(slot)
         heapq.heappush(self._free, slot)
 
+    def free_slots(self) -> list[int]:
+        """Slots in storage not handed out (their stale contents intact), lowest first."""
+        return sorted(self._free)
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy columns ``[0, length)`` of every layer's keys/values from ``src_slot`` to
+        ``dst_slot`` (either may be free: a free slot keeps its stale contents)."""
+        for name, slot in (("src_slot", src_slot), ("dst_slot", dst_slot)):
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"copy_prefix: {name} must be in [0, {self.num_slots}), got {slot}")
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"copy_prefix: length must be in [0, {self.capacity}], got {length}")
+        if src_slot != dst_slot and length:
+            self.storage[:, :, dst_slot, :, :length] = self.storage[:, :, src_slot, :, :length]
+
     def copy_columns(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy keys/values of every layer from columns ``src`` to columns ``dst`` of ``slot``.
 

@@ -124,6 +124,12 @@ WORKER_FORWARDS = MetricSpec("specserve_worker_forward_passes", COUNTER,
                              "Batched forward passes the worker ran.", ("worker",))
 WORKER_SESSIONS = MetricSpec("specserve_worker_sessions", GAUGE, "Open sessions (KV-cache slots in use).",
                              ("worker",))
+WORKER_PROMPT_TOKENS = MetricSpec("specserve_worker_prompt_tokens", COUNTER,
+                                  "Prompt tokens of the sessions the worker opened.", ("worker",))
+WORKER_PREFIX_REUSED_TOKENS = MetricSpec("specserve_worker_prefix_cache_reused_tokens", COUNTER,
+                                         "Prompt tokens whose keys/values were copied from what the worker already "
+                                         "held instead of computed (prefix caching; hit rate = this / prompt tokens).",
+                                         ("worker",))
 SCRAPE_WORKERS = MetricSpec("specserve_scrape_workers", GAUGE,
                             "Workers of the group that answered (state=ok) or not (state=failed) in this scrape.",
                             ("state",))
@@ -134,7 +140,8 @@ RECORDED = (REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INT
             SPEC_ACCEPTED_PER_POS, SPEC_VERIFICATIONS, STEPS)
 #: Families filled at snapshot time.
 SNAPSHOT_GAUGES = (RUNNING, WAITING)
-WORKER_METRICS = (WORKER_FORWARD_SECONDS, WORKER_STEP_SECONDS, WORKER_STEPS, WORKER_FORWARDS, WORKER_SESSIONS)
+WORKER_METRICS = (WORKER_FORWARD_SECONDS, WORKER_STEP_SECONDS, WORKER_STEPS, WORKER_FORWARDS, WORKER_SESSIONS,
+                  WORKER_PROMPT_TOKENS, WORKER_PREFIX_REUSED_TOKENS)
 #: ``ModelWorker.metrics()`` key of each worker family.
 WORKER_KEYS = {
     WORKER_FORWARD_SECONDS.name: "forward_seconds_total",
@@ -142,6 +149,8 @@ WORKER_KEYS = {
     WORKER_STEPS.name: "steps",
     WORKER_FORWARDS.name: "forward_passes_total",
     WORKER_SESSIONS.name: "sessions",
+    WORKER_PROMPT_TOKENS.name: "prompt_tokens_total",
+    WORKER_PREFIX_REUSED_TOKENS.name: "prefix_reused_tokens_total",
 }
 #: Every family of a coordinator's snapshot, by name.
 METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (*RECORDED, *SNAPSHOT_GAUGES, *WORKER_METRICS,

@@ -60,16 +60,17 @@ class ModelWorker:
     ``spec`` is a :class:`cluster.config.ModelSpec` (name, path, role, dtype, revision,
     max_context, num_gpus, torch_threads). On a GPU the worker uses the GPU Ray assigned it;
     on CPU it caps torch to ``spec.torch_threads`` threads. ``max_sessions`` bounds the KV
-    cache slots (one per open session).
+    cache slots (one per open session); ``prefix_caching`` lets a new session copy the longest
+    prefix of its prompt the worker already holds (:mod:`actors.prefix_cache`).
     """
 
-    def __init__(self, spec: Any, idle_timeout_s: float = 300.0, max_sessions: int = 64):
+    def __init__(self, spec: Any, idle_timeout_s: float = 300.0, max_sessions: int = 64, prefix_caching: bool = True):
         self.spec = spec
         self.device = self._pick_device()
         if self.device == "cpu":
             torch.set_num_threads(max(1, int(getattr(spec, "torch_threads", 1))))
         self.max_sessions = int(max_sessions)
-        self.engine = WorkerEngine(self._load_backend(), spec.name, idle_timeout_s)
+        self.engine = WorkerEngine(self._load_backend(), spec.name, idle_timeout_s, prefix_caching=prefix_caching)
         self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
         self._reaper.start()
 

@@ -104,11 +104,12 @@ class Session:
 
 
 class SessionStore:
-    """Sessions by id, each with a slot from ``allocate`` (returned to ``free``), and an idle
-    reaper thread freeing sessions unused for ``idle_timeout_s``."""
+    """Sessions by id, each with a slot from ``slots`` (an :class:`actors.prefix_cache.PrefixCache`:
+    a new session starts with the longest prefix of its prompt the worker already holds), and an
+    idle reaper thread freeing sessions unused for ``idle_timeout_s``."""
 
-    def __init__(self, allocate: Callable[[], int], free: Callable[[int], None], idle_timeout_s: float, name: str):
-        self._allocate, self._free = allocate, free
+    def __init__(self, slots: Any, idle_timeout_s: float, name: str):
+        self.slots = slots
         self.idle_timeout_s = float(idle_timeout_s)
         self.name = name
         self._sessions: dict[str, Session] = {}
@@ -123,8 +124,10 @@ class SessionStore:
             if not prompt_ids:
                 raise ValueError("prompt_ids must not be empty")
             sources = {stream: TorchRandomSource(torch.Generator().manual_seed(int(seed))) for stream, seed in seeds.items()}
-            session = Session(session_id, self._allocate(), [int(t) for t in prompt_ids], sampling, sources,
-                              prompt_length=len(prompt_ids))
+            prompt = [int(t) for t in prompt_ids]
+            live = ((other.slot, other.context[: other.base]) for other in self._sessions.values())
+            slot, reused = self.slots.open(prompt, live)
+            session = Session(session_id, slot, prompt, sampling, sources, prompt_length=len(prompt), base=reused)
             self._sessions[session_id] = session
             return session
 
@@ -141,7 +144,7 @@ class SessionStore:
         with self.lock:
             session = self._sessions.pop(session_id, None)
             if session is not None:
-                self._free(session.slot)
+                self.slots.release(session.slot, session.context[: session.base])
             return session is not None
 
     def ids(self) -> list[str]:

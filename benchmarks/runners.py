@@ -157,7 +157,9 @@ class LocalRunner:
 
         config = group_args.freeze()
         self.temperature = temperature
-        self.workers = {m.name: LocalActorHandle(ModelWorker(m, config.session_idle_timeout_s)) for m in config.models}
+        self.workers = {m.name: LocalActorHandle(ModelWorker(m, config.session_idle_timeout_s,
+                                                             prefix_caching=config.prefix_caching))
+                        for m in config.models}
         self.coordinator = Coordinator(self.workers, config)
         self.loop = asyncio.new_event_loop()
 

@@ -100,6 +100,9 @@ class ServeLoadSettings(BaseModel):
     overlap: tuple[bool, ...] | None = Field(
         None, description="Run every level once per setting of args.engine.overlap (a server per setting, off "
         "first); None: one pass with the YAML as it is.")
+    prefix_caching: bool | None = Field(
+        None, description="Force args.engine.prefix_caching on or off (a copy of the YAML in the output directory); "
+        "None: the YAML as it is.")
 
     @model_validator(mode="after")
     def _known(self) -> ServeLoadSettings:
@@ -330,8 +333,9 @@ class MetricsProbe:
             return None
 
 
-def overlap_config(document: dict[str, Any], app_name: str | None, overlap: bool, where: str) -> dict[str, Any]:
-    """A copy of a Serve config ``document`` whose application has ``args.engine.overlap`` = ``overlap``."""
+def engine_config(document: dict[str, Any], app_name: str | None, engine_settings: dict[str, Any],
+                  where: str) -> dict[str, Any]:
+    """A copy of a Serve config ``document`` whose application's ``args.engine`` has ``engine_settings``."""
     from cluster.config import select_application
 
     changed = copy.deepcopy(document)
@@ -340,8 +344,28 @@ def overlap_config(document: dict[str, Any], app_name: str | None, overlap: bool
     if args is None:
         args = application["args"] = {}
     engine = args.get("engine")
-    args["engine"] = {**(engine if isinstance(engine, dict) else {}), "overlap": bool(overlap)}
+    args["engine"] = {**(engine if isinstance(engine, dict) else {}), **engine_settings}
     return changed
+
+
+def overlap_config(document: dict[str, Any], app_name: str | None, overlap: bool, where: str) -> dict[str, Any]:
+    """A copy of a Serve config ``document`` whose application has ``args.engine.overlap`` = ``overlap``."""
+    return engine_config(document, app_name, {"overlap": bool(overlap)}, where)
+
+
+def write_prefix_caching_config(config_path: pathlib.Path, app_name: str | None, enabled: bool,
+                                out_dir: pathlib.Path) -> pathlib.Path:
+    """Write ``config_path`` with ``args.engine.prefix_caching`` = ``enabled`` into ``out_dir``; its path."""
+    from cluster.config import read_serve_config
+
+    document = engine_config(read_serve_config(config_path), app_name, {"prefix_caching": bool(enabled)},
+                             str(config_path))
+    path = out_dir / f"{config_path.stem}.prefix-caching-{'on' if enabled else 'off'}.yaml"
+    header = (f"# {config_path} with args.engine.prefix_caching: {str(bool(enabled)).lower()} "
+              f"(written by specserve bench --mode serve-load --prefix-caching)\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+    return path
 
 
 def write_overlap_config(config_path: pathlib.Path, app_name: str | None, overlap: bool,
@@ -592,6 +616,8 @@ def run_serve_load(
     started = time.perf_counter()
     load_start = _load_avg()
     config_path = pathlib.Path(config_path)
+    if settings.prefix_caching is not None:
+        config_path = write_prefix_caching_config(config_path, app_name, settings.prefix_caching, out_dir)
     application = select_application(read_serve_config(config_path), app_name, str(config_path))
     group = load_app_args(config_path, app_name).freeze()
     cases = serve_load_cases(settings, group.roles)

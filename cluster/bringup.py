@@ -178,7 +178,8 @@ def start_model_group(
             options["resources"] = dict(model.resources)
         options.update(_scheduling(placement_group, first_bundle + index))
         workers[model.name] = remote_worker.options(**options).remote(
-            model, config.session_idle_timeout_s, max_sessions=worker_sessions(config)
+            model, config.session_idle_timeout_s, max_sessions=worker_sessions(config),
+            prefix_caching=config.prefix_caching,
         )
     coordinator_options: dict[str, Any] = {"num_cpus": config.coordinator_cpus, "max_restarts": -1}
     if config.coordinator_resources:

@@ -227,6 +227,12 @@ class EngineArgs(_Frozen):
         "auto: on when every model worker has its own GPU, off on CPU, where the workers share the cores and the "
         "halved batches cost more than the overlap gains (docs/benchmarks.md).",
     )
+    prefix_caching: bool = Field(
+        True,
+        description="A new request's session copies the keys/values of the longest prefix of its prompt that its "
+        "model worker already holds (an open request's context, or a finished request's parked slot) instead of "
+        "computing them again; the output is unchanged (docs/engine.md).",
+    )
 
 
 class SpecServeArgs(_Frozen):

@@ -66,18 +66,30 @@ class FunctionBackend:
         self.max_context = max_context
         self.capacity = max_context + scratch_columns
         self.max_slots = max_slots
-        self.columns: dict[int, dict[int, tuple[int, int]]] = {}  # slot -> column -> (token, position)
+        # slot -> column -> (token, position); a freed slot keeps what it holds, like the real cache
+        self.columns: dict[int, dict[int, tuple[int, int]]] = {}
+        self.allocated: set[int] = set()
         self.positions_computed = 0
 
     def allocate(self) -> int:
-        free = next((slot for slot in range(self.max_slots) if slot not in self.columns), None)
+        free = next((slot for slot in range(self.max_slots) if slot not in self.allocated), None)
         if free is None:
             raise RuntimeError(f"all max_slots={self.max_slots} cache slots are in use")
-        self.columns[free] = {}
+        self.allocated.add(free)
+        self.columns.setdefault(free, {})
         return free
 
     def free(self, slot: int) -> None:
-        self.columns.pop(slot, None)
+        self.allocated.discard(slot)
+
+    def free_slots(self) -> list[int]:
+        return [slot for slot in range(self.max_slots) if slot not in self.allocated]
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        source = self.columns.get(src_slot, {})
+        target = self.columns.setdefault(dst_slot, {})
+        for column in range(length):
+            target[column] = source[column]  # a KeyError: the prefix cache copied columns nothing wrote
 
     def copy_columns(self, slot: int, src, dst) -> None:
         stored = self.columns[slot]

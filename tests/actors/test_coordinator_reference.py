@@ -14,7 +14,7 @@ import torch
 
 from actors.api import GenerationRequest, InvalidRequestError
 from cluster.bringup import start_model_group
-from tests.actors.fake_models import FAKE_MODELS, POISON_PROMPT, FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import FAKE_MODELS, POISON_PROMPT, VOCAB, FunctionModelWorker, fake_group_config
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from actors.plan import DecodingDefaults
 from verifiers.adaptive import AdaptiveGammaSettings
@@ -352,6 +352,35 @@ def test_overlap_changes_no_token(fake_group):
         serial_group.shutdown()
     for request, a, b in zip(requests, overlapped, serial):
         assert _tokens(a) == _tokens(b), request.speculation
+
+
+def test_prefix_caching_changes_no_token(fake_group):
+    """Requests of every strategy with one 24-token prompt, three waves: the first computes the
+    prompt, the later ones copy it from parked slots (the fake slots hold (token, position) per
+    column, so a wrong copy changes the logits or fails the position check). Every wave gives
+    the same tokens, and the ar / sd requests equal the reference loops."""
+    import ray
+
+    prompt = tuple((7 * i + 3) % VOCAB for i in range(24))
+    requests = [
+        _request(300 + i, MIXED_STRATEGIES[i % len(MIXED_STRATEGIES)], prompt=prompt, max_tokens=10,
+                 **SAMPLING_CASES[i % len(SAMPLING_CASES)])
+        for i in range(len(MIXED_STRATEGIES))
+    ]
+    target = fake_group.workers["target"]
+    reused_before = ray.get(target.metrics.remote())["prefix_reused_tokens_total"]
+    waves = [run_requests(fake_group, requests) for _ in range(3)]
+    reused = ray.get(target.metrics.remote())["prefix_reused_tokens_total"] - reused_before
+    assert reused >= 2 * (len(prompt) - 1)  # later waves copied the prompt instead of computing it
+    for request, *runs in zip(requests, *waves):
+        assert _tokens(runs[0]) == _tokens(runs[1]) == _tokens(runs[2]), request.speculation
+    seed = requests[0].sampling.seed
+    expected, _ = autoregressive_generate(M["target"], prompt, 10, generator=_generator(seed), **SAMPLING_CASES[0])
+    assert _tokens(waves[2][0]) == expected
+    seed = requests[2].sampling.seed
+    expected, _ = speculative_generate(M["draft"], M["target"], prompt, 10, gamma=3, method="block",
+                                       generator=_generator(seed), **SAMPLING_CASES[0])
+    assert _tokens(waves[2][2]) == expected
 
 
 PENALTY_FIELDS = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.8, "logit_bias": {2: 0.9, 0: -0.5}}

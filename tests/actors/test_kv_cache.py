@@ -127,3 +127,37 @@ def test_growth_inside_a_model_forward_keeps_sessions():
         backend.allocate()
     with pytest.raises(RuntimeError, match="max_slots=8"):
         backend.allocate()
+
+
+def test_copy_prefix_copies_every_layer_between_slots_and_free_slots_keep_contents():
+    """copy_prefix moves columns [0, n) of every layer's keys and values from one slot to
+    another (the source may be free: freeing keeps contents); nothing else changes."""
+    cache = small_cache(max_slots=3, initial_slots=3)
+    a, b = cache.allocate(), cache.allocate()
+    write(cache, [a], [[0, 1, 2, 3]], seed=4)
+    before = cache.storage.clone()  # [2, layers, S, H, C + 1, D]
+    cache.free(a)
+    assert cache.free_slots() == [a, 2]
+    cache.copy_prefix(a, b, 3)
+    assert torch.equal(cache.storage[:, :, b, :, :3], before[:, :, a, :, :3])
+    assert torch.equal(cache.storage[:, :, b, :, 3:], before[:, :, b, :, 3:])
+    assert torch.equal(cache.storage[:, :, a], before[:, :, a])
+    with pytest.raises(ValueError, match="dst_slot"):
+        cache.copy_prefix(a, 3, 1)
+    with pytest.raises(ValueError, match="length"):
+        cache.copy_prefix(a, b, CAPACITY + 1)
+
+
+def test_bound_run_of_slots_is_read_in_place():
+    """bind(first_slot=...) returns views of the storage (no copy) holding the written columns."""
+    cache = small_cache(max_slots=4, initial_slots=4)
+    slots = [cache.allocate() for _ in range(3)]
+    keys = torch.randn(3, HEADS, 1, DIM)  # [B, H, L, D]
+    cache.bind(torch.tensor(slots), torch.tensor([[2], [0], [1]]), kv_length=3, first_slot=0)
+    read_keys, _ = cache.layers[0].update(keys, keys.clone(), 0)
+    cache.unbind()
+    assert read_keys.data_ptr() == cache.storage[0, 0, 0].data_ptr()  # a view, not a gathered copy
+    for row, column in enumerate((2, 0, 1)):
+        assert torch.equal(read_keys[row, :, column], keys[row, :, 0])
+    with pytest.raises(ValueError, match="first_slot"):
+        cache.bind(torch.tensor(slots), torch.tensor([[0], [0], [0]]), kv_length=1, first_slot=2)

@@ -188,3 +188,33 @@ def test_idle_sessions_are_reaped(worker):
         worker.engine.sessions.idle_timeout_s = 600
         worker.release("busy")
     assert worker.num_sessions() == 0
+
+
+def test_rows_after_a_prefix_reuse_equal_a_full_forward(worker, full_logits):
+    """A prompt sharing 30 tokens with a finished request's prompt copies them (every layer's
+    keys and values, from the parked slot) and feeds only the rest; its rows equal a forward of
+    the whole context from scratch, and its seeded tokens equal those of a run that computes
+    the whole prompt."""
+    generator = torch.Generator().manual_seed(5)
+    shared = torch.randint(1, 300, (30,), generator=generator).tolist()
+    first = shared + torch.randint(1, 300, (10,), generator=generator).tolist()
+    second = shared + torch.randint(1, 300, (6,), generator=generator).tolist()
+    cache = worker.engine.prefix_cache
+    try:
+        _run(worker, WorkItem("pc1", Sample("target", (), 2), open=_open(first)))
+        worker.release("pc1")
+        reused = cache.reused_tokens_total
+        outcomes, payloads = _run(worker, WorkItem("pc2", Sample("target", (), 3, return_logits=True),
+                                                   open=_open(second, seeds={"sample": 9})))
+        assert cache.reused_tokens_total - reused == len(shared)
+        assert outcomes[0].timing.tokens_fed == len(second) - len(shared) + 2
+        tokens = payloads[0].tokens[0].tolist()
+        expected = full_logits(second + tokens)[len(second) - 1: len(second) + 2]  # [3, V]
+        torch.testing.assert_close(payloads[0].logits[0], expected, atol=ATOL, rtol=0)
+        cache.enabled = False
+        computed = _value(worker, WorkItem("pc3", Sample("target", (), 3), open=_open(second, seeds={"sample": 9})))
+        assert computed.tokens[0].tolist() == tokens
+    finally:
+        cache.enabled = True
+        for session_id in ("pc1", "pc2", "pc3"):
+            worker.release(session_id)

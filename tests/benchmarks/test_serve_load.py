@@ -24,6 +24,7 @@ from benchmarks.serve_load import (
     serve_load_cases,
     worker_seconds,
     write_overlap_config,
+    write_prefix_caching_config,
 )
 from benchmarks.serve_load_report import (
     PLOT_FILES,
@@ -242,6 +243,23 @@ def test_overlap_option_and_config_rewrite(tmp_path):
     assert changed["applications"][1]["args"] == {"engine": {"overlap": False}}
     assert document["applications"][1] == {"name": "b"}  # the original is untouched
     assert overlap_config(document, "a", False, "test")["applications"][0]["args"]["engine"] == {"overlap": False}
+
+
+def test_prefix_caching_flag_writes_a_config_copy(tmp_path):
+    """--prefix-caching on|off: settings, and a copy of the YAML that differs only in
+    args.engine.prefix_caching and that the server accepts."""
+    args = _parser().parse_args(["bench", "--mode", "serve-load", "--prefix-caching", "off", "--out", str(tmp_path)])
+    assert serve_load_settings_from_args(args).prefix_caching is False
+    source = REPO / "deploy" / "default.yaml"
+    original = yaml.safe_load(source.read_text())
+    for enabled in (False, True):
+        path = write_prefix_caching_config(source, None, enabled, tmp_path)
+        assert path.name == f"default.prefix-caching-{'on' if enabled else 'off'}.yaml"
+        written = yaml.safe_load(path.read_text())
+        assert written["applications"][0]["args"]["engine"] == {"prefix_caching": enabled}
+        written["applications"][0]["args"].pop("engine")
+        assert written == original
+        assert load_app_args(path).engine.prefix_caching is enabled
 
 
 def _level(label: str, concurrency: int, overlap: bool | None, wall_s: float, busy=None) -> tuple[LevelRun, list]:
