@@ -45,6 +45,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now (all held open while choosing:
+    separate :func:`free_port` calls can return the same port twice)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def serve_document(applications: list[dict[str, Any]]) -> dict[str, Any]:
     """A Ray Serve config document (the deploy/*.yaml format) with these applications."""
     return {"proxy_location": "HeadOnly", "applications": copy.deepcopy(applications)}

@@ -35,7 +35,7 @@ import yaml
 
 from protos import specserve_pb2, specserve_pb2_grpc
 
-from .conftest import free_port
+from .conftest import free_ports
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_YAML = REPO / "deploy" / "default.yaml"
@@ -126,22 +126,17 @@ class RayHead:
         self.token = secrets.token_hex(32)
         self.env = _cli_env(self.ray_tmp, self.marker, self.token)
         self.log_path = workdir / "ray-head.log"
-        self.dashboard_port = free_port()
+        # Every port of the head at once: two ports Ray is given must never be the same.
+        self.head_ports = free_ports(9)
+        self.dashboard_port = self.head_ports[0]
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        ports = {
-            "--port": free_port(),
-            "--dashboard-port": self.dashboard_port,
-            "--ray-client-server-port": free_port(),
-            "--dashboard-agent-listen-port": free_port(),
-            "--dashboard-agent-grpc-port": free_port(),
-            "--runtime-env-agent-port": free_port(),
-            "--metrics-export-port": free_port(),
-            "--node-manager-port": free_port(),
-            "--object-manager-port": free_port(),
-        }
+        options = ("--dashboard-port", "--port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+                   "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
+                   "--node-manager-port", "--object-manager-port")
+        ports = dict(zip(options, self.head_ports))
         command = [str(BIN / "ray"), "start", "--head", "--block",
                    "--include-dashboard=true", "--dashboard-host", "127.0.0.1", "--num-cpus", "4",
                    "--num-gpus", "0", "--temp-dir", self.ray_tmp, "--disable-usage-stats",
@@ -274,7 +269,7 @@ def _default_yaml_on(path: pathlib.Path, http_port: int, grpc_port: int) -> None
 @pytest.mark.slow
 def test_ray_start_serve_deploy_status_requests_shutdown(ray_head, tmp_path):
     started = time.monotonic()
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = free_ports(2)
     config = tmp_path / "default.yaml"
     _default_yaml_on(config, http_port, grpc_port)
 

@@ -1,0 +1,114 @@
+"""Micro-benchmark of one batched forward of the embedded target (not a test).
+
+Times :meth:`actors.backends.SlotBackend.forward` for decode rows (``rows x 1`` token), the
+shape of verifying gamma 4 (``rows x 5``) and one prefill, with the rows' slots in a run (the
+keys/values are read in place) and spread out (every other slot: gathered into the reused
+buffer); next to transformers' own ``DynamicCache`` forward of the same shape (no masks,
+equal lengths). Each case keeps ``--context`` tokens cached per row and repeats its forward at
+that context (the new tokens are written over the same columns), interleaved across cases;
+medians of ``--repeats``. One torch thread, like a CPU model worker.
+
+    python -m benchmarks.forward_micro
+    python -m benchmarks.forward_micro --rows 1,4,16 --context 150 --repeats 31
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+
+from actors.backends import SlotBackend
+from actors.batch import linear_row, reads_in_place
+from models import embedded_model_path
+
+logger = logging.getLogger("benchmarks.forward_micro")
+
+PREFILL_TOKENS = 131  # the committed prompts' median length
+
+
+def _tokens(generator: torch.Generator, count: int) -> list[int]:
+    return torch.randint(1, 4000, (count,), generator=generator).tolist()
+
+
+def _slot_forward(backend: SlotBackend, slots: list[int], context: int, new: int) -> Callable[[], object]:
+    """A forward of ``new`` tokens on each of ``slots`` after ``context`` cached tokens."""
+    generator = torch.Generator().manual_seed(len(slots) * 100 + new)
+    backend.forward([linear_row(slot, 0, _tokens(generator, context), 0, [context - 1]) for slot in slots])
+    rows = [linear_row(slot, context, _tokens(generator, new), context, [new - 1]) for slot in slots]
+    return lambda: backend.forward(rows)
+
+
+@torch.inference_mode()
+def _dynamic_cache_forward(backend: SlotBackend, rows: int, context: int, new: int) -> Callable[[], object]:
+    """transformers' own forward of the same shape over a DynamicCache cropped back each time."""
+    generator = torch.Generator().manual_seed(rows * 100 + new)
+    model = backend.model
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([_tokens(generator, context) for _ in range(rows)]), past_key_values=cache,
+          use_cache=True)
+    new_ids = torch.tensor([_tokens(generator, new) for _ in range(rows)])  # [rows, new]
+
+    @torch.inference_mode()
+    def run() -> object:
+        out = model(input_ids=new_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.crop(context)
+        return out
+
+    return run
+
+
+def _median_ms(run: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,16", help="Comma-separated batch sizes (default 1,16).")
+    parser.add_argument("--context", type=int, default=150, help="Cached tokens per row (default 150).")
+    parser.add_argument("--repeats", type=int, default=21, help="Timed forwards per case (default 21).")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(1)
+    sizes = [int(x) for x in args.rows.split(",")]
+    backend = SlotBackend.load(str(embedded_model_path("target")), max_context=1024, max_slots=2 * max(sizes) + 2,
+                               scratch_columns=288)
+    slots = [backend.allocate() for _ in range(2 * max(sizes) + 2)]
+    cases: dict[str, Callable[[], object]] = {}
+    for rows in sizes:
+        for new in (1, 5):
+            run_slots, spread_slots = slots[:rows], slots[: 2 * rows : 2]
+            cases[f"{rows} x {new}, slots in a run (in place)"] = _slot_forward(backend, run_slots, args.context, new)
+            if rows > 1:
+                assert not reads_in_place([linear_row(s, 0, [1], 0, [0]) for s in spread_slots])
+                cases[f"{rows} x {new}, every other slot (gathered)"] = _slot_forward(
+                    backend, spread_slots, args.context, new)
+            cases[f"{rows} x {new}, transformers DynamicCache"] = _dynamic_cache_forward(backend, rows, args.context, new)
+    prefill_rows = [linear_row(slots[-1], 0, _tokens(torch.Generator().manual_seed(7), PREFILL_TOKENS), 0,
+                               [PREFILL_TOKENS - 1])]
+    cases[f"prefill of {PREFILL_TOKENS} tokens"] = lambda: backend.forward(prefill_rows)
+    for run in cases.values():  # warm-up
+        run()
+    timings: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.repeats):  # interleaved
+        for name, run in cases.items():
+            timings[name].append(_median_ms(run, 1))
+    print(f"| forward (embedded target, context {args.context}, 1 thread) | median ms |")
+    print("| --- | ---: |")
+    for name, values in timings.items():
+        print(f"| {name} | {statistics.median(values):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
