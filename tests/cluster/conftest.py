@@ -38,16 +38,9 @@ class ServeEndpoints:
     addresses: Any = field(repr=False)
 
 
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def free_ports(count: int) -> list[int]:
     """``count`` distinct TCP ports free on 127.0.0.1 right now (all held open while choosing:
-    separate :func:`free_port` calls can return the same port twice)."""
+    binding port 0 once per port can return the same port twice)."""
     sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
     try:
         for sock in sockets:
@@ -89,7 +82,8 @@ def serve_app(ray_session, tiny_app_args) -> ServeEndpoints:
     args = copy.deepcopy(tiny_app_args)
     args["models"]["target"]["max_context"] = LONG_TARGET_CONTEXT
     document = serve_document([specserve_application(APP_NAME, "/", args)])
-    addresses = resolve_addresses(document, host="127.0.0.1", http_port=free_port(), grpc_port=free_port())
+    http_port, grpc_port = free_ports(2)
+    addresses = resolve_addresses(document, host="127.0.0.1", http_port=http_port, grpc_port=grpc_port)
     document = with_addresses(document, addresses)
     deploy("<tests>", addresses, document)
     yield ServeEndpoints(
