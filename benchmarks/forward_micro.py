@@ -8,6 +8,12 @@ equal lengths). Each case keeps ``--context`` tokens cached per row and repeats 
 that context (the new tokens are written over the same columns), interleaved across cases;
 medians of ``--repeats``. One torch thread, like a CPU model worker.
 
+First of all, in the fresh process, a *decode run*: ``--run-steps`` consecutive one-token
+forwards of the largest batch, each one column further (the context grows as in serving).
+A run is where fresh per-step tensors cost most: glibc serves a large allocation with a fresh
+``mmap`` (pages faulted in) until freeing one raises its threshold, and a gathered key/value
+tensor one column larger every step stays just above that threshold.
+
     python -m benchmarks.forward_micro
     python -m benchmarks.forward_micro --rows 1,4,16 --context 150 --repeats 31
 """
@@ -57,10 +63,25 @@ def _dynamic_cache_forward(backend: SlotBackend, rows: int, context: int, new: i
     @torch.inference_mode()
     def run() -> object:
         out = model(input_ids=new_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache.crop(context)
+        cache.crop(-new)  # back to the context (a positive argument is refused)
         return out
 
     return run
+
+
+def _decode_run_ms(backend: SlotBackend, slots: list[int], context: int, steps: int) -> float:
+    """Median ms of ``steps`` consecutive one-token forwards on ``slots``, one column further each
+    (after one prefill per slot, as requests arrive one by one)."""
+    generator = torch.Generator().manual_seed(11)
+    for slot in slots:
+        backend.forward([linear_row(slot, 0, _tokens(generator, context), 0, [context - 1])])
+    times = []
+    for step in range(steps):
+        rows = [linear_row(slot, context + step, _tokens(generator, 1), context + step, [0]) for slot in slots]
+        started = time.perf_counter()
+        backend.forward(rows)
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times)
 
 
 def _median_ms(run: Callable[[], object], repeats: int) -> float:
@@ -77,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,16", help="Comma-separated batch sizes (default 1,16).")
     parser.add_argument("--context", type=int, default=150, help="Cached tokens per row (default 150).")
     parser.add_argument("--repeats", type=int, default=21, help="Timed forwards per case (default 21).")
+    parser.add_argument("--run-steps", type=int, default=30, help="Steps of the decode run (default 30).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
@@ -84,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = SlotBackend.load(str(embedded_model_path("target")), max_context=1024, max_slots=2 * max(sizes) + 2,
                                scratch_columns=288)
     slots = [backend.allocate() for _ in range(2 * max(sizes) + 2)]
+    run_ms = _decode_run_ms(backend, slots[: max(sizes)], args.context, args.run_steps)
     cases: dict[str, Callable[[], object]] = {}
     for rows in sizes:
         for new in (1, 5):
@@ -105,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             timings[name].append(_median_ms(run, 1))
     print(f"| forward (embedded target, context {args.context}, 1 thread) | median ms |")
     print("| --- | ---: |")
+    print(f"| decode run: {max(sizes)} x 1, {args.run_steps} steps from context {args.context}, first in the process "
+          f"| {run_ms:.1f} |")
     for name, values in timings.items():
         print(f"| {name} | {statistics.median(values):.1f} |")
     return 0

@@ -1,0 +1,112 @@
+"""The engine alone under load (not a test): the Coordinator and every ModelWorker in this process.
+
+No Ray and no HTTP: ``--concurrency`` closed-loop clients send ``--requests`` requests straight
+to the Coordinator (``benchmarks.runners.LocalRunner``: the production classes, each worker a
+plain object), ``--max-tokens`` tokens each (EOS ignored, temperature 1, request i on prompt
+i mod 18 of the committed set, seed i). Prints the aggregate tokens/s and, per model, the
+forwards it ran: what the engine's own step costs, apart from Ray's hops and the HTTP path
+(``specserve bench --mode serve-load`` measures the whole server).
+
+    python -m benchmarks.engine_load --strategy ar --concurrency 16 --requests 128
+    python -m benchmarks.engine_load --strategy sd --concurrency 1 --requests 32 --prefix-caching off
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from actors import backends
+from actors.api import GenerationRequest, SamplingParams, SpeculationParams
+from benchmarks.prompts import load_prompts
+from benchmarks.runners import LocalRunner
+from cluster.config import load_app_args
+
+SPECULATION = {
+    "ar": SpeculationParams(strategy="ar"),
+    "sd": SpeculationParams(strategy="sd", method="block", gamma=4),
+}
+
+
+def _count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) -> Callable[[], None]:
+    """Wrap ``SlotBackend.forward`` to record (rows, tokens, seconds) per model and row kind;
+    returns what puts the original back."""
+    forward = backends.SlotBackend.forward
+
+    def counted(self: Any, rows: Any) -> Any:
+        started = time.perf_counter()
+        out = forward(self, rows)
+        kind = "prefill" if max(len(row) for row in rows) > 16 else "short"
+        stats[(self.model.config.name_or_path.rstrip("/").rsplit("/", 1)[-1], kind)].append(
+            (len(rows), sum(len(row) for row in rows), time.perf_counter() - started))
+        return out
+
+    backends.SlotBackend.forward = counted
+    return lambda: setattr(backends.SlotBackend, "forward", forward)
+
+
+async def _clients(runner: LocalRunner, prompts: list[list[int]], args: argparse.Namespace) -> int:
+    counter = iter(range(args.requests))
+
+    async def client() -> int:
+        tokens = 0
+        for i in counter:
+            request = GenerationRequest(
+                request_id=f"engine-load-{i}", prompt_ids=prompts[i % len(prompts)],
+                sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i, ignore_eos=True),
+                speculation=SPECULATION[args.strategy])
+            async for chunk in runner.coordinator.generate(request):
+                tokens += len(chunk.token_ids)
+        return tokens
+
+    return sum(await asyncio.gather(*(client() for _ in range(args.concurrency))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="deploy/default.yaml", help="Ray Serve YAML naming the models.")
+    parser.add_argument("--strategy", choices=sorted(SPECULATION), default="ar")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prefix-caching", choices=("on", "off"), default=None,
+                        help="Force args.engine.prefix_caching (default: the YAML's).")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    group_args = load_app_args(args.config, None)
+    if args.prefix_caching is not None:
+        engine = group_args.engine.model_copy(update={"prefix_caching": args.prefix_caching == "on"})
+        group_args = group_args.model_copy(update={"engine": engine})
+    runner = LocalRunner(group_args, temperature=1.0)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(runner.coordinator.config.tokenizer_path)
+    prompts = [tokenizer(prompt.text)["input_ids"] for prompt in load_prompts()]
+    stats: dict[tuple[str, str], list[tuple[int, int, float]]] = collections.defaultdict(list)
+    restore = _count_forwards(stats)
+    try:
+        started = time.perf_counter()
+        tokens = runner.loop.run_until_complete(_clients(runner, prompts, args))
+        wall = time.perf_counter() - started
+    finally:
+        restore()
+    print(f"{args.strategy} at concurrency {args.concurrency}: {tokens} tokens in {wall:.2f} s = "
+          f"{tokens / wall:.1f} tok/s")
+    for (model, kind), runs in sorted(stats.items()):
+        seconds = sum(run[2] for run in runs)
+        print(f"  {model} {kind}: {len(runs)} forwards, {seconds:.2f} s ({100 * seconds / wall:.0f}% of wall), "
+              f"rows/forward {statistics.mean(r[0] for r in runs):.1f}, "
+              f"tokens/forward {statistics.mean(r[1] for r in runs):.1f}, "
+              f"median {1e3 * statistics.median(r[2] for r in runs):.1f} ms")
+    runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
