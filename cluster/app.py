@@ -293,6 +293,26 @@ async def _wait(ref: Any, timeout_s: float) -> Any:
     return await asyncio.wait_for(ref, timeout=timeout_s)
 
 
+class ModelGroupUnhealthy(RuntimeError):
+    """The replica's model group failed its health check (a worker or the coordinator did not answer)."""
+
+
+async def model_group_health(ref: Any, timeout_s: float) -> None:
+    """Await the coordinator's ``health()`` ref; any failure is raised as :class:`ModelGroupUnhealthy`.
+
+    A dead worker reaches here as a ``RayActorError`` (the coordinator's call to it failed).
+    Serve's controller reads a ``RayActorError`` from ``check_health`` as the replica actor's
+    own crash and replaces the replica at once, dropping every request in flight on it; a plain
+    exception counts as one failed check toward the deployment's failure threshold, which a
+    worker restarted by Ray in a few seconds never reaches.
+    """
+    try:
+        await _wait(ref, timeout_s)
+    except Exception as error:  # noqa: BLE001 - re-raised as a plain failure, see above
+        raise ModelGroupUnhealthy(f"model group health check failed: {type(error).__name__}: "
+                                  f"{clean_text(str(error), 300)}") from None
+
+
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -473,9 +493,9 @@ class SpecServeIngress:
 
     async def check_health(self) -> None:
         """Serve's replica health check: raises when the coordinator or a model worker does not
-        answer, so Serve replaces the replica (and rebuilds its model group). A worker that died
-        is restarted by Ray in a few seconds, well inside Serve's failure threshold."""
-        await _wait(self._coordinator.health.remote(), HEALTH_TIMEOUT_S)
+        answer, so Serve replaces the replica (and rebuilds its model group) after its failure
+        threshold. A worker that died is restarted by Ray in a few seconds, well inside it."""
+        await model_group_health(self._coordinator.health.remote(), HEALTH_TIMEOUT_S)
 
     @fastapi_app.get("/v1/status")
     async def status(self, http_request: Request) -> JSONResponse:
