@@ -3,7 +3,8 @@
 :class:`WorkerEngine.step` takes the work items of one scheduler step (a :mod:`verifiers.machines`
 need per request, with the session to run it in) and runs them together: every forward pass
 of the step is ONE ragged forward over every session that still has tokens to feed
-(:class:`actors.batch.RowWork` rows in a :class:`actors.backends.SlotBackend`). A step makes
+(:class:`actors.batch.RowWork` rows in a :class:`actors.backends.SlotBackend`), cut by length
+where padding would cost more than another forward (:func:`forward_groups`). A step makes
 as many forwards as its longest item needs: one for scoring / verification / next logits,
 ``count`` for sampling ``count`` tokens (the sampling items drop out as they finish).
 
