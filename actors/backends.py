@@ -121,8 +121,7 @@ class SlotBackend:
         for row in rows:
             if not self.cache.is_allocated(row.slot):
                 raise ValueError(f"RowWork.slot {row.slot} is not allocated")
-        in_place = reads_in_place(rows) and max(row.slot for row in rows) < self.cache.num_slots
-        batch = build_batch(rows, capacity=self.capacity, device=self.device, in_place=in_place)
+        batch = build_batch(rows, capacity=self.capacity, device=self.device, in_place=reads_in_place(rows))
         self.cache.bind(batch.slots, batch.write_columns, batch.kv_length, batch.first_slot)
         try:
             output = self.decoder(

@@ -334,11 +334,6 @@ class _NextLogitsTask(_Task):
         return self.logits, None
 
 
-#: What one more forward costs, in padded token positions, when the device is unknown. The
-#: backend's ``forward_overhead_tokens`` is used when it has one (:class:`actors.backends.SlotBackend`).
-DEFAULT_FORWARD_OVERHEAD_TOKENS = 8
-
-
 def forward_groups(rows: dict[int, RowWork], overhead_tokens: int) -> list[dict[int, RowWork]]:
     """Split one forward's rows into the forwards that cost least.
 
@@ -381,7 +376,6 @@ class WorkerEngine:
         self.forward_seconds_total = 0.0
         self.step_seconds_total = 0.0
         self.forward_passes_total = 0
-        self.forward_overhead_tokens = int(getattr(backend, "forward_overhead_tokens", DEFAULT_FORWARD_OVERHEAD_TOKENS))
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters: seconds in forward passes and in step calls, steps, forward
@@ -474,7 +468,7 @@ class WorkerEngine:
                     errors[i] = self._fail(items[i].session_id, error)
             started = time.perf_counter()
             logits: dict[int, torch.Tensor] = {}
-            for group in forward_groups(rows, self.forward_overhead_tokens):
+            for group in forward_groups(rows, self.backend.forward_overhead_tokens):
                 logits.update(self._forward(group, tasks, errors, items))
                 self.rows_per_forward.append(len(group))
                 self.forward_passes_total += 1

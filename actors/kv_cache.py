@@ -14,10 +14,11 @@ and a NaN key poisons sdpa even at a masked position.
 
 The gathered keys/values of a layer are read by that layer's attention only, so every layer
 gathers into the same two reused buffers instead of fresh tensors. A fresh multi-megabyte
-tensor per layer per forward is a fresh ``mmap`` from the allocator, and faulting its pages in
-cost more than the attention itself: a 16-row decode forward of the embedded target took 40 ms
-with fresh tensors and 19 ms with the reused buffers (bare transformers with a DynamicCache:
-17 ms; ``docs/engine.md``).
+tensor per layer per forward is a fresh ``mmap`` from the allocator while the gathered size
+keeps growing past its threshold, and faulting its pages in cost more than the attention
+itself: a run of 16-row decode steps of the embedded target took 39.9 ms a step with fresh
+tensors and 16.4 ms with the reused buffers (transformers with a DynamicCache: 15.7 ms; the
+decode run of ``python -m benchmarks.forward_micro``, ``docs/engine.md``).
 """
 
 from __future__ import annotations

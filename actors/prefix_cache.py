@@ -13,9 +13,10 @@ as for any batched row); the tests compare rows after a reuse with a fresh prefi
 
 Released slots are *parked*: what a released session's slot holds is copied to the free slot
 with no record (highest first) or with the least recently used record, never the lowest free
-slot while there is another, away from the low slots that new sessions get (the cache hands out the lowest free slot, which keeps live sessions in a
-run that attention reads in place). A parked record lives until its slot is handed out; a
-record that another record already contains is not parked twice.
+slot while there is another, away from the low slots that new sessions get (the cache hands
+out the lowest free slot, which keeps live sessions in a run that attention reads in place). A
+parked record lives until its slot is handed out; a record that another record already
+contains is not parked twice.
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ class PrefixCache:
         self.backend = backend
         self.enabled = bool(enabled)
         self.min_tokens = max(1, int(min_tokens))
-        self.records: dict[int, tuple[int, ...]] = {}  # free slot -> the tokens its columns [0, n) hold
-        self._last_used: dict[int, int] = {}  # free slot -> tick it was parked or last reused from
-        self._ticks = itertools.count()
+        # free slot -> the tokens its columns [0, n) hold; least recently parked or reused first
+        self.records: dict[int, tuple[int, ...]] = {}
         self.reused_tokens_total = 0  # prompt tokens copied instead of computed
         self.prompt_tokens_total = 0  # prompt tokens of every session opened
 
@@ -57,13 +57,12 @@ class PrefixCache:
         donor, length = self._best_donor(prompt, live) if self.enabled else (None, 0)
         slot = self.backend.allocate()
         self.records.pop(slot, None)
-        self._last_used.pop(slot, None)
         if donor is None:
             return slot, 0
         if donor != slot:
             self.backend.copy_prefix(donor, slot, length)
         if donor in self.records:
-            self._last_used[donor] = next(self._ticks)
+            self.records[donor] = self.records.pop(donor)  # now the most recently used
         self.reused_tokens_total += length
         return slot, length
 
@@ -80,16 +79,15 @@ class PrefixCache:
             return
         if parking != slot:
             self.backend.copy_prefix(slot, parking, len(held))
-        self.records[parking] = held
-        self._last_used[parking] = next(self._ticks)
+        self.records.pop(parking, None)
+        self.records[parking] = held  # the most recently used
 
     def _best_donor(self, prompt: Sequence[int], live: Iterable[tuple[int, Sequence[int]]]) -> tuple[int | None, int]:
         """The slot holding the longest prefix of ``prompt`` (capped at all but its last token)."""
-        prompt = list(prompt)
         limit = len(prompt) - 1
         donor, best = None, self.min_tokens - 1
         for slot, held in itertools.chain(self.records.items(), live):
-            length = min(common_prefix(list(held[:limit]), prompt), limit)
+            length = common_prefix(held[:limit], prompt)
             if length > best:
                 donor, best = slot, length
         return (donor, best) if donor is not None else (None, 0)
@@ -102,4 +100,4 @@ class PrefixCache:
         empty = [slot for slot in candidates if slot not in self.records]
         if empty:
             return max(empty)
-        return min(candidates, key=lambda slot: self._last_used[slot], default=None)
+        return next((slot for slot in self.records if slot in candidates), None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ class SessionNotFoundError(KeyError):
     """The session does not exist (never opened, released, failed, or expired)."""
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     length = 0
     for x, y in zip(a, b):

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from actors.backends import FORWARD_OVERHEAD_TOKENS
 from actors.model_worker import ModelWorker
 from cluster.config import GroupConfig, parse_app_args
 from tests.verifiers.tiny_models import TinyModel, model_pair
@@ -58,6 +59,7 @@ class FunctionBackend:
     """
 
     device = "cpu"
+    forward_overhead_tokens = FORWARD_OVERHEAD_TOKENS["cpu"]  # how the engine cuts a step into forwards
 
     def __init__(self, model_fn, vocab_size: int, max_context: int = FAKE_CONTEXT, max_slots: int = 256,
                  scratch_columns: int = 288):

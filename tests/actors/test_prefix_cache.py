@@ -24,13 +24,21 @@ def _holds(backend: FunctionBackend, slot: int, tokens: list[int]) -> bool:
     return all(backend.columns[slot].get(j) == (t, j) for j, t in enumerate(tokens))
 
 
+def _finished_session(backend: FunctionBackend, cache: PrefixCache, prompt: list[int],
+                      held: list[int] | None = None) -> tuple[int, int]:
+    """A session opened with ``prompt`` whose slot ends up holding ``held`` (default: the
+    prompt), then released -> what ``open`` returned: ``(slot, reused)``."""
+    held = prompt if held is None else held
+    slot, reused = cache.open(prompt)
+    _fill(backend, slot, held)
+    cache.release(slot, held)
+    return slot, reused
+
+
 def test_a_released_prompt_is_parked_high_and_copied_into_the_lowest_free_slot():
     backend = _backend()
     cache = PrefixCache(backend)
-    slot, reused = cache.open(LONG)
-    assert (slot, reused) == (0, 0)
-    _fill(backend, slot, LONG)
-    cache.release(slot, LONG)
+    assert _finished_session(backend, cache, LONG) == (0, 0)
     assert cache.records == {5: tuple(LONG)} and _holds(backend, 5, LONG)  # parked in the highest free slot
     again, reused = cache.open(LONG[:30] + [99, 98])
     assert again == 0 and reused == 30  # the lowest slot, with the common prefix copied in
@@ -42,9 +50,7 @@ def test_the_last_prompt_token_is_never_reused():
     """Even a prompt the cache holds whole keeps its last token to feed (its row is needed)."""
     backend = _backend()
     cache = PrefixCache(backend)
-    slot, _ = cache.open(LONG)
-    _fill(backend, slot, LONG)
-    cache.release(slot, LONG)
+    _finished_session(backend, cache, LONG)
     assert cache.open(LONG)[1] == len(LONG) - 1
 
 
@@ -60,9 +66,7 @@ def test_an_open_session_is_a_donor_too():
 def test_short_prefixes_and_a_disabled_cache_are_computed():
     backend = _backend()
     cache = PrefixCache(backend)
-    slot, _ = cache.open(LONG)
-    _fill(backend, slot, LONG)
-    cache.release(slot, LONG)
+    _finished_session(backend, cache, LONG)
     short = LONG[: MIN_REUSE_TOKENS - 1] + [99]
     assert cache.open(short)[1] == 0
     off = PrefixCache(_backend(), enabled=False)
@@ -75,17 +79,11 @@ def test_a_record_another_record_contains_is_not_parked_twice_and_the_oldest_is_
     backend = _backend(max_slots=3)
     cache = PrefixCache(backend)
     prompts = [[k] * 20 for k in (1, 2, 3)]
-    slot, _ = cache.open(LONG)
-    _fill(backend, slot, LONG)
-    cache.release(slot, LONG)
-    slot, _ = cache.open([9] + LONG)  # no common prefix
-    _fill(backend, slot, LONG[:20])
-    cache.release(slot, LONG[:20])  # contained in the parked LONG: not parked again
-    assert list(cache.records.values()) == [tuple(LONG)]
+    _finished_session(backend, cache, LONG)
+    _finished_session(backend, cache, [9] + LONG, held=LONG[:20])  # contained in the parked LONG
+    assert list(cache.records.values()) == [tuple(LONG)]  # not parked again
     for prompt in prompts:
-        slot, _ = cache.open(prompt + [0])
-        _fill(backend, slot, prompt)
-        cache.release(slot, prompt)
+        _finished_session(backend, cache, prompt + [0], held=prompt)
     # Never parked in slot 0 (handed out next): [1]*20 parks in slot 1 (empty), [2]*20 evicts
     # the least recently used record (LONG, slot 2), [3]*20 the next one ([1]*20, slot 1).
     assert cache.records == {1: tuple(prompts[2]), 2: tuple(prompts[1])}
@@ -95,9 +93,7 @@ def test_a_record_another_record_contains_is_not_parked_twice_and_the_oldest_is_
 def test_handing_out_a_parked_slot_drops_its_record():
     backend = _backend(max_slots=2)
     cache = PrefixCache(backend)
-    slot, _ = cache.open(LONG)
-    _fill(backend, slot, LONG)
-    cache.release(slot, LONG)  # parked in slot 1
+    _finished_session(backend, cache, LONG)  # parked in slot 1
     a, _ = cache.open([50] * 20)
     b, _ = cache.open([60] * 20)  # takes the parked slot
     assert {a, b} == {0, 1} and cache.records == {}
