@@ -2,8 +2,9 @@
 
 No Ray and no HTTP: ``--concurrency`` closed-loop clients send ``--requests`` requests straight
 to the Coordinator (``benchmarks.runners.LocalRunner``: the production classes, each worker a
-plain object), ``--max-tokens`` tokens each (EOS ignored, temperature 1, request i on prompt
-i mod 18 of the committed set, seed i). Prints the aggregate tokens/s and, per model, the
+plain object), ``--max-tokens`` tokens each, with the speculation settings of the serve-load
+benchmark's cases (``benchmarks.serve_load.serve_load_cases``; EOS ignored, temperature 1,
+request i on prompt i mod 18 of the committed set as text, seed i). Prints the aggregate tokens/s and, per model, the
 forwards it ran: what the engine's own step costs, apart from Ray's hops and the HTTP path
 (``specserve bench --mode serve-load`` measures the whole server).
 
@@ -23,15 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 from actors import backends
-from actors.api import GenerationRequest, SamplingParams, SpeculationParams
+from actors.api import GenerationRequest, SamplingParams
 from benchmarks.prompts import load_prompts
 from benchmarks.runners import LocalRunner
+from benchmarks.serve_load import SERVE_LOAD_STRATEGIES, ServeLoadSettings, serve_load_cases
 from cluster.config import load_app_args
-
-SPECULATION = {
-    "ar": SpeculationParams(strategy="ar"),
-    "sd": SpeculationParams(strategy="sd", method="block", gamma=4),
-}
 
 
 def _count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) -> Callable[[], None]:
@@ -51,16 +48,17 @@ def _count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) 
     return lambda: setattr(backends.SlotBackend, "forward", forward)
 
 
-async def _clients(runner: LocalRunner, prompts: list[list[int]], args: argparse.Namespace) -> int:
+async def _clients(runner: LocalRunner, prompts: list[str], speculation: dict[str, Any],
+                   args: argparse.Namespace) -> int:
     counter = iter(range(args.requests))
 
     async def client() -> int:
         tokens = 0
         for i in counter:
             request = GenerationRequest(
-                request_id=f"engine-load-{i}", prompt_ids=prompts[i % len(prompts)],
+                request_id=f"engine-load-{i}", prompt=prompts[i % len(prompts)],
                 sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i, ignore_eos=True),
-                speculation=SPECULATION[args.strategy])
+                speculation=speculation)
             async for chunk in runner.coordinator.generate(request):
                 tokens += len(chunk.token_ids)
         return tokens
@@ -71,7 +69,7 @@ async def _clients(runner: LocalRunner, prompts: list[list[int]], args: argparse
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="deploy/default.yaml", help="Ray Serve YAML naming the models.")
-    parser.add_argument("--strategy", choices=sorted(SPECULATION), default="ar")
+    parser.add_argument("--strategy", choices=SERVE_LOAD_STRATEGIES, default="ar")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -83,16 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix_caching is not None:
         engine = group_args.engine.model_copy(update={"prefix_caching": args.prefix_caching == "on"})
         group_args = group_args.model_copy(update={"engine": engine})
+    (case,) = serve_load_cases(ServeLoadSettings(strategies=(args.strategy,)), group_args.freeze().roles)
     runner = LocalRunner(group_args, temperature=1.0)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(runner.coordinator.config.tokenizer_path)
-    prompts = [tokenizer(prompt.text)["input_ids"] for prompt in load_prompts()]
+    prompts = [prompt.text for prompt in load_prompts()]
     stats: dict[tuple[str, str], list[tuple[int, int, float]]] = collections.defaultdict(list)
     restore = _count_forwards(stats)
     try:
         started = time.perf_counter()
-        tokens = runner.loop.run_until_complete(_clients(runner, prompts, args))
+        tokens = runner.loop.run_until_complete(_clients(runner, prompts, case.speculation, args))
         wall = time.perf_counter() - started
     finally:
         restore()

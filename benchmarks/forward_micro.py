@@ -78,19 +78,14 @@ def _decode_run_ms(backend: SlotBackend, slots: list[int], context: int, steps: 
     times = []
     for step in range(steps):
         rows = [linear_row(slot, context + step, _tokens(generator, 1), context + step, [0]) for slot in slots]
-        started = time.perf_counter()
-        backend.forward(rows)
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
+        times.append(_elapsed_ms(lambda: backend.forward(rows)))
+    return statistics.median(times)
 
 
-def _median_ms(run: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
+def _elapsed_ms(run: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    run()
+    return 1e3 * (time.perf_counter() - started)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.repeats):  # interleaved
         for name, run in cases.items():
-            timings[name].append(_median_ms(run, 1))
+            timings[name].append(_elapsed_ms(run))
     print(f"| forward (embedded target, context {args.context}, 1 thread) | median ms |")
     print("| --- | ---: |")
     print(f"| decode run: {max(sizes)} x 1, {args.run_steps} steps from context {args.context}, first in the process "

@@ -348,35 +348,18 @@ def engine_config(document: dict[str, Any], app_name: str | None, engine_setting
     return changed
 
 
-def overlap_config(document: dict[str, Any], app_name: str | None, overlap: bool, where: str) -> dict[str, Any]:
-    """A copy of a Serve config ``document`` whose application has ``args.engine.overlap`` = ``overlap``."""
-    return engine_config(document, app_name, {"overlap": bool(overlap)}, where)
-
-
-def write_prefix_caching_config(config_path: pathlib.Path, app_name: str | None, enabled: bool,
-                                out_dir: pathlib.Path) -> pathlib.Path:
-    """Write ``config_path`` with ``args.engine.prefix_caching`` = ``enabled`` into ``out_dir``; its path."""
+def write_engine_config(config_path: pathlib.Path, app_name: str | None, setting: str, enabled: bool,
+                        out_dir: pathlib.Path) -> pathlib.Path:
+    """Write ``config_path`` with ``args.engine.<setting>`` = ``enabled`` into ``out_dir`` (named
+    after the setting and its value, e.g. ``default.overlap-on.yaml``); its path."""
     from cluster.config import read_serve_config
 
-    document = engine_config(read_serve_config(config_path), app_name, {"prefix_caching": bool(enabled)},
-                             str(config_path))
-    path = out_dir / f"{config_path.stem}.prefix-caching-{'on' if enabled else 'off'}.yaml"
-    header = (f"# {config_path} with args.engine.prefix_caching: {str(bool(enabled)).lower()} "
-              f"(written by specserve bench --mode serve-load --prefix-caching)\n")
+    document = engine_config(read_serve_config(config_path), app_name, {setting: bool(enabled)}, str(config_path))
+    flag = setting.replace("_", "-")
+    path = out_dir / f"{config_path.stem}.{flag}-{'on' if enabled else 'off'}.yaml"
+    header = (f"# {config_path} with args.engine.{setting}: {str(bool(enabled)).lower()} "
+              f"(written by specserve bench --mode serve-load --{flag})\n")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
-    return path
-
-
-def write_overlap_config(config_path: pathlib.Path, app_name: str | None, overlap: bool,
-                         out_dir: pathlib.Path) -> pathlib.Path:
-    """Write ``config_path`` with ``args.engine.overlap`` = ``overlap`` into ``out_dir``; its path."""
-    from cluster.config import read_serve_config
-
-    document = overlap_config(read_serve_config(config_path), app_name, overlap, str(config_path))
-    path = out_dir / f"{config_path.stem}.overlap-{'on' if overlap else 'off'}.yaml"
-    header = (f"# {config_path} with args.engine.overlap: {str(bool(overlap)).lower()} "
-              f"(written by specserve bench --mode serve-load --overlap)\n")
     path.write_text(header + yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
     return path
 
@@ -617,7 +600,7 @@ def run_serve_load(
     load_start = _load_avg()
     config_path = pathlib.Path(config_path)
     if settings.prefix_caching is not None:
-        config_path = write_prefix_caching_config(config_path, app_name, settings.prefix_caching, out_dir)
+        config_path = write_engine_config(config_path, app_name, "prefix_caching", settings.prefix_caching, out_dir)
     application = select_application(read_serve_config(config_path), app_name, str(config_path))
     group = load_app_args(config_path, app_name).freeze()
     cases = serve_load_cases(settings, group.roles)
@@ -645,7 +628,7 @@ def run_serve_load(
             configured = getattr(group, "overlap", None)
             pass_config, effective = config_path, configured if isinstance(configured, bool) else None
         else:
-            pass_config, effective = write_overlap_config(config_path, app_name, overlap, out_dir), overlap
+            pass_config, effective = write_engine_config(config_path, app_name, "overlap", overlap, out_dir), overlap
         server = ServerProcess(pass_config, out_dir / "server.log", settings.start_timeout_s)
         plans = [LevelPlan(case, c, n, effective) for case, c, n in per_pass]
         try:

@@ -20,11 +20,10 @@ from benchmarks.serve_load import (
     ServeLoadSettings,
     _api_key,
     busy_fractions,
-    overlap_config,
+    engine_config,
     serve_load_cases,
     worker_seconds,
-    write_overlap_config,
-    write_prefix_caching_config,
+    write_engine_config,
 )
 from benchmarks.serve_load_report import (
     PLOT_FILES,
@@ -231,7 +230,7 @@ def test_overlap_option_and_config_rewrite(tmp_path):
     source = REPO / "deploy" / "default.yaml"
     original = yaml.safe_load(source.read_text())
     for overlap in (False, True):
-        path = write_overlap_config(source, None, overlap, tmp_path)
+        path = write_engine_config(source, None, "overlap", overlap, tmp_path)
         assert path.parent == tmp_path and path.name == f"default.overlap-{'on' if overlap else 'off'}.yaml"
         written = yaml.safe_load(path.read_text())
         assert written["applications"][0]["args"]["engine"] == {"overlap": overlap}
@@ -239,10 +238,10 @@ def test_overlap_option_and_config_rewrite(tmp_path):
         assert written == original  # nothing else changes
         assert load_app_args(path).engine.overlap is overlap  # the server accepts the copy
     document = {"applications": [{"name": "a", "args": {"engine": {"overlap": True}}}, {"name": "b"}]}
-    changed = overlap_config(document, "b", False, "test")
+    changed = engine_config(document, "b", {"overlap": False}, "test")
     assert changed["applications"][1]["args"] == {"engine": {"overlap": False}}
     assert document["applications"][1] == {"name": "b"}  # the original is untouched
-    assert overlap_config(document, "a", False, "test")["applications"][0]["args"]["engine"] == {"overlap": False}
+    assert engine_config(document, "a", {"overlap": False}, "test")["applications"][0]["args"]["engine"] == {"overlap": False}
 
 
 def test_prefix_caching_flag_writes_a_config_copy(tmp_path):
@@ -253,7 +252,7 @@ def test_prefix_caching_flag_writes_a_config_copy(tmp_path):
     source = REPO / "deploy" / "default.yaml"
     original = yaml.safe_load(source.read_text())
     for enabled in (False, True):
-        path = write_prefix_caching_config(source, None, enabled, tmp_path)
+        path = write_engine_config(source, None, "prefix_caching", enabled, tmp_path)
         assert path.name == f"default.prefix-caching-{'on' if enabled else 'off'}.yaml"
         written = yaml.safe_load(path.read_text())
         assert written["applications"][0]["args"]["engine"] == {"prefix_caching": enabled}
