@@ -118,6 +118,7 @@ class Coordinator:
             cohorts=2 if config.uses_overlap else 1,
             request_timeout_s=config.request_timeout_s,
             metrics=self.metrics,
+            goodput=config.goodput_gamma,
         )
         self.worker_infos: dict[str, WorkerInfo] | None = None
         self._export_task: asyncio.Task | None = None

@@ -25,6 +25,7 @@ call that will not come). A worker call that fails ends only the requests that h
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -38,7 +39,9 @@ from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
 from actors.metrics import NO_METHOD, RequestClock, SchedulerMetrics
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan
-from verifiers.machines import DecodeMachine, Extend, NextLogits, Sample, ScoreVerify
+from actors.step_costs import CallReport, StepCostModel
+from verifiers.adaptive import StepCosts
+from verifiers.machines import AR_TOKENS_PER_STEP, DecodeMachine, Extend, NextLogits, Sample, ScoreVerify
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,7 @@ class Scheduler:
     that keep the draft and the target busy at the same time)."""
 
     def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int, cohorts: int = 1,
-                 request_timeout_s: float = 600.0, metrics: SchedulerMetrics | None = None):
+                 request_timeout_s: float = 600.0, metrics: SchedulerMetrics | None = None, goodput: bool = True):
         if cohorts not in (1, 2):
             raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
         self.workers = dict(workers)
@@ -143,6 +146,9 @@ class Scheduler:
         self._wakeup: asyncio.Condition | None = None
         self._loop_tasks: list[asyncio.Task] = []
         self._notify_tasks: set[asyncio.Task] = set()
+        self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_STEP)
+        self.goodput = goodput
+        self._batch_now = 1
 
     @property
     def running(self) -> list[RequestState]:
@@ -267,6 +273,8 @@ class Scheduler:
                 return
             request = self.waiting.popleft()
             request.started = time.perf_counter()
+            if self.goodput and getattr(request.machine, "chooser", None) is not None:
+                request.machine.step_costs = functools.partial(self.step_costs, request.machine)
             cohort.running.append(request)
             self.metrics.admitted(request.labels, request.clock, len(request.prompt_ids),
                                   request.started - request.submitted)
@@ -281,6 +289,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     async def _step(self, cohort: Cohort) -> None:
+        self._batch_now = len(cohort.running)
         for request in list(cohort.running):
             try:
                 request.last_needs = request.machine.needs()
@@ -297,6 +306,8 @@ class Scheduler:
         self.metrics.step(len(cohort.running))
         per_request: dict[int, dict[int, ItemOutcome]] = {id(r): {} for r in cohort.running}
         lost: set[str] = set()
+        reports: list[CallReport] = []
+        started = time.perf_counter()
         for (model, _), (ref, entries) in self._call_workers(placed).items():
             try:
                 outcomes = await ref
@@ -306,12 +317,31 @@ class Scheduler:
                 outcomes = [ItemOutcome(error=UNAVAILABLE.format(model=model))] * len(entries)
             for entry, outcome in zip(entries, outcomes):
                 per_request[id(entry.request)][entry.need_index] = outcome
+            if entries:
+                reports.append(call_report(model, entries, outcomes))
+        if not lost:
+            self._observe_costs(cohort, placed, reports, time.perf_counter() - started)
         for request in list(self.running):  # every cohort: their sessions on a lost worker are gone too
             if lost & request.opened:  # its sessions died with the worker, whatever this step did
                 self._fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
         for request in list(cohort.running):
             outcomes = per_request[id(request)]
             self._advance(request, [outcomes[i] for i in range(len(request.last_needs))])
+
+    def _observe_costs(self, cohort: Cohort, placed: dict[str, list[list[_Placed]]], reports: list[CallReport],
+                       wall_s: float) -> None:
+        """Feed the step's timings to the cost model (steps of sampling / verification needs only:
+        ensemble steps have other shapes)."""
+        needs = [entry.item.need for phases in placed.values() for phase in phases for entry in phase]
+        if not needs or not all(isinstance(need, (Sample, ScoreVerify)) for need in needs):
+            return
+        speculative = any(isinstance(need, ScoreVerify) for need in needs)
+        self.cost_model.observe_step(len(cohort.running), reports, wall_s, speculative=speculative)
+
+    def step_costs(self, machine: Any) -> StepCosts | None:
+        """The measured costs of a step of the cohort now stepping, for ``machine``'s models."""
+        return self.cost_model.costs(machine.draft, machine.target, batch=self._batch_now,
+                                     gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
 
     def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
         """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers
@@ -483,6 +513,19 @@ class Scheduler:
                 stats=request_stats(request),
             )
         )
+
+
+def call_report(model: str, entries: list[_Placed], outcomes: list[ItemOutcome]) -> CallReport:
+    """What one worker call of a step ran (for :class:`actors.step_costs.StepCostModel`)."""
+    timings = [outcome.timing for outcome in outcomes if outcome.timing is not None]
+    forwards = [timing.forward_calls for timing in timings]
+    # Steps that prefill a prompt are left out; items with different forward counts give the
+    # call's mean tokens per forward.
+    uniform = len(timings) == len(entries) and min(forwards, default=0) > 0 and all(
+        entry.item.open is None for entry in entries)
+    return CallReport(model=model, tokens_fed=sum(timing.tokens_fed for timing in timings),
+                      forwards=max(forwards, default=0), forward_s=max((t.forward_s for t in timings), default=0.0),
+                      uniform=uniform)
 
 
 def _nbytes(value: Any) -> int:

@@ -233,6 +233,13 @@ class EngineArgs(_Frozen):
         "model worker already holds (an open request's context, or a finished request's parked slot) instead of "
         "computing them again; the output is unchanged (docs/engine.md).",
     )
+    goodput_gamma: bool = Field(
+        True,
+        description="gamma \"auto\" also weighs the measured cost of a step at the current batch (draft and target "
+        "forwards, per-step overhead) and may take plain steps (no draft) when they yield more tokens per second "
+        "(the law is unchanged; seeded tokens then depend on timings); false: the block follows the request's "
+        "acceptance alone, seeded tokens reproducible (docs/engine.md).",
+    )
 
 
 class SpecServeArgs(_Frozen):

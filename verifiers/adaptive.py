@@ -7,8 +7,15 @@ far), before the draft is sampled, fixes gamma given the past; conditioning on t
 iteration is one of the fixed-gamma iterations, so by induction over iterations the output law
 is the target's. The exact-enumeration tests (``tests/verifiers/test_adaptive.py``) check it for
 every lossless rule on tiny context-dependent models with histories that really change gamma,
-including the stateful greedy rules. The choice uses only the request's own history, never
-timings, so a seeded request gives the same tokens alone or in a batch, run after run.
+including the stateful greedy rules.
+
+Served, the block may also depend on the measured cost of a step at the current batch
+(:class:`StepCosts`, from the scheduler's measurements): still fixed before the draft is sampled,
+so the same induction holds whatever the choice reads outside the request (the
+exact-enumeration tests drive it with an arbitrary outside schedule). With costs the choice
+may be 0: no draft at all, the step samples plain tokens from the target (the target's own
+law, trivially). Timings differ from run to run, so with costs a seeded request keeps its law
+but not its tokens: batch invariance is promised for fixed gamma only.
 
 The rule. Under the i.i.d. acceptance model (each draft token accepted with probability
 ``alpha`` given the previous ones were), one iteration with ``gamma`` drafts yields
@@ -25,6 +32,12 @@ on the verifier's side, where a served iteration pays them. The rule picks the g
 ``[1, gamma_max]`` that maximises ``E[tokens](gamma) / (gamma * c + 1)`` at the current
 estimate of ``alpha``: a Beta-prior estimate from decayed counts of accepted and rejected draft
 positions (a block that stopped before its end counts one rejection).
+
+With measured step costs (:func:`best_block`, the goodput rule of SmartSpec, Liu et al. 2024,
+arXiv 2406.14066, Sec. 4: the block that maximises the batch's expected tokens per second of
+the step) the rate of a block is ``E[tokens](gamma) / (gamma * draft_s + verify_s(gamma) +
+overhead_s)`` and a plain step's is ``plain_tokens / (plain_tokens * plain_s + plain_overhead_s)``,
+every time taken at the current batch size.
 """
 
 from __future__ import annotations
@@ -80,6 +93,55 @@ def best_gamma(alpha: float, gamma_max: int, draft_cost_ratio: float) -> int:
     return best
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """What a step costs at the current batch (seconds), as the scheduler measured it.
+
+    draft_s: one draft forward (every request's next draft token). verify_s: the target's
+    scoring forward by block, ``verify_s[g]`` for a block of ``g`` drafts (``g + 1`` tokens per
+    request), g in ``[1, gamma_max]``. overhead_s: what a speculative step pays once besides its
+    forwards (hops, verification, coordination). plain_s: one plain target forward (one token
+    per request); plain_overhead_s: what a plain step pays once besides its forwards;
+    plain_tokens: tokens a plain step samples per request (one forward each)."""
+
+    draft_s: float
+    verify_s: tuple[float, ...]
+    overhead_s: float
+    plain_s: float
+    plain_overhead_s: float
+    plain_tokens: int
+
+    def __post_init__(self) -> None:
+        values = (self.draft_s, *self.verify_s, self.overhead_s, self.plain_s, self.plain_overhead_s)
+        if any(not value >= 0.0 for value in values):
+            raise ValueError(f"step costs must be >= 0 seconds, got {self}")
+        if not self.verify_s:
+            raise ValueError("StepCosts.verify_s must hold the cost of at least one block")
+        if self.plain_tokens < 1:
+            raise ValueError(f"StepCosts.plain_tokens must be >= 1, got {self.plain_tokens}")
+
+    def speculative_rate(self, alpha: float, gamma: int) -> float:
+        """Expected tokens per second of one request's speculative step with ``gamma`` drafts."""
+        seconds = gamma * self.draft_s + self.verify_s[gamma - 1] + self.overhead_s
+        return expected_tokens(alpha, gamma) / max(seconds, 1e-12)
+
+    def plain_rate(self) -> float:
+        """Tokens per second of one request's plain step."""
+        seconds = self.plain_tokens * self.plain_s + self.plain_overhead_s
+        return self.plain_tokens / max(seconds, 1e-12)
+
+
+def best_block(alpha: float, gamma_max: int, costs: StepCosts, *, allow_plain: bool = True) -> int:
+    """The block in ``[0, gamma_max]`` (0: a plain step, only when ``allow_plain``) with the most
+    expected tokens per second of the step at ``costs``; ties go to the shorter block."""
+    best, best_rate = (0, costs.plain_rate()) if allow_plain else (1, -1.0)
+    for gamma in range(1, min(gamma_max, len(costs.verify_s)) + 1):
+        rate = costs.speculative_rate(alpha, gamma)
+        if rate > best_rate * (1.0 + 1e-12):
+            best, best_rate = gamma, rate
+    return best
+
+
 class AdaptiveGamma:
     """One request's gamma chooser: :meth:`choose` before each draft, :meth:`observe` after
     each verification (``num_accepted`` of the ``gamma`` drafted tokens were accepted)."""
@@ -95,9 +157,13 @@ class AdaptiveGamma:
         s = self.settings
         return (self.accepted + s.prior_weight * s.prior_acceptance) / (self.accepted + self.rejected + s.prior_weight)
 
-    def choose(self) -> int:
+    def choose(self, costs: StepCosts | None = None, *, allow_plain: bool = True) -> int:
+        """The next block: from the acceptance alone (in ``[1, gamma_max]``), or with measured
+        step ``costs`` (in ``[0, gamma_max]``, 0 a plain step when ``allow_plain``)."""
         s = self.settings
-        return best_gamma(self.acceptance, s.gamma_max, s.draft_cost_ratio)
+        if costs is None:
+            return best_gamma(self.acceptance, s.gamma_max, s.draft_cost_ratio)
+        return best_block(self.acceptance, s.gamma_max, costs, allow_plain=allow_plain)
 
     def observe(self, gamma: int, num_accepted: int) -> None:
         if not 0 <= num_accepted <= gamma:

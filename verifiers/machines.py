@@ -27,13 +27,13 @@ Vocabulary: ``append`` is always the committed tokens the model has not been tol
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
 import torch
 
-from verifiers.adaptive import AdaptiveGamma, AdaptiveGammaSettings
+from verifiers.adaptive import AdaptiveGamma, AdaptiveGammaSettings, StepCosts
 from verifiers.ensemble import default_proposer, make_ensemble, next_scorer, verify_segment
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource
@@ -240,7 +240,12 @@ class SpeculativeMachine(DecodeMachine):
 
     ``adaptive``: when given, gamma is chosen before each draft from this request's accepted
     lengths so far (:mod:`verifiers.adaptive`, ``gamma: "auto"``) and ``gamma`` is unused;
-    ``draft_lengths`` records the block drafted at each step either way."""
+    ``draft_lengths`` records the block drafted at each step either way. ``step_costs``: when
+    set (with ``adaptive``), a callable giving the measured :class:`~verifiers.adaptive.StepCosts`
+    of a step now (or None while unmeasured); the choice then weighs them and may be 0, a
+    *plain step*: no draft, ``AR_TOKENS_PER_STEP`` tokens sampled from the target on its
+    verification stream (recorded as a 0 in ``draft_lengths``, no entry in
+    ``accepted_lengths``)."""
 
     def __init__(self, draft: str, target: str, *, method: str, gamma: int, num_drafts: int,
                  max_new_tokens: int, context_budget: int | None = None, logprobs: int | None = None,
@@ -258,7 +263,8 @@ class SpeculativeMachine(DecodeMachine):
         self.pending_positions = 0
         self.unsent = _Unsent([draft, target], self.committed)
         self.draft_indices: list[int] = []
-        self.draft_lengths: list[int] = []  # the block drafted at each step
+        self.draft_lengths: list[int] = []  # the block drafted at each step (0: a plain step)
+        self.step_costs: Callable[[], StepCosts | None] | None = None
 
     def streams(self) -> dict[str, dict[str, int]]:
         return {self.draft: {"sample": 0}, self.target: {"verify": 1}}
@@ -266,7 +272,10 @@ class SpeculativeMachine(DecodeMachine):
     def next_gamma(self) -> int:
         """The block the next step drafts (chosen from the past only, clipped at the context end).
         No block leaves a stateful rule's pending modification uncovered."""
-        block = self.lookahead(self.gamma if self.chooser is None else self.chooser.choose())
+        block = self.gamma if self.chooser is None else self._choose()
+        if block == 0:
+            return 0
+        block = self.lookahead(block)
         if self.stateful:
             # A greedy rule's pending modification must be covered, also where it reaches past
             # the room left at the context end: the block then runs past the end (positions never
@@ -275,9 +284,22 @@ class SpeculativeMachine(DecodeMachine):
             block = max(block, self.pending_positions + 1)
         return block
 
+    def _choose(self) -> int:
+        """The chooser's block, with the measured step costs when there are any. A plain step
+        (0) is offered only when no greedy modification is pending (it must be covered by a
+        verified block)."""
+        costs = self.step_costs() if self.step_costs is not None else None
+        if costs is None:
+            return self.chooser.choose()
+        return self.chooser.choose(costs, allow_plain=self.pending_positions == 0)
+
     def needs(self) -> list[Need]:
         gamma = self.next_gamma()
         self.draft_lengths.append(gamma)
+        if gamma == 0:  # a plain step: the target samples on its own stream
+            remaining = self.max_new_tokens - len(self.committed)
+            count = self.lookahead(min(AR_TOKENS_PER_STEP, max(1, remaining)))
+            return [Sample(self.target, self.unsent.take(self.target), count, stream="verify", logprobs=self.logprobs)]
         return [
             Sample(self.draft, self.unsent.take(self.draft), gamma, self.num_drafts, return_logits=True),
             ScoreVerify(self.target, self.unsent.take(self.target), proposal=0, method=self.method,
@@ -285,6 +307,9 @@ class SpeculativeMachine(DecodeMachine):
         ]
 
     def consume(self, results: Sequence[object]) -> list[int]:
+        if self.draft_lengths[-1] == 0:  # a plain step: its tokens reach the target as append
+            (sampled,) = results
+            return self._commit(sampled.tokens[0].tolist(), sampled.logprobs)
         _, verified = results
         self.accepted_lengths.append(verified.num_accepted)
         gamma, emitted = self.draft_lengths[-1], verified.num_accepted + 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.verifiers.tiny_models import model_pair, target_law
-from verifiers.adaptive import AdaptiveGamma, AdaptiveGammaSettings, best_gamma, expected_tokens
+from verifiers.adaptive import AdaptiveGamma, AdaptiveGammaSettings, StepCosts, best_block, best_gamma, expected_tokens
 from verifiers.exact import exact_law, total_variation
 from verifiers.executor import LocalExecutor, layout_sources, run_machine
 from verifiers.machines import SpeculativeMachine
@@ -214,3 +214,117 @@ def test_greedy_rules_stay_exact_at_the_context_end(method, adaptive):
     law = exact_law(procedure)
     assert any(past_the_end), "no branch needed a block past the context end"
     assert total_variation(law, target_law(target_fn, PROMPT, length)) < EXACT_TOLERANCE
+
+
+# ------------------------------------------------- a choice that reads the step's costs
+def _costs(plain_s: float, draft_s: float, verify_per_token_s: float, gamma_max: int = 3) -> StepCosts:
+    return StepCosts(draft_s=draft_s, verify_s=tuple(0.01 + verify_per_token_s * (g + 1) for g in range(1, gamma_max + 1)),
+                     overhead_s=0.002, plain_s=plain_s, plain_overhead_s=0.002, plain_tokens=4)
+
+
+PLAIN_WINS = _costs(plain_s=0.001, draft_s=0.01, verify_per_token_s=0.01)
+LONG_BLOCKS_WIN = _costs(plain_s=0.05, draft_s=0.0001, verify_per_token_s=0.0001)
+SHORT_BLOCKS_WIN = _costs(plain_s=0.012, draft_s=0.004, verify_per_token_s=0.002)
+
+
+def test_best_block_is_plain_when_a_plain_step_is_cheaper_per_token():
+    assert best_block(0.9, 4, PLAIN_WINS) == 0
+    assert best_block(0.9, 4, PLAIN_WINS, allow_plain=False) >= 1
+    assert best_block(0.9, 3, LONG_BLOCKS_WIN) == 3
+    assert best_block(0.0, 3, LONG_BLOCKS_WIN) == 1  # nothing is ever accepted: the shortest block
+
+
+def test_best_block_maximises_the_measured_rate():
+    for alpha in (0.1, 0.5, 0.8, 0.95):
+        chosen = best_block(alpha, 3, SHORT_BLOCKS_WIN)
+        rates = [SHORT_BLOCKS_WIN.plain_rate()] + [SHORT_BLOCKS_WIN.speculative_rate(alpha, g) for g in (1, 2, 3)]
+        assert rates[chosen] == max(rates)
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("draft_s", dict(draft_s=-1.0)), ("verify_s", dict(verify_s=())), ("plain_tokens", dict(plain_tokens=0)),
+])
+def test_bad_step_costs_name_the_field(field, kwargs):
+    values = dict(draft_s=0.001, verify_s=(0.01,), overhead_s=0.0, plain_s=0.01, plain_overhead_s=0.0, plain_tokens=4)
+    values.update(kwargs)
+    with pytest.raises(ValueError, match=field if field != "draft_s" else ">= 0"):
+        StepCosts(**values)
+
+
+class _OutsideSchedule:
+    """Step costs that change from step to step by a schedule outside the request (here: the
+    number of steps the request has made so far and the sum of its tokens, standing in for the
+    load and timings a served step sees), cycling through plain-favoured, long-block-favoured and
+    short-block-favoured costs."""
+
+    SCHEDULE = (LONG_BLOCKS_WIN, SHORT_BLOCKS_WIN, PLAIN_WINS)
+
+    def __init__(self, machine: SpeculativeMachine):
+        self.machine = machine
+
+    def __call__(self) -> StepCosts:
+        steps = len(self.machine.draft_lengths)
+        return self.SCHEDULE[(steps + sum(self.machine.committed)) % len(self.SCHEDULE)]
+
+
+# (method, vocab, tokens, seed, K, gamma_max)
+COST_CASES = [
+    pytest.param("token", 2, 4, 5, 1, 3, id="token"),
+    pytest.param("block", 3, 3, 7, 1, 3, id="block"),
+    pytest.param("greedy_block", 2, 4, 5, 1, 3, id="greedy_block"),
+    pytest.param("spectr", 2, 3, 11, 2, 2, id="spectr-K2"),
+    pytest.param("sequential_gbv", 2, 3, 11, 2, 2, id="sequential_gbv-K2"),
+]
+
+
+@pytest.mark.parametrize("method,vocab,length,seed,num_drafts,gamma_max", COST_CASES)
+def test_a_choice_reading_outside_costs_keeps_the_target_law_exactly(method, vocab, length, seed, num_drafts, gamma_max):
+    """The production chooser with step costs from an outside schedule: blocks of 0 (plain steps)
+    to gamma_max really occur on different branches, and the law is the target's exactly."""
+    draft_fn, target_fn = model_pair(vocab, seed)
+    histories: set[tuple[int, ...]] = set()
+
+    def procedure(source):
+        machine = SpeculativeMachine("draft", "target", method=method, gamma=1, num_drafts=num_drafts,
+                                     max_new_tokens=length,
+                                     adaptive=AdaptiveGammaSettings(gamma_max=gamma_max, **VARYING))
+        machine.step_costs = _OutsideSchedule(machine)
+        tokens = _run_local(machine, draft_fn, target_fn, source)
+        histories.add(tuple(machine.draft_lengths))
+        return tuple(tokens[:length])
+
+    law = exact_law(procedure)
+    blocks_used = {gamma for history in histories for gamma in history}
+    assert 0 in blocks_used and max(blocks_used) >= 2, f"the costs never moved the block: {histories}"
+    assert any(0 in history and any(g > 0 for g in history) for history in histories)
+    assert total_variation(law, target_law(target_fn, PROMPT, length)) < EXACT_TOLERANCE
+
+
+def test_a_greedy_rule_never_steps_plain_over_a_pending_modification():
+    """Plain steps favoured after a first long block: on branches where greedy_block left a
+    modification pending, the next step is still a verified block covering it; elsewhere it is
+    plain. Exact either way."""
+    draft_fn, target_fn = model_pair(2, 5)
+    second_blocks: set[int] = set()
+
+    def procedure(source):
+        machine = SpeculativeMachine("draft", "target", method="greedy_block", gamma=1, num_drafts=1, max_new_tokens=4,
+                                     adaptive=AdaptiveGammaSettings(gamma_max=3, **VARYING))
+        machine.step_costs = _FirstBlockThenPlain(machine)
+        tokens = _run_local(machine, draft_fn, target_fn, source)
+        second_blocks.update(machine.draft_lengths[1:2])
+        return tuple(tokens[:4])
+
+    law = exact_law(procedure)
+    assert 0 in second_blocks and any(block > 0 for block in second_blocks), second_blocks
+    assert total_variation(law, target_law(target_fn, PROMPT, 4)) < EXACT_TOLERANCE
+
+
+class _FirstBlockThenPlain:
+    """Long blocks favoured on the first step, plain steps after it."""
+
+    def __init__(self, machine: SpeculativeMachine):
+        self.machine = machine
+
+    def __call__(self) -> StepCosts:
+        return LONG_BLOCKS_WIN if not self.machine.draft_lengths else PLAIN_WINS

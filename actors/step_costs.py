@@ -1,0 +1,124 @@
+"""What a step costs, measured: the numbers behind ``gamma: "auto"``'s goodput choice.
+
+The scheduler reports every step it runs (:meth:`StepCostModel.observe_step`): per model worker
+call, the tokens it fed, its forwards and their seconds, and the step's wall time. From them the
+model keeps
+
+* per model, the seconds of one forward by the tokens it runs (:class:`CostTable`: a running
+  mean per bucket of token counts, interpolated between buckets; forwards of steps that opened a
+  session, i.e. prefilled a prompt, are left out);
+* per kind of step (speculative: a draft call then a verifying call; plain: the target alone),
+  the seconds a step pays besides its forwards (hops, verification, the scheduler's own work),
+  by the number of requests in the step.
+
+:meth:`StepCostModel.costs` turns them into the :class:`verifiers.adaptive.StepCosts` of a step
+of ``batch`` requests, which the speculative machines weigh before each draft
+(:func:`verifiers.adaptive.best_block`). Nothing here changes what is sampled: the choice is made
+before the draft (see :mod:`verifiers.adaptive` for why any such choice is lossless).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from verifiers.adaptive import StepCosts
+
+#: Bucket edges of token / request counts (a count falls in the bucket of the largest edge <= it).
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096)
+
+#: Weight of a new observation in a bucket's running mean.
+SMOOTHING = 0.2
+
+#: Outside the measured range a forward is scaled as a fixed cost of this many token positions
+#: plus one per token (the CPU value of ``actors.backends.FORWARD_OVERHEAD_TOKENS``).
+EXTRAPOLATION_OVERHEAD_TOKENS = 8
+
+
+@dataclass
+class CostTable:
+    """Seconds by a count (tokens of a forward, requests of a step): a running mean per bucket,
+    linear interpolation between the measured buckets, proportional scaling outside them."""
+
+    means: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean count, mean seconds)
+
+    def observe(self, count: float, seconds: float) -> None:
+        if count <= 0 or seconds < 0:
+            return
+        bucket = BUCKETS[max(0, bisect.bisect_right(BUCKETS, count) - 1)]
+        if bucket not in self.means:
+            self.means[bucket] = (float(count), float(seconds))
+            return
+        mean_count, mean_seconds = self.means[bucket]
+        self.means[bucket] = (mean_count + SMOOTHING * (count - mean_count),
+                              mean_seconds + SMOOTHING * (seconds - mean_seconds))
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.means)
+
+    def estimate(self, count: float) -> float | None:
+        """The seconds at ``count`` (None before any observation)."""
+        if not self.means:
+            return None
+        points = sorted(self.means.values())  # (count, seconds) by count
+        counts = [c for c, _ in points]
+        i = bisect.bisect_left(counts, count)
+        if i < len(points) and counts[i] == count:
+            return points[i][1]
+        if 0 < i < len(points):
+            (c0, s0), (c1, s1) = points[i - 1], points[i]
+            return s0 + (s1 - s0) * (count - c0) / (c1 - c0)
+        nearest_count, nearest_seconds = points[0] if i == 0 else points[-1]
+        scale = (count + EXTRAPOLATION_OVERHEAD_TOKENS) / (nearest_count + EXTRAPOLATION_OVERHEAD_TOKENS)
+        return nearest_seconds * scale
+
+
+@dataclass(frozen=True)
+class CallReport:
+    """One worker call of a step, as the scheduler saw it."""
+
+    model: str
+    tokens_fed: int  # every item's tokens, summed
+    forwards: int  # forwards the call ran (its items' most)
+    forward_s: float  # seconds in those forwards
+    uniform: bool  # every item ran as many forwards and none opened a session (clean per-forward figures)
+
+
+class StepCostModel:
+    """Measured forward tables per model and per-step overheads (see the module doc)."""
+
+    def __init__(self, plain_tokens: int):
+        self.plain_tokens = int(plain_tokens)
+        self.forwards: dict[str, CostTable] = {}
+        self.speculative_overhead = CostTable()  # by requests in the step
+        self.plain_overhead = CostTable()
+
+    def observe_step(self, batch: int, calls: list[CallReport], wall_s: float, *, speculative: bool) -> None:
+        """A finished step of ``batch`` requests: its worker calls and its wall time."""
+        for call in calls:
+            if call.uniform and call.forwards > 0 and call.tokens_fed > 0:
+                self.forwards.setdefault(call.model, CostTable()).observe(
+                    call.tokens_fed / call.forwards, call.forward_s / call.forwards)
+        outside = max(0.0, wall_s - sum(call.forward_s for call in calls))
+        (self.speculative_overhead if speculative else self.plain_overhead).observe(batch, outside)
+
+    def costs(self, draft: str, target: str, *, batch: int, gamma_max: int, num_drafts: int = 1) -> StepCosts | None:
+        """The costs of a step of ``batch`` requests drafting on ``draft`` (``num_drafts`` chains)
+        and verifying on ``target``; None until both models' forwards and a speculative step
+        have been measured."""
+        draft_table, target_table = self.forwards.get(draft), self.forwards.get(target)
+        if draft_table is None or target_table is None or not self.speculative_overhead.measured:
+            return None
+        overhead = self.speculative_overhead.estimate(batch)
+        plain_overhead = self.plain_overhead.estimate(batch)
+        if plain_overhead is None:  # no plain step yet: one worker call instead of two
+            plain_overhead = overhead / 2
+        return StepCosts(
+            draft_s=draft_table.estimate(batch * num_drafts),
+            verify_s=tuple(target_table.estimate(batch * (num_drafts * gamma + 1)) for gamma in range(1, gamma_max + 1)),
+            overhead_s=overhead,
+            plain_s=target_table.estimate(batch),
+            plain_overhead_s=plain_overhead,
+            plain_tokens=self.plain_tokens,
+        )

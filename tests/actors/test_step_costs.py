@@ -1,0 +1,154 @@
+"""The measured step costs behind gamma "auto"'s goodput choice (actors/step_costs.py), and the
+choice served: plain steps and blocks chosen from the costs through the real Coordinator and
+Scheduler (in-process workers over the fake models), greedy output equal to the target's and the
+sampled law the target's (chi-square)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from actors.api import GenerationRequest
+from actors.coordinator import Coordinator
+from actors.step_costs import CallReport, CostTable, StepCostModel
+from benchmarks.runners import LocalActorHandle
+from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
+from tests.verifiers.test_adaptive import LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN
+from tests.verifiers.tiny_models import chi_square_pvalue, target_law
+from verifiers.reference import autoregressive_generate
+
+PROMPT = (1, 2, 3)
+CHI_SQUARE_SIGNIFICANCE = 1e-3
+
+
+# ------------------------------------------------------------------------- the tables
+def test_cost_table_interpolates_between_measured_counts_and_scales_outside():
+    table = CostTable()
+    assert table.estimate(4) is None
+    table.observe(16, 0.016)
+    table.observe(80, 0.035)
+    assert table.estimate(16) == pytest.approx(0.016)
+    assert table.estimate(48) == pytest.approx(0.016 + (0.035 - 0.016) * (48 - 16) / (80 - 16))
+    assert table.estimate(1) == pytest.approx(0.016 * (1 + 8) / (16 + 8))  # below: a fixed cost of 8 positions
+    assert table.estimate(160) > table.estimate(80)
+
+
+def test_cost_table_keeps_a_running_mean_per_bucket():
+    table = CostTable()
+    table.observe(5, 0.010)
+    table.observe(5, 0.020)
+    assert 0.010 < table.estimate(5) < 0.020
+
+
+def _report(model: str, tokens: int, forwards: int, seconds: float, uniform: bool = True) -> CallReport:
+    return CallReport(model=model, tokens_fed=tokens, forwards=forwards, forward_s=seconds, uniform=uniform)
+
+
+def test_model_gives_no_costs_until_both_models_and_a_speculative_step_are_measured():
+    model = StepCostModel(plain_tokens=4)
+    assert model.costs("draft", "target", batch=1, gamma_max=4) is None
+    model.observe_step(1, [_report("draft", 4, 4, 0.004)], 0.0, speculative=False)
+    assert model.costs("draft", "target", batch=1, gamma_max=4) is None
+    model.observe_step(1, [_report("draft", 4, 4, 0.004), _report("target", 5, 1, 0.008)], 0.015, speculative=True)
+    costs = model.costs("draft", "target", batch=1, gamma_max=4)
+    assert costs.draft_s == pytest.approx(0.001)
+    assert costs.verify_s[3] == pytest.approx(0.008)  # gamma 4: 5 tokens, as measured
+    assert costs.overhead_s == pytest.approx(0.003)  # the step's wall time minus its forwards
+    assert costs.plain_overhead_s == pytest.approx(0.0)  # as measured (the first step)
+    assert costs.plain_tokens == 4
+
+
+def test_plain_overhead_defaults_to_half_the_speculative_one():
+    model = StepCostModel(plain_tokens=4)
+    model.observe_step(1, [_report("draft", 4, 4, 0.004), _report("target", 5, 1, 0.008)], 0.015, speculative=True)
+    assert model.costs("draft", "target", batch=1, gamma_max=4).plain_overhead_s == pytest.approx(0.0015)
+
+
+def test_prefill_calls_do_not_enter_the_forward_tables():
+    model = StepCostModel(plain_tokens=4)
+    model.observe_step(1, [_report("target", 130, 1, 0.05, uniform=False)], 0.06, speculative=False)
+    assert "target" not in model.forwards
+
+
+# ------------------------------------------------------------------- the choice, served
+class _ScheduledCosts:
+    """A stand-in for the measured costs (timings of fake models are meaningless): a schedule of
+    plain-favoured, long-block and short-block costs by the number of steps seen."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def costs(self, draft, target, *, batch, gamma_max, num_drafts=1):
+        self.calls += 1
+        return (LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN)[self.calls % 3]
+
+    def observe_step(self, *args, **kwargs):
+        pass
+
+
+def _coordinator(goodput: bool) -> Coordinator:
+    config = fake_group_config(overlap=False, goodput_gamma=goodput)
+    workers = {m.name: LocalActorHandle(FunctionModelWorker(m, config.session_idle_timeout_s)) for m in config.models}
+    coordinator = Coordinator(workers, config, export_to_ray=False)
+    coordinator.scheduler.cost_model = _ScheduledCosts()
+    return coordinator
+
+
+def _run(coordinator: Coordinator, requests: list[GenerationRequest]) -> list[list]:
+    async def collect(request):
+        return [chunk async for chunk in coordinator.generate(request)]
+
+    async def run_all():
+        try:
+            return await asyncio.gather(*(collect(r) for r in requests))
+        finally:
+            await coordinator.scheduler.close()
+
+    return asyncio.run(run_all())
+
+
+def _request(seed: int, method: str, *, temperature: float, max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"req-{seed}", prompt_ids=list(PROMPT),
+        sampling={"max_tokens": max_tokens, "seed": seed, "temperature": temperature},
+        speculation={"strategy": "sd", "method": method, "gamma": "auto", "gamma_max": 3},
+    )
+
+
+def _tokens(chunks) -> list[int]:
+    assert chunks[-1].finished and chunks[-1].error is None, chunks[-1]
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
+@pytest.mark.parametrize("method", ["block", "greedy_block"])
+def test_costs_choose_plain_steps_and_blocks_and_greedy_output_is_the_targets(method):
+    coordinator = _coordinator(goodput=True)
+    results = _run(coordinator, [_request(seed, method, temperature=0.0, max_tokens=24) for seed in range(4)])
+    expected, _ = autoregressive_generate(FAKE_MODELS["target"], PROMPT, 24, temperature=0.0,
+                                          generator=torch.Generator().manual_seed(0))
+    blocks = set()
+    for chunks in results:
+        assert _tokens(chunks) == expected
+        blocks.update(chunks[-1].stats.draft_lengths)
+    assert 0 in blocks and max(blocks) >= 2, blocks
+
+
+def test_goodput_off_ignores_the_costs():
+    coordinator = _coordinator(goodput=False)
+    for chunks in _run(coordinator, [_request(seed, "block", temperature=1.0, max_tokens=12) for seed in range(3)]):
+        assert 0 not in chunks[-1].stats.draft_lengths
+    assert coordinator.scheduler.cost_model.calls == 0
+
+
+def test_sampled_law_with_costs_choosing_plain_steps_and_blocks():
+    """Chi-square of 3-token sequences against the target's exact law (vocab 6), the blocks chosen
+    by the costs (plain steps included) through the real scheduler and workers."""
+    length, count = 3, 600
+    coordinator = _coordinator(goodput=True)
+    results = _run(coordinator, [_request(2000 + seed, "block", temperature=1.0, max_tokens=length)
+                                 for seed in range(count)])
+    samples = [tuple(_tokens(chunks)) for chunks in results]
+    assert any(0 in chunks[-1].stats.draft_lengths for chunks in results)
+    assert chi_square_pvalue(samples, target_law(FAKE_MODELS["target"], PROMPT, length)) > CHI_SQUARE_SIGNIFICANCE
