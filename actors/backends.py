@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from actors.architectures import Architecture, UnsupportedModelError, resolve_architecture
 from actors.batch import RowWork, build_batch, reads_in_place
 
 logger = logging.getLogger(__name__)
@@ -44,14 +45,17 @@ class SlotBackend:
 
     def __init__(
         self, model: Any, device: str, max_context: int | None = None, *, max_slots: int = 64,
-        scratch_columns: int = 64, initial_slots: int | None = None,
+        scratch_columns: int = 64, initial_slots: int | None = None, name: str | None = None,
     ):
         from actors.kv_cache import SlotKVCache
 
+        name = name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        self.architecture = resolve_architecture(model.config, name)  # UnsupportedModelError: refused
         attn = getattr(model.config, "_attn_implementation", None)
-        if attn != "sdpa":
-            # eager adds a bool mask as 0/1 instead of masking: silently wrong logits.
-            raise ValueError(f"SlotBackend needs attn_implementation='sdpa' (bool 4D masks), got {attn!r}")
+        if attn != self.architecture.attn_implementation:
+            raise UnsupportedModelError(
+                name, f"attn_implementation={attn!r}; this architecture is served with "
+                      f"{self.architecture.attn_implementation!r} (load it with SlotBackend.load)")
         if scratch_columns < 0:
             raise ValueError(f"scratch_columns must be >= 0, got {scratch_columns}")
         self.model = model
@@ -77,20 +81,23 @@ class SlotBackend:
         max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64, initial_slots: int | None = None,
     ) -> SlotBackend:
         """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub)."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         local = os.path.isdir(path)
+        config = AutoConfig.from_pretrained(path, revision=revision, local_files_only=local)
+        architecture = resolve_architecture(config, path)  # refused before any weight is read
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=getattr(torch, dtype),
             revision=revision,
             local_files_only=local,
-            attn_implementation="sdpa",
+            attn_implementation=architecture.attn_implementation,
         )
         model.to(device).eval()
-        logger.info("loaded %s (%s, %s, sdpa) on %s", path, type(model).__name__, dtype, device)
+        logger.info("loaded %s (%s, %s, %s) on %s", path, type(model).__name__, dtype,
+                    architecture.attn_implementation, device)
         return cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
-                   initial_slots=initial_slots)
+                   initial_slots=initial_slots, name=path)
 
     def allocate(self) -> int:
         """A free cache slot for a new session."""
