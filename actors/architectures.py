@@ -100,7 +100,7 @@ SLIDING_ATTENTION = "sliding_attention"
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 #: Features the engine implements (the others are refused wherever they appear).
-IMPLEMENTED: frozenset[str] = frozenset()
+IMPLEMENTED = frozenset({"sliding_window"})
 
 
 @dataclass(frozen=True)

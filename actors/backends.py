@@ -22,6 +22,7 @@ import torch
 
 from actors.architectures import Architecture, UnsupportedModelError, resolve_architecture
 from actors.batch import RowWork, build_batch, reads_in_place
+from actors.layer_masks import ColumnPositions, layer_masks
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,15 @@ FORWARD_OVERHEAD_TOKENS = {"cpu": 8, "cuda": 512}
 
 
 class SlotBackend:
-    """A transformers causal LM (loaded with from_pretrained, attn_implementation="sdpa") over a SlotKVCache.
+    """A transformers causal LM (``from_pretrained``) over a SlotKVCache, served exactly or refused.
 
     Each session owns a cache slot (:meth:`allocate` / :meth:`free`); :meth:`forward` runs the
     new tokens of many sessions (:class:`~actors.batch.RowWork` rows) in ONE model forward and
-    computes logits only for the positions each row keeps. Logits are ``lm_head(decoder(...))``,
-    which is what Llama-family causal LMs compute (no logit scaling or soft-capping).
+    computes logits only for the positions each row keeps. The model's config is resolved to an
+    :class:`~actors.architectures.Architecture` first (refused with
+    :class:`~actors.architectures.UnsupportedModelError` when the engine cannot reproduce its
+    law): its layers get their own masks (sliding windows from the keys' positions,
+    :mod:`actors.layer_masks`).
     """
 
     def __init__(
@@ -74,6 +78,9 @@ class SlotBackend:
             dtype=model.dtype,
             device=device,
         )
+        # Sliding-window layers mask by key position, which a column does not tell (chains).
+        self.positions = (ColumnPositions(max_slots, self.capacity + 1, device)
+                          if self.architecture.has_sliding_layers else None)
 
     @classmethod
     def load(
@@ -114,10 +121,14 @@ class SlotBackend:
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy every layer's keys/values of columns ``[0, length)`` from one slot to another."""
         self.cache.copy_prefix(src_slot, dst_slot, length)
+        if self.positions is not None:
+            self.positions.copy_prefix(src_slot, dst_slot, length)
 
     def copy_columns(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy every layer's keys/values in ``slot`` from columns ``src`` to columns ``dst``."""
         self.cache.copy_columns(slot, src, dst)
+        if self.positions is not None:
+            self.positions.copy_columns(slot, src, dst)
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[RowWork]) -> list[torch.Tensor]:
@@ -129,12 +140,18 @@ class SlotBackend:
             if not self.cache.is_allocated(row.slot):
                 raise ValueError(f"RowWork.slot {row.slot} is not allocated")
         batch = build_batch(rows, capacity=self.capacity, device=self.device, in_place=reads_in_place(rows))
+        key_positions = None
+        if self.positions is not None:
+            self.positions.record(batch.slots, batch.write_columns, batch.position_ids)
+            key_positions = self.positions.key_positions(batch.slots, batch.kv_length)  # [B, T_kv]
+        attention_mask = layer_masks(self.architecture, batch.attention_mask, batch.position_ids, key_positions,
+                                     self.model.dtype)  # [B, 1, L, T_kv], or one per layer type
         self.cache.bind(batch.slots, batch.write_columns, batch.kv_length, batch.first_slot)
         try:
             output = self.decoder(
                 input_ids=batch.input_ids,  # [B, L]
                 position_ids=batch.position_ids,  # [B, L]
-                attention_mask=batch.attention_mask,  # [B, 1, L, T_kv]
+                attention_mask=attention_mask,
                 past_key_values=self.cache,
                 use_cache=True,
             )

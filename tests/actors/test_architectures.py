@@ -1,0 +1,249 @@
+"""Every served architecture equals transformers' own model; everything else is refused at load.
+
+Tiny random models of each allow-listed family (:data:`actors.architectures.FAMILIES`) are built
+from their config classes (nothing downloaded), saved with the suite's small tokenizer and loaded
+by a :class:`actors.model_worker.ModelWorker` in-process. For each:
+
+* the worker's rows (a prompt longer than any sliding window, two draft chains in one row, a
+  session continuing after the second chain is accepted, a second session in the same forwards)
+  equal the model's own full forward (float32, ``ATOL``);
+* greedy decoding through the worker equals ``model.generate(do_sample=False)``.
+
+Refused configs are checked for their error text.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+import transformers
+
+from actors.architectures import FAMILIES, UnsupportedModelError, resolve_architecture
+from actors.messages import OpenSession, RowSampling, WorkItem
+from actors.model_worker import ModelWorker
+from cluster.config import ModelSpec
+from tests.conftest import _build_tokenizer
+from verifiers.machines import Sample
+
+ATOL = 1e-4  # float32: cached, batched attention vs one full forward differ by rounding only
+WINDOW = 8  # sliding window of the tiny models: every prompt here is longer
+CONTEXT = 128
+GREEDY_TOKENS = 12
+CHAIN = WINDOW + 2  # draft chain length
+PROMPT_TEXT = "def main(argv=None):\n    parser = argparse.ArgumentParser(description='tool')\n"
+
+
+def _common(vocab_size: int, eos: int) -> dict:
+    """Sizes shared by every tiny config (the few families that name them differently map below)."""
+    return dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+                initializer_range=0.2, tie_word_embeddings=False,
+                bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+
+
+def _gpt2(common: dict) -> transformers.PretrainedConfig:
+    return transformers.GPT2Config(vocab_size=common["vocab_size"], n_embd=32, n_layer=2, n_head=4,
+                                   n_positions=CONTEXT, initializer_range=0.2, bos_token_id=common["eos_token_id"],
+                                   eos_token_id=common["eos_token_id"])
+
+
+def _gpt_neox(common: dict) -> transformers.PretrainedConfig:
+    keep = {k: common[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "max_position_embeddings", "initializer_range",
+                                   "tie_word_embeddings", "bos_token_id", "eos_token_id")}
+    return transformers.GPTNeoXConfig(**keep, rotary_pct=0.5)
+
+
+def _opt(common: dict) -> transformers.PretrainedConfig:
+    return transformers.OPTConfig(vocab_size=common["vocab_size"], hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=CONTEXT, init_std=0.2,
+                                  word_embed_proj_dim=32, bos_token_id=common["eos_token_id"],
+                                  eos_token_id=common["eos_token_id"], pad_token_id=common["eos_token_id"])
+
+
+def _moe(common: dict) -> dict:
+    return dict(common, num_local_experts=4, num_experts_per_tok=2)
+
+
+#: name -> config builder over the common sizes. Sliding models get WINDOW, shorter than the prompts.
+CONFIGS = {
+    "llama": lambda c: transformers.LlamaConfig(**c),
+    "qwen2-sliding": lambda c: transformers.Qwen2Config(**c, use_sliding_window=True, sliding_window=WINDOW,
+                                                        max_window_layers=1),
+    "qwen3": lambda c: transformers.Qwen3Config(**c, head_dim=8),
+    "mistral-sliding": lambda c: transformers.MistralConfig(**c, sliding_window=WINDOW),
+    "mixtral": lambda c: transformers.MixtralConfig(**_moe(c), sliding_window=None),
+    "qwen3_moe": lambda c: transformers.Qwen3MoeConfig(**dict(c, num_experts=4, num_experts_per_tok=2,
+                                                              moe_intermediate_size=32), head_dim=8),
+    "phi3-sliding": lambda c: transformers.Phi3Config(**c, sliding_window=WINDOW),
+    "starcoder2-sliding": lambda c: transformers.Starcoder2Config(**c, sliding_window=WINDOW),
+    "gemma": lambda c: transformers.GemmaConfig(**c, head_dim=8),
+    "gemma3-sliding": lambda c: transformers.Gemma3TextConfig(
+        **c, head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=None),
+    "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+    "opt": _opt,
+}
+
+#: Families of the allow-list and the cases that cover them (every family must be covered).
+COVERED = {"llama": "llama", "qwen2": "qwen2-sliding", "qwen3": "qwen3", "mistral": "mistral-sliding",
+           "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "phi3": "phi3-sliding",
+           "starcoder2": "starcoder2-sliding", "gemma": "gemma", "gemma3_text": "gemma3-sliding",
+           "gpt2": "gpt2", "gpt_neox": "gpt_neox", "opt": "opt"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return _build_tokenizer(tmp_path_factory.mktemp("arch_tokenizer"))
+
+
+class _Checkpoints:
+    """Tiny checkpoints built on first use and shared by every test of the module."""
+
+    def __init__(self, root: pathlib.Path, tokenizer):
+        self.root, self.tokenizer, self.paths = root, tokenizer, {}
+
+    def __getitem__(self, name: str) -> pathlib.Path:
+        if name not in self.paths:
+            eos = self.tokenizer.eos_token_id
+            config = CONFIGS[name](_common(len(self.tokenizer), eos))
+            torch.manual_seed(sum(map(ord, name)))
+            model = transformers.AutoModelForCausalLM.from_config(config).eval()
+            self.paths[name] = self.root / name
+            model.save_pretrained(self.paths[name])
+            self.tokenizer.save_pretrained(self.paths[name])
+        return self.paths[name]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield _Checkpoints(tmp_path_factory.mktemp("arch_checkpoints"), tokenizer)
+    torch.set_num_threads(threads)
+
+
+def _worker(path: pathlib.Path) -> ModelWorker:
+    spec = ModelSpec(name=path.name, path=str(path), role="target", num_gpus=0, num_cpus=0.25, torch_threads=1,
+                     resources={})
+    return ModelWorker(spec, idle_timeout_s=600, max_sessions=4)
+
+
+@torch.inference_mode()
+def _full_logits(model, context: list[int]) -> torch.Tensor:
+    """transformers' own forward of the whole context, no cache: ``[len(context), V]``."""
+    return model(torch.tensor([context])).logits[0].float()
+
+
+def _run(worker: ModelWorker, *items: WorkItem):
+    outcomes, payloads = worker.step(list(items))
+    for outcome in outcomes:
+        assert outcome.error is None, outcome.error
+    return outcomes, payloads
+
+
+def _prompt(tokenizer) -> list[int]:
+    ids = tokenizer(PROMPT_TEXT)["input_ids"]
+    assert len(ids) > 2 * WINDOW
+    return ids
+
+
+def test_every_family_is_covered():
+    assert set(COVERED) <= set(FAMILIES) and set(COVERED.values()) <= set(CONFIGS)
+    missing = set(FAMILIES) - set(COVERED) - {"gemma2", "cohere", "granite"}  # covered by the head tests below
+    assert not missing, f"allow-listed families without a test model: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_rows_and_greedy_equal_transformers(name, checkpoints, tokenizer):
+    _check_rows_and_greedy(checkpoints[name], tokenizer)
+
+
+def _check_rows_and_greedy(path: pathlib.Path, tokenizer) -> None:
+    worker = _worker(path)
+    model = worker.backend.model
+    prompt = _prompt(tokenizer)
+    short = prompt[: WINDOW + 5]
+    try:
+        sampling = RowSampling(temperature=1.0)
+        # Chains longer than the window: a chain's columns are not its positions (docs/engine.md).
+        items = [WorkItem("chains", Sample(path.name, (), CHAIN, num_drafts=2, return_logits=True),
+                          open=OpenSession(tuple(prompt), sampling, {"sample": 1})),
+                 WorkItem("short", Sample(path.name, (), 4, return_logits=True),
+                          open=OpenSession(tuple(short), sampling, {"sample": 2}))]
+        _, payloads = _run(worker, *items)
+        drafts = payloads[0].tokens.tolist()  # [K=2, CHAIN]
+        for k in range(2):
+            expected = _full_logits(model, prompt + drafts[k])[len(prompt) - 1: len(prompt) + CHAIN - 1]  # [CHAIN, V]
+            torch.testing.assert_close(payloads[0].logits[k], expected, atol=ATOL, rtol=0)
+        tokens = payloads[1].tokens[0].tolist()
+        expected = _full_logits(model, short + tokens)[len(short) - 1: len(short) + 3]
+        torch.testing.assert_close(payloads[1].logits[0], expected, atol=ATOL, rtol=0)
+        # Accept the second chain's first three tokens (its keys move next to the prefix), go on.
+        accepted = drafts[1][: WINDOW + 1]
+        _, payloads = _run(worker, WorkItem("chains", Sample(path.name, tuple(accepted), 4, return_logits=True)))
+        context = prompt + accepted
+        tokens = payloads[0].tokens[0].tolist()
+        expected = _full_logits(model, context + tokens)[len(context) - 1: len(context) + 3]
+        torch.testing.assert_close(payloads[0].logits[0], expected, atol=ATOL, rtol=0)
+        # Greedy through the worker equals transformers' generate.
+        greedy = _run(worker, WorkItem("greedy", Sample(path.name, (), GREEDY_TOKENS),
+                                       open=OpenSession(tuple(prompt), RowSampling(temperature=0.0), {"sample": 3})))
+        reference = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=GREEDY_TOKENS,
+                                   min_new_tokens=0, eos_token_id=None, pad_token_id=tokenizer.eos_token_id)
+        assert greedy[0][0].value.tokens[0].tolist() == reference[0, len(prompt):].tolist()
+    finally:
+        for session in ("chains", "short", "greedy"):
+            worker.release(session)
+
+
+# ---------------------------------------------------------------------------------------- refusals
+
+def _config(name: str, **changes) -> transformers.PretrainedConfig:
+    config = CONFIGS[name](_common(320, 0))
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+REFUSED = {
+    "unknown model type": (lambda: transformers.BloomConfig(vocab_size=320, hidden_size=32, n_layer=2, n_head=4),
+                           "ALiBi position bias"),
+    "unlisted model type": (lambda: transformers.FalconConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2,
+                                                              num_attention_heads=4, alibi=False),
+                            "model type 'falcon' is not among the architectures served exactly"),
+    "encoder-decoder": (lambda: transformers.T5Config(vocab_size=320, d_model=32, num_layers=2, num_heads=4),
+                        "encoder-decoder"),
+    "cross-attention": (lambda: _config("gpt2", add_cross_attention=True), "cross-attention"),
+    "chunked attention": (lambda: _config("llama", attention_chunk_size=16), "chunked attention"),
+    "dynamic rope": (lambda: _config("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                               "rope_theta": 10000.0}), "rope_type='dynamic'"),
+    "longrope": (lambda: _config("phi3-sliding", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                                   "short_factor": [1.0] * 2, "long_factor": [2.0] * 2}),
+                 "rope_type='longrope'"),
+    "unknown layer type": (lambda: _config("qwen2-sliding", layer_types=["full_attention", "chunked_attention"]),
+                           "attention layer types ['chunked_attention']"),
+    "head transform on a plain family": (lambda: _config("llama", logit_scale=0.5), "final logit transform"),
+    "attention soft-cap on a family without it": (lambda: _config("mistral-sliding", attn_logit_softcapping=50.0),
+                                                  "attention soft-capping"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_configs_are_refused_naming_feature_and_model(case):
+    build, feature = REFUSED[case]
+    with pytest.raises(UnsupportedModelError) as error:
+        resolve_architecture(build(), "/models/tiny")
+    assert feature in str(error.value) and "'/models/tiny'" in str(error.value)
+
+
+def test_refused_at_load_before_weights(tmp_path):
+    """``SlotBackend.load`` refuses from the config alone (no weights are in the directory)."""
+    from actors.backends import SlotBackend
+
+    _config("llama", attention_chunk_size=16).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=f"model '{tmp_path}' is refused: chunked attention"):
+        SlotBackend.load(str(tmp_path))
