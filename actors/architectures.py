@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 class UnsupportedModelError(ValueError):
     """A model whose law the engine cannot reproduce; the message names the feature and the model."""
@@ -100,7 +102,7 @@ SLIDING_ATTENTION = "sliding_attention"
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 #: Features the engine implements (the others are refused wherever they appear).
-IMPLEMENTED = frozenset({"sliding_window"})
+IMPLEMENTED = frozenset({"sliding_window", "head", "attention_softcap"})
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,22 @@ def resolve_architecture(config: Any, model: str) -> Architecture:
         head=head,
         head_value=head_value,
     )
+
+
+def apply_head(architecture: Architecture, logits: torch.Tensor) -> torch.Tensor:
+    """The model's own transform of ``lm_head``'s output ``[N, V]`` (in the model's dtype, as its
+    ``forward`` does): Cohere ``logits * logit_scale``, Granite ``logits / logits_scaling``,
+    Gemma 2/3 ``tanh(logits / c) * c`` with ``c = final_logit_softcapping``."""
+    value = architecture.head_value
+    if value is None:
+        return logits
+    if architecture.head is HeadKind.LOGIT_SCALE:
+        return logits * value
+    if architecture.head is HeadKind.LOGITS_SCALING:
+        return logits / value
+    if architecture.head is HeadKind.FINAL_SOFTCAP:
+        return torch.tanh(logits / value) * value
+    raise ValueError(f"apply_head: no transform for head {architecture.head}")
 
 
 def detected_features(config: Any) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from actors.architectures import Architecture, UnsupportedModelError, resolve_architecture
+from actors.architectures import UnsupportedModelError, apply_head, resolve_architecture
 from actors.batch import RowWork, build_batch, reads_in_place
 from actors.layer_masks import ColumnPositions, layer_masks
 
@@ -44,7 +44,9 @@ class SlotBackend:
     :class:`~actors.architectures.Architecture` first (refused with
     :class:`~actors.architectures.UnsupportedModelError` when the engine cannot reproduce its
     law): its layers get their own masks (sliding windows from the keys' positions,
-    :mod:`actors.layer_masks`).
+    :mod:`actors.layer_masks`), it runs under the attention implementation its law needs (eager,
+    with an additive float mask, where the model soft-caps attention scores) and its logits go
+    through the model's own head (logit scaling, soft-capping: :func:`~actors.architectures.apply_head`).
     """
 
     def __init__(
@@ -159,7 +161,7 @@ class SlotBackend:
             self.cache.unbind()
         hidden = output.last_hidden_state  # [B, L, hidden]
         kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.keep_index)  # [N_keep, hidden]
-        logits = self.lm_head(kept).float()  # [N_keep, V]
+        logits = apply_head(self.architecture, self.lm_head(kept)).float()  # [N_keep, V]: the model's own head
         per_row: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
         for index, row_logits in zip(batch.row_order, logits.split(batch.keep_counts)):
             per_row[index] = row_logits  # [len(keep), V]
