@@ -258,3 +258,107 @@ def test_refused_at_load_before_weights(tmp_path):
     _config("llama", attention_chunk_size=16).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match=f"model '{tmp_path}' is refused: chunked attention"):
         SlotBackend.load(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------ vocabularies
+
+def _identity(tokenizer):
+    from actors.vocabulary import tokenizer_identity
+
+    return tokenizer_identity(tokenizer)
+
+
+def test_group_vocabulary_masks_padding_and_refuses_mismatches(tokenizer):
+    import copy
+
+    from actors.vocabulary import VocabularyMismatchError, group_vocabulary
+
+    real = len(tokenizer)
+    same = _identity(tokenizer)
+    other = copy.deepcopy(tokenizer)
+    other.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    assert _identity(other) != same and _identity(copy.deepcopy(tokenizer)) == same
+    # Padded rows (the Qwen2.5 0.5B / 7B case): the law is over the tokenizer's tokens.
+    assert group_vocabulary({"target": real + 128, "draft": real + 64}, {"target": same, "draft": same}, same) == real
+    assert group_vocabulary({"target": real + 128, "draft": real}, {"target": same, "draft": None}, None) == real
+    assert group_vocabulary({"target": 50, "draft": 50}, {"target": None, "draft": None}, None) == 50
+    refused = [
+        (({"target": real + 128, "draft": real - 1}, {"target": same, "draft": same}, same),
+         f"models ['draft'] have fewer embedding rows ({{'draft': {real - 1}}}) than the tokenizer's {real} tokens"),
+        (({"target": real, "draft": real}, {"target": same, "draft": _identity(other)}, same),
+         "models ['draft'] ship a tokenizer that differs from the group's"),
+        (({"target": real, "draft": real}, {"target": same, "draft": same}, _identity(other)),
+         "models ['draft', 'target'] ship a tokenizer that differs from the group's"),
+        (({"target": 60, "draft": 50}, {"target": None, "draft": None}, None),
+         "no tokenizer says which ids are real tokens"),
+    ]
+    for arguments, message in refused:
+        with pytest.raises(VocabularyMismatchError) as error:
+            group_vocabulary(*arguments)
+        assert message in str(error.value)
+
+
+PADDED_MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def padded_pair(tmp_path_factory, tokenizer) -> dict[str, pathlib.Path]:
+    """A Qwen2 target and a perturbed draft whose embedding tables are padded differently past
+    the tokenizer (both with a sliding-window layer)."""
+    import copy
+
+    real, eos = len(tokenizer), tokenizer.eos_token_id
+    torch.manual_seed(7)
+    config = CONFIGS["qwen2-sliding"](dict(_common(real + 64, eos)))
+    target = transformers.AutoModelForCausalLM.from_config(config).eval()
+    draft = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(0.1 * parameter.std() * torch.randn(parameter.shape, generator=generator))
+    draft.resize_token_embeddings(real + 32)
+    root = tmp_path_factory.mktemp("padded_pair")
+    paths = {}
+    for name, model in (("target", target), ("draft", draft)):
+        paths[name] = root / name
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+    return paths
+
+
+def test_padded_vocabulary_pair_serves_the_target_law(ray_session, padded_pair, tokenizer):
+    """Through the real coordinator: ar, sd and multi_draft at temperature 0 give the argmax of
+    the target's logits over the tokenizer's real tokens, step by step (full forwards)."""
+    import asyncio
+
+    from actors.api import GenerationRequest
+    from cluster.bringup import start_model_group
+
+    args = {"models": {"target": {"path": str(padded_pair["target"]), "role": "target"},
+                       "draft": {"path": str(padded_pair["draft"]), "role": "draft"}},
+            "defaults": {"strategy": "sd", "method": "block", "gamma": 4},
+            "resources": {"cpus_per_model": 0.25, "torch_threads": 1},
+            "limits": {"max_concurrent_requests": 8, "session_idle_timeout_s": 120}}
+    cases = {"ar": {"strategy": "ar"}, "sd": {"strategy": "sd", "method": "block", "gamma": 4},
+             "multi_draft": {"strategy": "multi_draft", "method": "spectr", "gamma": 3, "num_drafts": 2}}
+    group = start_model_group(args)
+    try:
+        async def run(name, speculation):
+            request = GenerationRequest(request_id=name, prompt=PROMPT_TEXT, speculation=speculation,
+                                        sampling={"temperature": 0, "max_tokens": PADDED_MAX_TOKENS, "ignore_eos": True})
+            stream = group.coordinator.generate.options(num_returns="streaming").remote(request)
+            return [t for chunk in [await ref async for ref in stream] for t in chunk.token_ids]
+
+        async def run_all():
+            return await asyncio.gather(*(run(name, spec) for name, spec in cases.items()))
+
+        outputs = dict(zip(cases, asyncio.run(run_all())))
+    finally:
+        group.shutdown()
+    target = transformers.AutoModelForCausalLM.from_pretrained(padded_pair["target"]).eval()
+    served_tokenizer = transformers.AutoTokenizer.from_pretrained(padded_pair["target"])  # the coordinator's
+    context = served_tokenizer(PROMPT_TEXT)["input_ids"]
+    for _ in range(PADDED_MAX_TOKENS):
+        context.append(int(_full_logits(target, context)[-1, : len(tokenizer)].argmax()))
+    expected = context[-PADDED_MAX_TOKENS:]
+    assert outputs == {name: expected for name in cases}
