@@ -362,3 +362,93 @@ def test_padded_vocabulary_pair_serves_the_target_law(ray_session, padded_pair, 
         context.append(int(_full_logits(target, context)[-1, : len(tokenizer)].argmax()))
     expected = context[-PADDED_MAX_TOKENS:]
     assert outputs == {name: expected for name in cases}
+
+
+# ------------------------------------------------------------- speculation on a soft-capped model
+
+LAW_REQUESTS = 240  # sampled sd requests of LAW_TOKENS tokens each
+LAW_TOKENS, LAW_TOP_K = 2, 3
+CHI_SQUARE_SIGNIFICANCE = 1e-3  # fixed seeds: deterministic
+
+
+@pytest.fixture(scope="module")
+def gemma2_group(ray_session, checkpoints, tmp_path_factory, tokenizer):
+    """A model group over the tiny Gemma 2 (eager, sliding, both soft-caps) and a perturbed draft."""
+    from cluster.bringup import start_model_group
+
+    target_path = checkpoints["gemma2-sliding-softcap"]
+    draft = transformers.AutoModelForCausalLM.from_pretrained(target_path, attn_implementation="eager").eval()
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(0.3 * parameter.std() * torch.randn(parameter.shape, generator=generator))
+    draft_path = tmp_path_factory.mktemp("gemma2_draft")
+    draft.save_pretrained(draft_path)
+    tokenizer.save_pretrained(draft_path)
+    group = start_model_group({
+        "models": {"target": {"path": str(target_path), "role": "target"},
+                   "draft": {"path": str(draft_path), "role": "draft"}},
+        "defaults": {"strategy": "sd", "method": "block", "gamma": 3},
+        "resources": {"cpus_per_model": 0.25, "torch_threads": 1},
+        "limits": {"max_concurrent_requests": 32, "max_queued_requests": 512, "session_idle_timeout_s": 120}})
+    yield group, transformers.AutoTokenizer.from_pretrained(target_path)
+    group.shutdown()
+
+
+def _generate(group, requests) -> list[list[int]]:
+    import asyncio
+
+    async def one(request):
+        stream = group.coordinator.generate.options(num_returns="streaming").remote(request)
+        chunks = [await ref async for ref in stream]
+        assert chunks[-1].error is None, chunks[-1].error
+        return [t for chunk in chunks for t in chunk.token_ids]
+
+    async def run_all():
+        return await asyncio.gather(*(one(request) for request in requests))
+
+    return asyncio.run(run_all())
+
+
+def test_speculation_on_gemma2_equals_its_greedy_output(gemma2_group, checkpoints):
+    from actors.api import GenerationRequest
+
+    group, served_tokenizer = gemma2_group
+    cases = {"ar": {"strategy": "ar"}, "sd-block": {"strategy": "sd", "method": "block", "gamma": 4},
+             "sd-token": {"strategy": "sd", "method": "token", "gamma": 3}}
+    outputs = _generate(group, [
+        GenerationRequest(request_id=name, prompt=PROMPT_TEXT, speculation=speculation,
+                          sampling={"temperature": 0, "max_tokens": PADDED_MAX_TOKENS, "ignore_eos": True})
+        for name, speculation in cases.items()])
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["gemma2-sliding-softcap"],
+                                                              attn_implementation="eager").eval()
+    prompt = served_tokenizer(PROMPT_TEXT)["input_ids"]
+    reference = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=PADDED_MAX_TOKENS,
+                               min_new_tokens=0, eos_token_id=None, pad_token_id=served_tokenizer.eos_token_id)
+    assert outputs == [reference[0, len(prompt):].tolist()] * len(cases)
+
+
+def test_sampled_speculation_on_gemma2_follows_the_soft_capped_law(gemma2_group, checkpoints):
+    """Sampled sd (temperature 1, top-k 3) through the coordinator: the joint law of the first
+    two tokens is the target's, computed from its soft-capped full-forward logits."""
+    from actors.api import GenerationRequest
+    from tests.verifiers.tiny_models import chi_square_pvalue
+
+    group, served_tokenizer = gemma2_group
+    samples = _generate(group, [
+        GenerationRequest(request_id=f"law{i}", prompt=PROMPT_TEXT,
+                          speculation={"strategy": "sd", "method": "block", "gamma": 3},
+                          sampling={"temperature": 1.0, "top_k": LAW_TOP_K, "max_tokens": LAW_TOKENS,
+                                    "ignore_eos": True, "seed": 1000 + i})
+        for i in range(LAW_REQUESTS)])
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["gemma2-sliding-softcap"],
+                                                              attn_implementation="eager").eval()
+    prompt = served_tokenizer(PROMPT_TEXT)["input_ids"]
+
+    def top_k_law(context):  # token -> probability under temperature 1, top-k
+        values, tokens = _full_logits(model, context)[-1].double().topk(LAW_TOP_K)
+        return dict(zip(tokens.tolist(), torch.softmax(values, -1).tolist()))
+
+    law = {(first, second): p * q for first, p in top_k_law(prompt).items()
+           for second, q in top_k_law(prompt + [first]).items()}
+    assert chi_square_pvalue([tuple(sample) for sample in samples], law) > CHI_SQUARE_SIGNIFICANCE
