@@ -101,9 +101,6 @@ SLIDING_ATTENTION = "sliding_attention"
 #: other rows of its forward.
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
-#: Features the engine implements (the others are refused wherever they appear).
-IMPLEMENTED = frozenset({"sliding_window", "head", "attention_softcap"})
-
 
 @dataclass(frozen=True)
 class Architecture:
@@ -141,11 +138,7 @@ def resolve_architecture(config: Any, model: str) -> Architecture:
     if attention_softcap is not None and not family.attention_softcap:
         raise UnsupportedModelError(model, f"attention soft-capping (attn_logit_softcapping={attention_softcap}) "
                                            f"on model type {model_type!r}, whose attention does not implement it")
-    if attention_softcap is not None and "attention_softcap" not in IMPLEMENTED:
-        raise UnsupportedModelError(model, f"attention soft-capping (attn_logit_softcapping={attention_softcap})")
-    eager = attention_softcap is not None or not family.supports_sdpa
-    if eager and "attention_softcap" not in IMPLEMENTED:
-        raise UnsupportedModelError(model, f"model type {model_type!r} needs eager attention")
+    eager = attention_softcap is not None or not family.supports_sdpa  # sdpa cannot soft-cap scores
     return Architecture(
         model_type=model_type,
         attn_implementation="eager" if eager else "sdpa",
@@ -243,8 +236,6 @@ def _layer_kinds(config: Any, family: Family, model: str) -> tuple[tuple[str, ..
         return kinds, None
     if not isinstance(window, int) or window < 1:
         raise UnsupportedModelError(model, f"sliding-window layers with sliding_window={window!r} (need an int >= 1)")
-    if "sliding_window" not in IMPLEMENTED:
-        raise UnsupportedModelError(model, f"sliding-window attention (sliding_window={window})")
     return kinds, int(window)
 
 
@@ -270,6 +261,4 @@ def _head(config: Any, family: Family, model: str) -> tuple[HeadKind, float | No
     value = float(value)
     if not math.isfinite(value) or value == 0 or (family.head is HeadKind.FINAL_SOFTCAP and value < 0):
         raise UnsupportedModelError(model, f"{family.head.value}={value} (need a finite non-zero value; a cap > 0)")
-    if "head" not in IMPLEMENTED:
-        raise UnsupportedModelError(model, f"a final logit transform ({family.head.value}={value})")
     return family.head, value
