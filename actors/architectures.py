@@ -97,8 +97,8 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 #: Rotary scalings whose frequencies depend on the longest position in the batch
-#: (``transformers.modeling_rope_utils.dynamic_rope_update``): a row's law would depend on the
-#: other rows of its forward.
+#: (``transformers.modeling_rope_utils.dynamic_rope_update``: a type containing "dynamic", or
+#: "longrope"): a row's law would depend on the other rows of its forward.
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
@@ -212,7 +212,7 @@ def _rope_types(config: Any) -> list[str]:
 
 def _refuse_dynamic_rope(config: Any, model: str) -> None:
     for kind in _rope_types(config):
-        if kind in DYNAMIC_ROPE_TYPES:
+        if any(dynamic in kind for dynamic in DYNAMIC_ROPE_TYPES):  # transformers: '"dynamic" in rope_type'
             raise UnsupportedModelError(
                 model, f"rotary scaling rope_type={kind!r} (its frequencies depend on the longest position in the batch)")
 

@@ -420,3 +420,12 @@ def test_sampled_speculation_on_gemma2_follows_the_soft_capped_law(gemma2_group,
     law = {(first, second): p * q for first, p in top_k_law(prompt).items()
            for second, q in top_k_law(prompt + [first]).items()}
     assert chi_square_pvalue([tuple(sample) for sample in samples], law) > CHI_SQUARE_SIGNIFICANCE
+
+
+def test_a_model_loaded_with_another_attention_is_refused(checkpoints):
+    """Eager attention with the engine's bool masks would add them as 0/1: never served."""
+    from actors.backends import SlotBackend
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["llama"], attn_implementation="eager")
+    with pytest.raises(UnsupportedModelError, match="attn_implementation='eager'; this architecture is served with 'sdpa'"):
+        SlotBackend(model, "cpu", max_slots=1)
