@@ -88,8 +88,16 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(MaskLayout.LAYER_TYPES),
     "gemma2": Family(MaskLayout.LAYER_TYPES, HeadKind.FINAL_SOFTCAP, attention_softcap=True, supports_sdpa=False),
     "gemma3_text": Family(MaskLayout.LAYER_TYPES, HeadKind.FINAL_SOFTCAP, attention_softcap=True),
+    "olmo2": Family(MaskLayout.FULL),
+    "phi": Family(MaskLayout.FULL),
+    "olmo3": Family(MaskLayout.LAYER_TYPES),
+    "qwen2_moe": Family(MaskLayout.LAYER_TYPES),
+    "smollm3": Family(MaskLayout.LAYER_TYPES),
+    "ministral": Family(MaskLayout.LAYER_TYPES),
     "cohere": Family(MaskLayout.FULL, HeadKind.LOGIT_SCALE),
+    "cohere2": Family(MaskLayout.LAYER_TYPES, HeadKind.LOGIT_SCALE),
     "granite": Family(MaskLayout.FULL, HeadKind.LOGITS_SCALING),
+    "granitemoe": Family(MaskLayout.FULL, HeadKind.LOGITS_SCALING),
 }
 
 #: Layer kinds of ``MaskLayout.LAYER_TYPES`` models.

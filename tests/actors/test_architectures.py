@@ -96,6 +96,23 @@ CONFIGS = {
     "cohere": lambda c: transformers.CohereConfig(**c, logit_scale=0.5),
     "granite": lambda c: transformers.GraniteConfig(**c, logits_scaling=4.0, embedding_multiplier=2.0,
                                                     residual_multiplier=0.5, attention_multiplier=0.3),
+    "cohere2-sliding": lambda c: transformers.Cohere2Config(
+        **c, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
+    "granitemoe": lambda c: transformers.GraniteMoeConfig(**_moe(c), logits_scaling=4.0, embedding_multiplier=2.0,
+                                                          residual_multiplier=0.5, attention_multiplier=0.3),
+    "olmo2": lambda c: transformers.Olmo2Config(**c),
+    "olmo3-sliding": lambda c: transformers.Olmo3Config(
+        **c, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "qwen2_moe-sliding": lambda c: transformers.Qwen2MoeConfig(
+        **dict(c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32), use_sliding_window=True, sliding_window=WINDOW,
+        max_window_layers=1),
+    "smollm3-sliding": lambda c: transformers.SmolLM3Config(
+        **c, use_sliding_window=True, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "ministral-sliding": lambda c: transformers.MinistralConfig(
+        **c, head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "phi": lambda c: transformers.PhiConfig(**{k: v for k, v in c.items() if k != "num_key_value_heads"},
+                                            partial_rotary_factor=0.5),
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
     "opt": _opt,
@@ -106,7 +123,9 @@ COVERED = {"llama": "llama", "qwen2": "qwen2-sliding", "qwen3": "qwen3", "mistra
            "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "phi3": "phi3-sliding",
            "starcoder2": "starcoder2-sliding", "gemma": "gemma", "gemma3_text": "gemma3-sliding",
            "gpt2": "gpt2", "gpt_neox": "gpt_neox", "opt": "opt", "gemma2": "gemma2-sliding-softcap",
-           "cohere": "cohere", "granite": "granite"}
+           "cohere": "cohere", "granite": "granite", "cohere2": "cohere2-sliding", "granitemoe": "granitemoe",
+           "olmo2": "olmo2", "olmo3": "olmo3-sliding", "qwen2_moe": "qwen2_moe-sliding",
+           "smollm3": "smollm3-sliding", "ministral": "ministral-sliding", "phi": "phi"}
 
 
 @pytest.fixture(scope="module")
