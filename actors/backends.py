@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+from actors.architectures import UnsupportedModelError, apply_head, resolve_architecture
 from actors.batch import RowWork, build_batch, reads_in_place
+from actors.layer_masks import ColumnPositions, layer_masks
 
 logger = logging.getLogger(__name__)
 
@@ -34,24 +36,32 @@ FORWARD_OVERHEAD_TOKENS = {"cpu": 8, "cuda": 512}
 
 
 class SlotBackend:
-    """A transformers causal LM (loaded with from_pretrained, attn_implementation="sdpa") over a SlotKVCache.
+    """A transformers causal LM (``from_pretrained``) over a SlotKVCache, served exactly or refused.
 
     Each session owns a cache slot (:meth:`allocate` / :meth:`free`); :meth:`forward` runs the
     new tokens of many sessions (:class:`~actors.batch.RowWork` rows) in ONE model forward and
-    computes logits only for the positions each row keeps. Logits are ``lm_head(decoder(...))``,
-    which is what Llama-family causal LMs compute (no logit scaling or soft-capping).
+    computes logits only for the positions each row keeps. The model's config is resolved to an
+    :class:`~actors.architectures.Architecture` first (refused with
+    :class:`~actors.architectures.UnsupportedModelError` when the engine cannot reproduce its
+    law): its layers get their own masks (sliding windows from the keys' positions,
+    :mod:`actors.layer_masks`), it runs under the attention implementation its law needs (eager,
+    with an additive float mask, where the model soft-caps attention scores) and its logits go
+    through the model's own head (logit scaling, soft-capping: :func:`~actors.architectures.apply_head`).
     """
 
     def __init__(
         self, model: Any, device: str, max_context: int | None = None, *, max_slots: int = 64,
-        scratch_columns: int = 64, initial_slots: int | None = None,
+        scratch_columns: int = 64, initial_slots: int | None = None, name: str | None = None,
     ):
         from actors.kv_cache import SlotKVCache
 
+        name = name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        self.architecture = resolve_architecture(model.config, name)  # UnsupportedModelError: refused
         attn = getattr(model.config, "_attn_implementation", None)
-        if attn != "sdpa":
-            # eager adds a bool mask as 0/1 instead of masking: silently wrong logits.
-            raise ValueError(f"SlotBackend needs attn_implementation='sdpa' (bool 4D masks), got {attn!r}")
+        if attn != self.architecture.attn_implementation:
+            raise UnsupportedModelError(
+                name, f"attn_implementation={attn!r}; this architecture is served with "
+                      f"{self.architecture.attn_implementation!r} (load it with SlotBackend.load)")
         if scratch_columns < 0:
             raise ValueError(f"scratch_columns must be >= 0, got {scratch_columns}")
         self.model = model
@@ -70,6 +80,9 @@ class SlotBackend:
             dtype=model.dtype,
             device=device,
         )
+        # Sliding-window layers mask by key position, which a column does not tell (chains).
+        self.positions = (ColumnPositions(max_slots, self.capacity + 1, device)
+                          if self.architecture.has_sliding_layers else None)
 
     @classmethod
     def load(
@@ -77,20 +90,23 @@ class SlotBackend:
         max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64, initial_slots: int | None = None,
     ) -> SlotBackend:
         """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub)."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         local = os.path.isdir(path)
+        config = AutoConfig.from_pretrained(path, revision=revision, local_files_only=local)
+        architecture = resolve_architecture(config, path)  # refused before any weight is read
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=getattr(torch, dtype),
             revision=revision,
             local_files_only=local,
-            attn_implementation="sdpa",
+            attn_implementation=architecture.attn_implementation,
         )
         model.to(device).eval()
-        logger.info("loaded %s (%s, %s, sdpa) on %s", path, type(model).__name__, dtype, device)
+        logger.info("loaded %s (%s, %s, %s) on %s", path, type(model).__name__, dtype,
+                    architecture.attn_implementation, device)
         return cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
-                   initial_slots=initial_slots)
+                   initial_slots=initial_slots, name=path)
 
     def allocate(self) -> int:
         """A free cache slot for a new session."""
@@ -107,10 +123,14 @@ class SlotBackend:
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy every layer's keys/values of columns ``[0, length)`` from one slot to another."""
         self.cache.copy_prefix(src_slot, dst_slot, length)
+        if self.positions is not None:
+            self.positions.copy_prefix(src_slot, dst_slot, length)
 
     def copy_columns(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy every layer's keys/values in ``slot`` from columns ``src`` to columns ``dst``."""
         self.cache.copy_columns(slot, src, dst)
+        if self.positions is not None:
+            self.positions.copy_columns(slot, src, dst)
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[RowWork]) -> list[torch.Tensor]:
@@ -122,12 +142,18 @@ class SlotBackend:
             if not self.cache.is_allocated(row.slot):
                 raise ValueError(f"RowWork.slot {row.slot} is not allocated")
         batch = build_batch(rows, capacity=self.capacity, device=self.device, in_place=reads_in_place(rows))
+        key_positions = None
+        if self.positions is not None:
+            self.positions.record(batch.slots, batch.write_columns, batch.position_ids)
+            key_positions = self.positions.key_positions(batch.slots, batch.kv_length)  # [B, T_kv]
+        attention_mask = layer_masks(self.architecture, batch.attention_mask, batch.position_ids, key_positions,
+                                     self.model.dtype)  # [B, 1, L, T_kv], or one per layer type
         self.cache.bind(batch.slots, batch.write_columns, batch.kv_length, batch.first_slot)
         try:
             output = self.decoder(
                 input_ids=batch.input_ids,  # [B, L]
                 position_ids=batch.position_ids,  # [B, L]
-                attention_mask=batch.attention_mask,  # [B, 1, L, T_kv]
+                attention_mask=attention_mask,
                 past_key_values=self.cache,
                 use_cache=True,
             )
@@ -135,7 +161,7 @@ class SlotBackend:
             self.cache.unbind()
         hidden = output.last_hidden_state  # [B, L, hidden]
         kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.keep_index)  # [N_keep, hidden]
-        logits = self.lm_head(kept).float()  # [N_keep, V]
+        logits = apply_head(self.architecture, self.lm_head(kept)).float()  # [N_keep, V]: the model's own head
         per_row: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
         for index, row_logits in zip(batch.row_order, logits.split(batch.keep_counts)):
             per_row[index] = row_logits  # [len(keep), V]

@@ -43,6 +43,7 @@ from actors.output import OutputTracker
 from actors.plan import DecodingPlan, resolve_plan
 from actors.scheduler import RequestState, Scheduler
 from actors.strategies import MachineSampling, build_machine
+from actors.vocabulary import group_vocabulary, tokenizer_identity
 from verifiers.penalties import Penalties
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class Coordinator:
             goodput=config.goodput_gamma,
         )
         self.worker_infos: dict[str, WorkerInfo] | None = None
+        self.vocab_limit: int | None = None  # the group's real tokens (actors.vocabulary), set with the infos
         self._export_task: asyncio.Task | None = None
 
     @staticmethod
@@ -137,7 +139,15 @@ class Coordinator:
         if self.worker_infos is None:
             names = list(self.workers)
             results = await asyncio.gather(*(self.workers[name].info.remote() for name in names))
-            self.worker_infos = dict(zip(names, results))
+            infos = dict(zip(names, results))
+            # One vocabulary for the group, or refuse (VocabularyMismatchError): bring-up asks for
+            # the infos before it serves, so a mismatched group never starts.
+            self.vocab_limit = group_vocabulary(
+                {name: info.vocab_size for name, info in infos.items()},
+                {name: info.tokenizer for name, info in infos.items()},
+                tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None,
+            )
+            self.worker_infos = infos
         return self.worker_infos
 
     async def describe(self) -> dict[str, Any]:
@@ -226,7 +236,7 @@ class Coordinator:
         prompt_ids = self._tokenize(request)
         if not prompt_ids:
             raise InvalidRequestError("prompt", "the prompt tokenizes to no tokens")
-        vocab_limit = min(infos[name].vocab_size for name in plan.models)
+        vocab_limit = self.vocab_limit  # the tokenizer's real tokens; padded embedding rows are masked
         bad = [t for t in prompt_ids if not 0 <= t < vocab_limit]
         if bad:
             raise InvalidRequestError("prompt_ids", f"token ids must lie in [0, {vocab_limit}), got {bad[:5]}")

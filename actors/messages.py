@@ -43,6 +43,7 @@ class WorkerInfo:
     gpu_ids: tuple[Any, ...] = ()
     node_id: str = ""
     pid: int = 0
+    tokenizer: Any = None  # actors.vocabulary.TokenizerIdentity of the model directory's tokenizer; None: none
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import torch
 from actors.backends import SlotBackend
 from actors.engine import WorkerEngine
 from actors.messages import ItemOutcome, WorkerInfo, WorkItem
+from actors.vocabulary import load_tokenizer_identity
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class ModelWorker:
             torch.set_num_threads(max(1, int(getattr(spec, "torch_threads", 1))))
         self.max_sessions = int(max_sessions)
         self.engine = WorkerEngine(self._load_backend(), spec.name, idle_timeout_s, prefix_caching=prefix_caching)
+        self.tokenizer_identity = load_tokenizer_identity(spec.path)  # checked against the group's at start-up
         self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
         self._reaper.start()
 
@@ -122,6 +124,7 @@ class ModelWorker:
             gpu_ids=self._gpu_ids(),
             node_id=node_id,
             pid=os.getpid(),
+            tokenizer=self.tokenizer_identity,
         )
 
     # ------------------------------------------------------------------ the step

@@ -193,6 +193,7 @@ def start_model_group(
         try:
             infos = ray.get([handle.info.remote() for handle in workers.values()])
             ray.get(coordinator.health.remote())
+            ray.get(coordinator.infos.remote())  # the group's vocabulary check (actors.vocabulary)
         except Exception:
             group.shutdown()
             raise
