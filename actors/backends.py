@@ -52,7 +52,9 @@ class SlotBackend:
     def __init__(
         self, model: Any, device: str, max_context: int | None = None, *, max_slots: int = 64,
         scratch_columns: int = 64, initial_slots: int | None = None, name: str | None = None,
+        max_model_len: int | None = None, kv_cache_memory: int | float | None = None,
     ):
+        from actors.kv_budget import context_limit, plan_kv_slots
         from actors.kv_cache import SlotKVCache
 
         name = name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
@@ -67,8 +69,16 @@ class SlotBackend:
         self.model = model
         self.device = device
         self.vocab_size = int(model.config.vocab_size)
-        self.max_context = int(max_context or _config_context(model.config))
+        # The context a request may use here: max_model_len, at most the model's own.
+        self.max_context = context_limit(int(max_context or _config_context(model.config)), max_model_len, name)
         self.capacity = self.max_context + scratch_columns  # columns per slot
+        # Slots: as many as the KV budget holds (actors.kv_budget); max_slots when there is none.
+        self.max_slots, self.slot_bytes = plan_kv_slots(
+            model.config, model=name, max_model_len=self.max_context, capacity=self.capacity, dtype=model.dtype,
+            device=device, kv_cache_memory=kv_cache_memory, default_slots=max_slots,
+            sliding=self.architecture.has_sliding_layers,
+        )
+        max_slots = self.max_slots
         self.forward_overhead_tokens = FORWARD_OVERHEAD_TOKENS.get(torch.device(device).type, FORWARD_OVERHEAD_TOKENS["cuda"])
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -76,7 +86,7 @@ class SlotBackend:
         # step (measured: 1.9 s to grow the embedded target from 4 to 32 slots mid-request), and
         # the worker's memory is then known at start-up.
         self.cache = SlotKVCache.from_config(
-            model.config, capacity=self.capacity, max_slots=max_slots, initial_slots=initial_slots or max_slots,
+            model.config, capacity=self.capacity, max_slots=max_slots, initial_slots=min(initial_slots or max_slots, max_slots),
             dtype=model.dtype,
             device=device,
         )
@@ -86,15 +96,21 @@ class SlotBackend:
 
     @classmethod
     def load(
-        cls, path: str, *, dtype: str = "float32", revision: str | None = None, device: str = "cpu",
+        cls, path: str, *, dtype: str | None = "float32", revision: str | None = None, device: str = "cpu",
         max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64, initial_slots: int | None = None,
+        max_model_len: int | None = None, kv_cache_memory: int | float | None = None,
     ) -> SlotBackend:
-        """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub)."""
+        """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub).
+        ``dtype`` None: the checkpoint's own on a GPU, float32 on CPU (:func:`actors.kv_budget.resolve_dtype`);
+        ``max_model_len`` / ``kv_cache_memory``: the context and the KV budget (:mod:`actors.kv_budget`)."""
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from actors.kv_budget import resolve_dtype
 
         local = os.path.isdir(path)
         config = AutoConfig.from_pretrained(path, revision=revision, local_files_only=local)
         architecture = resolve_architecture(config, path)  # refused before any weight is read
+        dtype = resolve_dtype(dtype, device, config)
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=getattr(torch, dtype),
@@ -106,7 +122,7 @@ class SlotBackend:
         logger.info("loaded %s (%s, %s, %s) on %s", path, type(model).__name__, dtype,
                     architecture.attn_implementation, device)
         return cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
-                   initial_slots=initial_slots, name=path)
+                   initial_slots=initial_slots, name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
 
     def allocate(self) -> int:
         """A free cache slot for a new session."""

@@ -12,7 +12,8 @@ request opened is released on every worker, and other requests are unaffected.
 Requests are decoded together by the step scheduler (:mod:`actors.scheduler`): each request
 is a state machine (:mod:`verifiers.machines`, built by :mod:`actors.strategies`), and every
 step each model worker gets one call with the work of every request in flight. A request
-beyond ``max_concurrent_requests`` waits its turn; beyond ``max_queued_requests`` more it is
+beyond ``max_concurrent_requests`` (at most the KV cache slots of the group's smallest worker,
+:func:`running_limit`) waits its turn; beyond ``max_queued_requests`` more it is
 refused with :class:`actors.scheduler.OverloadedError` (429 / RESOURCE_EXHAUSTED). A client
 that goes away leaves at the next step. The coordinator itself holds no decoding math.
 """
@@ -78,6 +79,14 @@ def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
         update={"token_ids": [t for c in chunks for t in c.token_ids], "text": "".join(c.text for c in chunks),
                 "logprobs": logprobs}
     )
+
+
+def running_limit(max_concurrent: int, infos: dict[str, WorkerInfo]) -> int:
+    """Requests run at once: ``limits.max_concurrent_requests``, at most the KV cache slots of the
+    group's smallest worker (one slot per request on each worker; :mod:`actors.kv_budget`), so a
+    request waits for a free slot instead of failing for lack of one."""
+    slots = [info.kv_slots for info in infos.values() if info.kv_slots is not None]
+    return min([int(max_concurrent), *slots])
 
 
 class Coordinator:
@@ -147,6 +156,7 @@ class Coordinator:
                 {name: info.tokenizer for name, info in infos.items()},
                 tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None,
             )
+            self.scheduler.max_running = running_limit(self.config.max_concurrent_requests, infos)
             self.worker_infos = infos
         return self.worker_infos
 
@@ -158,6 +168,8 @@ class Coordinator:
                               "device": info.device, "gpu_ids": list(info.gpu_ids)} for name, info in infos.items()},
             "defaults": self.config.defaults.model_dump(),
             "max_concurrent_requests": self.config.max_concurrent_requests,
+            "max_running": self.scheduler.max_running,
+            "kv_slots": {name: info.kv_slots for name, info in infos.items()},
             "active_requests": sorted(self.scheduler.active_session_ids()),
         }
 
@@ -240,16 +252,18 @@ class Coordinator:
         bad = [t for t in prompt_ids if not 0 <= t < vocab_limit]
         if bad:
             raise InvalidRequestError("prompt_ids", f"token ids must lie in [0, {vocab_limit}), got {bad[:5]}")
+        # Each worker reports the context a request may use there (engine.max_model_len when set).
         max_context = min(infos[name].max_context for name in plan.models)
+        limit = self._context_name(max_context)
         if len(prompt_ids) >= max_context:
             raise InvalidRequestError(
-                "prompt", f"the prompt has {len(prompt_ids)} tokens; the model context is {max_context}"
+                "prompt", f"the prompt has {len(prompt_ids)} tokens; the {limit} is {max_context}"
             )
         sampling = request.sampling
         if len(prompt_ids) + sampling.max_tokens > max_context:
             raise InvalidRequestError(
                 "max_tokens",
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model context "
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the {limit} "
                 f"({max_context}); at most {max_context - len(prompt_ids)}",
             )
         if sampling.stop and self.tokenizer is None:
@@ -261,6 +275,11 @@ class Coordinator:
         if bad_values:
             raise InvalidRequestError("logit_bias", f"biases must be finite and in [-100, 100], got {bad_values[:5]}")
         return plan, prompt_ids, vocab_limit, max_context
+
+    def _context_name(self, max_context: int) -> str:
+        """How a 400 names the context limit: ``max_model_len`` when that setting is the limit."""
+        max_model_len = getattr(self.config, "max_model_len", None)
+        return "max_model_len" if max_model_len == max_context else "model context"
 
     async def validate(self, request: GenerationRequest | dict) -> dict[str, Any]:
         """Check a request without running it: the resolved plan and the prompt length, or

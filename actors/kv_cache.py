@@ -33,6 +33,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 DEFAULT_INITIAL_SLOTS = 4
 
 
+def cache_shape(config: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a transformers decoder ``config``: what one cached
+    token costs per layer (``head_dim`` defaults to ``hidden_size / num_attention_heads``,
+    ``num_key_value_heads`` to ``num_attention_heads``)."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return int(config.num_hidden_layers), int(kv_heads), int(head_dim)
+
+
 class SlotKVLayer(CacheLayerMixin):
     """One layer's view of a :class:`SlotKVCache`; the storage lives in the cache."""
 
@@ -118,14 +128,16 @@ class SlotKVCache(Cache):
     @classmethod
     def from_config(cls, config: Any, **kwargs: Any) -> SlotKVCache:
         """Size the cache for a transformers decoder ``config`` (layers, kv heads, head dim)."""
-        heads = int(config.num_attention_heads)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(
-            num_layers=int(config.num_hidden_layers),
-            kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
-            **kwargs,
-        )
+        num_layers, kv_heads, head_dim = cache_shape(config)
+        return cls(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, **kwargs)
+
+    @staticmethod
+    def slot_bytes(config: Any, capacity: int, dtype: torch.dtype) -> int:
+        """Bytes one slot of a cache built by :meth:`from_config` holds: layers x 2 (keys,
+        values) x kv heads x head dim x (capacity + 1 trash column) x the dtype's bytes."""
+        num_layers, kv_heads, head_dim = cache_shape(config)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * kv_heads * head_dim * (capacity + 1) * itemsize
 
     # -- slots ------------------------------------------------------------------------------
 

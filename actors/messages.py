@@ -33,7 +33,8 @@ class RowSampling:
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """What a ModelWorker reports about itself."""
+    """What a ModelWorker reports about itself (``max_context``: the context a request may use
+    there, ``engine.max_model_len`` when set; ``kv_slots``: the sessions its KV cache holds)."""
 
     name: str
     role: str
@@ -44,6 +45,7 @@ class WorkerInfo:
     node_id: str = ""
     pid: int = 0
     tokenizer: Any = None  # actors.vocabulary.TokenizerIdentity of the model directory's tokenizer; None: none
+    kv_slots: int | None = None  # KV cache slots (sessions it can hold at once); None: not reported
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import torch
 
 from actors.backends import SlotBackend
 from actors.engine import WorkerEngine
+from actors.kv_budget import worker_kv_cache_memory
 from actors.messages import ItemOutcome, WorkerInfo, WorkItem
 from actors.vocabulary import load_tokenizer_identity
 
@@ -60,13 +61,19 @@ class ModelWorker:
 
     ``spec`` is a :class:`cluster.config.ModelSpec` (name, path, role, dtype, revision,
     max_context, num_gpus, torch_threads). On a GPU the worker uses the GPU Ray assigned it;
-    on CPU it caps torch to ``spec.torch_threads`` threads. ``max_sessions`` bounds the KV
-    cache slots (one per open session); ``prefix_caching`` lets a new session copy the longest
+    on CPU it caps torch to ``spec.torch_threads`` threads. The KV cache holds one slot per open
+    session: as many as ``kv_cache_memory`` holds (bytes, or on a GPU a fraction of the memory
+    free after the weights; unset: 0.9 on a GPU), ``max_sessions`` when there is no budget (CPU,
+    unset); each slot holds ``max_model_len`` tokens (default: the model's context) plus scratch
+    columns (:mod:`actors.kv_budget`). ``prefix_caching`` lets a new session copy the longest
     prefix of its prompt the worker already holds (:mod:`actors.prefix_cache`).
     """
 
-    def __init__(self, spec: Any, idle_timeout_s: float = 300.0, max_sessions: int = 64, prefix_caching: bool = True):
+    def __init__(self, spec: Any, idle_timeout_s: float = 300.0, max_sessions: int = 64, prefix_caching: bool = True,
+                 *, kv_cache_memory: int | float | None = None, max_model_len: int | None = None):
         self.spec = spec
+        self.kv_cache_memory = kv_cache_memory
+        self.max_model_len = max_model_len
         self.device = self._pick_device()
         if self.device == "cpu":
             torch.set_num_threads(max(1, int(getattr(spec, "torch_threads", 1))))
@@ -95,10 +102,12 @@ class ModelWorker:
             return ()
 
     def _load_backend(self) -> Any:
-        spec = self.spec
+        spec = self.spec  # dtype None: the checkpoint's on a GPU, float32 on CPU
         return SlotBackend.load(
             spec.path, dtype=spec.dtype, revision=spec.revision, device=self.device, max_context=spec.max_context,
             max_slots=self.max_sessions, scratch_columns=SCRATCH_COLUMNS,
+            max_model_len=self.max_model_len,
+            kv_cache_memory=worker_kv_cache_memory(self.kv_cache_memory, self.device),
         )
 
     @property
@@ -106,7 +115,7 @@ class ModelWorker:
         return self.engine.backend
 
     def info(self) -> WorkerInfo:
-        """Name, role, vocabulary, context length and placement of this worker."""
+        """Name, role, vocabulary, context length, KV cache slots and placement of this worker."""
         node_id = ""
         try:
             import ray
@@ -121,6 +130,7 @@ class ModelWorker:
             vocab_size=self.backend.vocab_size,
             max_context=self.backend.max_context,
             device=self.device,
+            kv_slots=int(self.backend.max_slots),
             gpu_ids=self._gpu_ids(),
             node_id=node_id,
             pid=os.getpid(),

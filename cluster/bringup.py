@@ -136,8 +136,9 @@ def _scheduling(placement_group: Any, bundle_index: int) -> dict[str, Any]:
 
 
 def worker_sessions(config: GroupConfig) -> int:
-    """KV cache slots per worker: every running request, plus as many again whose sessions are
-    released at the next step, plus a margin."""
+    """KV cache slots per worker when no KV budget sizes them (CPU, ``engine.kv_cache_memory``
+    unset): every running request, plus as many again whose sessions are released at the next
+    step, plus a margin (:mod:`actors.kv_budget` sizes them otherwise)."""
     return 2 * config.max_concurrent_requests + 4
 
 
@@ -179,7 +180,8 @@ def start_model_group(
         options.update(_scheduling(placement_group, first_bundle + index))
         workers[model.name] = remote_worker.options(**options).remote(
             model, config.session_idle_timeout_s, max_sessions=worker_sessions(config),
-            prefix_caching=config.prefix_caching,
+            prefix_caching=config.prefix_caching, kv_cache_memory=config.kv_cache_memory,
+            max_model_len=config.max_model_len,
         )
     coordinator_options: dict[str, Any] = {"num_cpus": config.coordinator_cpus, "max_restarts": -1}
     if config.coordinator_resources:
@@ -198,6 +200,6 @@ def start_model_group(
             group.shutdown()
             raise
         for info in infos:
-            logger.info("worker %s (%s): vocab %d, context %d, %s %s", info.name, info.role, info.vocab_size,
-                        info.max_context, info.device, list(info.gpu_ids))
+            logger.info("worker %s (%s): vocab %d, context %d, %s KV cache slots, %s %s", info.name, info.role,
+                        info.vocab_size, info.max_context, info.kv_slots, info.device, list(info.gpu_ids))
     return group

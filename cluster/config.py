@@ -42,11 +42,12 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import re
 import string
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from actors.api import InvalidRequestError, SpeculationParams
 from actors.plan import DecodingDefaults, resolve_plan
@@ -72,7 +73,11 @@ class ModelArgs(_Frozen):
         description="target (the verifier, also the ar baseline), draft (the sd/multi_draft proposer) "
         "or member (an ensemble member; the target can be an ensemble member too).",
     )
-    dtype: DType = Field("float32", description="Weights dtype once loaded (float32 on CPU is the safe choice).")
+    dtype: DType | None = Field(
+        None,
+        description="Weights (and KV cache) dtype once loaded; unset: the checkpoint's own (config dtype / "
+        "torch_dtype, e.g. bfloat16) on a GPU, float32 on CPU.",
+    )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for hub ids.")
     max_context: int | None = Field(
         None, ge=2, description="Context length override; default: the model's max_position_embeddings."
@@ -217,8 +222,63 @@ class ServerArgs(_Frozen):
     grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
 
 
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MEMORY_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(value: Any) -> int | float:
+    """``engine.kv_cache_memory`` (``actors.kv_budget``) as bytes (int) or a fraction of GPU memory (float in (0, 1]).
+
+    Accepts an int (bytes, >= 1), a float in (0, 1] (a fraction) or a string: a size with a unit
+    (``"4GiB"``, ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``; KiB/MiB/GiB/TiB are powers of 1024,
+    kB/MB/GB/TB of 1000, no unit: bytes). Raises ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected bytes (e.g. 4294967296 or '4GiB') or a fraction in (0, 1], got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"a size in bytes must be >= 1, got {value}")
+        return value
+    if isinstance(value, float):
+        if not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise ValueError(f"a fraction of GPU memory must be in (0, 1], got {value!r}; give bytes as an int or e.g. '4GiB'")
+        return value
+    if isinstance(value, str):
+        match = _MEMORY_SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _MEMORY_UNITS:
+            raise ValueError(f"cannot read {value!r} as a size: expected e.g. '4GiB', '512MiB', '2GB' or a byte count")
+        size = int(float(match.group(1)) * _MEMORY_UNITS[unit])
+        if size < 1:
+            raise ValueError(f"a size must be at least 1 byte, got {value!r}")
+        return size
+    raise ValueError(f"expected bytes (int or e.g. '4GiB') or a fraction in (0, 1], got {type(value).__name__}")
+
+
+#: ``engine.kv_cache_memory``: bytes (an int, or a string such as "4GiB") or a fraction in (0, 1].
+MemoryBudget = Annotated[int | float, BeforeValidator(parse_memory)]
+
+
 class EngineArgs(_Frozen):
-    """How the step scheduler runs the requests in flight (docs/engine.md)."""
+    """How the step scheduler runs the requests in flight (docs/engine.md), and the KV cache
+    each worker holds (docs/models.md, "KV cache memory")."""
+
+    kv_cache_memory: MemoryBudget | None = Field(
+        None,
+        description="KV cache memory of each model worker: bytes (an int, or a string such as '4GiB', '512MiB', "
+        "'2GB') or, on a GPU, a fraction in (0, 1] of the device memory free once the weights are loaded. The worker "
+        "holds as many whole-context slots (one per running request) as fit, and the group runs at most as many "
+        "requests at once as its smallest worker holds (the rest wait); a budget that cannot hold one request of "
+        "max_model_len tokens is refused at start-up. Unset: 0.9 on a GPU; on CPU 2 x "
+        "limits.max_concurrent_requests + 4 slots.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=2,
+        description="The most context one request may use (prompt + max_tokens) in this group; each KV cache slot "
+        "holds this many tokens (plus scratch columns for drafts). At most every model's context "
+        "(models.<name>.max_context, default its max_position_embeddings); unset: each model's own, so the group's "
+        "limit is the smallest model's. Requests past it get HTTP 400.",
+    )
 
     overlap: bool | Literal["auto"] = Field(
         "auto",
