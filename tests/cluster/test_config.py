@@ -78,9 +78,13 @@ def test_every_deploy_yaml_validates(path):
         (_with(defaults__strategy="se", defaults__gammas=[2]), ["defaults.gammas", "expected 2"]),
         (_with(resources__per_model={"ghost": {"gpus": 1}}), ["resources.per_model", "ghost"]),
         (_with(limits__max_concurrent_requests=0), ["limits.max_concurrent_requests", "0"]),
+        (_with(engine__kv_cache_memory="4 bananas"), ["engine.kv_cache_memory", "'4 bananas'", "4GiB"]),
+        (_with(engine__kv_cache_memory=1.5), ["engine.kv_cache_memory", "1.5", "(0, 1]"]),
+        (_with(engine__kv_cache_memory=0), ["engine.kv_cache_memory", ">= 1"]),
+        (_with(engine__max_model_len=1), ["engine.max_model_len", "1"]),
     ],
     ids=["extra-key", "bad-role", "bad-dtype", "two-targets", "gamma", "members", "method", "weights", "gammas",
-         "per-model", "limits"],
+         "per-model", "limits", "kv-memory-unit", "kv-memory-fraction", "kv-memory-zero", "max-model-len"],
 )
 def test_errors_name_the_key_and_value(args, needles):
     with pytest.raises(ConfigError) as raised:
@@ -187,3 +191,22 @@ def test_overlap_auto_is_on_only_when_every_worker_has_a_gpu():
         assert parse_app_args(_with(engine={"overlap": forced})).freeze().uses_overlap is forced
     with pytest.raises(ConfigError, match="engine.overlap"):
         parse_app_args(_with(engine={"overlap": "sometimes"}))
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5GiB", 3 * 2**29), (" 64 kib ", 64 * 1024),
+     ("1000", 1000), (123456789, 123456789), (0.9, 0.9), (1.0, 1.0)],
+)
+def test_kv_cache_memory_reads_bytes_and_fractions(value, expected):
+    config = parse_app_args(_with(engine__kv_cache_memory=value, engine__max_model_len=512)).freeze()
+    assert config.kv_cache_memory == expected and type(config.kv_cache_memory) is type(expected)
+    assert config.max_model_len == 512
+
+
+def test_kv_settings_and_dtype_default_to_unset():
+    config = parse_app_args(_with()).freeze()
+    assert (config.kv_cache_memory, config.max_model_len) == (None, None)
+    assert {model.dtype for model in config.models} == {None}  # the checkpoint's on a GPU, float32 on CPU
+    explicit = parse_app_args(_with(models__target__dtype="float32")).freeze()
+    assert explicit.model("target").dtype == "float32"
