@@ -47,6 +47,9 @@ class SlotBackend:
     :mod:`actors.layer_masks`), it runs under the attention implementation its law needs (eager,
     with an additive float mask, where the model soft-caps attention scores) and its logits go
     through the model's own head (logit scaling, soft-capping: :func:`~actors.architectures.apply_head`).
+
+    Slots hold ``max_context`` (capped by ``max_model_len``) plus ``scratch_columns`` columns; there
+    are as many as ``kv_cache_memory`` holds (:mod:`actors.kv_budget`), ``max_slots`` when it is None.
     """
 
     def __init__(
@@ -78,7 +81,6 @@ class SlotBackend:
             device=device, kv_cache_memory=kv_cache_memory, default_slots=max_slots,
             sliding=self.architecture.has_sliding_layers,
         )
-        max_slots = self.max_slots
         self.forward_overhead_tokens = FORWARD_OVERHEAD_TOKENS.get(torch.device(device).type, FORWARD_OVERHEAD_TOKENS["cuda"])
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -86,12 +88,12 @@ class SlotBackend:
         # step (measured: 1.9 s to grow the embedded target from 4 to 32 slots mid-request), and
         # the worker's memory is then known at start-up.
         self.cache = SlotKVCache.from_config(
-            model.config, capacity=self.capacity, max_slots=max_slots, initial_slots=min(initial_slots or max_slots, max_slots),
+            model.config, capacity=self.capacity, max_slots=self.max_slots, initial_slots=initial_slots or self.max_slots,
             dtype=model.dtype,
             device=device,
         )
         # Sliding-window layers mask by key position, which a column does not tell (chains).
-        self.positions = (ColumnPositions(max_slots, self.capacity + 1, device)
+        self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, device)
                           if self.architecture.has_sliding_layers else None)
 
     @classmethod

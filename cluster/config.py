@@ -47,7 +47,16 @@ import string
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from actors.api import InvalidRequestError, SpeculationParams
 from actors.plan import DecodingDefaults, resolve_plan
@@ -222,13 +231,14 @@ class ServerArgs(_Frozen):
     grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
 
 
+#: Units of a memory size (lower case): kB..TB are powers of 1000, KiB..TiB of 1024.
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+                 "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _MEMORY_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_memory(value: Any) -> int | float:
-    """``engine.kv_cache_memory`` (``actors.kv_budget``) as bytes (int) or a fraction of GPU memory (float in (0, 1]).
+    """``engine.kv_cache_memory`` (``actors.kv_budget``): bytes (int) or a GPU fraction (float in (0, 1]).
 
     Accepts an int (bytes, >= 1), a float in (0, 1] (a fraction) or a string: a size with a unit
     (``"4GiB"``, ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``; KiB/MiB/GiB/TiB are powers of 1024,
@@ -241,7 +251,9 @@ def parse_memory(value: Any) -> int | float:
         return value
     if isinstance(value, float):
         if not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError(f"a fraction of GPU memory must be in (0, 1], got {value!r}; give bytes as an int or e.g. '4GiB'")
+            raise ValueError(
+                f"a fraction of GPU memory must be in (0, 1], got {value!r}; give bytes as an int or e.g. '4GiB'"
+            )
         return value
     if isinstance(value, str):
         match = _MEMORY_SIZE.match(value)
