@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from actors.batch import RowWork, linear_row
+from actors.batch import RowWork, RunAttend, linear_row
 from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
 from actors.prefix_cache import PrefixCache
 from actors.sessions import Session, SessionNotFoundError, SessionStore
@@ -61,6 +61,11 @@ def session_rows(session: Session, logits: torch.Tensor, after: list[list[int]])
 def shared_vocab(session: Session, logits: torch.Tensor) -> torch.Tensor:
     limit = session.sampling.vocab_limit
     return logits if limit is None else logits[..., :limit]
+
+
+def columns_of(*runs: tuple[int, ...]) -> tuple[int, ...]:
+    """The columns of several runs, in order."""
+    return tuple(column for run in runs for column in run)
 
 
 class ProposalLost(RuntimeError):
@@ -131,7 +136,7 @@ class _SampleTask(_Task):
             token_ids=tuple(draft[depth] for draft in self.drafts),
             columns=tuple(columns),
             positions=(session.base + depth,) * len(columns),
-            attend=tuple(tuple(range(c - depth, c + 1)) for c in columns),
+            attend=RunAttend([c - depth for c in columns], [c + 1 for c in columns]),  # each its own chain
             keep=tuple(range(len(columns))),
         )
 
@@ -183,21 +188,25 @@ class _ScoreVerifyTask(_Task):
         session, pending = self.session, self.pending
         drafts = self.proposal.tokens.tolist()  # [K][gamma]
         gamma = len(drafts[0])
-        chain_start = session.base + len(pending)
-        pending_columns = tuple(range(session.base, chain_start))
-        columns, attend = list(pending_columns), [pending_columns[: i + 1] for i in range(len(pending))]
-        for k in range(len(drafts)):
-            chain = tuple(range(chain_start + k * gamma, chain_start + (k + 1) * gamma))
-            columns.extend(chain)
-            attend.extend(pending_columns + chain[: j + 1] for j in range(gamma))  # the pending tokens, then its chain
+        base, chain_start = session.base, session.base + len(pending)
+        pending_columns = tuple(range(base, chain_start))
+        chain_columns = tuple(range(chain_start, chain_start + len(drafts) * gamma))  # chain k at chain_start + k * gamma
+        chain_firsts = [chain_start + k * gamma for k in range(len(drafts)) for _ in range(gamma)]
+        # The pending tokens see themselves causally; a chain token sees every pending token, then its chain.
+        attend = RunAttend(
+            first_start=[base] * len(columns_of(pending_columns, chain_columns)),
+            first_end=[c + 1 for c in pending_columns] + [chain_start] * len(chain_columns),
+            second_start=[0] * len(pending_columns) + chain_firsts,
+            second_end=[0] * len(pending_columns) + [c + 1 for c in chain_columns],
+        )
         return RowWork(
             slot=session.slot,
-            prefix_length=session.base,
+            prefix_length=base,
             token_ids=tuple(pending) + tuple(t for draft in drafts for t in draft),
-            columns=tuple(columns),
+            columns=pending_columns + chain_columns,
             positions=pending_columns + tuple(chain_start + j for _ in drafts for j in range(gamma)),
-            attend=tuple(attend),
-            keep=(len(pending) - 1,) + tuple(range(len(pending), len(columns))),
+            attend=attend,
+            keep=(len(pending) - 1,) + tuple(range(len(pending), len(pending) + len(chain_columns))),
         )
 
     def take(self, logits: torch.Tensor) -> None:
@@ -264,15 +273,13 @@ class _ExtendTask(_Task):
         if self.queued_logits is None:
             pending, chain_start = self.pending, session.base + len(self.pending)
             columns = tuple(range(session.base, chain_start + len(self.queued)))
-            attend = [columns[: i + 1] for i in range(len(pending))]
-            attend.extend(columns[: len(pending) + j + 1] for j in range(len(self.queued)))
             return RowWork(
                 slot=session.slot,
                 prefix_length=session.base,
                 token_ids=tuple(pending) + tuple(self.queued),
                 columns=columns,
                 positions=columns,
-                attend=tuple(attend),
+                attend=RunAttend.causal(session.base, len(columns)),  # pending, then queued: one causal run
                 keep=tuple(range(len(pending) - 1, len(columns))),
             )
         column = session.base + len(self.queued) + len(self.tokens) - 1  # feed the newest draw
@@ -282,7 +289,7 @@ class _ExtendTask(_Task):
             token_ids=(self.tokens[-1],),
             columns=(column,),
             positions=(column,),
-            attend=(tuple(range(session.base, column + 1)),),
+            attend=RunAttend([session.base], [column + 1]),
             keep=(0,),
         )
 
