@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
+from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, TokenLogprob
 from actors.messages import OpenSession, RowSampling, WorkerInfo
 from actors.metrics import (
     NO_METHOD,
@@ -41,6 +41,7 @@ from actors.metrics import (
 )
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan, resolve_plan
+from actors.prompt_scoring import law_models, prompt_log_rows, prompt_logprobs
 from actors.scheduler import RequestState, Scheduler
 from actors.strategies import MachineSampling, build_machine
 from verifiers.penalties import Penalties
@@ -279,6 +280,14 @@ class Coordinator:
         except InvalidRequestError:
             self.metrics.refused(self._plan_labels(request), "invalid")
             raise
+        prompt_entries = None
+        if request.sampling.prompt_logprobs is not None:
+            prompt_entries = await self._score_prompt(request, plan, prompt_ids, vocab_limit)
+            if request.sampling.max_tokens == 0:  # the prompt alone: no decoding
+                stats = RequestStats(strategy=plan.strategy, method=plan.method, prompt_tokens=len(prompt_ids))
+                yield GenerationChunk(request_id=request.request_id, prompt_token_ids=prompt_ids,
+                                      prompt_logprobs=prompt_entries, finished=True, finish_reason="length", stats=stats)
+                return
         state = self._request_state(request, plan, prompt_ids, vocab_limit, max_context)
         self.scheduler.submit(state)  # OverloadedError when the waiting line is full
         try:
@@ -287,11 +296,27 @@ class Coordinator:
                 while not state.chunks.empty():  # the consumer fell behind: one chunk for all of them
                     chunks.append(state.chunks.get_nowait())
                 chunk = merge_chunks(chunks)
+                if prompt_entries is not None:  # the first chunk carries the prompt's
+                    chunk = chunk.model_copy(update={"prompt_token_ids": prompt_ids, "prompt_logprobs": prompt_entries})
+                    prompt_entries = None
                 yield chunk
                 if chunk.finished:
                     return
         finally:
             self.scheduler.cancel(state)  # no-op when finished; else it leaves at the next step
+
+    async def _score_prompt(
+        self, request: GenerationRequest, plan: DecodingPlan, prompt_ids: list[int], vocab_limit: int
+    ) -> list[TokenLogprob]:
+        """The prompt's log-probabilities under the request's raw law (:mod:`actors.prompt_scoring`):
+        every law model scores the prompt in one forward, concurrently."""
+        models = law_models(plan)
+        session_id = f"{request.request_id}/prompt-{uuid.uuid4().hex[:12]}"
+        logits = await asyncio.gather(
+            *(self.workers[name].prompt_logits.remote(session_id, prompt_ids, vocab_limit) for name in models)
+        )
+        rows = prompt_log_rows(plan, dict(zip(models, logits)))  # [P-1, V]
+        return prompt_logprobs(rows, prompt_ids, request.sampling.prompt_logprobs)
 
     def _plan_labels(self, request: Any) -> tuple[str, str]:
         """(strategy, method) of a request refused before it ran, as far as they resolve."""
