@@ -566,13 +566,19 @@ class SpecServeIngress:
             specs, generations = to_generation_requests(
                 body, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
             )
-            texts = (await self._tokenizer_texts())[1] if body.logprobs_count() is not None else None
+            wants_texts = body.logprobs_count() is not None or body.prompt_logprobs_count() is not None
+            texts = (await self._tokenizer_texts())[1] if wants_texts else None
             prefixes = await self._echo_prefixes(body, specs)
             streams = self._start_all(generations)
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
             self._count_if_invalid(error)
             return _http_error(_unwrap_task_error(error), request_id, chat)
         token_ids = bool(body.return_token_ids)
+        rendering = {
+            "echo_logprobs": getattr(body, "echo_logprobs", None),
+            "prompt_logprobs": getattr(body, "prompt_logprobs", None) if not chat else None,
+            "generated_logprobs": body.logprobs_count() is not None,
+        }
         if not body.streaming:
             results = [CompletionAccumulator(spec.index, prefix, counts_prompt=spec.sample_index == 0)
                        for spec, prefix in zip(specs, prefixes)]
@@ -581,7 +587,7 @@ class SpecServeIngress:
             except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
                 return _http_error(error, request_id, chat)
             response = completion_response(request_id, self._model_name, created, results, chat, token_ids,
-                                           logprobs=texts, wall_s=time.monotonic() - started)
+                                           logprobs=texts, wall_s=time.monotonic() - started, **rendering)
             return JSONResponse(response)
         try:
             firsts = await _prime_all(streams)
@@ -590,7 +596,7 @@ class SpecServeIngress:
         renderers = [
             ChoiceStream(request_id, self._model_name, created, chat, index=spec.index, prefix=prefix,
                          counts_prompt=spec.sample_index == 0, token_ids=token_ids, logprobs=texts,
-                         single=len(specs) == 1, include_usage=body.include_usage)
+                         single=len(specs) == 1, include_usage=body.include_usage, **rendering)
             for spec, prefix in zip(specs, prefixes)
         ]
         events = self._sse_events(streams, firsts, renderers, request_id, created, chat, body.include_usage, started)

@@ -83,7 +83,7 @@ LOGPROB_FLOOR = -9999.0
 # Sampling fields a request may set; unset ones fall back to the deployment's defaults.
 SAMPLING_FIELDS: tuple[str, ...] = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs",
 )
 # The scalar ones that are copied as they are.
 _PLAIN_SAMPLING_FIELDS: tuple[str, ...] = (
@@ -200,7 +200,10 @@ class _GenerationFields(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, description="Served model name (GET /v1/models); optional.")
-    max_tokens: int | None = Field(None, ge=1, description="Maximum number of generated tokens (>= 1).")
+    max_tokens: int | None = Field(
+        None, ge=0, description="Maximum number of generated tokens (>= 1; 0 scores the prompt alone: completions "
+        "with echo and logprobs, or prompt_logprobs)."
+    )
     temperature: float | None = Field(None, ge=0.0, description="Softmax temperature (>= 0); 0 is greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
     top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens; 0 disables it (extension).")
@@ -286,6 +289,10 @@ class _GenerationFields(BaseModel):
         """``SamplingParams.logprobs``: alternatives per token, or None for no log-probabilities."""
         return None
 
+    def prompt_logprobs_count(self) -> int | None:
+        """``SamplingParams.prompt_logprobs``: alternatives per prompt token, or None."""
+        return None
+
     def check_fields(self) -> None:
         """Checks across fields (after parsing); raises :class:`InvalidRequestError`."""
         choices = len(self.prompts()) * self.samples
@@ -303,6 +310,9 @@ class _GenerationFields(BaseModel):
         logprobs = self.logprobs_count()
         if logprobs is not None:
             overrides["logprobs"] = logprobs
+        prompt_logprobs = self.prompt_logprobs_count()
+        if prompt_logprobs is not None:
+            overrides["prompt_logprobs"] = prompt_logprobs
         return overrides
 
 
@@ -323,11 +333,18 @@ class CompletionRequest(_GenerationFields):
     prompt: Any = Field(
         ..., description="A prompt (non-empty string or list of token ids) or a list of them (strings or token-id lists)."
     )
-    echo: bool | None = Field(None, description="Prepend the prompt's text to each choice's text.")
+    echo: bool | None = Field(
+        None, description="Prepend the prompt's text to each choice's text (with logprobs: and the prompt tokens' "
+        "log-probabilities to its logprobs, the first one null)."
+    )
     suffix: str | None = Field(None, description="Text after the completion (insertion): only null is accepted.")
     best_of: int | None = Field(None, description="Samples to draw per prompt: only n (or null) is accepted.")
     logprobs: Any = Field(
         None, description=f"Log-probabilities of each generated token with this many alternatives (0..{MAX_TOP_LOGPROBS})."
+    )
+    prompt_logprobs: int | None = Field(
+        None, description="Each prompt token's log-probability with this many alternatives, as each choice's "
+        f"`prompt_logprobs` (vLLM's extension; 0..{MAX_TOP_LOGPROBS})."
     )
 
     @field_validator("prompt")
@@ -377,6 +394,11 @@ class CompletionRequest(_GenerationFields):
             return None
         return _pydantic_check(check_top_logprobs, value)
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: int | None) -> int | None:
+        return None if value is None else _pydantic_check(check_top_logprobs, value)
+
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
             return [self.prompt]
@@ -384,6 +406,15 @@ class CompletionRequest(_GenerationFields):
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """Alternatives per echoed prompt token (``echo`` with ``logprobs``), or None."""
+        return self.logprobs if self.echo else None
+
+    def prompt_logprobs_count(self) -> int | None:
+        wanted = [count for count in (self.echo_logprobs, self.prompt_logprobs) if count is not None]
+        return max(wanted) if wanted else None
 
     def check_fields(self) -> None:
         super().check_fields()
@@ -393,10 +424,6 @@ class CompletionRequest(_GenerationFields):
             raise InvalidRequestError(
                 "best_of", f"best_of > n is not supported: every sample is returned (got best_of {self.best_of}, "
                 f"n {self.samples}); set it to n or leave it out"
-            )
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError(
-                "echo", "echo with logprobs is not supported: the server does not compute the prompt's log-probabilities"
             )
 
 
@@ -861,6 +888,47 @@ class LogprobsRenderer:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": text_offset}
 
+    def render_prompt(self, prompt_ids: Sequence[int], entries: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
+        """The echoed prompt's tokens in the completions shape (OpenAI's ``echo`` with
+        ``logprobs``): the first token's ``token_logprobs`` and ``top_logprobs`` are null (nothing
+        precedes it), each other token has its log-probability and its ``top`` alternatives."""
+        first = self.texts.text_of(prompt_ids[0])
+        rendered = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None],
+                    "text_offset": [self._offset(self.texts.bytes_of(prompt_ids[0]))]}
+        rest = self.render([entry.model_copy(update={"top": entry.top[:top]}) for entry in entries])
+        for key, values in rest.items():
+            rendered[key].extend(values)
+        return rendered
+
+
+def prompt_logprobs_block(texts: TokenTexts, prompt_ids: Sequence[int], entries: Sequence[TokenLogprob],
+                          top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """A choice's ``prompt_logprobs`` in vLLM's shape: ``null`` for the first prompt token, then
+    per token ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the token itself
+    and its ``top`` most likely alternatives (ranks 1..top)."""
+    def item(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+        return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": texts.text_of(token_id)}
+
+    block: list[dict[str, dict[str, Any]] | None] = [None] if prompt_ids else []
+    for entry in entries:
+        ranked = {str(token_id): item(logprob, rank, token_id)
+                  for rank, (token_id, logprob) in enumerate(entry.top[:top], start=1)}
+        ranked.setdefault(str(entry.token_id), item(entry.logprob, entry.rank, entry.token_id))
+        block.append(ranked)
+    return block
+
+
+def _with_prompt(renderer: LogprobsRenderer, chunk_entries: Sequence[TokenLogprob], prompt_ids: Sequence[int] | None,
+                 prompt_entries: Sequence[TokenLogprob] | None, echo_logprobs: int | None) -> dict[str, Any]:
+    """A completions ``logprobs`` block: the echoed prompt's entries first (when this chunk
+    carries them and the request echoes with logprobs), then the generated tokens'."""
+    if echo_logprobs is None or prompt_ids is None:
+        return renderer.render(chunk_entries)
+    rendered = renderer.render_prompt(prompt_ids, prompt_entries or [], echo_logprobs)
+    for key, values in renderer.render(chunk_entries).items():
+        rendered[key].extend(values)
+    return rendered
+
 
 # ----------------------------------------------------------------------------------------
 # Responses
@@ -908,10 +976,14 @@ class CompletionAccumulator:
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = None
+        self.prompt_token_ids: list[int] | None = None
+        self.prompt_logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
         self.stats: RequestStats | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
+        if chunk.prompt_token_ids is not None:
+            self.prompt_token_ids, self.prompt_logprobs = chunk.prompt_token_ids, chunk.prompt_logprobs
         self.text_parts.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
@@ -990,17 +1062,25 @@ def completion_response(
     *,
     logprobs: TokenTexts | None = None,
     wall_s: float | None = None,
+    echo_logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    generated_logprobs: bool = True,
 ) -> dict:
     """A whole ``text_completion`` or ``chat.completion`` object, one choice per accumulator
-    (``token_ids``: add them to each choice; ``logprobs``: render each choice's
-    log-probabilities with these token texts). With several choices each carries its own
+    (``token_ids``: add them to each choice; ``logprobs``: the token texts of log-probabilities;
+    ``generated_logprobs``: render each choice's ``logprobs``, led by the echoed prompt's with
+    ``echo_logprobs`` alternatives when set; ``prompt_logprobs``: add each choice's
+    ``prompt_logprobs`` with this many alternatives). With several choices each carries its own
     ``speculation`` block, and the response's is :func:`merged_speculation`."""
     results = _results(result)
     choices = []
     for item in results:
         rendered = None
-        if logprobs is not None:
-            rendered = LogprobsRenderer(logprobs, chat, initial_offset=len(item.prefix)).render(item.logprobs or [])
+        if logprobs is not None and generated_logprobs:
+            offset = 0 if echo_logprobs is not None else len(item.prefix)
+            renderer = LogprobsRenderer(logprobs, chat, initial_offset=offset)
+            rendered = _with_prompt(renderer, item.logprobs or [], item.prompt_token_ids, item.prompt_logprobs,
+                                    echo_logprobs)
         if chat:
             choice: dict[str, Any] = {
                 "index": item.index,
@@ -1012,6 +1092,9 @@ def completion_response(
             choice = {"index": item.index, "text": item.text, "finish_reason": item.finish_reason, "logprobs": rendered}
         if token_ids:
             choice["token_ids"] = list(item.token_ids)
+        if prompt_logprobs is not None and logprobs is not None and item.prompt_token_ids is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_block(logprobs, item.prompt_token_ids,
+                                                              item.prompt_logprobs or [], prompt_logprobs)
         if len(results) > 1:
             choice["speculation"] = speculation_block(item.stats)
         choices.append(choice)
@@ -1040,6 +1123,8 @@ def stream_chunk(
     logprobs: LogprobsRenderer | None = None,
     single: bool = True,
     usage: bool = True,
+    echo_logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> dict:
     """One streamed ``text_completion`` / ``chat.completion.chunk`` object for choice ``index``.
 
@@ -1049,10 +1134,16 @@ def stream_chunk(
     ``finish_reason``; with a single choice (``single``) also the request's ``speculation``
     and, unless ``usage`` is false (``stream_options.include_usage`` sends it in a chunk of its
     own, and clients add up every ``usage`` they see), its ``usage``; with several choices the
-    choice's own ``speculation`` inside the choice.
+    choice's own ``speculation`` inside the choice. The chunk that carries the prompt's
+    log-probabilities (the first) leads its ``logprobs`` with the echoed prompt's
+    (``echo_logprobs`` alternatives, when set) and, with ``prompt_logprobs``, adds the choice's
+    ``prompt_logprobs`` block.
     """
     finish_reason = chunk.finish_reason if chunk.finished else None
-    rendered = None if logprobs is None else logprobs.render(chunk.logprobs or [])
+    rendered = None
+    if logprobs is not None:
+        rendered = _with_prompt(logprobs, chunk.logprobs or [], chunk.prompt_token_ids, chunk.prompt_logprobs,
+                                echo_logprobs)
     if chat:
         delta: dict[str, Any] = {"content": prefix + chunk.text}
         if first:
@@ -1062,6 +1153,9 @@ def stream_chunk(
         choice = {"index": index, "text": prefix + chunk.text, "finish_reason": finish_reason, "logprobs": rendered}
     if token_ids:
         choice["token_ids"] = list(chunk.token_ids)
+    if prompt_logprobs is not None and logprobs is not None and chunk.prompt_token_ids is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_block(logprobs.texts, chunk.prompt_token_ids,
+                                                          chunk.prompt_logprobs or [], prompt_logprobs)
     body: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -1099,6 +1193,9 @@ class ChoiceStream:
         logprobs: TokenTexts | None = None,
         single: bool = True,
         include_usage: bool = False,
+        echo_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        generated_logprobs: bool = True,
     ):
         self.request_id, self.model, self.created, self.chat = request_id, model, created, chat
         self.index = index
@@ -1108,15 +1205,20 @@ class ChoiceStream:
         self.result = CompletionAccumulator(index, prefix, counts_prompt)
         self._prefix = prefix
         self._first = True
-        self._logprobs = None if logprobs is None else LogprobsRenderer(logprobs, chat, initial_offset=len(prefix))
+        self.echo_logprobs, self.prompt_logprobs = echo_logprobs, prompt_logprobs
+        self.generated_logprobs = generated_logprobs
+        offset = 0 if echo_logprobs is not None else len(prefix)
+        self._logprobs = None if logprobs is None else LogprobsRenderer(logprobs, chat, initial_offset=offset)
 
     def render(self, chunk: GenerationChunk) -> dict:
         self.result.add(chunk)
         body = stream_chunk(
             self.request_id, self.model, self.created, chunk, self.chat, self._first, self.token_ids,
             index=self.index, prefix=self._prefix if self._first else "", logprobs=self._logprobs, single=self.single,
-            usage=not self.include_usage,
+            usage=not self.include_usage, echo_logprobs=self.echo_logprobs, prompt_logprobs=self.prompt_logprobs,
         )
+        if not self.generated_logprobs:  # the token texts were loaded for prompt_logprobs alone
+            body["choices"][0]["logprobs"] = None
         self._first = False
         return body
 
