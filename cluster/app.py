@@ -79,6 +79,7 @@ from cluster.openai_api import (
     to_generation_requests,
     usage_chunk,
 )
+from cluster.chat_prompt import chat_prompt
 from cluster.security import grpc_all_interfaces_warning, require_key
 from protos import specserve_pb2
 
@@ -451,6 +452,11 @@ class SpecServeIngress:
             self._tokenizer, self._token_texts = tokenizer, TokenTexts.from_tokenizer(tokenizer)
         return self._tokenizer, self._token_texts
 
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> str | list[int]:
+        """The conversation's prompt through the model's chat template (:mod:`cluster.chat_prompt`)."""
+        tokenizer = (await self._tokenizer_texts())[0] if self._config.tokenizer_path is not None else None
+        return await asyncio.to_thread(chat_prompt, tokenizer, body.messages, body.chat_template_kwargs)
+
     async def _echo_prefixes(self, body: CompletionRequest | ChatCompletionRequest, specs: list[ChoiceSpec]) -> list[str]:
         """Each choice's echoed prompt text (``echo``; token-id prompts are decoded), else ""."""
         if not getattr(body, "echo", False):
@@ -563,8 +569,10 @@ class SpecServeIngress:
             self._check_model(body.model)
             if body.user:
                 logger.info("request %s: user %r", request_id, clean_text(body.user, 128))
+            prompt = await self._chat_prompt(body) if chat else None
             specs, generations = to_generation_requests(
-                body, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
+                body, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices,
+                chat_prompt=prompt,
             )
             wants_texts = body.logprobs_count() is not None or body.prompt_logprobs_count() is not None
             texts = (await self._tokenizer_texts())[1] if wants_texts else None

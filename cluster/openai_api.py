@@ -63,6 +63,7 @@ from actors.api import (
     SpeculationParams,
     TokenLogprob,
 )
+from cluster.chat_prompt import check_template_kwargs, render_chat_prompt
 from cluster.config import DEFAULT_MAX_PROMPT_CHARS
 from cluster.validation import INT64_MAX, MAX_STOP_STRINGS, check_generation_request
 
@@ -472,6 +473,14 @@ class ChatCompletionRequest(_GenerationFields):
     function_call: Any = Field(None, description='Only null or "none" is accepted.')
     parallel_tool_calls: bool | None = Field(None, description="Accepted; meaningless without tools.")
     response_format: Any = Field(None, description='Only null or {"type": "text"} is accepted.')
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Variables of the model's chat template (vLLM's extension), e.g. {\"enable_thinking\": false}."
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else _pydantic_check(check_template_kwargs, value)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -500,6 +509,8 @@ class ChatCompletionRequest(_GenerationFields):
         return None
 
     def prompts(self) -> list[str | list[int]]:
+        """The fallback rendering (:func:`cluster.chat_prompt.render_chat_prompt`); the ingress
+        renders with the model's chat template instead (``to_generation_requests(chat_prompt=...)``)."""
         return [render_chat_prompt(self.messages)]
 
     def logprobs_count(self) -> int | None:
@@ -522,16 +533,6 @@ class ChatCompletionRequest(_GenerationFields):
                 raise InvalidRequestError("max_completion_tokens", "conflicts with max_tokens; set only one")
             overrides["max_tokens"] = self.max_completion_tokens
         return overrides
-
-
-def render_chat_prompt(messages: list[ChatMessage]) -> str:
-    """The chat template: ``"<role>: <content>\\n"`` per message, then ``"assistant:"``;
-    ``developer`` messages (newer OpenAI clients' system messages) are rendered as ``system``.
-
-    Example: ``[{"role": "user", "content": "hi"}]`` becomes ``"user: hi\\nassistant:"``.
-    """
-    roles = {"developer": "system"}
-    return "".join(f"{roles.get(message.role, message.role)}: {message.content}\n" for message in messages) + "assistant:"
 
 
 def _param_name(loc: tuple[Any, ...]) -> str | None:
@@ -697,11 +698,13 @@ def to_generation_requests(
     sampling_defaults: dict[str, Any],
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
     max_choices: int = MAX_CHOICES,
+    chat_prompt: str | list[int] | None = None,
 ) -> tuple[list[ChoiceSpec], list[GenerationRequest]]:
-    """The choices of an HTTP body and their coordinator requests, every one validated (chat
-    bodies go through the chat template); at most ``max_choices`` of them."""
+    """The choices of an HTTP body and their coordinator requests, every one validated; at most
+    ``max_choices`` of them. A chat body's prompt is ``chat_prompt`` (:func:`cluster.chat_prompt.chat_prompt`;
+    None: the fallback rendering)."""
     chat = isinstance(body, ChatCompletionRequest)
-    prompts = body.prompts()
+    prompts = [chat_prompt] if chat and chat_prompt is not None else body.prompts()
     check_choices(len(prompts), body.samples, max_choices, "prompt", "n")
     overrides = body.sampling_overrides()
     specs = choice_specs(request_id, prompts, body.samples)
