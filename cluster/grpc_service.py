@@ -128,7 +128,7 @@ _SAMPLING_SCALARS: tuple[str, ...] = (
     "presence_penalty", "frequency_penalty", "repetition_penalty",
 )
 #: Sampling fields the coordinator may name without the ``sampling.`` prefix.
-_BARE_SAMPLING_FIELDS: frozenset[str] = frozenset(_SAMPLING_SCALARS) | {"stop", "logit_bias", "logprobs"}
+_BARE_SAMPLING_FIELDS: frozenset[str] = frozenset(_SAMPLING_SCALARS) | {"stop", "logit_bias", "logprobs", "prompt_logprobs"}
 _SPECULATION_SCALARS: tuple[str, ...] = ("strategy", "method", "gamma", "gamma_max", "num_drafts", "ensemble", "mu")
 _SPECULATION_LISTS: tuple[str, ...] = ("weights", "gammas", "members")
 
@@ -217,6 +217,8 @@ def sampling_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, Any]
         overrides["logprobs"] = top or 0
     elif top:
         raise InvalidRequestError("sampling.top_logprobs", "needs logprobs: true")
+    if sampling.HasField("prompt_logprobs"):
+        overrides["prompt_logprobs"] = check_top_logprobs("sampling.prompt_logprobs", sampling.prompt_logprobs)
     return overrides
 
 
@@ -374,6 +376,7 @@ def logprobs_to_proto(entries: list[TokenLogprob] | None, texts: TokenTexts | No
             top_logprobs=[specserve_pb2.TopLogprob(token_id=token_id, logprob=logprob, **shown(token_id))
                           for token_id, logprob in entry.top],
             **shown(entry.token_id),
+            **({} if entry.rank is None else {"rank": entry.rank}),
         )
         for entry in entries or ()
     ]
@@ -399,6 +402,7 @@ def chunk_to_response(
         finish_reason=(chunk.finish_reason or "") if chunk.finished else "",
         index=index,
         logprobs=logprobs_to_proto(chunk.logprobs, texts),
+        prompt_logprobs=logprobs_to_proto(chunk.prompt_logprobs, texts),
     )
     if chunk.finished:
         usage, speculation = stats_to_proto(chunk.stats)
@@ -427,6 +431,7 @@ def final_response(
             token_ids=item.token_ids,
             finish_reason=item.finish_reason or "",
             logprobs=logprobs_to_proto(item.logprobs, texts),
+            prompt_logprobs=logprobs_to_proto(item.prompt_logprobs, texts),
             usage=usage,
             speculation=speculation,
         ))
@@ -442,13 +447,14 @@ def final_response(
         speculation=speculation_to_proto(merged_speculation(results, wall_s)),
         index=0,
         logprobs=first.logprobs,
+        prompt_logprobs=first.prompt_logprobs,
         choices=choices,
     )
 
 
 def wants_logprobs(request: GenerationRequest) -> bool:
-    """Whether the request asked for per-token log-probabilities."""
-    return request.sampling.logprobs is not None
+    """Whether the request asked for per-token log-probabilities (of its output or its prompt)."""
+    return request.sampling.logprobs is not None or request.sampling.prompt_logprobs is not None
 
 
 __all__ = [
