@@ -219,9 +219,12 @@ class Coordinator:
         # model.generate users would tokenize.
         return list(self.tokenizer(request.prompt)["input_ids"])
 
-    async def _prepare(self, request: GenerationRequest) -> tuple[DecodingPlan, list[int], int, int]:
-        """Resolve and check everything about a request; raises InvalidRequestError."""
-        plan = resolve_plan(request.speculation, self.config.defaults, self.roles)
+    def _plan(self, request: GenerationRequest) -> DecodingPlan:
+        """The request's plan, resolved once against the deployment (raises InvalidRequestError)."""
+        return resolve_plan(request.speculation, self.config.defaults, self.roles)
+
+    async def _prepare(self, request: GenerationRequest, plan: DecodingPlan) -> tuple[list[int], int, int]:
+        """Check everything about a request under its resolved plan; raises InvalidRequestError."""
         infos = await self.infos()
         prompt_ids = self._tokenize(request)
         if not prompt_ids:
@@ -247,16 +250,14 @@ class Coordinator:
         bad_bias = [t for t in sampling.logit_bias if not 0 <= t < vocab_limit]
         if bad_bias:
             raise InvalidRequestError("logit_bias", f"token ids must lie in [0, {vocab_limit}), got {bad_bias[:5]}")
-        bad_values = [b for b in sampling.logit_bias.values() if not -100.0 <= b <= 100.0]  # NaN fails too
-        if bad_values:
-            raise InvalidRequestError("logit_bias", f"biases must be finite and in [-100, 100], got {bad_values[:5]}")
-        return plan, prompt_ids, vocab_limit, max_context
+        return prompt_ids, vocab_limit, max_context
 
     async def validate(self, request: GenerationRequest | dict) -> dict[str, Any]:
         """Check a request without running it: the resolved plan and the prompt length, or
         InvalidRequestError naming the field."""
         request = self._parse(request)
-        plan, prompt_ids, vocab_limit, max_context = await self._prepare(request)
+        plan = self._plan(request)
+        prompt_ids, vocab_limit, max_context = await self._prepare(request, plan)
         return {"plan": vars(plan), "prompt_tokens": len(prompt_ids), "max_context": max_context}
 
     @staticmethod
@@ -274,11 +275,14 @@ class Coordinator:
     async def generate(self, request: GenerationRequest | dict) -> AsyncIterator[GenerationChunk]:
         """Stream the request's output (see the module docstring)."""
         self._ensure_export()
+        plan: DecodingPlan | None = None
         try:
             request = self._parse(request)
-            plan, prompt_ids, vocab_limit, max_context = await self._prepare(request)
+            plan = self._plan(request)
+            prompt_ids, vocab_limit, max_context = await self._prepare(request, plan)
         except InvalidRequestError:
-            self.metrics.refused(self._plan_labels(request), "invalid")
+            labels = (plan.strategy, plan.method or NO_METHOD) if plan is not None else (NO_METHOD, NO_METHOD)
+            self.metrics.refused(labels, "invalid")
             raise
         prompt_entries = None
         if request.sampling.prompt_logprobs is not None:
@@ -317,14 +321,6 @@ class Coordinator:
         )
         rows = prompt_log_rows(plan, dict(zip(models, logits)))  # [P-1, V]
         return prompt_logprobs(rows, prompt_ids, request.sampling.prompt_logprobs)
-
-    def _plan_labels(self, request: Any) -> tuple[str, str]:
-        """(strategy, method) of a request refused before it ran, as far as they resolve."""
-        try:
-            plan = resolve_plan(request.speculation, self.config.defaults, self.roles)
-        except Exception:  # noqa: BLE001 - the plan itself is what was invalid
-            return NO_METHOD, NO_METHOD
-        return plan.strategy, plan.method or NO_METHOD
 
     def count_invalid(self) -> None:
         """A request the ingress refused as invalid (400) before it reached here."""

@@ -14,8 +14,9 @@ one :class:`actors.api.GenerationRequest` per choice (prompts x ``n`` samples) -
 ObjectRefGenerator), the choices of one request concurrently -> chunks back to the client,
 interleaved and tagged with their choice index when streamed.
 
-Every field is checked before any model work (:mod:`cluster.validation`, then the plan and,
-in the coordinator, the prompt against the models), the same way on both protocols. With an
+Every field is checked before any model work (:mod:`cluster.validation`; then, in the
+coordinator, the plan, resolved once per request, and
+the prompt against the models), the same way on both protocols. With an
 API key configured (``args.security.api_key`` or ``SPECSERVE_API_KEY``), every route but
 ``GET /health`` and every gRPC call must present it (:mod:`cluster.security`).
 
@@ -47,7 +48,6 @@ from ray.util.placement_group import get_current_placement_group
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
 from actors.metrics import GroupIdentity
 from actors.scheduler import OverloadedError
-from actors.plan import resolve_plan
 from cluster import grpc_service
 from cluster.metrics import CONTENT_TYPE, CoordinatorDirectory, render
 from cluster.config import GroupConfig, SpecServeArgs, parse_app_args, resolve_api_key
@@ -398,17 +398,9 @@ class SpecServeIngress:
         except Exception as failure:  # noqa: BLE001 - metrics never fail a request
             logger.debug("could not count an invalid request: %s", failure)
 
-    def _check_plan(self, request: GenerationRequest) -> None:
-        """Resolve the strategy against the deployment now, so a bad one fails before any work."""
-        resolve_plan(request.speculation, self._config.defaults, self._config.roles)
-
-    def _start(self, request: GenerationRequest) -> CoordinatorStream:
-        self._check_plan(request)
-        return CoordinatorStream(self._coordinator, request)
-
     def _start_all(self, requests: list[GenerationRequest]) -> list[CoordinatorStream]:
-        """One coordinator stream per choice (the choices share their plan: checked once)."""
-        self._check_plan(requests[0])
+        """One coordinator stream per choice. Each coordinator request resolves its plan (once)
+        and checks it before any model work, so a bad one fails the first chunk."""
         streams: list[CoordinatorStream] = []
         try:
             for request in requests:
@@ -656,7 +648,6 @@ class SpecServeIngress:
             specs, generations = grpc_service.to_generation_requests(
                 proto, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
             )
-            self._check_plan(generations[0])
         except Exception as error:  # noqa: BLE001 - counted, then answered by the caller
             self._count_if_invalid(error)
             raise

@@ -316,17 +316,6 @@ def to_generation_requests(
     return specs, [sample_request(first, spec) for spec in specs]
 
 
-def to_generation_request(
-    request: specserve_pb2.GenerateRequest,
-    request_id: str,
-    sampling_defaults: dict[str, Any],
-    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
-) -> GenerationRequest:
-    """The coordinator request of a single-sample ``GenerateRequest`` (the first sample's when
-    ``sampling.n`` > 1); raises :class:`InvalidRequestError`."""
-    return to_generation_requests(request, request_id, sampling_defaults, max_prompt_chars)[1][0]
-
-
 def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, specserve_pb2.SpeculationStats]:
     """``usage`` and ``speculation`` messages of the final response."""
     if stats is None:
@@ -475,7 +464,6 @@ __all__ = [
     "speculation_overrides",
     "speculation_to_proto",
     "stats_to_proto",
-    "to_generation_request",
     "to_generation_requests",
     "wants_logprobs",
 ]

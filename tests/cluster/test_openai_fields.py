@@ -98,7 +98,6 @@ def test_chat_harmless_defaults_are_accepted():
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
-        ({"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias.5"),
         ({"prompt": "x", "stop": ["a", 1]}, "stop"),
     ],
@@ -132,8 +131,9 @@ def test_non_finite_numbers_are_named():
         with pytest.raises(InvalidRequestError) as caught:
             parse_body(CompletionRequest, raw)
         assert caught.value.field == name
-    with pytest.raises(InvalidRequestError) as caught:
-        parse_body(CompletionRequest, b'{"prompt": "x", "logit_bias": {"3": 1e400}}')
+    body = parse_body(CompletionRequest, b'{"prompt": "x", "logit_bias": {"3": 1e400}}')
+    with pytest.raises(InvalidRequestError) as caught:  # values: with every other field
+        to_generation_requests(body, "c", {})
     assert caught.value.field == "logit_bias"
 
 
@@ -587,3 +587,13 @@ def test_prompt_logprobs_extension_in_vllm_shape_for_an_ensemble(client, serve_a
         assert token["rank"] == int((rows[j] > rows[j, ids[j + 1]]).sum()) + 1
         assert any(item["rank"] == 1 for item in entry.values())
     assert body["choices"][0]["logprobs"] is None  # no generated-token log-probabilities were asked for
+
+
+@pytest.mark.parametrize("bias", [100.5, float("nan")])
+def test_logit_bias_values_are_checked_once_where_every_field_is(bias):
+    """Keys are parsed with the body; values and counts are checked with every other field
+    (cluster.validation), and the error names the HTTP field."""
+    body = parse_body(CompletionRequest, json.dumps({"prompt": "x", "logit_bias": {"5": bias}}).encode())
+    with pytest.raises(InvalidRequestError) as caught:
+        to_generation_requests(body, "c", {})
+    assert caught.value.field == "logit_bias"
