@@ -61,24 +61,19 @@ from cluster.errors import (
     Unauthenticated,
     client_error,
 )
-from cluster.openai_api import (
-    MAX_CHOICES,
+from cluster.generation_requests import ChoiceSpec, to_generation_requests
+from cluster.responses import (
     SSE_DONE,
-    ChatCompletionRequest,
-    ChoiceSpec,
     ChoiceStream,
     CompletionAccumulator,
-    CompletionRequest,
     TokenTexts,
     completion_response,
     error_body,
-    http_field,
     models_list,
-    parse_body,
     sse_event,
-    to_generation_requests,
     usage_chunk,
 )
+from cluster.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, http_field, parse_body
 from cluster.chat_prompt import chat_prompt
 from cluster.security import grpc_all_interfaces_warning, require_key
 from protos import specserve_pb2

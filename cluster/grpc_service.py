@@ -17,7 +17,7 @@ The ingress methods (``cluster/app.py``) use the functions here:
   built from a different .proto): protobuf keeps such fields as *unknown fields* instead of
   failing, so without this check they would silently take their defaults;
 - :func:`to_generation_requests` validates presence-aware options and every field
-  (:mod:`cluster.validation` and the checks of :mod:`cluster.openai_api`, the same rules as
+  (:mod:`cluster.validation` and the checks of :mod:`cluster.schemas`, the same rules as
   HTTP) and names the bad field (``sampling.temperature``, ``speculation.gamma``) in an
   :class:`InvalidRequestError`; ``sampling.n`` > 1 gives one coordinator request per sample
   (sample ``i`` seeded with ``seed + i``);
@@ -42,23 +42,22 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, TokenLogprob
 from cluster.config import DEFAULT_MAX_PROMPT_CHARS
-from cluster.openai_api import (
-    MAX_CHOICES,
+from cluster.generation_requests import (
     ChoiceSpec,
-    CompletionAccumulator,
-    TokenTexts,
     build_generation_request,
     check_choices,
+    choice_specs,
+    sample_request,
+)
+from cluster.responses import CompletionAccumulator, TokenTexts, merged_speculation, total_usage
+from cluster.schemas import (
+    MAX_CHOICES,
     check_logit_bias,
     check_n,
     check_penalty,
     check_repetition_penalty,
     check_sample_seeds,
     check_top_logprobs,
-    choice_specs,
-    merged_speculation,
-    sample_request,
-    total_usage,
 )
 from cluster.validation import MAX_NAME_CHARS, check_request_id
 from protos import specserve_pb2, specserve_pb2_grpc
@@ -344,7 +343,7 @@ def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, spe
 
 
 def speculation_to_proto(block: dict[str, Any] | None) -> specserve_pb2.SpeculationStats:
-    """A ``speculation`` block (:func:`cluster.openai_api.merged_speculation`) as a message."""
+    """A ``speculation`` block (:func:`cluster.responses.merged_speculation`) as a message."""
     if block is None:
         return specserve_pb2.SpeculationStats()
     fields = specserve_pb2.SpeculationStats.DESCRIPTOR.fields_by_name
@@ -409,7 +408,7 @@ def final_response(
 ) -> specserve_pb2.GenerateResponse:
     """The unary ``Generate`` response: every choice in ``choices``; choice 0's text, token ids,
     finish reason and log-probabilities also in the top-level fields; the usage of all choices
-    and their :func:`cluster.openai_api.merged_speculation` stats."""
+    and their :func:`cluster.responses.merged_speculation` stats."""
     results = [result] if isinstance(result, CompletionAccumulator) else list(result)
     choices = []
     for item in results:

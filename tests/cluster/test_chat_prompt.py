@@ -6,7 +6,7 @@ import pytest
 
 from actors.api import InvalidRequestError
 from cluster.chat_prompt import chat_prompt, check_template_kwargs, render_chat_prompt
-from cluster.openai_api import ChatMessage
+from cluster.schemas import ChatMessage
 from models import EMBEDDED_MODELS, EMBEDDED_ROOT
 
 MESSAGES = [ChatMessage(role="developer", content="S"), ChatMessage(role="user", content="def f():")]

@@ -156,7 +156,7 @@ def test_coordinator_errors_on_new_fields_get_the_proto_path():
 
 def test_unary_response_has_every_choice_and_stream_messages_their_index_and_logprobs():
     from actors.api import TokenLogprob
-    from cluster.openai_api import CompletionAccumulator, TokenTexts
+    from cluster.responses import CompletionAccumulator, TokenTexts
 
     texts = TokenTexts(lambda token_id: {1: b"a", 2: b"\xc3", 3: b"\xa9"}[token_id])
     results = []

@@ -1,4 +1,4 @@
-"""The OpenAI request schemas and response builders of cluster/openai_api.py (no server)."""
+"""The OpenAI request schemas and response builders (cluster/schemas.py, cluster/responses.py) (no server)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,15 @@ import json
 import pytest
 
 from actors.api import GenerationChunk, InvalidRequestError, RequestStats
-from cluster.openai_api import (
-    ChatCompletionRequest,
+from cluster.chat_prompt import render_chat_prompt
+from cluster.responses import (
     CompletionAccumulator,
-    CompletionRequest,
     completion_response,
-    http_field,
     invalid_request_body,
-    parse_body,
-    render_chat_prompt,
     sse_event,
     stream_chunk,
 )
+from cluster.schemas import ChatCompletionRequest, CompletionRequest, http_field, parse_body
 from tests.cluster.single_request import http_generation_request
 
 

@@ -1,7 +1,7 @@
 """The OpenAI API as clients really use it: prompt lists, ``n``, ``echo``, penalties,
 ``logit_bias``, ``logprobs``, and the fields answered 400.
 
-The first part needs no server: request parsing and mapping (cluster/openai_api.py) and the
+The first part needs no server: request parsing and mapping (cluster/schemas.py, cluster/generation_requests.py, cluster/responses.py) and the
 log-probability rendering, with GenerationChunk objects built by hand. The second drives the
 session's Serve application with the official ``openai`` client and with LangChain's OpenAI
 classes (``langchain-openai``), which send prompt lists, zero penalties and ``n`` by default.
@@ -15,22 +15,18 @@ import math
 import pytest
 
 from actors.api import GenerationChunk, InvalidRequestError, RequestStats, TokenLogprob
-from cluster.openai_api import (
+from cluster.generation_requests import to_generation_requests
+from cluster.responses import (
     LOGPROB_FLOOR,
-    MAX_CHOICES,
-    ChatCompletionRequest,
     ChoiceStream,
     CompletionAccumulator,
-    CompletionRequest,
     LogprobsRenderer,
     TokenTexts,
     completion_response,
-    http_field,
     merged_speculation,
-    parse_body,
-    to_generation_requests,
     usage_chunk,
 )
+from cluster.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, http_field, parse_body
 
 MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
 

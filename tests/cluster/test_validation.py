@@ -11,7 +11,7 @@ import pytest
 
 from actors.api import InvalidRequestError
 from cluster import grpc_service
-from cluster.openai_api import ChatCompletionRequest, CompletionRequest, parse_body
+from cluster.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from tests.cluster.single_request import grpc_generation_request, http_generation_request
 from cluster.validation import INT64_MAX, MIN_POSITIVE_TEMPERATURE, check_generation_request, check_request_id
 from protos import specserve_pb2, specserve_pb2_grpc
