@@ -26,7 +26,14 @@ speculation is its start-up option instead. ``spec`` starts it with
       "rejection_sample_method": "block"}'
 
 (drafts sampled from the draft's distribution and block verification, what specserve's ``sd``
-does; vLLM's defaults are greedy drafts and token verification). Around each level's timed part
+does; vLLM's defaults are greedy drafts and token verification); ``spec-standard`` (``--modes``)
+asks for ``"rejection_sample_method": "standard"`` instead. What vLLM 0.32's CPU build does with
+these (read from its source): it runs the V1 model runner (Model Runner V2 needs Triton, which
+the CPU build lacks); the V1 rejection sampler has no block path (block verification exists only
+in the V2 runner's ``v1/worker/gpu/spec_decode/rejection_sampler.py``) and the V1 proposer keeps
+the draft's probabilities only with ``"standard"`` (``v1/spec_decode/llm_base_proposer.py``), so
+``spec`` runs token verification with the sampled drafts taken as one-hot, and only
+``spec-standard`` is speculative sampling with the draft's distribution. Around each level's timed part
 ``GET /metrics`` is scraped for ``vllm:spec_decode_num_drafts_total``,
 ``..._num_draft_tokens_total`` and ``..._num_accepted_tokens_total``: acceptance rate = accepted
 / draft tokens, block efficiency = 1 + accepted / drafts (tokens per verification). Peak RSS is
@@ -70,7 +77,8 @@ from models import embedded_model_path
 logger = logging.getLogger("benchmarks.vllm_peer")
 
 KIND = "vllm-peer"
-MODES = ("plain", "spec")
+MODES = ("plain", "spec", "spec-standard")
+VERIFICATION = {"spec": "block", "spec-standard": "standard"}
 SERVED_NAME = "embedded-target"
 CONFLICTING_WHEELS = ("torchvision", "torchaudio", "torchcodec")
 SPEC_COUNTERS = {
@@ -171,10 +179,11 @@ def find_iomp(venv: pathlib.Path) -> pathlib.Path | None:
 
 # ----------------------------------------------------------------------------- the server
 
-def speculative_config(draft: pathlib.Path, gamma: int) -> dict[str, Any]:
-    """vLLM's ``--speculative-config`` for draft-model speculation like specserve's sd (block)."""
+def speculative_config(draft: pathlib.Path, gamma: int, verification: str = "block") -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` for draft-model speculation: drafts sampled from the draft's
+    distribution, ``verification`` "block" (like specserve's sd) or "standard" (token verification)."""
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": gamma,
-            "draft_sample_method": "probabilistic", "rejection_sample_method": "block"}
+            "draft_sample_method": "probabilistic", "rejection_sample_method": verification}
 
 
 class VllmServer(ServerProcess):
@@ -286,8 +295,8 @@ def mode_case(mode: str, gamma: int) -> LoadCase:
     """The level label and strategy of a mode (the strategy picks the bare-limit formula)."""
     if mode == "plain":
         return LoadCase("ar", "vllm ar", {})
-    if mode == "spec":
-        return LoadCase("sd", f"vllm sd/draft_model/block/g{gamma}", {})
+    if mode in VERIFICATION:
+        return LoadCase("sd", f"vllm sd/draft_model/{VERIFICATION[mode]}/g{gamma}", {})
     raise ValueError(f"modes: unknown mode {mode!r}; expected a subset of {MODES}")
 
 
@@ -312,7 +321,7 @@ def run_peer(args: argparse.Namespace) -> ServeLoadResults:
     spec: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
         case = mode_case(mode, args.gamma)
-        speculative = speculative_config(draft, args.gamma) if mode == "spec" else None
+        speculative = speculative_config(draft, args.gamma, VERIFICATION[mode]) if mode in VERIFICATION else None
         environment["speculative_configs"][mode] = speculative
         server = VllmServer(args.venv, target, speculative, out / f"server-{mode}.log", args.start_timeout,
                             args.kv_cache_gib, args.max_model_len)
@@ -427,7 +436,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--venv", type=pathlib.Path, required=True, help="vLLM's own venv (made when missing).")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="Output directory.")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 16], help="Clients per level (default 1,16).")
-    parser.add_argument("--modes", type=_modes, default=list(MODES), help="plain,spec (default both).")
+    parser.add_argument("--modes", type=_modes, default=["plain", "spec"],
+                        help="plain, spec (block verification), spec-standard (token verification); default plain,spec.")
     parser.add_argument("--requests-per-level", type=int, default=None,
                         help="Measured requests per level (default: max(32, 4 x concurrency)).")
     parser.add_argument("--max-tokens", type=int, default=48, help="Tokens per request (default 48).")

@@ -72,6 +72,8 @@ def test_server_command_and_environment(tmp_path):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["LD_PRELOAD"].startswith(str(iomp))
     assert "PYTHONPATH" not in env and env["HF_HUB_OFFLINE"] == "1"
     assert server.working_directory() == tmp_path
+    assert speculative_config(draft, 4, "standard")["rejection_sample_method"] == "standard"
+    assert mode_case("spec-standard", 4).label == "vllm sd/draft_model/standard/g4"
     plain = VllmServer(venv, pathlib.Path("/m/target"), None, tmp_path / "s.log", 60.0, 4, 1024)
     assert "--speculative-config" not in plain.command()
 
