@@ -11,10 +11,9 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
+from verifiers.ensemble import EnsembleKind  # the ensemble functions' vocabulary, defined once
+
 Strategy = Literal["ar", "sd", "multi_draft", "ensemble", "se"]
-SingleDraftMethod = Literal["token", "block", "greedy_block"]
-MultiDraftMethod = Literal["spectr", "sequential_gbv", "spectr_gbv"]
-EnsembleKind = Literal["weighted", "contrastive"]
 FinishReason = Literal["stop", "length", "error"]
 
 MAX_GAMMA = 32

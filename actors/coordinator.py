@@ -41,6 +41,7 @@ from actors.metrics import (
 )
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan, resolve_plan
+from actors.tokenizer import load_tokenizer
 from actors.prompt_scoring import law_models, prompt_log_rows, prompt_logprobs
 from actors.scheduler import RequestState, Scheduler
 from actors.strategies import MachineSampling, build_machine
@@ -128,11 +129,7 @@ class Coordinator:
 
     @staticmethod
     def _load_tokenizer(path: str | None):
-        if path is None:
-            return None
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
+        return None if path is None else load_tokenizer(path)
 
     # ------------------------------------------------------------------ info
     async def infos(self) -> dict[str, WorkerInfo]:

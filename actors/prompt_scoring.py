@@ -21,11 +21,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from actors.api import TokenLogprob
-from actors.plan import DecodingPlan
+from actors.plan import ENSEMBLE_STRATEGIES, DecodingPlan
 from verifiers.ensemble import make_ensemble
-
-#: Strategies whose tokens follow an ensemble of their members.
-ENSEMBLE_STRATEGIES: frozenset[str] = frozenset({"ensemble", "se"})
 
 
 def law_models(plan: DecodingPlan) -> tuple[str, ...]:
@@ -63,4 +60,4 @@ def prompt_logprobs(log_rows: torch.Tensor, prompt_ids: Sequence[int], top: int)
     return entries
 
 
-__all__ = ["ENSEMBLE_STRATEGIES", "law_models", "prompt_log_rows", "prompt_logprobs"]
+__all__ = ["law_models", "prompt_log_rows", "prompt_logprobs"]

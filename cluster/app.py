@@ -48,6 +48,7 @@ from ray.util.placement_group import get_current_placement_group
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
 from actors.metrics import GroupIdentity
 from actors.scheduler import OverloadedError
+from actors.tokenizer import load_tokenizer
 from cluster import grpc_service
 from cluster.metrics import CONTENT_TYPE, CoordinatorDirectory, render
 from cluster.config import GroupConfig, SpecServeArgs, parse_app_args, resolve_api_key
@@ -428,9 +429,7 @@ class SpecServeIngress:
             await _cancel_all(tasks, streams)
 
     def _load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self._config.tokenizer_path)
+        return load_tokenizer(self._config.tokenizer_path)
 
     async def _tokenizer_texts(self) -> tuple[Any, TokenTexts]:
         """The group's tokenizer and its :class:`TokenTexts` (loaded once, off the event loop)."""
