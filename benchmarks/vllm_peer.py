@@ -55,7 +55,7 @@ import pathlib
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any
 
 from benchmarks.bare_limit import LevelShape, bare_limits, representative_context
@@ -67,7 +67,6 @@ from benchmarks.serve_load import (
     MemoryProbe,
     ServeLoadSettings,
     ServerProcess,
-    _free_port,
     _load_avg,
     descendants,
 )
@@ -360,8 +359,6 @@ def _add_bare_limits(results: ServeLoadResults, settings: ServeLoadSettings, pro
     efficiencies = [spec.get(f"{run.label}@{run.concurrency}", {}).get("block_efficiency") for run in results.levels]
     records = bare_limits(shapes, efficiencies, {"target": "target", "draft": "draft"}, paths, context=context,
                           repeats=settings.bare_repeats)
-    from dataclasses import replace
-
     results.levels = [replace(run, bare=record) for run, record in zip(results.levels, records)]
     results.environment["bare_limit"] = {"context": context, "torch_threads": 1, "repeats": settings.bare_repeats}
 
