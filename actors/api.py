@@ -11,10 +11,9 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
+from verifiers.ensemble import EnsembleKind  # the ensemble functions' vocabulary, defined once
+
 Strategy = Literal["ar", "sd", "multi_draft", "ensemble", "se"]
-SingleDraftMethod = Literal["token", "block", "greedy_block"]
-MultiDraftMethod = Literal["spectr", "sequential_gbv", "spectr_gbv"]
-EnsembleKind = Literal["weighted", "contrastive"]
 FinishReason = Literal["stop", "length", "error"]
 
 MAX_GAMMA = 32
@@ -61,7 +60,9 @@ class SamplingParams(_Frozen):
     temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 means greedy (argmax).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1 disables it.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables it.")
-    max_tokens: int = Field(64, ge=1, description="Maximum number of generated tokens.")
+    max_tokens: int = Field(
+        64, ge=0, description="Maximum number of generated tokens; 0 (only with prompt_logprobs) scores the prompt alone."
+    )
     stop: list[str] = Field(default_factory=list, description="Stop strings; generation ends before the first match.")
     seed: int | None = Field(None, ge=0, description="Seed of every random stream of the request; None picks one.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
@@ -83,6 +84,12 @@ class SamplingParams(_Frozen):
         None, ge=0, le=MAX_TOP_LOGPROBS,
         description="Return each generated token's log-probability under the law it was sampled from, with this "
         "many most likely alternatives (0: the token alone); None: no log-probabilities.",
+    )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="Return each prompt token's log-probability (after the first) under the model's raw law (the "
+        "target's, or the ensemble's for ensemble / se, at temperature 1 with no top-k / top-p / penalties), with "
+        "this many most likely alternatives; None: none.",
     )
 
 
@@ -159,6 +166,7 @@ class TokenLogprob(_Frozen):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = Field(default_factory=list, description="(token id, logprob), most likely first.")
+    rank: int | None = Field(None, description="Prompt tokens: 1 + the number of tokens more likely than this one.")
 
 
 class GenerationChunk(_Frozen):
@@ -169,6 +177,12 @@ class GenerationChunk(_Frozen):
     text: str = ""
     logprobs: list[TokenLogprob] | None = Field(
         None, description="One per token of token_ids when the request asked for log-probabilities."
+    )
+    prompt_token_ids: list[int] | None = Field(
+        None, description="The first chunk of a request with prompt_logprobs: the prompt's token ids."
+    )
+    prompt_logprobs: list[TokenLogprob] | None = Field(
+        None, description="The first chunk of a request with prompt_logprobs: one per prompt token after the first."
     )
     finished: bool = False
     finish_reason: FinishReason | None = None

@@ -44,6 +44,80 @@ IN_PLACE_FILLER_MAX_WIDTH = 16
 IN_PLACE_ROWS_PER_FILLER = 4
 
 
+class RunAttend(Sequence):
+    """``attend`` as column runs, O(1) per token: token ``i`` sees (beyond the prefix) columns
+    ``[first_start[i], first_end[i])`` and ``[second_start[i], second_end[i])`` (empty when equal).
+    That covers every row the engine builds: a causal row (one run growing by a column a
+    token), a draft chain (its own chain's run) and a verification row (the pending tokens' run,
+    then its chain's run). Indexing gives the tuple a plain ``attend`` would hold, so every reader
+    works unchanged; :func:`build_batch` builds the mask from the runs with tensor operations and
+    the checks are O(tokens) (a 4,096-token prompt's row was ~1 s of Python as a tuple per
+    token, plus ~1 s to build its mask)."""
+
+    __slots__ = ("first_start", "first_end", "second_start", "second_end")
+
+    def __init__(self, first_start: Sequence[int], first_end: Sequence[int],
+                 second_start: Sequence[int] | None = None, second_end: Sequence[int] | None = None):
+        self.first_start, self.first_end = tuple(first_start), tuple(first_end)
+        empty = (0,) * len(self.first_start)
+        self.second_start = tuple(second_start) if second_start is not None else empty
+        self.second_end = tuple(second_end) if second_end is not None else empty
+        lengths = {len(self.first_start), len(self.first_end), len(self.second_start), len(self.second_end)}
+        if len(lengths) != 1:
+            raise ValueError(f"RunAttend: the four run bounds must have one length, got {sorted(lengths)}")
+
+    @classmethod
+    def causal(cls, first_column: int, length: int) -> RunAttend:
+        """Token ``i`` sees columns ``first_column .. first_column + i``."""
+        return cls((first_column,) * length, range(first_column + 1, first_column + length + 1))
+
+    def __len__(self) -> int:
+        return len(self.first_start)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return (tuple(range(self.first_start[index], self.first_end[index]))
+                + tuple(range(self.second_start[index], self.second_end[index])))
+
+    def runs(self, index: int) -> tuple[int, int, int, int]:
+        return (self.first_start[index], self.first_end[index], self.second_start[index], self.second_end[index])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RunAttend):
+            return tuple(self) == tuple(other)
+        return tuple(self) == other if isinstance(other, tuple) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"RunAttend({len(self)} tokens)"
+
+
+def _check_runs(row: RowWork) -> None:
+    """The per-token checks of a plain ``attend`` on runs, O(tokens)."""
+    attend = row.attend
+    for i, column in enumerate(row.columns):
+        first_start, first_end, second_start, second_end = attend.runs(i)
+        if first_start > first_end or second_start > second_end:
+            raise ValueError(f"RowWork.attend[{i}] has a run that ends before it starts (slot {row.slot})")
+        if not (first_start <= column < first_end or second_start <= column < second_end):
+            raise ValueError(
+                f"RowWork.attend[{i}] must include the token's own column {column}, got {attend[i]} (slot {row.slot})"
+            )
+        if (first_end > first_start and first_start < row.prefix_length) or (
+                second_end > second_start and second_start < row.prefix_length):
+            raise ValueError(
+                f"RowWork.attend[{i}] lists columns below prefix_length {row.prefix_length} "
+                f"(the prefix is always visible), got {attend[i]} (slot {row.slot})"
+            )
+
+
 @dataclass(frozen=True)
 class RowWork:
     """One session's new tokens in one batched forward."""
@@ -61,8 +135,8 @@ class RowWork:
         that does not depend on the cache's capacity (:func:`build_batch` checks that)."""
         for name in ("token_ids", "columns", "positions", "keep"):
             object.__setattr__(self, name, tuple(map(int, getattr(self, name))))
-        # attend holds O(L^2) entries for a long causal row: only lists are converted.
-        object.__setattr__(self, "attend", tuple(seen if type(seen) is tuple else tuple(seen) for seen in self.attend))
+        if not isinstance(self.attend, RunAttend):
+            object.__setattr__(self, "attend", tuple(seen if type(seen) is tuple else tuple(seen) for seen in self.attend))
         _check_row(self)
 
     def __len__(self) -> int:
@@ -87,7 +161,7 @@ def linear_row(
         token_ids=tuple(token_ids),
         columns=columns,
         positions=tuple(range(first_position, first_position + len(token_ids))),
-        attend=tuple(columns[: i + 1] for i in range(len(columns))),
+        attend=RunAttend.causal(prefix_length, len(columns)),
         keep=tuple(keep),
     )
 
@@ -140,6 +214,10 @@ def _check_row(row: RowWork) -> None:
         )
     if min(row.positions) < 0:
         raise ValueError(f"RowWork.positions must be >= 0, got {row.positions} (slot {row.slot})")
+    if isinstance(row.attend, RunAttend):
+        _check_runs(row)
+        _check_keep(row, length)
+        return
     for i, (column, seen) in enumerate(zip(row.columns, row.attend)):
         if column not in seen:
             raise ValueError(
@@ -150,6 +228,10 @@ def _check_row(row: RowWork) -> None:
                 f"RowWork.attend[{i}] lists columns below prefix_length {row.prefix_length} "
                 f"(the prefix is always visible), got {seen} (slot {row.slot})"
             )
+    _check_keep(row, length)
+
+
+def _check_keep(row: RowWork, length: int) -> None:
     for index in row.keep:
         if not 0 <= index < length:
             raise ValueError(f"RowWork.keep index {index} out of range for {length} tokens (slot {row.slot})")
@@ -167,6 +249,11 @@ def _check_capacity(row: RowWork, capacity: int) -> None:
         raise ValueError(f"RowWork.prefix_length {row.prefix_length} exceeds capacity {capacity} (slot {row.slot})")
     if max(row.columns) >= capacity:
         raise ValueError(f"RowWork.columns must be < capacity {capacity}, got {row.columns} (slot {row.slot})")
+    if isinstance(row.attend, RunAttend):
+        highest = max(max(row.attend.first_end), max(row.attend.second_end)) - 1
+        if highest >= capacity:
+            raise ValueError(f"RowWork.attend must be < capacity {capacity}, got column {highest} (slot {row.slot})")
+        return
     for i, seen in enumerate(row.attend):
         if max(seen) >= capacity:
             raise ValueError(f"RowWork.attend[{i}] must be < capacity {capacity}, got {seen} (slot {row.slot})")
@@ -223,6 +310,8 @@ def build_batch(
 
     batch_slots, prefixes, input_ids, positions, columns = [], [], [], [], []
     attend_rows, attend_queries, attend_columns = [], [], []
+    run_rows, run_queries = [], []  # RunAttend rows: each query (b, i), every query of the row in order ...
+    run_bounds: tuple[list[int], ...] = ([], [], [], [])  # ... and its 4 run bounds
     keep_index, causal_rows = [], []
     for b, entry in enumerate(layout):
         if entry < 0:  # a filler: writes its trash column, reads column 0
@@ -240,6 +329,15 @@ def build_batch(
         positions.extend(row.positions + (row.positions[-1],) * pad)
         columns.extend(row.columns + (capacity,) * pad)
         keep_index.extend(b * width + i for i in row.keep)
+        if isinstance(row.attend, RunAttend):
+            attend = row.attend  # a padded query sees exactly what the row's last real query sees
+            last = len(row) - 1
+            run_rows.extend(itertools.repeat(b, width))
+            run_queries.extend(range(width))
+            for kept, bounds in zip(run_bounds, (attend.first_start, attend.first_end, attend.second_start, attend.second_end)):
+                kept.extend(bounds)
+                kept.extend(itertools.repeat(bounds[last], pad))
+            continue
         if len(row) >= CAUSAL_BLOCK_MIN_TOKENS and _is_causal(row):
             causal_rows.append(b)
             continue
@@ -252,14 +350,20 @@ def build_batch(
 
     # One host-to-device transfer for every index list, then views into it.
     parts = (batch_slots, prefixes, input_ids, positions, columns, keep_index,
-             attend_rows, attend_queries, attend_columns)
+             attend_rows, attend_queries, attend_columns, run_rows, run_queries, *run_bounds)
     flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long, device=device)  # [sum of lengths]
-    (slots_t, prefix, ids_t, positions_t, columns_t, keep_t, rows_t, queries_t, seen_t) = torch.split(
-        flat, [len(part) for part in parts]
-    )
-    mask = torch.arange(kv_length, device=device)[None, :] < prefix[:, None]  # [B, T_kv]
+    (slots_t, prefix, ids_t, positions_t, columns_t, keep_t, rows_t, queries_t, seen_t,
+     run_rows_t, run_queries_t, *bounds_t) = torch.split(flat, [len(part) for part in parts])
+    kv_columns = torch.arange(kv_length, device=device)  # [T_kv]
+    mask = kv_columns[None, :] < prefix[:, None]  # [B, T_kv]
     mask = mask[:, None, :].repeat(1, width, 1)  # [B, L, T_kv]
     mask[rows_t, queries_t, seen_t] = True
+    if run_rows:
+        first_start, first_end, second_start, second_end = (b[:, None] for b in bounds_t)  # each [N_run_queries, 1]
+        seen = ((kv_columns >= first_start) & (kv_columns < first_end)) | (
+            (kv_columns >= second_start) & (kv_columns < second_end))  # [N_run_queries, T_kv]
+        for k, b in enumerate(run_rows[::width]):  # every query of a run row, in order: a slice per row
+            mask[b] |= seen[k * width: (k + 1) * width]
     for b in causal_rows:
         length = len(rows[layout[b]])
         block = torch.ones(width, length, dtype=torch.bool, device=device).tril()  # [L, L_b]; padding: all

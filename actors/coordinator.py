@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
+from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, TokenLogprob
 from actors.messages import OpenSession, RowSampling, WorkerInfo
 from actors.metrics import (
     NO_METHOD,
@@ -42,6 +42,8 @@ from actors.metrics import (
 )
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan, resolve_plan
+from actors.tokenizer import load_tokenizer
+from actors.prompt_scoring import law_models, prompt_log_rows, prompt_logprobs
 from actors.scheduler import RequestState, Scheduler
 from actors.strategies import MachineSampling, build_machine
 from actors.vocabulary import group_vocabulary, tokenizer_identity
@@ -136,11 +138,7 @@ class Coordinator:
 
     @staticmethod
     def _load_tokenizer(path: str | None):
-        if path is None:
-            return None
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
+        return None if path is None else load_tokenizer(path)
 
     # ------------------------------------------------------------------ info
     async def infos(self) -> dict[str, WorkerInfo]:
@@ -241,9 +239,12 @@ class Coordinator:
         # model.generate users would tokenize.
         return list(self.tokenizer(request.prompt)["input_ids"])
 
-    async def _prepare(self, request: GenerationRequest) -> tuple[DecodingPlan, list[int], int, int]:
-        """Resolve and check everything about a request; raises InvalidRequestError."""
-        plan = resolve_plan(request.speculation, self.config.defaults, self.roles)
+    def _plan(self, request: GenerationRequest) -> DecodingPlan:
+        """The request's plan, resolved once against the deployment (raises InvalidRequestError)."""
+        return resolve_plan(request.speculation, self.config.defaults, self.roles)
+
+    async def _prepare(self, request: GenerationRequest, plan: DecodingPlan) -> tuple[list[int], int, int]:
+        """Check everything about a request under its resolved plan; raises InvalidRequestError."""
         infos = await self.infos()
         prompt_ids = self._tokenize(request)
         if not prompt_ids:
@@ -271,10 +272,7 @@ class Coordinator:
         bad_bias = [t for t in sampling.logit_bias if not 0 <= t < vocab_limit]
         if bad_bias:
             raise InvalidRequestError("logit_bias", f"token ids must lie in [0, {vocab_limit}), got {bad_bias[:5]}")
-        bad_values = [b for b in sampling.logit_bias.values() if not -100.0 <= b <= 100.0]  # NaN fails too
-        if bad_values:
-            raise InvalidRequestError("logit_bias", f"biases must be finite and in [-100, 100], got {bad_values[:5]}")
-        return plan, prompt_ids, vocab_limit, max_context
+        return prompt_ids, vocab_limit, max_context
 
     def _context_name(self, max_context: int) -> str:
         """How a 400 names the context limit: ``max_model_len`` when that setting is the limit."""
@@ -285,7 +283,8 @@ class Coordinator:
         """Check a request without running it: the resolved plan and the prompt length, or
         InvalidRequestError naming the field."""
         request = self._parse(request)
-        plan, prompt_ids, vocab_limit, max_context = await self._prepare(request)
+        plan = self._plan(request)
+        prompt_ids, vocab_limit, max_context = await self._prepare(request, plan)
         return {"plan": vars(plan), "prompt_tokens": len(prompt_ids), "max_context": max_context}
 
     @staticmethod
@@ -303,12 +302,23 @@ class Coordinator:
     async def generate(self, request: GenerationRequest | dict) -> AsyncIterator[GenerationChunk]:
         """Stream the request's output (see the module docstring)."""
         self._ensure_export()
+        plan: DecodingPlan | None = None
         try:
             request = self._parse(request)
-            plan, prompt_ids, vocab_limit, max_context = await self._prepare(request)
+            plan = self._plan(request)
+            prompt_ids, vocab_limit, max_context = await self._prepare(request, plan)
         except InvalidRequestError:
-            self.metrics.refused(self._plan_labels(request), "invalid")
+            labels = (plan.strategy, plan.method or NO_METHOD) if plan is not None else (NO_METHOD, NO_METHOD)
+            self.metrics.refused(labels, "invalid")
             raise
+        prompt_entries = None
+        if request.sampling.prompt_logprobs is not None:
+            prompt_entries = await self._score_prompt(request, plan, prompt_ids, vocab_limit)
+            if request.sampling.max_tokens == 0:  # the prompt alone: no decoding
+                stats = RequestStats(strategy=plan.strategy, method=plan.method, prompt_tokens=len(prompt_ids))
+                yield GenerationChunk(request_id=request.request_id, prompt_token_ids=prompt_ids,
+                                      prompt_logprobs=prompt_entries, finished=True, finish_reason="length", stats=stats)
+                return
         state = self._request_state(request, plan, prompt_ids, vocab_limit, max_context)
         self.scheduler.submit(state)  # OverloadedError when the waiting line is full
         try:
@@ -317,19 +327,27 @@ class Coordinator:
                 while not state.chunks.empty():  # the consumer fell behind: one chunk for all of them
                     chunks.append(state.chunks.get_nowait())
                 chunk = merge_chunks(chunks)
+                if prompt_entries is not None:  # the first chunk carries the prompt's
+                    chunk = chunk.model_copy(update={"prompt_token_ids": prompt_ids, "prompt_logprobs": prompt_entries})
+                    prompt_entries = None
                 yield chunk
                 if chunk.finished:
                     return
         finally:
             self.scheduler.cancel(state)  # no-op when finished; else it leaves at the next step
 
-    def _plan_labels(self, request: Any) -> tuple[str, str]:
-        """(strategy, method) of a request refused before it ran, as far as they resolve."""
-        try:
-            plan = resolve_plan(request.speculation, self.config.defaults, self.roles)
-        except Exception:  # noqa: BLE001 - the plan itself is what was invalid
-            return NO_METHOD, NO_METHOD
-        return plan.strategy, plan.method or NO_METHOD
+    async def _score_prompt(
+        self, request: GenerationRequest, plan: DecodingPlan, prompt_ids: list[int], vocab_limit: int
+    ) -> list[TokenLogprob]:
+        """The prompt's log-probabilities under the request's raw law (:mod:`actors.prompt_scoring`):
+        every law model scores the prompt in one forward, concurrently."""
+        models = law_models(plan)
+        session_id = f"{request.request_id}/prompt-{uuid.uuid4().hex[:12]}"
+        logits = await asyncio.gather(
+            *(self.workers[name].prompt_logits.remote(session_id, prompt_ids, vocab_limit) for name in models)
+        )
+        rows = prompt_log_rows(plan, dict(zip(models, logits)))  # [P-1, V]
+        return prompt_logprobs(rows, prompt_ids, request.sampling.prompt_logprobs)
 
     def count_invalid(self) -> None:
         """A request the ingress refused as invalid (400) before it reached here."""

@@ -16,6 +16,11 @@ forward (one copy of the kept rows of every session), and rows are computed with
 sampling path (:func:`verifiers.sampling.logits_to_probs`) in float64 on the host, which is
 where the verifiers run.
 
+Prompt log-probabilities: a session opened with ``OpenSession.prompt_logits`` keeps the logits
+of every prompt position in the forward that feeds its prompt (:func:`keep_prompt_positions`),
+and its outcome carries them (``ItemOutcome.prompt_logits``); such a session reuses no cached
+prefix, so every position is computed fresh.
+
 Failures stay with their request: an item that fails (bad state, a forward that raises for
 its row) gets an error outcome and its session is freed; the other items of the step go on (a
 forward that raises is retried row by row to find the rows that fail).
@@ -23,6 +28,7 @@ forward that raises is retried row by row to find the rows that fail).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -30,8 +36,8 @@ from typing import Any
 
 import torch
 
-from actors.batch import RowWork, linear_row
-from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
+from actors.batch import RowWork, RunAttend, linear_row
+from actors.messages import CallTiming, ItemOutcome, OpenSession, RowSampling, WorkItem
 from actors.prefix_cache import PrefixCache
 from actors.sessions import Session, SessionNotFoundError, SessionStore
 from verifiers.machines import Extend, MemberBlock, NextLogits, Sample, Sampled, ScoreVerify, Verified
@@ -63,6 +69,20 @@ def shared_vocab(session: Session, logits: torch.Tensor) -> torch.Tensor:
     return logits if limit is None else logits[..., :limit]
 
 
+def columns_of(*runs: tuple[int, ...]) -> tuple[int, ...]:
+    """The columns of several runs, in order."""
+    return tuple(column for run in runs for column in run)
+
+
+def keep_prompt_positions(row: RowWork, count: int) -> RowWork:
+    """``row`` (which starts with the whole prompt: its session fed nothing yet) also keeping
+    its first ``count`` positions, before its own kept positions (all of which lie at or after
+    the prompt's last token, so none is kept twice)."""
+    if row.prefix_length != 0 or any(index < count for index in row.keep):
+        raise ValueError("prompt logits need the whole prompt in the session's first row")
+    return dataclasses.replace(row, keep=tuple(range(count)) + tuple(row.keep))
+
+
 class ProposalLost(RuntimeError):
     """The worker that proposed for this step died: the request can be sent again."""
 
@@ -76,6 +96,8 @@ class _Task:
         self.forwards = 0
         self.tokens_fed = 0
         self.verify_s = 0.0
+        self.prompt_positions = 0  # prompt positions whose logits to keep in the first forward
+        self.prompt_logits: torch.Tensor | None = None  # [prompt_positions, V] once taken
 
     @property
     def active(self) -> bool:
@@ -131,7 +153,7 @@ class _SampleTask(_Task):
             token_ids=tuple(draft[depth] for draft in self.drafts),
             columns=tuple(columns),
             positions=(session.base + depth,) * len(columns),
-            attend=tuple(tuple(range(c - depth, c + 1)) for c in columns),
+            attend=RunAttend([c - depth for c in columns], [c + 1 for c in columns]),  # each its own chain
             keep=tuple(range(len(columns))),
         )
 
@@ -183,21 +205,25 @@ class _ScoreVerifyTask(_Task):
         session, pending = self.session, self.pending
         drafts = self.proposal.tokens.tolist()  # [K][gamma]
         gamma = len(drafts[0])
-        chain_start = session.base + len(pending)
-        pending_columns = tuple(range(session.base, chain_start))
-        columns, attend = list(pending_columns), [pending_columns[: i + 1] for i in range(len(pending))]
-        for k in range(len(drafts)):
-            chain = tuple(range(chain_start + k * gamma, chain_start + (k + 1) * gamma))
-            columns.extend(chain)
-            attend.extend(pending_columns + chain[: j + 1] for j in range(gamma))  # the pending tokens, then its chain
+        base, chain_start = session.base, session.base + len(pending)
+        pending_columns = tuple(range(base, chain_start))
+        chain_columns = tuple(range(chain_start, chain_start + len(drafts) * gamma))  # chain k at chain_start + k * gamma
+        chain_firsts = [chain_start + k * gamma for k in range(len(drafts)) for _ in range(gamma)]
+        # The pending tokens see themselves causally; a chain token sees every pending token, then its chain.
+        attend = RunAttend(
+            first_start=[base] * len(columns_of(pending_columns, chain_columns)),
+            first_end=[c + 1 for c in pending_columns] + [chain_start] * len(chain_columns),
+            second_start=[0] * len(pending_columns) + chain_firsts,
+            second_end=[0] * len(pending_columns) + [c + 1 for c in chain_columns],
+        )
         return RowWork(
             slot=session.slot,
-            prefix_length=session.base,
+            prefix_length=base,
             token_ids=tuple(pending) + tuple(t for draft in drafts for t in draft),
-            columns=tuple(columns),
+            columns=pending_columns + chain_columns,
             positions=pending_columns + tuple(chain_start + j for _ in drafts for j in range(gamma)),
-            attend=tuple(attend),
-            keep=(len(pending) - 1,) + tuple(range(len(pending), len(columns))),
+            attend=attend,
+            keep=(len(pending) - 1,) + tuple(range(len(pending), len(pending) + len(chain_columns))),
         )
 
     def take(self, logits: torch.Tensor) -> None:
@@ -264,15 +290,13 @@ class _ExtendTask(_Task):
         if self.queued_logits is None:
             pending, chain_start = self.pending, session.base + len(self.pending)
             columns = tuple(range(session.base, chain_start + len(self.queued)))
-            attend = [columns[: i + 1] for i in range(len(pending))]
-            attend.extend(columns[: len(pending) + j + 1] for j in range(len(self.queued)))
             return RowWork(
                 slot=session.slot,
                 prefix_length=session.base,
                 token_ids=tuple(pending) + tuple(self.queued),
                 columns=columns,
                 positions=columns,
-                attend=tuple(attend),
+                attend=RunAttend.causal(session.base, len(columns)),  # pending, then queued: one causal run
                 keep=tuple(range(len(pending) - 1, len(columns))),
             )
         column = session.base + len(self.queued) + len(self.tokens) - 1  # feed the newest draw
@@ -282,7 +306,7 @@ class _ExtendTask(_Task):
             token_ids=(self.tokens[-1],),
             columns=(column,),
             positions=(column,),
-            attend=(tuple(range(session.base, column + 1)),),
+            attend=RunAttend([session.base], [column + 1]),
             keep=(0,),
         )
 
@@ -391,6 +415,22 @@ class WorkerEngine:
             "prefix_reused_tokens_total": self.prefix_cache.reused_tokens_total,
         }
 
+    def prompt_logits(self, session_id: str, prompt_ids: Sequence[int], vocab_limit: int | None = None) -> torch.Tensor:
+        """The raw logits ``[P - 1, V]`` (float32, the first ``vocab_limit`` ids) at every
+        prompt position but the last, row ``j`` predicting prompt token ``j + 1``: one step of a
+        session of its own whose prompt forward keeps every position (``OpenSession.prompt_logits``).
+        The session is then released; its slot is parked with the prompt, so a decode session of
+        the same prompt that follows reuses it instead of computing it again (prefix caching)."""
+        spec = OpenSession(tuple(int(t) for t in prompt_ids), RowSampling(vocab_limit=vocab_limit), prompt_logits=True)
+        outcomes, _ = self.step([WorkItem(session_id, NextLogits(self.name, ()), open=spec)])
+        self.sessions.release(session_id)
+        outcome = outcomes[0]
+        if outcome.error is not None:
+            raise RuntimeError(f"{self.name}: scoring the prompt failed: {outcome.error}")
+        if outcome.prompt_logits is None:  # a one-token prompt: nothing to score
+            return torch.empty(0, outcome.value.shape[-1], dtype=torch.float32)
+        return outcome.prompt_logits
+
     def step(
         self, items: Sequence[WorkItem], releases: Sequence[str] = (), proposals: Sequence[Sequence[Any]] = ()
     ) -> tuple[list[ItemOutcome], list[Any]]:
@@ -429,6 +469,12 @@ class WorkerEngine:
         if item.open is not None:
             self._open(item.session_id, item.open)
         session = self.sessions.get(item.session_id)
+        task = self._need_task(item, session, proposals)
+        if item.open is not None and item.open.prompt_logits:
+            task.prompt_positions = session.prompt_length - 1
+        return task
+
+    def _need_task(self, item: WorkItem, session: Session, proposals: Sequence[Sequence[Any]]) -> _Task:
         need = item.need
         pending = session.sync(need.append, self.backend.copy_columns)
         if isinstance(need, Sample):
@@ -451,7 +497,8 @@ class WorkerEngine:
         raise TypeError(f"unknown need {type(need).__name__}")
 
     def _open(self, session_id: str, spec: OpenSession) -> None:
-        self.sessions.open(session_id, list(spec.prompt_ids), spec.sampling, dict(spec.seeds))
+        self.sessions.open(session_id, list(spec.prompt_ids), spec.sampling, dict(spec.seeds),
+                           reuse=not spec.prompt_logits)
 
     def _run_forwards(self, tasks: list[_Task | None], errors: dict[int, str], items: Sequence[WorkItem]) -> float:
         forward_s = 0.0
@@ -463,6 +510,8 @@ class WorkerEngine:
             for i in live:
                 try:
                     rows[i] = tasks[i].row()
+                    if tasks[i].prompt_positions and tasks[i].prompt_logits is None:
+                        rows[i] = keep_prompt_positions(rows[i], tasks[i].prompt_positions)
                 except Exception as error:  # noqa: BLE001
                     tasks[i] = None
                     errors[i] = self._fail(items[i].session_id, error)
@@ -482,6 +531,10 @@ class WorkerEngine:
                 task.tokens_fed += len(rows[i])
                 task.session.forward_calls += 1
                 task.session.tokens_fed += len(rows[i])
+                if task.prompt_positions and task.prompt_logits is None:
+                    count = task.prompt_positions  # [count + own keeps, V] -> the prompt's, the task's
+                    task.prompt_logits = shared_vocab(task.session, row_logits[:count]).clone()
+                    row_logits = row_logits[count:]
                 try:
                     task.take(row_logits)
                 except Exception as error:  # noqa: BLE001
@@ -540,6 +593,6 @@ class WorkerEngine:
             summary, payload = task.outcome()
             timing = CallTiming(forward_s=forward_s, verify_s=task.verify_s, forward_calls=task.forwards,
                                 tokens_fed=task.tokens_fed)
-            outcomes.append(ItemOutcome(value=summary, timing=timing))
+            outcomes.append(ItemOutcome(value=summary, timing=timing, prompt_logits=task.prompt_logits))
             payloads.append(payload)
         return outcomes, payloads

@@ -66,6 +66,10 @@ class OpenSession:
     prompt_ids: tuple[int, ...]
     sampling: RowSampling
     seeds: dict[str, int] = field(default_factory=dict)
+    #: Keep the logits of every prompt position of the first forward (prompt log-probabilities;
+    #: the outcome's ``prompt_logits``). Such a session computes its whole prompt: it reuses no
+    #: cached prefix, which would bring no fresh logits.
+    prompt_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,3 +96,6 @@ class ItemOutcome:
     timing: CallTiming = field(default_factory=CallTiming)
     error: str | None = None
     retryable: bool = False  # the session was gone (the worker restarted): sending the request again works
+    #: With ``OpenSession.prompt_logits``: the raw logits ``[P - 1, V]`` (shared vocabulary) at
+    #: prompt positions ``0 .. P-2``, row ``j`` predicting prompt token ``j + 1``.
+    prompt_logits: Any = None

@@ -148,6 +148,11 @@ class ModelWorker:
         return self.engine.step(items, releases, [_resolve(source) for source in proposals])
 
     # ------------------------------------------------------------------ sessions
+    def prompt_logits(self, session_id: str, prompt_ids: list[int], vocab_limit: int | None = None) -> Any:
+        """Raw logits ``[P - 1, V]`` of every prompt position but the last
+        (:meth:`actors.engine.WorkerEngine.prompt_logits`)."""
+        return self.engine.prompt_logits(session_id, prompt_ids, vocab_limit)
+
     def release(self, session_id: str) -> bool:
         """Free a session; True if it existed."""
         return self.engine.sessions.release(session_id)

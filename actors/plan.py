@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,6 +37,9 @@ STRATEGY_METHODS: dict[str, tuple[str, ...]] = {
     "ensemble": (),
     "se": ("token", "block"),
 }
+assert set(STRATEGY_METHODS) == set(get_args(Strategy)), "one strategy vocabulary: actors.api.Strategy"
+#: Strategies whose tokens follow an ensemble of their members (the others follow the target).
+ENSEMBLE_STRATEGIES: frozenset[str] = frozenset({"ensemble", "se"})
 
 WEIGHT_SUM_TOLERANCE = 1e-6
 

@@ -49,12 +49,15 @@ class PrefixCache:
         self.reused_tokens_total = 0  # prompt tokens copied instead of computed
         self.prompt_tokens_total = 0  # prompt tokens of every session opened
 
-    def open(self, prompt: Sequence[int], live: Iterable[tuple[int, Sequence[int]]] = ()) -> tuple[int, int]:
+    def open(
+        self, prompt: Sequence[int], live: Iterable[tuple[int, Sequence[int]]] = (), *, reuse: bool = True
+    ) -> tuple[int, int]:
         """A slot for a new session with ``prompt`` -> ``(slot, reused)``: columns ``[0, reused)``
         of ``slot`` hold ``prompt[:reused]``. ``live``: ``(slot, held tokens)`` of the open
-        sessions, whose held columns may be copied too."""
+        sessions, whose held columns may be copied too. ``reuse=False``: copy nothing (a session
+        that needs the logits of every prompt position computes them all)."""
         self.prompt_tokens_total += len(prompt)
-        donor, length = self._best_donor(prompt, live) if self.enabled else (None, 0)
+        donor, length = self._best_donor(prompt, live) if self.enabled and reuse else (None, 0)
         slot = self.backend.allocate()
         self.records.pop(slot, None)
         if donor is None:

@@ -447,7 +447,7 @@ class Scheduler:
             stats.time_verify_s += outcome.timing.verify_s
         for need, outcome in zip(request.last_needs, outcomes):
             stats.count(need.model, outcome.timing)
-            if isinstance(need, Sample) and plan.strategy != "ar":
+            if isinstance(need, Sample) and need.model != plan.target:  # a draft (plain steps sample on the target)
                 stats.time_draft_s += outcome.timing.forward_s
                 if need.return_logits:
                     stats.bytes_moved += need.count * need.num_drafts * request.vocab_limit * 4

@@ -115,7 +115,11 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         self.lock = threading.RLock()
 
-    def open(self, session_id: str, prompt_ids: list[int], sampling: RowSampling, seeds: dict[str, int]) -> Session:
+    def open(
+        self, session_id: str, prompt_ids: list[int], sampling: RowSampling, seeds: dict[str, int], reuse: bool = True
+    ) -> Session:
+        """Open a session on the slot holding the longest cached prefix of its prompt (none
+        with ``reuse=False``)."""
         import torch
 
         with self.lock:
@@ -126,7 +130,7 @@ class SessionStore:
             sources = {stream: TorchRandomSource(torch.Generator().manual_seed(int(seed))) for stream, seed in seeds.items()}
             prompt = [int(t) for t in prompt_ids]
             live = ((other.slot, other.context[: other.base]) for other in self._sessions.values())
-            slot, reused = self.slots.open(prompt, live)
+            slot, reused = self.slots.open(prompt, live, reuse=reuse)
             session = Session(session_id, slot, prompt, sampling, sources, prompt_length=len(prompt), base=reused)
             self._sessions[session_id] = session
             return session

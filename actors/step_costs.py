@@ -61,7 +61,7 @@ class CostTable:
         """The seconds at ``count`` (None before any observation)."""
         if not self.means:
             return None
-        points = sorted(self.means.values())  # (count, seconds) by count
+        points = _monotone(sorted(self.means.values()))  # (count, seconds) by count
         counts = [c for c, _ in points]
         i = bisect.bisect_left(counts, count)
         if i < len(points) and counts[i] == count:
@@ -72,6 +72,16 @@ class CostTable:
         nearest_count, nearest_seconds = points[0] if i == 0 else points[-1]
         scale = (count + EXTRAPOLATION_OVERHEAD_TOKENS) / (nearest_count + EXTRAPOLATION_OVERHEAD_TOKENS)
         return nearest_seconds * scale
+
+
+def _monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points whose seconds never fall as the count grows (a noisy bucket below a larger count's
+    mean is raised to the running maximum): more work never looks cheaper."""
+    result, ceiling = [], 0.0
+    for count, seconds in points:
+        ceiling = max(ceiling, seconds)
+        result.append((count, ceiling))
+    return result
 
 
 @dataclass(frozen=True)

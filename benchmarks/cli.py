@@ -2,7 +2,7 @@
 
     specserve bench [--config deploy/default.yaml] [--quick] --out DIR
     specserve bench --mode serve-load [--concurrency 1,4,16,32] [--strategies ar,sd,multi_draft,se]
-                    [--overlap on,off] [--prefix-caching on|off] --out DIR
+                    [--overlap on,off] [--prefix-caching on|off] [--bare-limit on|off] --out DIR
 
 The default mode (``suite``) runs the benchmark suite (``benchmarks.suite``) over the committed
 prompt set and writes ``results.json``, ``results.md`` and PNG plots under ``DIR``. The
@@ -133,6 +133,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     load.add_argument("--prefix-caching", choices=("on", "off"), default=None,
                       help="Force the workers' prefix caching (args.engine.prefix_caching) on or off. Default: the "
                       "YAML as it is (on unless it says otherwise).")
+    load.add_argument("--bare-limit", choices=("on", "off"), default=None,
+                      help="Measure each level's bare-model limit (transformers' forward of the models at the level's "
+                      "shapes, after the server stops) and report served tokens/s against it (default on).")
     parser.set_defaults(handler=run_bench_command)
     return parser
 
@@ -154,7 +157,8 @@ SUITE_ONLY_FLAGS = {"quick": "--quick", "modes": "--modes", "repeats": "--repeat
                     "gamma_max": "--gamma-max", "se_gammas": "--se-gammas", "max_prompt_tokens": "--max-prompt-tokens"}
 SERVE_LOAD_ONLY_FLAGS = {"concurrency": "--concurrency", "requests_per_level": "--requests-per-level",
                          "request_timeout": "--request-timeout", "worker_class": "--worker-class",
-                         "overlap": "--overlap", "prefix_caching": "--prefix-caching"}
+                         "overlap": "--overlap", "prefix_caching": "--prefix-caching",
+                         "bare_limit": "--bare-limit"}
 
 
 def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
@@ -170,6 +174,7 @@ def serve_load_settings_from_args(args: argparse.Namespace):
         "num_prompts": args.num_prompts, "request_timeout_s": args.request_timeout, "worker_class": args.worker_class,
         "overlap": args.overlap,
         "prefix_caching": None if args.prefix_caching is None else args.prefix_caching == "on",
+        "bare_limit": None if args.bare_limit is None else args.bare_limit == "on",
     }
     return ServeLoadSettings(**{k: v for k, v in overrides.items() if v is not None})
 

@@ -10,6 +10,7 @@ forwards it ran: what the engine's own step costs, apart from Ray's hops and the
 
     python -m benchmarks.engine_load --strategy ar --concurrency 16 --requests 128
     python -m benchmarks.engine_load --strategy sd --concurrency 1 --requests 32 --prefix-caching off
+    python -m benchmarks.engine_load --strategy sd --gamma auto --goodput on --concurrency 16 --requests 128
 """
 
 from __future__ import annotations
@@ -75,13 +76,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--prefix-caching", choices=("on", "off"), default=None,
                         help="Force args.engine.prefix_caching (default: the YAML's).")
+    parser.add_argument("--gamma", default=None,
+                        help="sd / multi_draft block: an int or auto (default: the serve-load case's, 4).")
+    parser.add_argument("--goodput", choices=("on", "off"), default=None,
+                        help="Force args.engine.goodput_gamma (gamma auto weighs measured step costs; default: the YAML's).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     group_args = load_app_args(args.config, None)
+    engine_updates = {}
     if args.prefix_caching is not None:
-        engine = group_args.engine.model_copy(update={"prefix_caching": args.prefix_caching == "on"})
-        group_args = group_args.model_copy(update={"engine": engine})
+        engine_updates["prefix_caching"] = args.prefix_caching == "on"
+    if args.goodput is not None:
+        engine_updates["goodput_gamma"] = args.goodput == "on"
+    if engine_updates:
+        group_args = group_args.model_copy(update={"engine": group_args.engine.model_copy(update=engine_updates)})
     (case,) = serve_load_cases(ServeLoadSettings(strategies=(args.strategy,)), group_args.freeze().roles)
+    if args.gamma is not None and "gamma" in case.speculation:
+        case.speculation["gamma"] = args.gamma if args.gamma == "auto" else int(args.gamma)
     runner = LocalRunner(group_args, temperature=1.0)
     prompts = [prompt.text for prompt in load_prompts()]
     stats: dict[tuple[str, str], list[tuple[int, int, float]]] = collections.defaultdict(list)

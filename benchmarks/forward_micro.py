@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import DynamicCache
 
 from actors.backends import SlotBackend
 from actors.batch import linear_row, reads_in_place
+from benchmarks.bare_limit import dynamic_cache_forward
 from models import embedded_model_path
 
 logger = logging.getLogger("benchmarks.forward_micro")
@@ -50,23 +50,9 @@ def _slot_forward(backend: SlotBackend, slots: list[int], context: int, new: int
     return lambda: backend.forward(rows)
 
 
-@torch.inference_mode()
 def _dynamic_cache_forward(backend: SlotBackend, rows: int, context: int, new: int) -> Callable[[], object]:
     """transformers' own forward of the same shape over a DynamicCache cropped back each time."""
-    generator = torch.Generator().manual_seed(rows * 100 + new)
-    model = backend.model
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([_tokens(generator, context) for _ in range(rows)]), past_key_values=cache,
-          use_cache=True)
-    new_ids = torch.tensor([_tokens(generator, new) for _ in range(rows)])  # [rows, new]
-
-    @torch.inference_mode()
-    def run() -> object:
-        out = model(input_ids=new_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache.crop(-new)  # back to the context (a positive argument is refused)
-        return out
-
-    return run
+    return dynamic_cache_forward(backend.model, rows, context, new)
 
 
 def _decode_run_ms(backend: SlotBackend, slots: list[int], context: int, steps: int) -> float:

@@ -25,6 +25,11 @@ the scheduler's two-cohort overlap, overlap off first: for each, a copy of the Y
 application's ``args.engine.overlap`` set is written into the output directory and a server is
 started on it (and stopped after its levels). Every level records the setting it ran with.
 
+With ``bare_limit`` on (``--bare-limit on``, the default), once every server has stopped, the
+bare-model limit of every level is measured in the benchmark process (transformers' own forward
+of the models at the level's shapes; defined in :mod:`benchmarks.bare_limit`) and reported next
+to the served tokens/s as ``bare limit tok/s`` and ``served / limit``.
+
 Strategies: ``ar``; ``sd`` (block verification, gamma 4); ``multi_draft`` (SpecTr, K = 2,
 gamma 4); ``ensemble`` (the standard weighted ensemble of the target and the first member
 model) and ``se`` (the speculative ensemble of the same, token verification, every member
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import itertools
 import json
 import logging
@@ -52,6 +58,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from benchmarks.bare_limit import LevelShape, bare_limits, representative_context
 from benchmarks.prompts import PROMPTS_PATH, Prompt, load_prompts
 from benchmarks.serve_load_report import (
     LevelRun,
@@ -103,6 +110,9 @@ class ServeLoadSettings(BaseModel):
     prefix_caching: bool | None = Field(
         None, description="Force args.engine.prefix_caching on or off (a copy of the YAML in the output directory); "
         "None: the YAML as it is.")
+    bare_limit: bool = Field(True, description="Measure each level's bare-model limit (benchmarks.bare_limit) after "
+                             "the servers stop and report served tokens/s against it.")
+    bare_repeats: int = Field(7, ge=1, description="Timed forwards per shape of the bare-model limit (median).")
 
     @model_validator(mode="after")
     def _known(self) -> ServeLoadSettings:
@@ -380,21 +390,32 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def start(self, route_prefix: str) -> None:
-        import httpx
+    def command(self) -> list[str]:
+        """The server's command line."""
+        return [sys.executable, "-m", "cluster.cli", "serve", "--config", str(self.config_path),
+                "--host", "127.0.0.1", "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
 
+    def environment(self) -> dict[str, str]:
+        """The server's environment: this one, the repository on PYTHONPATH, offline hubs."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        command = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(self.config_path),
-                   "--host", "127.0.0.1", "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
+        return env
+
+    def working_directory(self) -> pathlib.Path:
+        return REPO
+
+    def start(self, route_prefix: str) -> None:
+        import httpx
+
+        command = self.command()
         logger.info("starting the server: %s (log: %s)", " ".join(command[1:]), self.log_path)
         started = time.perf_counter()
         with open(self.log_path, "ab") as log:
             # Its own session: a Ctrl-C in the terminal reaches the benchmark, which stops the server.
-            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+            self.process = subprocess.Popen(command, cwd=self.working_directory(), env=self.environment(), stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         health = self.url + route_prefix.rstrip("/") + "/health"
         deadline = started + self.start_timeout_s
         with httpx.Client(timeout=10.0, trust_env=False) as client:
@@ -656,10 +677,41 @@ def run_serve_load(
                 write_json(results, out_dir)  # what is measured so far survives an interruption
         finally:
             server.stop()
+    if settings.bare_limit and results.levels:
+        add_bare_limits(results, settings, group, prompts)
     environment.update(load_average_end=_load_avg(), wall_time_s=time.perf_counter() - started)
     results.summarize()
     write_results(results, out_dir, plot_prefix=plot_prefix)
     return results
+
+
+def level_shape(settings: ServeLoadSettings, strategy: str, concurrency: int) -> LevelShape:
+    """The shapes of a level's iteration (its strategy's gamma as this run sends it)."""
+    gamma = {"sd": settings.sd_gamma, "multi_draft": settings.multi_draft_gamma, "se": settings.se_gamma}.get(strategy, 1)
+    return LevelShape(strategy, concurrency, gamma=gamma, num_drafts=settings.num_drafts)
+
+
+def add_bare_limits(results: ServeLoadResults, settings: ServeLoadSettings, group: Any, prompts: list[Prompt]) -> None:
+    """Measure the bare-model limit of every level of ``results`` (benchmarks.bare_limit) and
+    store it with the level (results.json keeps it; the summaries report it)."""
+    results.summarize()
+    roles = dict(group.roles)
+    paths = {m.name: m.path for m in group.models}
+    tokenizer = group.tokenizer_path or paths[_first_role(roles, "target")]
+    context = representative_context(tokenizer, [p.text for p in prompts], settings.max_tokens)
+    threads = max(m.torch_threads for m in group.models)
+    logger.info("bare-model limit: %d levels at context %d, %d torch thread(s)", len(results.levels), context, threads)
+    shapes = [level_shape(settings, run.strategy, run.concurrency) for run in results.levels]
+    efficiencies = [s.block_efficiency for s in results.summaries]
+    records = bare_limits(shapes, efficiencies, roles, paths, context=context, repeats=settings.bare_repeats,
+                          threads=threads)
+    results.levels = [dataclasses.replace(run, bare=record) for run, record in zip(results.levels, records)]
+    results.environment["bare_limit"] = {"context": context, "torch_threads": threads,
+                                         "repeats": settings.bare_repeats}
+
+
+def _first_role(roles: dict[str, str], role: str) -> str:
+    return next(name for name, r in roles.items() if r == role)
 
 
 def _on_off(overlap: bool | None) -> str:

@@ -20,6 +20,10 @@ is measured on the client side, from the streamed ``/v1/completions`` responses:
   scrape right before and one right after the level's timed part, over the level's wall time:
   the fraction of the level the worker spent in forward passes (in step calls, which include
   the forwards). The only server-side figure.
+* **bare limit** (with ``--bare-limit on``): the tokens/s the level's own forward passes would
+  allow with nothing else running, from transformers' forward of the models at the level's
+  shapes in the benchmark process (defined in :mod:`benchmarks.bare_limit`); **served / limit**
+  = tokens/s over it.
 
 A run with ``--overlap on,off`` holds every level twice, once per setting of the scheduler's
 overlap (``overlap`` of each level and record); levels are told apart by (label, concurrency,
@@ -102,6 +106,7 @@ class LevelRun:
     load_average: str = "n/a"
     overlap: bool | None = None  # the server's args.engine.overlap (None: not recorded)
     busy: dict[str, dict[str, float | None]] | None = None  # worker -> forward_fraction, step_fraction
+    bare: dict[str, Any] | None = None  # benchmarks.bare_limit.limit_record (None: not measured)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,8 @@ class LevelSummary:
     errors: list[str] = field(default_factory=list)
     overlap: bool | None = None
     busy: dict[str, dict[str, float | None]] | None = None  # worker -> forward_fraction, step_fraction
+    bare_limit_tokens_per_second: float | None = None  # benchmarks.bare_limit (None: not measured)
+    served_over_limit: float | None = None  # tokens_per_second / bare_limit_tokens_per_second
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -164,6 +171,8 @@ def summarize_level(run: LevelRun, records: list[RequestRecord], max_tokens: int
     peaks = (run.memory or {}).get("workers") or {}
     peak_values = [p["peak_rss_bytes"] / MIB for p in peaks.values() if p.get("peak_rss_bytes")]
     errors = sorted({r.error for r in records if r.error})[:5]
+    served = tokens / run.wall_s if run.wall_s > 0 else 0.0
+    limit = (run.bare or {}).get("limit_tokens_per_second")
     return LevelSummary(
         label=run.label,
         strategy=run.strategy,
@@ -174,7 +183,7 @@ def summarize_level(run: LevelRun, records: list[RequestRecord], max_tokens: int
         short=sum(r.completion_tokens < max_tokens for r in done),
         tokens=tokens,
         wall_s=run.wall_s,
-        tokens_per_second=tokens / run.wall_s if run.wall_s > 0 else 0.0,
+        tokens_per_second=served,
         ttft_median_s=percentile(ttfts, 50),
         ttft_p99_s=percentile(ttfts, 99),
         itl_median_s=percentile(itls, 50),
@@ -192,6 +201,8 @@ def summarize_level(run: LevelRun, records: list[RequestRecord], max_tokens: int
         errors=errors,
         overlap=run.overlap,
         busy=run.busy,
+        bare_limit_tokens_per_second=limit,
+        served_over_limit=served / limit if limit else None,
     )
 
 
@@ -303,25 +314,62 @@ def has_overlap_passes(summaries: list[LevelSummary]) -> bool:
     return len({s.overlap for s in summaries if s.overlap is not None}) > 1
 
 
+def has_bare_limits(summaries: list[LevelSummary]) -> bool:
+    return any(s.bare_limit_tokens_per_second is not None for s in summaries)
+
+
 def level_table(summaries: list[LevelSummary], *, overlap_column: bool = False) -> list[str]:
     head, rule = (" overlap |", " :---: |") if overlap_column else ("", "")
+    bare = has_bare_limits(summaries)
+    bare_head, bare_rule = (" bare limit tok/s | served / limit |", " ---: | ---: |") if bare else ("", "")
     lines = [
-        f"| strategy | concurrency |{head} ok / failed | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | chunk gap p99 ms "
+        f"| strategy | concurrency |{head} ok / failed | tok/s |{bare_head} TTFT p50 / p99 ms | ITL p50 / p99 ms | chunk gap p99 ms "
         "| TPOT p50 ms | e2e p50 / p99 s | tokens / chunk | worker peak RSS MiB (sum / max) |",
-        f"| --- | ---: |{rule} ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| --- | ---: |{rule} ---: | ---: |{bare_rule} ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for s in summaries:
         failed = f"**{s.failed}**" if s.failed else "0"
         memory = (f"{_f(s.worker_peak_rss_mib_total, 0)} / {_f(s.worker_peak_rss_mib_max, 0)}"
                   if s.worker_peak_rss_mib_total is not None else "–")
         overlap = f" {on_off(s.overlap)} |" if overlap_column else ""
+        limit = f" {_f(s.bare_limit_tokens_per_second)} | {_percent(s.served_over_limit)} |" if bare else ""
         lines.append(
-            f"| {s.label} | {s.concurrency} |{overlap} {s.completed} / {failed} | {_f(s.tokens_per_second)} "
-            f"| {_ms(s.ttft_median_s)} / {_ms(s.ttft_p99_s)} | {_ms(s.itl_median_s)} / {_ms(s.itl_p99_s)} "
+            f"| {s.label} | {s.concurrency} |{overlap} {s.completed} / {failed} | {_f(s.tokens_per_second)} |{limit}"
+            f" {_ms(s.ttft_median_s)} / {_ms(s.ttft_p99_s)} | {_ms(s.itl_median_s)} / {_ms(s.itl_p99_s)} "
             f"| {_ms(s.chunk_gap_p99_s)} | {_ms(s.tpot_median_s)} | {_f(s.e2e_median_s, 2)} / {_f(s.e2e_p99_s, 2)} "
             f"| {_f(s.tokens_per_chunk, 2)} | {memory} |"
         )
     return lines
+
+
+def bare_table(results: ServeLoadResults) -> list[str]:
+    """The bare-model limit of every level: its forwards per iteration and their median times."""
+    runs = [run for run in results.levels if run.bare]
+    if not runs:
+        return []
+    lines = ["| strategy | concurrency | forwards per iteration (median ms each) | iteration ms | tokens / iteration "
+             "| bare limit tok/s |", "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for run in runs:
+        bare = run.bare or {}
+        forwards = ", ".join(f"{f['count']} x {f['model']}: {f['rows']} x {f['tokens']} ({f['ms']:.1f})"
+                             for f in bare.get("forwards", []))
+        lines.append(f"| {run.label} | {run.concurrency} | {forwards} | {_f(bare.get('iteration_ms'))} "
+                     f"| {_f(bare.get('tokens_per_iteration'), 2)} | {_f(bare.get('limit_tokens_per_second'))} |")
+    return lines
+
+
+def bare_section(results: ServeLoadResults) -> list[str]:
+    table = bare_table(results)
+    if not table:
+        return []
+    contexts = sorted({(run.bare or {}).get("context") for run in results.levels if run.bare} - {None})
+    return ["## Bare-model limit", "",
+            "What the level's forward passes alone allow: transformers' own forward (DynamicCache) of each model at "
+            "the level's shapes, in the benchmark process with the workers' torch threads, at "
+            f"{', '.join(map(str, contexts))} cached tokens per row (median prompt + half the completion); "
+            "`model: r x n` is one forward of r rows of n new tokens. Tokens per iteration: c for ar and ensemble, "
+            "c x the level's block efficiency for sd, multi_draft and se (definitions: `benchmarks/bare_limit.py`).",
+            "", *table, ""]
 
 
 def busy_workers(summaries: list[LevelSummary]) -> list[str]:
@@ -406,6 +454,7 @@ def render_markdown(results: ServeLoadResults, plots: dict[str, str]) -> str:
         *level_table(summaries, overlap_column=passes),
         "",
     ]
+    lines += bare_section(results)
     busy = busy_table(summaries, overlap_column=passes)
     if busy:
         lines += ["## Busy fraction of the model workers", "",

@@ -14,8 +14,9 @@ one :class:`actors.api.GenerationRequest` per choice (prompts x ``n`` samples) -
 ObjectRefGenerator), the choices of one request concurrently -> chunks back to the client,
 interleaved and tagged with their choice index when streamed.
 
-Every field is checked before any model work (:mod:`cluster.validation`, then the plan and,
-in the coordinator, the prompt against the models), the same way on both protocols. With an
+Every field is checked before any model work (:mod:`cluster.validation`; then, in the
+coordinator, the plan, resolved once per request, and
+the prompt against the models), the same way on both protocols. With an
 API key configured (``args.security.api_key`` or ``SPECSERVE_API_KEY``), every route but
 ``GET /health`` and every gRPC call must present it (:mod:`cluster.security`).
 
@@ -47,7 +48,7 @@ from ray.util.placement_group import get_current_placement_group
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
 from actors.metrics import GroupIdentity
 from actors.scheduler import OverloadedError
-from actors.plan import resolve_plan
+from actors.tokenizer import load_tokenizer
 from cluster import grpc_service
 from cluster.metrics import CONTENT_TYPE, CoordinatorDirectory, render
 from cluster.config import GroupConfig, SpecServeArgs, parse_app_args, resolve_api_key
@@ -61,24 +62,20 @@ from cluster.errors import (
     Unauthenticated,
     client_error,
 )
-from cluster.openai_api import (
-    MAX_CHOICES,
+from cluster.generation_requests import ChoiceSpec, to_generation_requests
+from cluster.responses import (
     SSE_DONE,
-    ChatCompletionRequest,
-    ChoiceSpec,
     ChoiceStream,
     CompletionAccumulator,
-    CompletionRequest,
     TokenTexts,
     completion_response,
     error_body,
-    http_field,
     models_list,
-    parse_body,
     sse_event,
-    to_generation_requests,
     usage_chunk,
 )
+from cluster.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, http_field, parse_body
+from cluster.chat_prompt import chat_prompt
 from cluster.security import grpc_all_interfaces_warning, require_key
 from protos import specserve_pb2
 
@@ -397,17 +394,9 @@ class SpecServeIngress:
         except Exception as failure:  # noqa: BLE001 - metrics never fail a request
             logger.debug("could not count an invalid request: %s", failure)
 
-    def _check_plan(self, request: GenerationRequest) -> None:
-        """Resolve the strategy against the deployment now, so a bad one fails before any work."""
-        resolve_plan(request.speculation, self._config.defaults, self._config.roles)
-
-    def _start(self, request: GenerationRequest) -> CoordinatorStream:
-        self._check_plan(request)
-        return CoordinatorStream(self._coordinator, request)
-
     def _start_all(self, requests: list[GenerationRequest]) -> list[CoordinatorStream]:
-        """One coordinator stream per choice (the choices share their plan: checked once)."""
-        self._check_plan(requests[0])
+        """One coordinator stream per choice. Each coordinator request resolves its plan (once)
+        and checks it before any model work, so a bad one fails the first chunk."""
         streams: list[CoordinatorStream] = []
         try:
             for request in requests:
@@ -440,9 +429,7 @@ class SpecServeIngress:
             await _cancel_all(tasks, streams)
 
     def _load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self._config.tokenizer_path)
+        return load_tokenizer(self._config.tokenizer_path)
 
     async def _tokenizer_texts(self) -> tuple[Any, TokenTexts]:
         """The group's tokenizer and its :class:`TokenTexts` (loaded once, off the event loop)."""
@@ -450,6 +437,11 @@ class SpecServeIngress:
             tokenizer = await asyncio.to_thread(self._load_tokenizer)
             self._tokenizer, self._token_texts = tokenizer, TokenTexts.from_tokenizer(tokenizer)
         return self._tokenizer, self._token_texts
+
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> str | list[int]:
+        """The conversation's prompt through the model's chat template (:mod:`cluster.chat_prompt`)."""
+        tokenizer = (await self._tokenizer_texts())[0] if self._config.tokenizer_path is not None else None
+        return await asyncio.to_thread(chat_prompt, tokenizer, body.messages, body.chat_template_kwargs)
 
     async def _echo_prefixes(self, body: CompletionRequest | ChatCompletionRequest, specs: list[ChoiceSpec]) -> list[str]:
         """Each choice's echoed prompt text (``echo``; token-id prompts are decoded), else ""."""
@@ -563,16 +555,24 @@ class SpecServeIngress:
             self._check_model(body.model)
             if body.user:
                 logger.info("request %s: user %r", request_id, clean_text(body.user, 128))
+            prompt = await self._chat_prompt(body) if chat else None
             specs, generations = to_generation_requests(
-                body, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
+                body, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices,
+                chat_prompt=prompt,
             )
-            texts = (await self._tokenizer_texts())[1] if body.logprobs_count() is not None else None
+            wants_texts = body.logprobs_count() is not None or body.prompt_logprobs_count() is not None
+            texts = (await self._tokenizer_texts())[1] if wants_texts else None
             prefixes = await self._echo_prefixes(body, specs)
             streams = self._start_all(generations)
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
             self._count_if_invalid(error)
             return _http_error(_unwrap_task_error(error), request_id, chat)
         token_ids = bool(body.return_token_ids)
+        rendering = {
+            "echo_logprobs": getattr(body, "echo_logprobs", None),
+            "prompt_logprobs": getattr(body, "prompt_logprobs", None) if not chat else None,
+            "generated_logprobs": body.logprobs_count() is not None,
+        }
         if not body.streaming:
             results = [CompletionAccumulator(spec.index, prefix, counts_prompt=spec.sample_index == 0)
                        for spec, prefix in zip(specs, prefixes)]
@@ -581,7 +581,7 @@ class SpecServeIngress:
             except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
                 return _http_error(error, request_id, chat)
             response = completion_response(request_id, self._model_name, created, results, chat, token_ids,
-                                           logprobs=texts, wall_s=time.monotonic() - started)
+                                           logprobs=texts, wall_s=time.monotonic() - started, **rendering)
             return JSONResponse(response)
         try:
             firsts = await _prime_all(streams)
@@ -590,7 +590,7 @@ class SpecServeIngress:
         renderers = [
             ChoiceStream(request_id, self._model_name, created, chat, index=spec.index, prefix=prefix,
                          counts_prompt=spec.sample_index == 0, token_ids=token_ids, logprobs=texts,
-                         single=len(specs) == 1, include_usage=body.include_usage)
+                         single=len(specs) == 1, include_usage=body.include_usage, **rendering)
             for spec, prefix in zip(specs, prefixes)
         ]
         events = self._sse_events(streams, firsts, renderers, request_id, created, chat, body.include_usage, started)
@@ -642,7 +642,6 @@ class SpecServeIngress:
             specs, generations = grpc_service.to_generation_requests(
                 proto, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
             )
-            self._check_plan(generations[0])
         except Exception as error:  # noqa: BLE001 - counted, then answered by the caller
             self._count_if_invalid(error)
             raise

@@ -20,7 +20,9 @@ import logging
 import sys
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
+
+from actors.api import Strategy
 
 logger = logging.getLogger("specserve")
 
@@ -54,7 +56,7 @@ def add_generate_command(subparsers: Any) -> None:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", type=_comma_list(int), help="prompt token ids, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=64, help="maximum generated tokens")
-    parser.add_argument("--strategy", choices=["ar", "sd", "multi_draft", "ensemble", "se"], help="decoding strategy")
+    parser.add_argument("--strategy", choices=list(get_args(Strategy)), help="decoding strategy")
     parser.add_argument("--method", help="verification rule (token|block|greedy_block, spectr|sequential_gbv|spectr_gbv)")
     parser.add_argument("--gamma", type=_gamma, help='draft block length, or "auto": each block chosen from the acceptance so far')
     parser.add_argument("--gamma-max", type=int, help='largest block of --gamma auto')

@@ -59,7 +59,7 @@ from pydantic import (
 )
 
 from actors.api import InvalidRequestError, SpeculationParams
-from actors.plan import DecodingDefaults, resolve_plan
+from actors.plan import ENSEMBLE_STRATEGIES, DecodingDefaults, resolve_plan
 
 ModelRole = Literal["target", "draft", "member"]
 DType = Literal["float32", "float16", "bfloat16"]
@@ -361,7 +361,7 @@ class SpecServeArgs(_Frozen):
         as_request = {"gamma": d.gamma, "gamma_max": d.gamma_max, "num_drafts": d.num_drafts, "ensemble": d.ensemble, "members": d.members,
                       "weights": d.weights, "mu": d.mu, "gammas": d.gammas}
         checks = [SpeculationParams(strategy=d.strategy, method=d.method, **as_request)]
-        if d.strategy not in ("ensemble", "se") and any(v is not None for v in (d.members, d.weights, d.gammas)):
+        if d.strategy not in ENSEMBLE_STRATEGIES and any(v is not None for v in (d.members, d.weights, d.gammas)):
             checks.append(SpeculationParams(strategy="se", **as_request))
         try:
             for speculation in checks:

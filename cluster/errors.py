@@ -68,10 +68,6 @@ class ClientError:
     code: str | None  # OpenAI error ``code``
     request_id: str
 
-    @property
-    def is_server_error(self) -> bool:
-        return self.http_status >= 500
-
 
 def clean_text(text: str, limit: int = MAX_CLIENT_MESSAGE_CHARS) -> str:
     """``text`` without ANSI escape sequences or control characters (newlines become spaces),

@@ -17,7 +17,7 @@ The ingress methods (``cluster/app.py``) use the functions here:
   built from a different .proto): protobuf keeps such fields as *unknown fields* instead of
   failing, so without this check they would silently take their defaults;
 - :func:`to_generation_requests` validates presence-aware options and every field
-  (:mod:`cluster.validation` and the checks of :mod:`cluster.openai_api`, the same rules as
+  (:mod:`cluster.validation` and the checks of :mod:`cluster.schemas`, the same rules as
   HTTP) and names the bad field (``sampling.temperature``, ``speculation.gamma``) in an
   :class:`InvalidRequestError`; ``sampling.n`` > 1 gives one coordinator request per sample
   (sample ``i`` seeded with ``seed + i``);
@@ -42,23 +42,22 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, TokenLogprob
 from cluster.config import DEFAULT_MAX_PROMPT_CHARS
-from cluster.openai_api import (
-    MAX_CHOICES,
+from cluster.generation_requests import (
     ChoiceSpec,
-    CompletionAccumulator,
-    TokenTexts,
     build_generation_request,
     check_choices,
+    choice_specs,
+    sample_request,
+)
+from cluster.responses import CompletionAccumulator, TokenTexts, merged_speculation, total_usage
+from cluster.schemas import (
+    MAX_CHOICES,
     check_logit_bias,
     check_n,
     check_penalty,
     check_repetition_penalty,
     check_sample_seeds,
     check_top_logprobs,
-    choice_specs,
-    merged_speculation,
-    sample_request,
-    total_usage,
 )
 from cluster.validation import MAX_NAME_CHARS, check_request_id
 from protos import specserve_pb2, specserve_pb2_grpc
@@ -128,7 +127,7 @@ _SAMPLING_SCALARS: tuple[str, ...] = (
     "presence_penalty", "frequency_penalty", "repetition_penalty",
 )
 #: Sampling fields the coordinator may name without the ``sampling.`` prefix.
-_BARE_SAMPLING_FIELDS: frozenset[str] = frozenset(_SAMPLING_SCALARS) | {"stop", "logit_bias", "logprobs"}
+_BARE_SAMPLING_FIELDS: frozenset[str] = frozenset(_SAMPLING_SCALARS) | {"stop", "logit_bias", "logprobs", "prompt_logprobs"}
 _SPECULATION_SCALARS: tuple[str, ...] = ("strategy", "method", "gamma", "gamma_max", "num_drafts", "ensemble", "mu")
 _SPECULATION_LISTS: tuple[str, ...] = ("weights", "gammas", "members")
 
@@ -217,6 +216,8 @@ def sampling_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, Any]
         overrides["logprobs"] = top or 0
     elif top:
         raise InvalidRequestError("sampling.top_logprobs", "needs logprobs: true")
+    if sampling.HasField("prompt_logprobs"):
+        overrides["prompt_logprobs"] = check_top_logprobs("sampling.prompt_logprobs", sampling.prompt_logprobs)
     return overrides
 
 
@@ -314,17 +315,6 @@ def to_generation_requests(
     return specs, [sample_request(first, spec) for spec in specs]
 
 
-def to_generation_request(
-    request: specserve_pb2.GenerateRequest,
-    request_id: str,
-    sampling_defaults: dict[str, Any],
-    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
-) -> GenerationRequest:
-    """The coordinator request of a single-sample ``GenerateRequest`` (the first sample's when
-    ``sampling.n`` > 1); raises :class:`InvalidRequestError`."""
-    return to_generation_requests(request, request_id, sampling_defaults, max_prompt_chars)[1][0]
-
-
 def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, specserve_pb2.SpeculationStats]:
     """``usage`` and ``speculation`` messages of the final response."""
     if stats is None:
@@ -353,7 +343,7 @@ def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, spe
 
 
 def speculation_to_proto(block: dict[str, Any] | None) -> specserve_pb2.SpeculationStats:
-    """A ``speculation`` block (:func:`cluster.openai_api.merged_speculation`) as a message."""
+    """A ``speculation`` block (:func:`cluster.responses.merged_speculation`) as a message."""
     if block is None:
         return specserve_pb2.SpeculationStats()
     fields = specserve_pb2.SpeculationStats.DESCRIPTOR.fields_by_name
@@ -374,6 +364,7 @@ def logprobs_to_proto(entries: list[TokenLogprob] | None, texts: TokenTexts | No
             top_logprobs=[specserve_pb2.TopLogprob(token_id=token_id, logprob=logprob, **shown(token_id))
                           for token_id, logprob in entry.top],
             **shown(entry.token_id),
+            **({} if entry.rank is None else {"rank": entry.rank}),
         )
         for entry in entries or ()
     ]
@@ -399,6 +390,7 @@ def chunk_to_response(
         finish_reason=(chunk.finish_reason or "") if chunk.finished else "",
         index=index,
         logprobs=logprobs_to_proto(chunk.logprobs, texts),
+        prompt_logprobs=logprobs_to_proto(chunk.prompt_logprobs, texts),
     )
     if chunk.finished:
         usage, speculation = stats_to_proto(chunk.stats)
@@ -416,7 +408,7 @@ def final_response(
 ) -> specserve_pb2.GenerateResponse:
     """The unary ``Generate`` response: every choice in ``choices``; choice 0's text, token ids,
     finish reason and log-probabilities also in the top-level fields; the usage of all choices
-    and their :func:`cluster.openai_api.merged_speculation` stats."""
+    and their :func:`cluster.responses.merged_speculation` stats."""
     results = [result] if isinstance(result, CompletionAccumulator) else list(result)
     choices = []
     for item in results:
@@ -427,6 +419,7 @@ def final_response(
             token_ids=item.token_ids,
             finish_reason=item.finish_reason or "",
             logprobs=logprobs_to_proto(item.logprobs, texts),
+            prompt_logprobs=logprobs_to_proto(item.prompt_logprobs, texts),
             usage=usage,
             speculation=speculation,
         ))
@@ -442,13 +435,14 @@ def final_response(
         speculation=speculation_to_proto(merged_speculation(results, wall_s)),
         index=0,
         logprobs=first.logprobs,
+        prompt_logprobs=first.prompt_logprobs,
         choices=choices,
     )
 
 
 def wants_logprobs(request: GenerationRequest) -> bool:
-    """Whether the request asked for per-token log-probabilities."""
-    return request.sampling.logprobs is not None
+    """Whether the request asked for per-token log-probabilities (of its output or its prompt)."""
+    return request.sampling.logprobs is not None or request.sampling.prompt_logprobs is not None
 
 
 __all__ = [
@@ -469,7 +463,6 @@ __all__ = [
     "speculation_overrides",
     "speculation_to_proto",
     "stats_to_proto",
-    "to_generation_request",
     "to_generation_requests",
     "wants_logprobs",
 ]

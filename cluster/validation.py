@@ -104,7 +104,12 @@ def check_generation_request(request: GenerationRequest, max_prompt_chars: int) 
         )
     _finite("sampling.top_p", sampling.top_p)
     _int64("sampling.top_k", sampling.top_k)
-    _int64("sampling.max_tokens", sampling.max_tokens, low=1)
+    _int64("sampling.max_tokens", sampling.max_tokens)
+    if sampling.max_tokens == 0 and sampling.prompt_logprobs is None:
+        raise InvalidRequestError(
+            "sampling.max_tokens", "0 only scores the prompt: it needs prompt log-probabilities (echo with logprobs, "
+            "or prompt_logprobs); otherwise at least 1"
+        )
     if sampling.seed is not None:
         _int64("sampling.seed", sampling.seed)
     logit_bias = getattr(sampling, "logit_bias", None) or {}

@@ -254,6 +254,7 @@ def train_tokenizer() -> None:
     tokenizer.train(files, trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
+        chat_template=CHAT_TEMPLATE,
         bos_token=EOS_TOKEN,
         eos_token=EOS_TOKEN,
         unk_token=EOS_TOKEN,
@@ -265,6 +266,16 @@ def train_tokenizer() -> None:
     wrapped.save_pretrained(TOKENIZER_DIR)
     _use_portable_tokenizer_class(TOKENIZER_DIR)
     LOG.info("tokenizer trained on %d files, vocab %d", len(files), tokenizer.get_vocab_size())
+
+
+#: The family's chat template: ``"<role>: <content>\n"`` per message (``developer`` as
+#: ``system``), then ``"assistant:"`` when a reply is to be generated.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- ('system' if message['role'] == 'developer' else message['role']) + ': ' + message['content'] + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'assistant:' -}}{%- endif -%}"
+)
 
 
 def _use_portable_tokenizer_class(directory: pathlib.Path) -> None:

@@ -41,6 +41,14 @@ _TOKENIZER_CORPUS = [
 ]
 
 
+#: The tiny tokenizer's chat template: unlike the server's fallback, it starts with a special
+#: token and reads a template variable (``brief``), so tests see which rendering was used.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% if brief %}(brief){% endif %}{% endif %}"
+)
+
+
 def _build_tokenizer(directory: pathlib.Path):
     """A small byte-level BPE tokenizer saved in transformers format (AutoTokenizer loads it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -57,7 +65,8 @@ def _build_tokenizer(directory: pathlib.Path):
     )
     tokenizer.train_from_iterator(_TOKENIZER_CORPUS * 4, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>", unk_token=None
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>", unk_token=None,
+        chat_template=TINY_CHAT_TEMPLATE,
     )
     wrapped.save_pretrained(directory)
     return wrapped

@@ -42,6 +42,9 @@ from verifiers.registry import get_verifier
 from verifiers.types import PAD_TOKEN
 
 AR_TOKENS_PER_STEP = 4  # ar: tokens drawn per step (streaming granularity vs per-step overhead)
+#: After this many plain steps in a row, gamma "auto" with step costs drafts once (a probe): plain
+#: steps observe no acceptance, so without it an early low estimate would never be revised.
+PLAIN_PROBE_EVERY = 4
 
 
 # ---------------------------------------------------------------------------------- needs
@@ -291,7 +294,9 @@ class SpeculativeMachine(DecodeMachine):
         costs = self.step_costs() if self.step_costs is not None else None
         if costs is None:
             return self.chooser.choose()
-        return self.chooser.choose(costs, allow_plain=self.pending_positions == 0)
+        recent = self.draft_lengths[-PLAIN_PROBE_EVERY:]
+        probe = len(recent) == PLAIN_PROBE_EVERY and not any(recent)  # refresh the acceptance estimate
+        return self.chooser.choose(costs, allow_plain=self.pending_positions == 0 and not probe)
 
     def needs(self) -> list[Need]:
         gamma = self.next_gamma()

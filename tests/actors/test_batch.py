@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from actors.backends import SlotBackend
-from actors.batch import RowWork, build_batch, chains_row, linear_row, reads_in_place
+from actors.batch import RowWork, RunAttend, build_batch, chains_row, linear_row, reads_in_place
 from models import resolve_model_path
 
 ATOL = 1e-4  # float32: batched vs per-row attention differ by rounding only
@@ -280,3 +280,52 @@ def test_forward_refuses_unallocated_slot(backend):
     """A row in a slot nobody allocated is refused before the model runs."""
     with pytest.raises(ValueError, match="RowWork.slot 15 is not allocated"):
         backend.forward([linear_row(15, 0, [1, 2], 0, [1])])
+
+
+# ------------------------------------------------------------------ column runs (O(tokens))
+def _as_tuples(row: RowWork) -> RowWork:
+    return RowWork(slot=row.slot, prefix_length=row.prefix_length, token_ids=row.token_ids, columns=row.columns,
+                   positions=row.positions, attend=tuple(tuple(seen) for seen in row.attend), keep=row.keep)
+
+
+def test_run_rows_build_the_mask_a_tuple_per_token_builds():
+    """A verification-shaped row (2 pending tokens, then 2 chains of 3 seeing the pending tokens and
+    their own chain) and a long causal prompt, next to a one-token row: the runs give exactly the
+    mask, ids and positions of the same rows with a tuple per token."""
+    base, pending, gamma = 10, 2, 3
+    chain_start = base + pending
+    chains = [chain_start + k * gamma for k in range(2)]
+    verify = RowWork(
+        slot=1, prefix_length=base, token_ids=tuple(range(1, pending + 2 * gamma + 1)),
+        columns=tuple(range(base, chain_start + 2 * gamma)),
+        positions=tuple(range(base, chain_start)) + tuple(chain_start + j for _ in chains for j in range(gamma)),
+        attend=RunAttend(first_start=[base] * (pending + 2 * gamma),
+                         first_end=[base + 1, base + 2] + [chain_start] * (2 * gamma),
+                         second_start=[0, 0] + [c for c in chains for _ in range(gamma)],
+                         second_end=[0, 0] + [c + j + 1 for c in chains for j in range(gamma)]),
+        keep=(1, 2, 3, 4, 5, 6, 7),
+    )
+    prompt = linear_row(2, 0, list(range(1, 41)), 0, [39])
+    decode = linear_row(0, 7, [5], 7, [0])
+    for rows in ([verify, decode], [prompt, verify, decode]):
+        runs = build_batch(rows, capacity=64)
+        tuples = build_batch([_as_tuples(row) for row in rows], capacity=64)
+        assert torch.equal(runs.attention_mask, tuples.attention_mask)
+        assert torch.equal(runs.input_ids, tuples.input_ids) and torch.equal(runs.position_ids, tuples.position_ids)
+    assert verify.attend[pending + gamma] == (base, base + 1, chains[1])  # chain 1's first token
+
+
+def test_a_long_prompt_row_is_linear_in_its_tokens():
+    row = linear_row(0, 0, list(range(1, 20001)), 0, [19999])
+    assert isinstance(row.attend, RunAttend) and row.attend[2] == (0, 1, 2) and len(row.attend) == 20000
+
+
+@pytest.mark.parametrize("bounds,message", [
+    (([5, 5], [6, 6]), r"RowWork.attend\[1\] must include the token's own column 6"),
+    (([3, 5], [6, 7]), r"RowWork.attend\[0\] lists columns below prefix_length 5"),
+    (([5, 5], [6]), "one length"),
+])
+def test_bad_runs_name_the_field(bounds, message):
+    with pytest.raises(ValueError, match=message):
+        RowWork(slot=0, prefix_length=5, token_ids=(1, 2), columns=(5, 6), positions=(5, 6),
+                attend=RunAttend(*bounds), keep=(1,))

@@ -152,3 +152,11 @@ def test_sampled_law_with_costs_choosing_plain_steps_and_blocks():
     samples = [tuple(_tokens(chunks)) for chunks in results]
     assert any(0 in chunks[-1].stats.draft_lengths for chunks in results)
     assert chi_square_pvalue(samples, target_law(FAKE_MODELS["target"], PROMPT, length)) > CHI_SQUARE_SIGNIFICANCE
+
+
+def test_more_tokens_never_look_cheaper():
+    table = CostTable()
+    table.observe(3, 0.034)  # a noisy bucket
+    table.observe(5, 0.027)
+    assert table.estimate(5) == pytest.approx(0.034)
+    assert table.estimate(4) == pytest.approx(0.034)

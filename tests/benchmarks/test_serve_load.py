@@ -150,6 +150,12 @@ def test_serve_load_end_to_end(tmp_path, monkeypatch):
             assert 0 <= busy["forward_fraction"] <= busy["step_fraction"] <= 1.05, (key, worker)
         assert s["busy"]["target"]["forward_fraction"] > 0  # the draft is idle under ar
         assert (s["busy"]["draft"]["forward_fraction"] > 0) == (key[0] != "ar"), key
+        # the bare-model limit (on by default), measured after the server stopped
+        assert s["bare_limit_tokens_per_second"] > 0, key
+        assert s["served_over_limit"] == pytest.approx(s["tokens_per_second"] / s["bare_limit_tokens_per_second"])
+    assert results["environment"]["bare_limit"]["torch_threads"] == 1
+    sd_bare = next(level["bare"] for level in results["levels"] if level["label"] == "sd/block/g4")
+    assert [(f["model"], f["tokens"], f["count"]) for f in sd_bare["forwards"]] == [("draft", 1, 4), ("target", 5, 1)]
     records = results["records"]
     assert len(records) == 8 and sorted({r["seed"] for r in records}) == [0, 1]
     for record in records:
@@ -160,6 +166,7 @@ def test_serve_load_end_to_end(tmp_path, monkeypatch):
     assert markdown.startswith("# Serving under load") and "Command: `specserve bench --mode serve-load" in markdown
     assert "| sd/block/g4 | 2 | 2 / 0 |" in markdown and "Peak resident memory of the model workers at concurrency 2" in markdown
     assert "## Busy fraction of the model workers" in markdown and "| strategy | concurrency | draft | target |" in markdown
+    assert "| bare limit tok/s | served / limit |" in markdown and "## Bare-model limit" in markdown
     assert (out / "serve_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "specserve is serving" in (out / "server.log").read_text()  # the server's own output is kept
     # Re-rendering from results.json gives the same summaries.

@@ -63,8 +63,8 @@ def test_unary_generate_equals_target_greedy(stub, metadata, serve_app, expected
 def test_gamma_auto_equals_target_greedy(stub, metadata, expected_ids):
     response = stub.Generate(greedy_request(gamma_auto=True, gamma_max=5), metadata=metadata, timeout=120)
     assert list(response.token_ids) == expected_ids
-    drafted = list(response.speculation.draft_lengths)
-    assert len(drafted) == len(response.speculation.accepted_lengths) and all(1 <= d <= 5 for d in drafted)
+    blocks = [d for d in response.speculation.draft_lengths if d]  # 0: a plain step (engine.goodput_gamma)
+    assert len(blocks) == len(response.speculation.accepted_lengths) and all(1 <= d <= 5 for d in blocks)
 
 
 def test_client_request_id_is_kept(stub, metadata):
@@ -255,3 +255,27 @@ def test_serve_health_service_answers(channel):
 
     health = serve_pb2_grpc.RayServeAPIServiceStub(channel).Healthz(serve_pb2.HealthzRequest(), timeout=30)
     assert health.message == "success"
+
+
+def test_prompt_logprobs_unary_and_streamed(stub, metadata, greedy_reference):
+    """sampling.prompt_logprobs: each prompt token after the first under the target's raw law
+    (a transformers forward), with rank and alternatives; max_tokens 0 scores the prompt alone."""
+    torch = greedy_reference._torch
+    ids = greedy_reference.encode(PROMPT)
+    with torch.inference_mode():
+        rows = torch.log_softmax(greedy_reference.model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [P, V]
+    options = specserve_pb2.SamplingOptions(max_tokens=0, prompt_logprobs=2)
+    request = specserve_pb2.GenerateRequest(prompt_ids=ids, sampling=options)
+    response = stub.Generate(request, metadata=metadata, timeout=120)
+    assert list(response.token_ids) == [] and response.finish_reason == "length"
+    entries = response.choices[0].prompt_logprobs
+    assert [entry.token_id for entry in entries] == ids[1:]
+    for j, entry in enumerate(entries):
+        assert abs(entry.logprob - rows[j, ids[j + 1]].item()) < 1e-4
+        assert entry.rank == int((rows[j] > rows[j, ids[j + 1]]).sum()) + 1 and len(entry.top_logprobs) == 2
+    assert list(response.prompt_logprobs) == list(entries)
+    options = specserve_pb2.SamplingOptions(max_tokens=2, temperature=0.0, prompt_logprobs=0)
+    stream = list(stub.GenerateStream(specserve_pb2.GenerateRequest(prompt_ids=ids, sampling=options),
+                                      metadata=metadata, timeout=120))
+    assert [e.logprob for e in stream[0].prompt_logprobs] == [e.logprob for e in entries]
+    assert all(not message.prompt_logprobs for message in stream[1:])

@@ -7,6 +7,7 @@ import pytest
 from actors.api import GenerationChunk, InvalidRequestError, RequestStats
 from cluster import grpc_service
 from protos import specserve_pb2 as pb
+from tests.cluster.single_request import grpc_generation_request
 
 
 def test_only_fields_the_client_set_override_the_defaults():
@@ -15,7 +16,7 @@ def test_only_fields_the_client_set_override_the_defaults():
         sampling=pb.SamplingOptions(temperature=0.0, stop=["\n"]),
         speculation=pb.SpeculationOptions(strategy="se", members=["a", "b"], gammas=[2, 3]),
     )
-    generation = grpc_service.to_generation_request(request, "g-1", sampling_defaults={"max_tokens": 5, "temperature": 0.9})
+    generation = grpc_generation_request(request, "g-1", sampling_defaults={"max_tokens": 5, "temperature": 0.9})
     assert generation.sampling.temperature == 0.0 and generation.sampling.max_tokens == 5
     assert generation.sampling.stop == ["\n"]
     assert generation.speculation.strategy == "se"
@@ -46,7 +47,7 @@ def _with_raw_field(message: bytes, field_number: int, wire_type: int, payload: 
 def test_wrong_wire_types_and_unknown_fields_are_rejected_by_name(raw, field):
     request = pb.GenerateRequest.FromString(raw)  # protobuf itself accepts these silently
     with pytest.raises(InvalidRequestError) as caught:
-        grpc_service.to_generation_request(request, "g", {})
+        grpc_generation_request(request, "g", {})
     assert caught.value.field == field
 
 
@@ -65,7 +66,7 @@ def test_wrong_wire_types_and_unknown_fields_are_rejected_by_name(raw, field):
 )
 def test_invalid_values_name_the_proto_field(request_message, field):
     with pytest.raises(InvalidRequestError) as caught:
-        grpc_service.to_generation_request(request_message, "g", {})
+        grpc_generation_request(request_message, "g", {})
     assert caught.value.field == field
 
 
@@ -104,14 +105,14 @@ def test_penalties_logit_bias_and_logprobs_map_onto_sampling_params():
     request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias={3: -100.0, 9: 2.0},
         logprobs=True, top_logprobs=4))
-    sampling = grpc_service.to_generation_request(request, "g", {}).sampling
+    sampling = grpc_generation_request(request, "g", {}).sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -0.5, 1.1)
     assert sampling.logit_bias == {3: -100.0, 9: 2.0} and sampling.logprobs == 4
     only_tokens = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(logprobs=True))
-    assert grpc_service.to_generation_request(only_tokens, "g", {}).sampling.logprobs == 0
+    assert grpc_generation_request(only_tokens, "g", {}).sampling.logprobs == 0
     neutral = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(
         presence_penalty=0.0, frequency_penalty=0.0, logprobs=False, top_logprobs=0, n=1))
-    sampling = grpc_service.to_generation_request(neutral, "g", {}).sampling
+    sampling = grpc_generation_request(neutral, "g", {}).sampling
     assert (sampling.presence_penalty, sampling.logprobs, sampling.logit_bias) == (0.0, None, {})
 
 
@@ -155,7 +156,7 @@ def test_coordinator_errors_on_new_fields_get_the_proto_path():
 
 def test_unary_response_has_every_choice_and_stream_messages_their_index_and_logprobs():
     from actors.api import TokenLogprob
-    from cluster.openai_api import CompletionAccumulator, TokenTexts
+    from cluster.responses import CompletionAccumulator, TokenTexts
 
     texts = TokenTexts(lambda token_id: {1: b"a", 2: b"\xc3", 3: b"\xa9"}[token_id])
     results = []
@@ -186,11 +187,11 @@ def test_unary_response_has_every_choice_and_stream_messages_their_index_and_log
 
 def test_gamma_auto_and_gamma_max():
     request = pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(gamma_auto=True, gamma_max=6))
-    generation = grpc_service.to_generation_request(request, "g-2", sampling_defaults={})
+    generation = grpc_generation_request(request, "g-2", sampling_defaults={})
     assert generation.speculation.gamma == "auto" and generation.speculation.gamma_max == 6
     fixed = pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(gamma_auto=False, gamma=3))
-    assert grpc_service.to_generation_request(fixed, "g-3", sampling_defaults={}).speculation.gamma == 3
+    assert grpc_generation_request(fixed, "g-3", sampling_defaults={}).speculation.gamma == 3
     both = pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(gamma_auto=True, gamma=3))
     with pytest.raises(InvalidRequestError) as raised:
-        grpc_service.to_generation_request(both, "g-4", sampling_defaults={})
+        grpc_generation_request(both, "g-4", sampling_defaults={})
     assert raised.value.field == "speculation.gamma_auto"

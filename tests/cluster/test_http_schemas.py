@@ -1,4 +1,4 @@
-"""The OpenAI request schemas and response builders of cluster/openai_api.py (no server)."""
+"""The OpenAI request schemas and response builders (cluster/schemas.py, cluster/responses.py) (no server)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,16 @@ import json
 import pytest
 
 from actors.api import GenerationChunk, InvalidRequestError, RequestStats
-from cluster.openai_api import (
-    ChatCompletionRequest,
+from cluster.chat_prompt import render_chat_prompt
+from cluster.responses import (
     CompletionAccumulator,
-    CompletionRequest,
     completion_response,
-    http_field,
     invalid_request_body,
-    parse_body,
-    render_chat_prompt,
     sse_event,
     stream_chunk,
-    to_generation_request,
 )
+from cluster.schemas import ChatCompletionRequest, CompletionRequest, http_field, parse_body
+from tests.cluster.single_request import http_generation_request
 
 
 def parse(model, body: dict):
@@ -28,7 +25,7 @@ def parse(model, body: dict):
 
 def test_request_becomes_a_generation_request_with_defaults_for_unset_fields():
     body = parse(CompletionRequest, {"prompt": "hi", "temperature": 0, "stop": "\n", "speculation": {"gamma": 3}})
-    request = to_generation_request(body, "cmpl-1", sampling_defaults={"max_tokens": 16, "temperature": 0.7})
+    request = http_generation_request(body, "cmpl-1", sampling_defaults={"max_tokens": 16, "temperature": 0.7})
     assert request.request_id == "cmpl-1" and request.prompt == "hi"
     assert request.sampling.max_tokens == 16  # deployment default
     assert request.sampling.temperature == 0.0  # explicit 0 wins over the default
@@ -37,19 +34,19 @@ def test_request_becomes_a_generation_request_with_defaults_for_unset_fields():
 
 
 def test_token_id_prompts_are_accepted():
-    request = to_generation_request(parse(CompletionRequest, {"prompt": [1, 2, 3]}), "r", {})
+    request = http_generation_request(parse(CompletionRequest, {"prompt": [1, 2, 3]}), "r", {})
     assert request.prompt_ids == [1, 2, 3] and request.prompt is None
 
 
 def test_chat_template_is_role_colon_content_lines_then_assistant():
     body = parse(ChatCompletionRequest, {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]})
     assert render_chat_prompt(body.messages) == "system: S\nuser: U\nassistant:"
-    assert to_generation_request(body, "r", {}).prompt == "system: S\nuser: U\nassistant:"
+    assert http_generation_request(body, "r", {}).prompt == "system: S\nuser: U\nassistant:"
 
 
 def test_max_completion_tokens_is_an_alias_that_must_not_conflict():
     body = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5})
-    assert to_generation_request(body, "r", {}).sampling.max_tokens == 5
+    assert http_generation_request(body, "r", {}).sampling.max_tokens == 5
     with pytest.raises(InvalidRequestError) as caught:
         parse(
             ChatCompletionRequest,

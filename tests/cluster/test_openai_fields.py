@@ -1,7 +1,7 @@
 """The OpenAI API as clients really use it: prompt lists, ``n``, ``echo``, penalties,
 ``logit_bias``, ``logprobs``, and the fields answered 400.
 
-The first part needs no server: request parsing and mapping (cluster/openai_api.py) and the
+The first part needs no server: request parsing and mapping (cluster/schemas.py, cluster/generation_requests.py, cluster/responses.py) and the
 log-probability rendering, with GenerationChunk objects built by hand. The second drives the
 session's Serve application with the official ``openai`` client and with LangChain's OpenAI
 classes (``langchain-openai``), which send prompt lists, zero penalties and ``n`` by default.
@@ -15,22 +15,18 @@ import math
 import pytest
 
 from actors.api import GenerationChunk, InvalidRequestError, RequestStats, TokenLogprob
-from cluster.openai_api import (
+from cluster.generation_requests import to_generation_requests
+from cluster.responses import (
     LOGPROB_FLOOR,
-    MAX_CHOICES,
-    ChatCompletionRequest,
     ChoiceStream,
     CompletionAccumulator,
-    CompletionRequest,
     LogprobsRenderer,
     TokenTexts,
     completion_response,
-    http_field,
     merged_speculation,
-    parse_body,
-    to_generation_requests,
     usage_chunk,
 )
+from cluster.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, http_field, parse_body
 
 MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
 
@@ -91,13 +87,13 @@ def test_chat_harmless_defaults_are_accepted():
         ({"prompt": []}, "prompt"),
         ({"prompt": "x", "logprobs": True}, "logprobs"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
-        ({"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias.5"),
         ({"prompt": "x", "stop": ["a", 1]}, "stop"),
     ],
@@ -131,8 +127,9 @@ def test_non_finite_numbers_are_named():
         with pytest.raises(InvalidRequestError) as caught:
             parse_body(CompletionRequest, raw)
         assert caught.value.field == name
-    with pytest.raises(InvalidRequestError) as caught:
-        parse_body(CompletionRequest, b'{"prompt": "x", "logit_bias": {"3": 1e400}}')
+    body = parse_body(CompletionRequest, b'{"prompt": "x", "logit_bias": {"3": 1e400}}')
+    with pytest.raises(InvalidRequestError) as caught:  # values: with every other field
+        to_generation_requests(body, "c", {})
     assert caught.value.field == "logit_bias"
 
 
@@ -424,12 +421,12 @@ def test_chat_with_n_max_completion_tokens_and_streamed_usage(client, serve_app)
         ({"suffix": "tail"}, "suffix"),
         ({"best_of": 3}, "best_of"),
         ({"n": 2, "best_of": 1}, "best_of"),
-        ({"logprobs": 2, "echo": True}, "echo"),
+        ({"max_tokens": 0, "echo": True}, "max_tokens"),  # 0 needs logprobs (the prompt is scored)
     ],
 )
 def test_unsupported_completion_fields_are_400_naming_them(client, serve_app, kwargs, param):
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model=serve_app.model, prompt=PROMPT, max_tokens=2, **kwargs)
+        client.completions.create(model=serve_app.model, prompt=PROMPT, **{"max_tokens": 2, **kwargs})
     assert caught.value.body["param"] == param
 
 
@@ -522,3 +519,77 @@ def test_langchain_chat_class_invokes_and_streams(serve_app):
     assert "".join(piece.content for piece in pieces) == answer.content
     assert sum((piece.usage_metadata or {}).get("output_tokens", 0) for piece in pieces) == \
         answer.usage_metadata["output_tokens"]
+
+
+# ------------------------------------------------------------------ prompt log-probabilities
+
+
+def _reference_log_rows(greedy_reference, prompt_ids: list[int]):
+    """log_softmax of the tiny target's logits at every prompt position: ``[P, V]``."""
+    torch = greedy_reference._torch
+    with torch.inference_mode():
+        logits = greedy_reference.model(torch.tensor([prompt_ids])).logits[0].float()  # [P, V]
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_echo_with_logprobs_returns_the_prompt_tokens_log_probabilities(client, serve_app, greedy_reference):
+    ids = greedy_reference.encode(PROMPT)
+    rows = _reference_log_rows(greedy_reference, ids)  # [P, V]
+    body = client.completions.create(model=serve_app.model, prompt=ids, echo=True, logprobs=2, max_tokens=1,
+                                     temperature=0).model_dump()
+    logprobs = body["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 1 and logprobs["text_offset"][0] == 0
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    expected = [rows[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
+    assert max(abs(a - b) for a, b in zip(logprobs["token_logprobs"][1:len(ids)], expected)) < 1e-4
+    # The generated token follows the prompt, under the law it was drawn from (greedy: a point mass).
+    assert logprobs["token_logprobs"][-1] == 0.0
+    assert body["choices"][0]["text"].startswith(greedy_reference.decode(ids))
+    assert all(len(top) <= 3 for top in logprobs["top_logprobs"][1:])
+
+
+def test_max_tokens_zero_scores_the_prompt_alone_streamed_or_not(client, serve_app, greedy_reference):
+    ids = greedy_reference.encode(PROMPT)
+    whole = client.completions.create(model=serve_app.model, prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)
+    choice = whole.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length" and whole.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(ids)
+    chunks = list(client.completions.create(model=serve_app.model, prompt=PROMPT, echo=True, logprobs=0,
+                                            max_tokens=0, stream=True))
+    assert chunks[0].choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+
+
+def test_prompt_logprobs_extension_in_vllm_shape_for_an_ensemble(client, serve_app, greedy_reference, tiny_checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    torch = greedy_reference._torch
+    ids = greedy_reference.encode(PROMPT)
+    body = client.completions.create(
+        model=serve_app.model, prompt=PROMPT, max_tokens=2, temperature=0.5,
+        extra_body={"prompt_logprobs": 1, "speculation": {"strategy": "ensemble", "ensemble": "weighted",
+                                                          "members": ["target", "partner"], "weights": [0.25, 0.75]}},
+    ).model_dump()
+    block = body["choices"][0]["prompt_logprobs"]
+    assert block[0] is None and len(block) == len(ids)
+    partner = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["partner"], dtype=torch.float32).eval()
+    with torch.inference_mode():
+        partner_probs = torch.softmax(partner(torch.tensor([ids])).logits[0].float(), dim=-1)  # [P, V]
+    # The ensemble's law at temperature 1 (the request's temperature 0.5 does not apply to the prompt).
+    rows = torch.log(0.25 * _reference_log_rows(greedy_reference, ids).exp() + 0.75 * partner_probs)  # [P, V]
+    for j, entry in enumerate(block[1:]):
+        token = entry[str(ids[j + 1])]
+        assert abs(token["logprob"] - rows[j, ids[j + 1]].item()) < 1e-4
+        assert token["rank"] == int((rows[j] > rows[j, ids[j + 1]]).sum()) + 1
+        assert any(item["rank"] == 1 for item in entry.values())
+    assert body["choices"][0]["logprobs"] is None  # no generated-token log-probabilities were asked for
+
+
+@pytest.mark.parametrize("bias", [100.5, float("nan")])
+def test_logit_bias_values_are_checked_once_where_every_field_is(bias):
+    """Keys are parsed with the body; values and counts are checked with every other field
+    (cluster.validation), and the error names the HTTP field."""
+    body = parse_body(CompletionRequest, json.dumps({"prompt": "x", "logit_bias": {"5": bias}}).encode())
+    with pytest.raises(InvalidRequestError) as caught:
+        to_generation_requests(body, "c", {})
+    assert caught.value.field == "logit_bias"

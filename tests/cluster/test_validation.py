@@ -11,7 +11,8 @@ import pytest
 
 from actors.api import InvalidRequestError
 from cluster import grpc_service
-from cluster.openai_api import ChatCompletionRequest, CompletionRequest, parse_body, to_generation_request
+from cluster.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from tests.cluster.single_request import grpc_generation_request, http_generation_request
 from cluster.validation import INT64_MAX, MIN_POSITIVE_TEMPERATURE, check_generation_request, check_request_id
 from protos import specserve_pb2, specserve_pb2_grpc
 
@@ -56,7 +57,7 @@ def _http(overrides: dict) -> InvalidRequestError:
     body = {"prompt": "x", **overrides}
     with pytest.raises(InvalidRequestError) as caught:
         parsed = parse_body(CompletionRequest, json.dumps(body).encode())  # NaN / Infinity as JSON tokens
-        to_generation_request(parsed, "cmpl-1", {})
+        http_generation_request(parsed, "cmpl-1", {})
     return caught.value
 
 
@@ -69,7 +70,7 @@ def _grpc(overrides: dict) -> InvalidRequestError:
             sampling=specserve_pb2.SamplingOptions(**sampling),
             speculation=specserve_pb2.SpeculationOptions(**speculation),
         )
-        grpc_service.to_generation_request(request, "grpc-1", {})
+        grpc_generation_request(request, "grpc-1", {})
     return caught.value
 
 
@@ -90,23 +91,23 @@ def test_http_only_values_beyond_int64_are_refused():
 def test_prompt_size_limit_applies_to_text_ids_and_chat():
     body = CompletionRequest(prompt="abcdef")
     with pytest.raises(InvalidRequestError) as caught:
-        to_generation_request(body, "cmpl-1", {}, max_prompt_chars=5)
+        http_generation_request(body, "cmpl-1", {}, max_prompt_chars=5)
     assert caught.value.field == "prompt"
     with pytest.raises(InvalidRequestError) as caught:
-        to_generation_request(CompletionRequest(prompt=[1] * 6), "cmpl-1", {}, max_prompt_chars=5)
+        http_generation_request(CompletionRequest(prompt=[1] * 6), "cmpl-1", {}, max_prompt_chars=5)
     assert caught.value.field == "prompt"
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hello"}])
     with pytest.raises(InvalidRequestError) as caught:
-        to_generation_request(chat, "chatcmpl-1", {}, max_prompt_chars=5)
+        http_generation_request(chat, "chatcmpl-1", {}, max_prompt_chars=5)
     assert caught.value.field == "messages"
     with pytest.raises(InvalidRequestError) as caught:
-        grpc_service.to_generation_request(specserve_pb2.GenerateRequest(prompt_ids=[1] * 6), "g", {}, max_prompt_chars=5)
+        grpc_generation_request(specserve_pb2.GenerateRequest(prompt_ids=[1] * 6), "g", {}, max_prompt_chars=5)
     assert caught.value.field == "prompt_ids"
-    to_generation_request(body, "cmpl-1", {}, max_prompt_chars=6)  # at the limit: accepted
+    http_generation_request(body, "cmpl-1", {}, max_prompt_chars=6)  # at the limit: accepted
 
 
 def test_good_values_pass():
-    request = grpc_service.to_generation_request(
+    request = grpc_generation_request(
         specserve_pb2.GenerateRequest(
             prompt="x",
             sampling=specserve_pb2.SamplingOptions(temperature=MIN_POSITIVE_TEMPERATURE, top_p=1.0, seed=INT64_MAX,
@@ -117,7 +118,7 @@ def test_good_values_pass():
         {},
     )
     assert request.sampling.seed == INT64_MAX and request.speculation.gammas == [1, 32]
-    assert to_generation_request(CompletionRequest(prompt="x", temperature=0), "c", {}).sampling.temperature == 0
+    assert http_generation_request(CompletionRequest(prompt="x", temperature=0), "c", {}).sampling.temperature == 0
 
 
 @pytest.mark.parametrize("bias", [{1: NAN}, {1: INF}, {1: -101.0}, {-1: 1.0}, {i: 0.0 for i in range(1025)}],
@@ -144,10 +145,10 @@ def test_grpc_request_id_model_and_names_are_bounded():
         grpc_service.client_request_id(specserve_pb2.GenerateRequest(request_id="a b"))
     assert caught.value.field == "request_id"
     with pytest.raises(InvalidRequestError) as caught:
-        grpc_service.to_generation_request(specserve_pb2.GenerateRequest(prompt="x", model="m" * 129), "g", {})
+        grpc_generation_request(specserve_pb2.GenerateRequest(prompt="x", model="m" * 129), "g", {})
     assert caught.value.field == "model"
     with pytest.raises(InvalidRequestError) as caught:
-        grpc_service.to_generation_request(
+        grpc_generation_request(
             specserve_pb2.GenerateRequest(prompt="x", speculation=specserve_pb2.SpeculationOptions(strategy="s" * 129)), "g", {}
         )
     assert caught.value.field == "speculation.strategy"

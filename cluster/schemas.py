@@ -1,0 +1,577 @@
+"""OpenAI-compatible request schemas of the HTTP endpoint, their field checks and parsing.
+
+The HTTP ingress (``cluster/app.py``) parses request bodies with the models below (strict
+types, ``extra="forbid"``) through :func:`parse_body`. Every validation failure becomes an
+:class:`actors.api.InvalidRequestError` whose ``field`` is the request's own field name
+(``temperature``, ``speculation.gamma``), which the ingress answers with HTTP 400 and an
+OpenAI-style error body (:func:`cluster.responses.error_body`). A field is checked once: its
+type and format here (shared with gRPC: the ``check_*`` functions), its value with every other
+field of the merged request by :func:`cluster.validation.check_generation_request`.
+
+OpenAI fields that are accepted only at their neutral value answer 400 naming the field
+otherwise: ``suffix`` (null), ``best_of`` (null or equal to ``n``), ``tools`` / ``functions``
+(null or empty), ``tool_choice`` / ``function_call`` (null or ``"none"``), ``response_format``
+(null or ``{"type": "text"}``). Penalties, ``logit_bias``, ``logprobs`` and prompt
+log-probabilities (completions ``echo`` with ``logprobs``, ``prompt_logprobs``) map onto
+:class:`actors.api.SamplingParams`.
+
+Extensions to the OpenAI schema: ``return_token_ids``; ``top_k``, ``ignore_eos``,
+``repetition_penalty`` (sampling); ``prompt_logprobs`` (completions) and
+``chat_template_kwargs`` (chat), as vLLM has them; and ``speculation`` (an object with the
+fields of :class:`actors.api.SpeculationParams`; unset fields take the deployment's defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from actors.api import (
+    MAX_TOP_LOGPROBS,
+    GenerationRequest,
+    InvalidRequestError,
+    SpeculationParams,
+)
+from cluster.chat_prompt import check_template_kwargs, render_chat_prompt
+from cluster.validation import INT64_MAX, MAX_STOP_STRINGS
+
+#: Most choices one request may ask for (``n`` times the number of prompts); each is its own
+#: coordinator request, decoded concurrently.
+MAX_CHOICES = 64
+#: Largest absolute ``presence_penalty`` / ``frequency_penalty`` (OpenAI's range).
+MAX_PENALTY = 2.0
+#: Largest ``repetition_penalty`` (extension; must be > 0, 1 disables it).
+MAX_REPETITION_PENALTY = 10.0
+
+# Sampling fields a request may set; unset ones fall back to the deployment's defaults.
+SAMPLING_FIELDS: tuple[str, ...] = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs",
+)
+# The scalar ones that are copied as they are.
+_PLAIN_SAMPLING_FIELDS: tuple[str, ...] = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty",
+)
+
+ChatRole = Literal["system", "developer", "user", "assistant"]
+
+
+# ----------------------------------------------------------------------------------------
+# Field checks shared with gRPC (cluster/grpc_service.py): each raises InvalidRequestError
+# ----------------------------------------------------------------------------------------
+
+
+def _short(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_n(field: str, value: int) -> int:
+    """Number of samples per prompt: 1..MAX_CHOICES."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+        raise InvalidRequestError(field, f"must be an integer in [1, {MAX_CHOICES}] (got {_short(value)})")
+    return value
+
+
+def check_penalty(field: str, value: float) -> float:
+    """``presence_penalty`` / ``frequency_penalty``: a finite number in [-2, 2]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not -MAX_PENALTY <= value <= MAX_PENALTY:
+        raise InvalidRequestError(field, f"must be a finite number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (got {_short(value)})")
+    return float(value)
+
+
+def check_repetition_penalty(field: str, value: float) -> float:
+    """``repetition_penalty``: a finite number in (0, 10]; 1 disables it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0.0 < value <= MAX_REPETITION_PENALTY:
+        raise InvalidRequestError(field, f"must be a finite number in (0, {MAX_REPETITION_PENALTY:g}] (got {_short(value)})")
+    return float(value)
+
+
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
+
+
+def check_logit_bias(field: str, bias: Mapping[Any, Any]) -> dict[int, float]:
+    """``logit_bias`` keys as token ids (a decimal string in JSON, an integer in gRPC) and values
+    as numbers: ``{int: float}``. The entry count and the values' range are checked with every
+    other field by :func:`cluster.validation.check_generation_request`, and whether the ids
+    exist in the vocabulary by the coordinator."""
+    checked: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str):
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise InvalidRequestError(field, f"keys must be token ids (decimal integers >= 0), got {_short(key)}")
+            token_id = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token_id = key
+        else:
+            raise InvalidRequestError(field, f"keys must be token ids, got {_short(key)}")
+        if not 0 <= token_id <= INT64_MAX:
+            raise InvalidRequestError(field, f"token ids must be in [0, {INT64_MAX}] (got {_short(token_id)})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequestError(field, f"biases must be numbers (got {_short(value)} for token {token_id})")
+        checked[token_id] = float(value)
+    return checked
+
+
+def check_top_logprobs(field: str, value: int) -> int:
+    """Number of most likely alternatives per token: 0..MAX_TOP_LOGPROBS."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(field, f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (got {_short(value)})")
+    return value
+
+
+def check_sample_seeds(field: str, seed: int | None, n: int) -> None:
+    """With ``n`` samples, sample ``i`` uses ``seed + i``: all of them must fit an int64."""
+    if seed is not None and n > 1 and seed + n - 1 > INT64_MAX:
+        raise InvalidRequestError(field, f"with n = {n}, seed + n - 1 must be at most {INT64_MAX} (sample i uses seed + i)")
+
+
+def _pydantic_check(check: Callable[..., Any], *args: Any) -> Any:
+    """Run a check inside a pydantic validator: its message becomes the validator's."""
+    try:
+        return check("", *args)
+    except InvalidRequestError as error:
+        raise ValueError(error.message) from None
+
+
+# ----------------------------------------------------------------------------------------
+# Requests
+# ----------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    """OpenAI ``stream_options``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = Field(
+        False, description="Send a last chunk with empty choices and the request's usage before [DONE]."
+    )
+
+
+class _GenerationFields(BaseModel):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(None, description="Served model name (GET /v1/models); optional.")
+    max_tokens: int | None = Field(
+        None, ge=0, description="Maximum number of generated tokens (>= 1; 0 scores the prompt alone: completions "
+        "with echo and logprobs, or prompt_logprobs)."
+    )
+    temperature: float | None = Field(None, ge=0.0, description="Softmax temperature (>= 0); 0 is greedy.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
+    top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens; 0 disables it (extension).")
+    seed: int | None = Field(None, ge=0, description="Seed of the request's random streams (>= 0); sample i uses seed + i.")
+    stop: Any = Field(None, description="A stop string or a list of them; output ends before the first match.")
+    ignore_eos: bool | None = Field(None, description="Keep generating past the end-of-sequence token (extension).")
+    stream: bool | None = Field(False, description="Stream server-sent events (`data: {...}` chunks, then `data: [DONE]`).")
+    stream_options: StreamOptions | None = Field(None, description="OpenAI stream options (include_usage).")
+    n: int | None = Field(None, description=f"Independent samples per prompt, 1..{MAX_CHOICES} (default 1).")
+    presence_penalty: float | None = Field(None, description="Subtracted from the logit of every token already generated, [-2, 2].")
+    frequency_penalty: float | None = Field(None, description="Subtracted once per earlier occurrence of a token, [-2, 2].")
+    repetition_penalty: float | None = Field(
+        None, description="Divides positive / multiplies negative logits of tokens already seen, (0, 10]; 1 disables (extension)."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100] added to its logit."
+    )
+    user: str | None = Field(None, description="End-user id (accepted and logged, not used).")
+    speculation: SpeculationParams | None = Field(
+        None, description="Decoding strategy overrides (extension); unset fields use the deployment defaults."
+    )
+    return_token_ids: bool | None = Field(
+        False, description="Add the generated token ids to each choice as `token_ids` (extension)."
+    )
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int | None) -> int | None:
+        return None if value is None else _pydantic_check(check_n, value)
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, value: float | None) -> float | None:
+        return None if value is None else _pydantic_check(check_penalty, value)
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, value: float | None) -> float | None:
+        return None if value is None else _pydantic_check(check_repetition_penalty, value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[int, float] | None:
+        return None if value is None else _pydantic_check(check_logit_bias, value)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> list[str] | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ValueError("must be a string or a list of strings")
+        if any(not item for item in value):
+            raise ValueError("stop strings must not be empty")
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        return value
+
+    # -- derived values
+
+    @property
+    def samples(self) -> int:
+        """Samples per prompt (``n``, default 1)."""
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, in order."""
+        raise NotImplementedError
+
+    def logprobs_count(self) -> int | None:
+        """``SamplingParams.logprobs``: alternatives per token, or None for no log-probabilities."""
+        return None
+
+    def prompt_logprobs_count(self) -> int | None:
+        """``SamplingParams.prompt_logprobs``: alternatives per prompt token, or None."""
+        return None
+
+    def check_fields(self) -> None:
+        """Checks across fields (after parsing); raises :class:`InvalidRequestError`."""
+        choices = len(self.prompts()) * self.samples
+        if choices > MAX_CHOICES:
+            raise InvalidRequestError(
+                "n", f"n ({self.samples}) times the number of prompts ({len(self.prompts())}) must be at most {MAX_CHOICES}"
+            )
+        check_sample_seeds("seed", self.seed, self.samples)
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """The sampling fields this request set explicitly (the rest use deployment defaults)."""
+        overrides = {name: getattr(self, name) for name in _PLAIN_SAMPLING_FIELDS if getattr(self, name) is not None}
+        if self.logit_bias is not None:
+            overrides["logit_bias"] = dict(self.logit_bias)  # {token id: bias}, keys parsed
+        logprobs = self.logprobs_count()
+        if logprobs is not None:
+            overrides["logprobs"] = logprobs
+        prompt_logprobs = self.prompt_logprobs_count()
+        if prompt_logprobs is not None:
+            overrides["prompt_logprobs"] = prompt_logprobs
+        return overrides
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value)
+
+
+def _check_token_ids(ids: list[int], which: str = "") -> None:
+    if not ids:
+        raise ValueError(f"{which}must not be empty")
+    if any(item < 0 for item in ids):
+        raise ValueError(f"{which}token ids must be >= 0")
+
+
+class CompletionRequest(_GenerationFields):
+    """Body of ``POST /v1/completions``."""
+
+    prompt: Any = Field(
+        ..., description="A prompt (non-empty string or list of token ids) or a list of them (strings or token-id lists)."
+    )
+    echo: bool | None = Field(
+        None, description="Prepend the prompt's text to each choice's text (with logprobs: and the prompt tokens' "
+        "log-probabilities to its logprobs, the first one null)."
+    )
+    suffix: str | None = Field(None, description="Text after the completion (insertion): only null is accepted.")
+    best_of: int | None = Field(None, description="Samples to draw per prompt: only n (or null) is accepted.")
+    logprobs: Any = Field(
+        None, description=f"Log-probabilities of each generated token with this many alternatives (0..{MAX_TOP_LOGPROBS})."
+    )
+    prompt_logprobs: int | None = Field(
+        None, description="Each prompt token's log-probability with this many alternatives, as each choice's "
+        f"`prompt_logprobs` (vLLM's extension; 0..{MAX_TOP_LOGPROBS})."
+    )
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, value: Any) -> str | list[int] | list[str] | list[list[int]]:
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("must not be empty")
+            return value
+        if isinstance(value, list) and value:
+            if _is_token_ids(value):
+                _check_token_ids(value)
+                return value
+            if len(value) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts (got {len(value)})")
+            if all(isinstance(item, str) for item in value):
+                for index, item in enumerate(value):
+                    if not item:
+                        raise ValueError(f"prompt {index} must not be empty")
+                return value
+            if all(_is_token_ids(item) for item in value):
+                for index, item in enumerate(value):
+                    _check_token_ids(item, f"prompt {index}: ")
+                return value
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be empty")
+        raise ValueError("must be a string, a list of token ids, or a list of strings or of token-id lists")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> None:
+        if value is not None:
+            raise ValueError("not supported by this server (no insertion); send null or leave it out")
+        return None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"must be an integer in [1, {MAX_CHOICES}] (got {_short(value)})")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: Any) -> int | None:
+        if value is None or value is False:
+            return None
+        return _pydantic_check(check_top_logprobs, value)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: int | None) -> int | None:
+        return None if value is None else _pydantic_check(check_top_logprobs, value)
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """Alternatives per echoed prompt token (``echo`` with ``logprobs``), or None."""
+        return self.logprobs if self.echo else None
+
+    def prompt_logprobs_count(self) -> int | None:
+        wanted = [count for count in (self.echo_logprobs, self.prompt_logprobs) if count is not None]
+        return max(wanted) if wanted else None
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.best_of is not None and self.best_of != self.samples:
+            if self.best_of < self.samples:
+                raise InvalidRequestError("best_of", f"must be at least n ({self.samples}), got {self.best_of}")
+            raise InvalidRequestError(
+                "best_of", f"best_of > n is not supported: every sample is returned (got best_of {self.best_of}, "
+                f"n {self.samples}); set it to n or leave it out"
+            )
+
+
+class ChatMessage(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: ChatRole = Field(..., description="system | developer | user | assistant.")
+    content: Any = Field(..., description="Message text, or a list of text parts ({\"type\": \"text\", \"text\": ...}).")
+    name: str | None = Field(None, description="Optional author name (not rendered).")
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, value: Any) -> str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            parts = []
+            for part in value:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                        and set(part) <= {"type", "text"}):
+                    raise ValueError('must be a string or a list of text parts {"type": "text", "text": "..."}; '
+                                     "only text is supported")
+                parts.append(part["text"])
+            return "".join(parts)
+        raise ValueError('must be a string or a list of text parts {"type": "text", "text": "..."}')
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return any(value == allowed and type(value) is type(allowed) for allowed in neutral)
+
+
+class ChatCompletionRequest(_GenerationFields):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation, oldest first.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer OpenAI clients).")
+    logprobs: bool | None = Field(None, description="Return the log-probability of each generated token.")
+    top_logprobs: int | None = Field(
+        None, description=f"With logprobs: this many most likely alternatives per token (0..{MAX_TOP_LOGPROBS})."
+    )
+    tools: Any = Field(None, description="Tool calling is not supported: only null or [] is accepted.")
+    tool_choice: Any = Field(None, description='Only null or "none" is accepted.')
+    functions: Any = Field(None, description="Function calling is not supported: only null or [] is accepted.")
+    function_call: Any = Field(None, description='Only null or "none" is accepted.')
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; meaningless without tools.")
+    response_format: Any = Field(None, description='Only null or {"type": "text"} is accepted.')
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Variables of the model's chat template (vLLM's extension), e.g. {\"enable_thinking\": false}."
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else _pydantic_check(check_template_kwargs, value)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        return None if value is None else _pydantic_check(check_top_logprobs, value)
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: Any) -> None:
+        if value is not None and value != []:
+            raise ValueError("tool and function calling are not supported by this server")
+        return None
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> None:
+        if value is not None and not _neutral(value, ("none",)):
+            raise ValueError('tool and function calling are not supported by this server; only "none" is accepted')
+        return None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: Any) -> None:
+        if value is not None and value != {"type": "text"}:
+            raise ValueError('only {"type": "text"} is supported (no JSON mode or structured outputs)')
+        return None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The fallback rendering (:func:`cluster.chat_prompt.render_chat_prompt`); the ingress
+        renders with the model's chat template instead (``to_generation_requests(chat_prompt=...)``)."""
+        return [render_chat_prompt(self.messages)]
+
+    def logprobs_count(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        if self.max_completion_tokens is not None and self.max_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequestError("max_completion_tokens", "conflicts with max_tokens; set only one")
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        overrides = super().sampling_overrides()
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise InvalidRequestError("max_completion_tokens", "conflicts with max_tokens; set only one")
+            overrides["max_tokens"] = self.max_completion_tokens
+        return overrides
+
+
+def _param_name(loc: tuple[Any, ...]) -> str | None:
+    """Dotted field path of a pydantic error location (``("speculation", "gamma")`` -> ``speculation.gamma``)."""
+    parts = [str(part) for part in loc if part not in ("body",)]
+    return ".".join(parts) if parts else None
+
+
+def invalid_request_from_validation(error: ValidationError, field_names: dict[str, str] | None = None) -> InvalidRequestError:
+    """Turn the first pydantic error into an :class:`InvalidRequestError` naming the field.
+
+    ``field_names`` renames internal paths to the caller's field names (e.g.
+    ``sampling.temperature`` -> ``temperature`` for HTTP).
+    """
+    first = error.errors(include_url=False)[0]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return InvalidRequestError("body", f"invalid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    param = _param_name(tuple(first.get("loc", ())))
+    if param is not None and field_names:
+        param = field_names.get(param, param)
+    message = first["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    if kind == "extra_forbidden":
+        message = "unknown field"
+    elif kind == "missing":
+        message = "field required"
+    elif kind not in ("value_error", "model_type", "model_attributes_type"):
+        message = f"{message} (got {json.dumps(first.get('input'), default=str)})"
+    if param is None:
+        return InvalidRequestError("body", message)
+    return InvalidRequestError(param, message)
+
+
+# GenerationRequest paths -> HTTP field names, for errors raised while building the request.
+HTTP_FIELD_NAMES: dict[str, str] = {f"sampling.{name}": name for name in SAMPLING_FIELDS}
+HTTP_FIELD_NAMES.update({"prompt_ids": "prompt"})
+# Chat requests: the prompt is the rendered conversation.
+HTTP_CHAT_FIELD_NAMES: dict[str, str] = {**HTTP_FIELD_NAMES, "prompt": "messages", "prompt_ids": "messages"}
+
+
+def http_field(error: InvalidRequestError, chat: bool = False) -> InvalidRequestError:
+    """The same error with its field named as in the HTTP request (``prompt_ids`` -> ``prompt``,
+    ``sampling.temperature`` -> ``temperature``; chat: ``prompt`` -> ``messages``); the
+    coordinator names GenerationRequest paths."""
+    names = HTTP_CHAT_FIELD_NAMES if chat else HTTP_FIELD_NAMES
+    field = names.get(error.field, error.field)
+    return error if field == error.field else InvalidRequestError(field, error.message)
+
+
+def parse_body(model: type[_GenerationFields], raw: bytes) -> _GenerationFields:
+    """Validate a JSON request body (strict types, then the checks across fields); raise
+    :class:`InvalidRequestError`."""
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as error:
+        raise invalid_request_from_validation(error) from None
+    body.check_fields()
+    return body
+
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "ChatRole",
+    "CompletionRequest",
+    "MAX_CHOICES",
+    "MAX_PENALTY",
+    "MAX_REPETITION_PENALTY",
+    "SAMPLING_FIELDS",
+    "StreamOptions",
+    "check_logit_bias",
+    "check_n",
+    "check_penalty",
+    "check_repetition_penalty",
+    "check_sample_seeds",
+    "check_top_logprobs",
+    "http_field",
+    "invalid_request_from_validation",
+    "parse_body",
+]
