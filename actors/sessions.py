@@ -94,14 +94,6 @@ class Session:
             copy_columns(self.slot, src, [self.base + j for j in range(kept)])
         self.base += kept
 
-    def rollback(self, context_length: int) -> None:
-        """Cut the committed context back to ``context_length`` tokens (>= 1)."""
-        if not 1 <= context_length <= len(self.context):
-            raise ValueError(f"context_length must be in [1, {len(self.context)}], got {context_length}")
-        del self.context[context_length:]
-        self.chains = []
-        self.base = min(self.base, context_length - 1)
-
 
 class SessionStore:
     """Sessions by id, each with a slot from ``slots`` (an :class:`actors.prefix_cache.PrefixCache`:

@@ -347,10 +347,6 @@ class _EnsembleMachine(DecodeMachine):
     def streams(self) -> dict[str, dict[str, int]]:
         return {name: {"sample": i} for i, name in enumerate(self.members)}
 
-    @property
-    def own_stream(self) -> int:
-        return len(self.members)
-
     def ensemble_rows(self, member_logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
         """``member_logits [n, N, V]`` -> ensemble rows ``[N, V]`` (float64): the ensemble's
         logits, penalized with ``generated[i]`` (the tokens generated before row ``i``)."""
