@@ -108,7 +108,7 @@ Need = Union[Sample, ScoreVerify, Extend, NextLogits]
 
 #: ``(token, logprob, ((id, logprob), ...))``: a token's log-probability under the law it was
 #: sampled from and the most likely alternatives (:func:`verifiers.sampling.token_logprob`).
-TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
+DrawLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
 # -------------------------------------------------------------------------------- results
@@ -119,7 +119,7 @@ class Sampled:
 
     tokens: torch.Tensor
     logits: torch.Tensor | None = None
-    logprobs: list[TokenLogprob] | None = None  # draft 0's draws, when asked for
+    logprobs: list[DrawLogprob] | None = None  # draft 0's draws, when asked for
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class Verified:
     emitted: list[int]
     num_accepted: int
     draft_index: int | None = None
-    logprobs: list[TokenLogprob] | None = None  # per emitted token, under the target's row there
+    logprobs: list[DrawLogprob] | None = None  # per emitted token, under the target's row there
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class DecodeMachine(ABC):
         self.committed: list[int] = []
         self.accepted_lengths: list[int] = []
         self.logprobs = logprobs  # None: not asked for; k: the token's and k alternatives
-        self.token_logprobs: list[TokenLogprob] = []  # aligned with committed, when asked for
+        self.token_logprobs: list[DrawLogprob] = []  # aligned with committed, when asked for
 
     @property
     def done(self) -> bool:
@@ -185,7 +185,7 @@ class DecodeMachine(ABC):
             return max(1, block)
         return max(1, min(block, self.context_budget - len(self.committed)))
 
-    def _commit(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> list[int]:
+    def _commit(self, tokens: Sequence[int], logprobs: Sequence[DrawLogprob] | None = None) -> list[int]:
         tokens = [int(t) for t in tokens]
         self.committed.extend(tokens)
         if self.logprobs is not None:
@@ -353,7 +353,7 @@ class _EnsembleMachine(DecodeMachine):
         logits = self.function.logits(member_logits.to(torch.float64))  # [N, V]
         return penalized_probs(logits, **self.sampling, generated=generated)
 
-    def _logprobs_of(self, tokens: Sequence[int], rows: torch.Tensor) -> list[TokenLogprob] | None:
+    def _logprobs_of(self, tokens: Sequence[int], rows: torch.Tensor) -> list[DrawLogprob] | None:
         """Token ``i``'s log-probability under ``rows[i]`` (the ensemble law), when asked for."""
         if self.logprobs is None:
             return None
@@ -472,14 +472,14 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
         if block.tokens.numel():
             self.queue.add_segment(member, block.tokens.tolist(), list(block.token_logits))
         committed: list[int] = []
-        logprobs: list[TokenLogprob] = []
+        logprobs: list[DrawLogprob] = []
         while self.queue.first_segment_verifiable():
             tokens, token_logprobs = self._verify_first_segment()
             committed.extend(tokens)
             logprobs.extend(token_logprobs or [])
         return self._commit(committed, logprobs if self.logprobs is not None else None)
 
-    def _verify_first_segment(self) -> tuple[list[int], list[TokenLogprob] | None]:
+    def _verify_first_segment(self) -> tuple[list[int], list[DrawLogprob] | None]:
         """Verify the oldest segment against the ensemble rows; update the queue; return the
         committed tokens and their log-probabilities under the ensemble rows at their positions."""
         segment = self.queue.segments[0]
