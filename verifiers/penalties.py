@@ -57,15 +57,13 @@ def penalize(
     vocab = logits.shape[-1]
     if len(generated) != logits.shape[0]:
         raise ValueError(f"{len(generated)} generated contexts for {logits.shape[0]} rows")
-    prompt_seen = _counts(prompt, vocab) > 0 if penalties.repetition != 1.0 else None  # [V]
-    for row, tokens in enumerate(generated):
-        counts = _counts(tokens, vocab)  # [V]
-        if prompt_seen is not None:
-            seen = prompt_seen | (counts > 0)  # [V]
-            values = logits[row, seen]
-            logits[row, seen] = torch.where(values > 0, values / penalties.repetition, values * penalties.repetition)
-        if penalties.frequency or penalties.presence:
-            logits[row] -= penalties.frequency * counts + penalties.presence * (counts > 0).to(torch.float64)
+    counts = _row_counts(generated, vocab)  # [N, V]
+    if penalties.repetition != 1.0:
+        seen = (counts > 0) | (_row_counts([prompt], vocab) > 0)  # [N, V]
+        repeated = torch.where(logits > 0, logits / penalties.repetition, logits * penalties.repetition)
+        logits = torch.where(seen, repeated, logits)
+    if penalties.frequency or penalties.presence:
+        logits -= penalties.frequency * counts + penalties.presence * (counts > 0).to(torch.float64)
     for token, bias in penalties.logit_bias:
         if 0 <= token < vocab:
             logits[:, token] += bias
@@ -93,8 +91,13 @@ def penalized_probs(
     return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def _counts(tokens: Sequence[int], vocab: int) -> torch.Tensor:
-    """Occurrences of each id ``< vocab`` in ``tokens`` -> float64 ``[V]``."""
-    ids = torch.as_tensor(list(tokens), dtype=torch.int64)
-    ids = ids[(ids >= 0) & (ids < vocab)]
-    return torch.bincount(ids, minlength=vocab).to(torch.float64)
+def _row_counts(contexts: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """Occurrences of each id ``< vocab`` in each context -> float64 ``[N, V]`` (one scatter for
+    all rows)."""
+    lengths = torch.tensor([len(tokens) for tokens in contexts], dtype=torch.int64)  # [N]
+    ids = torch.tensor([token for tokens in contexts for token in tokens], dtype=torch.int64)  # [sum]
+    rows = torch.repeat_interleave(torch.arange(len(contexts)), lengths)  # [sum]
+    keep = (ids >= 0) & (ids < vocab)  # [sum]
+    counts = torch.zeros(len(contexts), vocab, dtype=torch.float64)  # [N, V]
+    counts.index_put_((rows[keep], ids[keep]), torch.ones(int(keep.sum()), dtype=torch.float64), accumulate=True)
+    return counts
