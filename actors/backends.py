@@ -22,6 +22,7 @@ import torch
 
 from actors.architectures import UnsupportedModelError, apply_head, resolve_architecture
 from actors.batch import RowWork, build_batch, reads_in_place
+from actors.grouped_attention import use_grouped_attention
 from actors.layer_masks import ColumnPositions, layer_masks
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class SlotBackend:
     :mod:`actors.layer_masks`), it runs under the attention implementation its law needs (eager,
     with an additive float mask, where the model soft-caps attention scores) and its logits go
     through the model's own head (logit scaling, soft-capping: :func:`~actors.architectures.apply_head`).
+    GQA models read their grouped keys/values in place (:mod:`actors.grouped_attention`).
 
     Slots hold ``max_context`` (capped by ``max_model_len``) plus ``scratch_columns`` columns; there
     are as many as ``kv_cache_memory`` holds (:mod:`actors.kv_budget`), ``max_slots`` when it is None.
@@ -69,6 +71,8 @@ class SlotBackend:
                       f"{self.architecture.attn_implementation!r} (load it with SlotBackend.load)")
         if scratch_columns < 0:
             raise ValueError(f"scratch_columns must be >= 0, got {scratch_columns}")
+        # GQA models read their grouped keys/values in place (no per-layer repeat; same law).
+        self.grouped_attention = use_grouped_attention(model)
         self.model = model
         self.device = device
         self.vocab_size = int(model.config.vocab_size)
