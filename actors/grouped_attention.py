@@ -5,17 +5,22 @@ transformers' ``sdpa`` attention repeats every layer's keys and values to the qu
 (``repeat_kv``: ``[B, H_kv, T, d]`` -> ``[B, H, T, d]``, a copy of the whole context per layer)
 whenever an explicit mask is given and more than one query position is new, which is every
 forward of the engine (it always passes its own 4D masks, and verification rows hold gamma + 1
-positions). torch's ``scaled_dot_product_attention(..., enable_gqa=True)`` reads the grouped
-keys/values as they are, mask included, with the same arithmetic (equal to the repeated form
-bit for bit on this CPU, ``tests/actors/test_grouped_attention.py``).
+positions). Here each key/value head's queries are packed into one attention over its own
+keys/values instead (query heads ``[B, H, L, d]`` -> ``[B, H_kv, G x L, d]`` for ``G`` query heads
+per key/value head, the mask repeated over the ``G`` groups: ``B x G x L x T`` bools against
+copying ``2 x B x H x T x d`` floats per layer), which transformers itself does only for one new
+position (``pack_gqa``). Equal to the repeated form to 1e-6 (``tests/actors/test_grouped_attention.py``).
 
 Measured here (one torch thread, 8 rows x 5 new tokens, 2,048 cached columns, 14 query heads
-over 2 key/value heads, head size 64; one attention call): 70 ms with ``repeat_kv`` against
-10 ms with ``enable_gqa``. ``python -m benchmarks.forward_micro --gqa`` measures whole forwards.
+over 2 key/value heads, head size 64; one attention call): 70 ms with ``repeat_kv``, 10 ms with
+torch's ``enable_gqa=True``, 7 ms packed; for one new position packed 1.0-2.9 ms against
+2.0-4.4 ms for ``enable_gqa`` (2,048-4,096 columns). ``python -m benchmarks.real_shape`` measures
+whole forwards of a Qwen2.5-shaped model.
 
 :func:`use_grouped_attention` switches a loaded sdpa model to :data:`GROUPED_SDPA`, which takes
-that path on CPU and hands everything else (CUDA, where a masked GQA call would fall back to
-the math kernel; a model without key/value groups) to transformers' own sdpa function.
+that path on CPU and hands everything else to transformers' own sdpa function: CUDA (never run
+here, so left as transformers does it), models without key/value groups, calls without a 4D
+mask shared by the heads.
 """
 
 from __future__ import annotations
@@ -45,13 +50,21 @@ def grouped_sdpa_forward(
 
     groups = int(getattr(module, "num_key_value_groups", 1))
     grouped = (groups > 1 and query.device.type == "cpu" and attention_mask is not None
+               and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
                and kwargs.get("position_bias") is None and kwargs.get("softcap") is None)
     if not grouped:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    output = F.scaled_dot_product_attention(  # [B, H, L, d]
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
-    return output.transpose(1, 2).contiguous(), None
+    batch, heads, length, size = query.shape
+    kv_heads = key.shape[1]
+    # Query head h reads key/value head h // groups (transformers' repeat_kv): a key/value
+    # head's groups x L queries become one attention over its keys, each with its row's mask.
+    packed_query = query.reshape(batch, kv_heads, groups * length, size)  # [B, H_kv, G*L, d]
+    mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1)  # [B, 1, G, L, T]
+    packed_mask = mask.reshape(mask.shape[0], 1, groups * length, mask.shape[-1])  # [B, 1, G*L, T]
+    output = F.scaled_dot_product_attention(  # [B, H_kv, G*L, d]
+        packed_query, key, value, attn_mask=packed_mask, dropout_p=dropout, scale=scaling)
+    return output.reshape(batch, heads, length, size).transpose(1, 2).contiguous(), None
 
 
 def _register() -> None:

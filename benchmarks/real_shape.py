@@ -233,8 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="Timed repeats per case (median).")
     parser.add_argument("--kv-cache-memory", type=int, default=2 * 2**30,
                         help="Bytes of KV cache per worker (engine.kv_cache_memory).")
-    parser.add_argument("--contexts", default="2048,8192", help="Cached tokens per row for the attention cases.")
-    parser.add_argument("--prompt-lengths", default="1024,4096,16384", help="Section 5's prompt lengths.")
+    parser.add_argument("--contexts", default="2048,4096", help="Cached tokens per row for the attention cases.")
+    parser.add_argument("--prompt-lengths", default="1024,2048,4096,8192", help="Section 5's prompt lengths.")
     parser.add_argument("--requests", type=int, default=3, help="Section 4's requests per strategy.")
     parser.add_argument("--max-tokens", type=int, default=32, help="Section 4's tokens per request.")
     parser.add_argument("--engine-prompt", type=int, default=512, help="Section 4's prompt tokens.")
