@@ -7,7 +7,11 @@ by a :class:`actors.model_worker.ModelWorker` in-process. For each:
 * the worker's rows (a prompt longer than any sliding window, two draft chains in one row, a
   session continuing after the second chain is accepted, a second session in the same forwards)
   equal the model's own full forward (float32, ``ATOL``);
-* greedy decoding through the worker equals ``model.generate(do_sample=False)``.
+* greedy decoding through the worker equals ``model.generate(do_sample=False)``;
+* through the production coordinator in this process, with two perturbed copies as draft and
+  ensemble member: greedy ``sd`` (block, token, greedy block) and ``multi_draft`` equal ``ar``,
+  greedy ``se`` equals the plain ensemble, whose tokens are the argmax of the weighted ensemble of
+  the two models' full-forward logits, and sampled ``sd`` follows the model's law (chi-square).
 
 Through the real coordinator (Ray): a Qwen2 pair padded differently past the tokenizer, and
 Gemma 2 (eager, sliding, soft-capped) with a perturbed draft: ``ar``, ``sd`` (and
@@ -448,3 +452,114 @@ def test_a_model_loaded_with_another_attention_is_refused(checkpoints):
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["llama"], attn_implementation="eager")
     with pytest.raises(UnsupportedModelError, match="attn_implementation='eager'; this architecture is served with 'sdpa'"):
         SlotBackend(model, "cpu", max_slots=1)
+
+
+# ------------------------------------------------------- every strategy, every family (in-process)
+
+STRATEGY_TOKENS = 10  # greedy tokens per strategy (the prompt is longer than every window)
+GREEDY_STRATEGIES = {
+    "sd-block": {"strategy": "sd", "method": "block", "gamma": 3},
+    "sd-token": {"strategy": "sd", "method": "token", "gamma": 3},
+    "sd-greedy_block": {"strategy": "sd", "method": "greedy_block", "gamma": 3},
+    "multi_draft": {"strategy": "multi_draft", "method": "spectr", "gamma": 2, "num_drafts": 2},
+}
+ENSEMBLE = {"ensemble": "weighted", "members": ["target", "partner"], "weights": [0.6, 0.4]}
+
+
+def _perturbed_copy(path: pathlib.Path, root: pathlib.Path, seed: int, tokenizer) -> pathlib.Path:
+    """The model at ``path`` with every weight moved by 0.3 of its standard deviation (a draft or
+    an ensemble member that agrees with it often, not always)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation=resolve_architecture(transformers.AutoConfig.from_pretrained(path),
+                                                       str(path)).attn_implementation).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.3 * parameter.std() * torch.randn(parameter.shape, generator=generator))
+    out = root / f"{path.name}-{seed}"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _local_group(paths: dict[str, pathlib.Path]):
+    """The production Coordinator and ModelWorkers in this process (no Ray)."""
+    from benchmarks.runners import LocalRunner
+    from cluster.config import parse_app_args
+
+    roles = {"target": "target", "draft": "draft", "partner": "member"}
+    return LocalRunner(parse_app_args({
+        "models": {name: {"path": str(path), "role": roles[name]} for name, path in paths.items()},
+        "defaults": {"strategy": "ar"},
+        "resources": {"torch_threads": 1},
+        "limits": {"max_concurrent_requests": 32, "max_queued_requests": 512},
+        "engine": {"goodput_gamma": False}}), temperature=1.0)
+
+
+def _serve(runner, requests) -> list[list[int]]:
+    import asyncio
+
+    async def one(request):
+        chunks = [chunk async for chunk in runner.coordinator.generate(request)]
+        assert chunks[-1].error is None, chunks[-1].error
+        return [t for chunk in chunks for t in chunk.token_ids]
+
+    async def run_all():
+        return await asyncio.gather(*(one(request) for request in requests))
+
+    return runner.loop.run_until_complete(run_all())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_strategy_serves_the_family_exactly(name, checkpoints, tokenizer, tmp_path):
+    """Through the real coordinator: greedy sd (block, token, greedy block) and multi_draft equal
+    ar, which equals transformers' greedy output (test above); greedy se equals the plain
+    ensemble, whose tokens are the argmax of the weighted ensemble of the two models' full-forward
+    logits; sampled sd (temperature 1, top-k 3) follows the model's joint law of two tokens."""
+    from actors.api import GenerationRequest
+    from tests.verifiers.tiny_models import chi_square_pvalue
+    from verifiers.ensemble import make_ensemble
+
+    target = checkpoints[name]
+    paths = {"target": target, "draft": _perturbed_copy(target, tmp_path, 1, tokenizer),
+             "partner": _perturbed_copy(target, tmp_path, 2, tokenizer)}
+    prompt = _prompt(tokenizer)
+    greedy = {"temperature": 0, "max_tokens": STRATEGY_TOKENS, "ignore_eos": True}
+    cases = {"ar": {"strategy": "ar"}, **GREEDY_STRATEGIES, "ensemble": {"strategy": "ensemble", **ENSEMBLE},
+             "se": {"strategy": "se", "method": "block", "gammas": [1, 3], **ENSEMBLE}}
+    runner = _local_group(paths)
+    try:
+        outputs = dict(zip(cases, _serve(runner, [
+            GenerationRequest(request_id=f"{name}-{case}", prompt_ids=prompt, speculation=speculation, sampling=greedy)
+            for case, speculation in cases.items()])))
+        samples = _serve(runner, [
+            GenerationRequest(request_id=f"{name}-law{i}", prompt_ids=prompt,
+                              speculation={"strategy": "sd", "method": "block", "gamma": 3},
+                              sampling={"temperature": 1.0, "top_k": LAW_TOP_K, "max_tokens": LAW_TOKENS,
+                                        "ignore_eos": True, "seed": 2000 + i})
+            for i in range(LAW_REQUESTS)])
+    finally:
+        runner.close()
+    for case in GREEDY_STRATEGIES:
+        assert outputs[case] == outputs["ar"], case
+    assert outputs["se"] == outputs["ensemble"]
+    models = [_loaded(paths[member]) for member in ENSEMBLE["members"]]
+    sequence = prompt + outputs["ensemble"]
+    member_logits = torch.stack([_full_logits(model, sequence)[len(prompt) - 1: -1] for model in models])  # [2, n, V]
+    ensemble = make_ensemble("weighted", 2, weights=ENSEMBLE["weights"], mu=0.0)
+    assert ensemble.logits(member_logits.double()).argmax(-1).tolist() == outputs["ensemble"]
+    model = models[0]
+
+    def top_k_law(context):  # token -> probability under temperature 1, top-k
+        values, tokens = _full_logits(model, context)[-1].double().topk(LAW_TOP_K)
+        return dict(zip(tokens.tolist(), torch.softmax(values, -1).tolist()))
+
+    law = {(first, second): p * q for first, p in top_k_law(prompt).items()
+           for second, q in top_k_law(prompt + [first]).items()}
+    assert chi_square_pvalue([tuple(sample) for sample in samples], law) > CHI_SQUARE_SIGNIFICANCE
+
+
+def _loaded(path: pathlib.Path):
+    config = transformers.AutoConfig.from_pretrained(path)
+    attention = resolve_architecture(config, str(path)).attn_implementation
+    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention).eval()
