@@ -20,10 +20,14 @@ from verifiers.machines import (
     MemberBlock,
     Need,
     NextLogits,
+    PRE_DRAFTED,
+    PreDraft,
+    PreDrafted,
     Sample,
     Sampled,
     ScoreVerify,
     Verified,
+    bonus_guesses,
 )
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource
@@ -63,6 +67,7 @@ class LocalExecutor:
         self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         self.vocab_limit = vocab_limit
         self.verify_states: dict[str, Any] = {}
+        self.pre_drafted: PreDrafted | None = None  # the last PreDraft's result (a later step verifies a chain)
         self.model_calls = {name: 0 for name in self.model_fns}
 
     def run_step(self, needs: Sequence[Need]) -> list[object]:
@@ -73,7 +78,12 @@ class LocalExecutor:
             if isinstance(need, Sample):
                 results.append(self._sample(need))
             elif isinstance(need, ScoreVerify):
-                results.append(self._score_verify(need, results[need.proposal]))
+                proposal = self.pre_drafted.chain(need.chain) if need.proposal == PRE_DRAFTED else results[need.proposal]
+                results.append(self._score_verify(need, proposal))
+            elif isinstance(need, PreDraft):
+                block = need.block if need.block is not None else tuple(results[need.block_from].tokens[0].tolist())
+                self.pre_drafted = self._pre_draft(need, block)
+                results.append(self.pre_drafted)
             elif isinstance(need, Extend):
                 results.append(self._extend(need))
             elif isinstance(need, NextLogits):
@@ -118,6 +128,23 @@ class LocalExecutor:
         logits = torch.stack(step_logits, dim=1) if need.return_logits else None  # [K, n, V]
         return Sampled(tokens=torch.tensor(drafts, dtype=torch.int64), logits=logits,
                        logprobs=logprobs if need.logprobs is not None else None)
+
+    def _pre_draft(self, need: PreDraft, block: tuple[int, ...]) -> PreDrafted:
+        source = self._source(need.model, need.stream)
+        context = self.contexts[need.model] + tuple(int(t) for t in block)
+        row = self._rows(self._logits(need.model, context)[None], [context])[0]  # [V]
+        guesses = bonus_guesses(row, need.guesses)
+        chains: list[list[int]] = [[] for _ in guesses]
+        step_logits: list[torch.Tensor] = []
+        for _ in range(need.count):
+            contexts = [context + (guess,) + tuple(chain) for guess, chain in zip(guesses, chains)]
+            logits = torch.stack([self._logits(need.model, c) for c in contexts])  # [K, V]
+            tokens = source.categorical(self._rows(logits, contexts))  # [K]
+            for chain, token in zip(chains, tokens.tolist()):
+                chain.append(int(token))
+            step_logits.append(logits)
+        self.model_calls[need.model] += need.count + 1
+        return PreDrafted(guesses, torch.tensor(chains, dtype=torch.int64), torch.stack(step_logits, dim=1))
 
     def _score_verify(self, need: ScoreVerify, proposal: Sampled) -> Verified:
         spec = get_verifier(need.method)

@@ -69,7 +69,8 @@ class Sample:
 @dataclass(frozen=True)
 class ScoreVerify:
     """``model`` (the target) scores the proposal returned for need ``proposal`` of the same
-    step (``gamma + 1`` rows per draft) and verifies it with the registry rule ``method`` on its
+    step, or chain ``chain`` of the previous step's :class:`PreDraft` when ``proposal`` is
+    :data:`PRE_DRAFTED` (``gamma + 1`` rows per draft), and verifies it with the registry rule ``method`` on its
     stream ``stream``, ONE verifier call with batch 1; a stateful rule's state stays with the
     executor. The emitted tokens are committed to the model's context by the executor.
     Result: :class:`Verified`."""
@@ -80,6 +81,32 @@ class ScoreVerify:
     method: str
     stream: str = "verify"
     logprobs: int | None = None  # report each emitted token's log-probability under the target row
+    chain: int = 0  # with proposal PRE_DRAFTED: the chain of the previous step's PreDraft to verify
+
+
+#: ``ScoreVerify.proposal`` of a block drafted in the previous step (:class:`PreDraft`).
+PRE_DRAFTED = -1
+
+
+@dataclass(frozen=True)
+class PreDraft:
+    """``model`` (the draft) drafts ahead while the target verifies: after its context plus the
+    block under verification (``block``; None: draft 0 of need ``block_from``'s result in this
+    step, which the executor sampled before), it takes the ``guesses`` most likely ids of its
+    row there (under the request's law; ties to the lower id) as candidates for the target's
+    bonus token, and after each candidate ``k`` draws ``count`` tokens: step i makes ONE
+    ``categorical(rows [K, V])`` call on stream ``stream``, row k being the row after the
+    block, candidate k and chain k's first i tokens. Result: :class:`PreDrafted`; the next
+    step verifies chain k (``ScoreVerify(proposal=PRE_DRAFTED, chain=k)``) when the block was
+    accepted in full and the bonus token is candidate k."""
+
+    model: str
+    append: tuple[int, ...]
+    block: tuple[int, ...] | None
+    count: int
+    guesses: int
+    block_from: int | None = None
+    stream: str = "sample"
 
 
 @dataclass(frozen=True)
@@ -104,7 +131,7 @@ class NextLogits:
     append: tuple[int, ...]
 
 
-Need = Union[Sample, ScoreVerify, Extend, NextLogits]
+Need = Union[Sample, ScoreVerify, PreDraft, Extend, NextLogits]
 
 #: ``(token, logprob, ((id, logprob), ...))``: a token's log-probability under the law it was
 #: sampled from and the most likely alternatives (:func:`verifiers.sampling.token_logprob`).
@@ -130,6 +157,28 @@ class Verified:
     num_accepted: int
     draft_index: int | None = None
     logprobs: list[DrawLogprob] | None = None  # per emitted token, under the target's row there
+
+
+def bonus_guesses(row: torch.Tensor, count: int) -> list[int]:
+    """The ``count`` most likely ids of ``row [V]`` (ties: the lower id first): a
+    :class:`PreDraft`'s candidates for the bonus token."""
+    return torch.sort(row, descending=True, stable=True).indices[:count].tolist()
+
+
+@dataclass(frozen=True)
+class PreDrafted:
+    """guesses: the K candidate bonus tokens; tokens: [K, n] int64, chain k drafted after
+    candidate k; logits: [K, n, V] (what token i of chain k was drawn from) or None in the
+    summary a scheduler hands to the machine (the rows stay with the executor)."""
+
+    guesses: list[int]
+    tokens: torch.Tensor
+    logits: torch.Tensor | None = None
+
+    def chain(self, index: int) -> Sampled:
+        """Chain ``index`` as the proposal a :class:`ScoreVerify` reads (``[1, n]`` tokens)."""
+        logits = None if self.logits is None else self.logits[index: index + 1]
+        return Sampled(self.tokens[index: index + 1], logits)
 
 
 @dataclass(frozen=True)
@@ -248,12 +297,25 @@ class SpeculativeMachine(DecodeMachine):
     of a step now (or None while unmeasured); the choice then weighs them and may be 0, a
     *plain step*: no draft, ``AR_TOKENS_PER_STEP`` tokens sampled from the target on its
     verification stream (recorded as a 0 in ``draft_lengths``, no entry in
-    ``accepted_lengths``)."""
+    ``accepted_lengths``).
+
+    ``pre_drafting`` (K > 0, single-draft rules): while the target verifies a block, the draft
+    drafts the next one (:class:`PreDraft`) after each of the K most likely values of the target's
+    bonus token, so that when the block is accepted in full (and no greedy modification is
+    pending) and the bonus is one of them, the next step verifies that chain right away: the
+    draft's work leaves the critical path (PEARL, ICLR 2025: drafting during verification;
+    drafting after predicted verification outcomes, as SSD / Saguaro, ICLR 2026). Lossless: the
+    chain verified was drawn from the draft's law after the committed context (the bonus
+    included) with randomness independent of the verification; which chain is used depends on
+    the bonus token and the draft's rows only, and the next block's length is chosen before it
+    is drafted (``tests/verifiers/test_pre_drafting.py``: exact enumeration)."""
 
     def __init__(self, draft: str, target: str, *, method: str, gamma: int, num_drafts: int,
                  max_new_tokens: int, context_budget: int | None = None, logprobs: int | None = None,
-                 adaptive: AdaptiveGammaSettings | None = None):
+                 adaptive: AdaptiveGammaSettings | None = None, pre_drafting: int = 0):
         super().__init__(max_new_tokens, context_budget, logprobs)
+        if pre_drafting < 0:
+            raise ValueError(f"pre_drafting must be >= 0 (candidate bonus tokens), got {pre_drafting}")
         rule = get_verifier(method)
         if not rule.multi_draft and num_drafts != 1:
             raise ValueError(f"method {method!r} is single-draft; num_drafts must be 1, got {num_drafts}")
@@ -268,6 +330,11 @@ class SpeculativeMachine(DecodeMachine):
         self.draft_indices: list[int] = []
         self.draft_lengths: list[int] = []  # the block drafted at each step (0: a plain step)
         self.step_costs: Callable[[], StepCosts | None] | None = None
+        self.pre_drafting = pre_drafting if num_drafts == 1 else 0
+        self.carried: list[int] | None = None  # the pre-drafted chain this step verifies
+        self.carried_chain = 0
+        self.pre_draft_count = 0  # tokens per chain of this step's PreDraft (0: none)
+        self.pre_drafted_steps = 0  # steps that verified a pre-drafted chain
 
     def streams(self) -> dict[str, dict[str, int]]:
         return {self.draft: {"sample": 0}, self.target: {"verify": 1}}
@@ -299,9 +366,16 @@ class SpeculativeMachine(DecodeMachine):
         return self.chooser.choose(costs, allow_plain=self.pending_positions == 0 and not probe)
 
     def needs(self) -> list[Need]:
+        if self.carried is not None:  # the block was drafted last step, after this bonus token
+            self.draft_lengths.append(len(self.carried))
+            self.pre_drafted_steps += 1
+            needs: list[Need] = [ScoreVerify(self.target, self.unsent.take(self.target), proposal=PRE_DRAFTED,
+                                             method=self.method, logprobs=self.logprobs, chain=self.carried_chain)]
+            return needs + self._pre_draft(tuple(self.carried), None)
         gamma = self.next_gamma()
         self.draft_lengths.append(gamma)
         if gamma == 0:  # a plain step: the target samples on its own stream
+            self.pre_draft_count = 0
             remaining = self.max_new_tokens - len(self.committed)
             count = self.lookahead(min(AR_TOKENS_PER_STEP, max(1, remaining)))
             return [Sample(self.target, self.unsent.take(self.target), count, stream="verify", logprobs=self.logprobs)]
@@ -309,13 +383,37 @@ class SpeculativeMachine(DecodeMachine):
             Sample(self.draft, self.unsent.take(self.draft), gamma, self.num_drafts, return_logits=True),
             ScoreVerify(self.target, self.unsent.take(self.target), proposal=0, method=self.method,
                         logprobs=self.logprobs),
-        ]
+        ] + self._pre_draft(None, 0)
+
+    def _pre_draft(self, block: tuple[int, ...] | None, block_from: int | None) -> list[Need]:
+        """This step's :class:`PreDraft` (none when off, or when no next block is worth drafting)."""
+        length = self.draft_lengths[-1]
+        self.pre_draft_count = self._pre_draft_length(length)
+        if self.pre_draft_count == 0:
+            return []
+        return [PreDraft(self.draft, self.unsent.take(self.draft), block, self.pre_draft_count, self.pre_drafting,
+                         block_from=block_from)]
+
+    def _pre_draft_length(self, block: int) -> int:
+        """The next block's length, chosen now, before the block under verification is decided
+        (from the past only, like every block); 0: do not pre-draft. Full acceptance commits
+        ``block + 1`` tokens, and the next block must fit the context and the request after them."""
+        if not self.pre_drafting:
+            return 0
+        after = len(self.committed) + block + 1
+        if after >= self.max_new_tokens:
+            return 0
+        length = self.gamma if self.chooser is None else self._choose()
+        if self.context_budget is not None:
+            length = min(length, self.context_budget - after)
+        return max(0, length)
 
     def consume(self, results: Sequence[object]) -> list[int]:
         if self.draft_lengths[-1] == 0:  # a plain step: its tokens reach the target as append
             (sampled,) = results
             return self._commit(sampled.tokens[0].tolist(), sampled.logprobs)
-        _, verified = results
+        verified = next(result for result in results if isinstance(result, Verified))
+        pre_drafted = results[-1] if self.pre_draft_count else None
         self.accepted_lengths.append(verified.num_accepted)
         gamma, emitted = self.draft_lengths[-1], verified.num_accepted + 1
         if self.chooser is not None:
@@ -326,7 +424,19 @@ class SpeculativeMachine(DecodeMachine):
             self.draft_indices.append(verified.draft_index)
         tokens = self._commit(verified.emitted, verified.logprobs)
         self.unsent.mark(self.target)
+        self._carry(pre_drafted, verified, gamma)
         return tokens
+
+    def _carry(self, pre_drafted: PreDrafted | None, verified: Verified, gamma: int) -> None:
+        """Keep the pre-drafted chain drafted after the bonus token this step emitted, when the
+        block was accepted in full and no greedy modification is pending."""
+        self.carried = None
+        if pre_drafted is None or verified.num_accepted != gamma or self.pending_positions:
+            return
+        bonus = verified.emitted[-1]
+        if bonus in pre_drafted.guesses:
+            self.carried_chain = pre_drafted.guesses.index(bonus)
+            self.carried = pre_drafted.tokens[self.carried_chain].tolist()
 
 
 class _EnsembleMachine(DecodeMachine):

@@ -53,6 +53,7 @@ def speculative_generate(
     top_p: float = 1.0,
     penalties: Penalties = NO_PENALTIES,
     adaptive: AdaptiveGammaSettings | None = None,
+    pre_drafting: int = 0,
 ) -> tuple[list[int], dict]:
     """Speculative decoding with the verification rule ``method`` (see :mod:`verifiers.registry`).
 
@@ -67,6 +68,11 @@ def speculative_generate(
     iteration), ``draft_lengths`` (the block drafted per iteration), ``draft_index`` (multi-draft: the
     chosen draft per iteration) and ``iterations``. ``adaptive``: choose each iteration's block
     from the accepted lengths so far (:mod:`verifiers.adaptive`; ``gamma`` is then unused).
+    ``pre_drafting`` (K > 0): the draft drafts the next block after each of K candidate bonus
+    tokens while the target verifies (:class:`verifiers.machines.PreDraft`; ``pre_drafted`` in
+    the stats counts the iterations that verified such a block). The random streams then differ
+    from the contract below (the drafting stream also serves the pre-drafts, in step order), the
+    law does not.
 
     Random-stream contract (the distributed coordinator reproduces this loop token for
     token, so it is part of the interface):
@@ -88,7 +94,7 @@ def speculative_generate(
     draft_source, verify_source = split_sources(generator, 2)
     machine = SpeculativeMachine(
         "draft", "target", method=method, gamma=gamma, num_drafts=num_drafts, max_new_tokens=max_new_tokens,
-        adaptive=adaptive,
+        adaptive=adaptive, pre_drafting=pre_drafting,
     )
     executor = LocalExecutor(
         {"draft": draft_fn, "target": target_fn},
@@ -108,6 +114,7 @@ def speculative_generate(
         "draft_lengths": list(machine.draft_lengths),
         "draft_index": list(machine.draft_indices),
         "iterations": iterations,
+        "pre_drafted": machine.pre_drafted_steps,
     }
     logger.debug("speculative_generate(%s): %s", method, stats)
     return generated[:max_new_tokens], stats
