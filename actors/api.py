@@ -150,6 +150,10 @@ class RequestStats(_Frozen):
     draft_lengths: list[int] = Field(
         default_factory=list, description='Tokens drafted per iteration (per draft): gamma, or the choices of "auto".'
     )
+    pre_drafted: int = Field(
+        0, description="Iterations that verified a block drafted while the previous block was verified "
+        "(engine.pre_drafting)."
+    )
     block_efficiency: float = Field(0.0, description="Generated tokens per target call.")
     tokens_per_second: float = 0.0
     time_draft_s: float = 0.0

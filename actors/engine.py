@@ -40,7 +40,18 @@ from actors.batch import RowWork, RunAttend, linear_row
 from actors.messages import CallTiming, ItemOutcome, OpenSession, RowSampling, WorkItem
 from actors.prefix_cache import PrefixCache
 from actors.sessions import Session, SessionNotFoundError, SessionStore
-from verifiers.machines import Extend, MemberBlock, NextLogits, Sample, Sampled, ScoreVerify, Verified
+from verifiers.machines import (
+    Extend,
+    MemberBlock,
+    NextLogits,
+    PreDraft,
+    PreDrafted,
+    Sample,
+    Sampled,
+    ScoreVerify,
+    Verified,
+    bonus_guesses,
+)
 from verifiers.registry import get_verifier
 from verifiers.penalties import penalized_probs
 from verifiers.sampling import token_logprob
@@ -175,6 +186,7 @@ class _SampleTask(_Task):
         session, stride = self.session, self.need.count - 1
         session.chain_start, session.chain_stride = session.base, stride
         session.chains = [draft[:stride] for draft in self.drafts] if stride else []
+        session.last_draft = list(self.drafts[0])
         tokens = torch.tensor(self.drafts, dtype=torch.int64)  # [K, n]
         logprobs = self.logprobs if self.need.logprobs is not None else None
         if not self.need.return_logits:
@@ -265,6 +277,70 @@ class _ScoreVerifyTask(_Task):
 
     def outcome(self) -> tuple[Any, Any]:
         return self.result, None
+
+
+class _PreDraftTask(_Task):
+    """:class:`PreDraft`: ONE row with the pending tokens and the block under verification (fed
+    but not committed: the linear part ends before the block, which stays as chain 0 so that an
+    accepted prefix of it is kept), then one forward per drafted position over the K chains, chain
+    k starting with candidate k right after the block (each sees the context, the block and its
+    own chain: columns ``after_block + k * count + j`` at positions ``base + len(block) + j``)."""
+
+    def __init__(self, session: Session, pending: list[int], need: PreDraft):
+        super().__init__(session, pending)
+        block = need.block if need.block is not None else session.last_draft
+        if not block:
+            raise ValueError("a PreDraft needs the block under verification (no Sample drafted one this step)")
+        if need.count < 1 or need.guesses < 1:
+            raise ValueError(f"count and guesses must be >= 1, got {need.count}, {need.guesses}")
+        self.need, self.block = need, [int(t) for t in block]
+        self.guesses: list[int] | None = None
+        self.chains: list[list[int]] = []  # chain k: candidate k, then its draws
+        self.step_logits: list[torch.Tensor] = []
+        self.source = session.source(need.stream)
+
+    @property
+    def active(self) -> bool:
+        return self.guesses is None or len(self.chains[0]) <= self.need.count
+
+    def row(self) -> RowWork:
+        session = self.session
+        if self.guesses is None:
+            tokens = self.pending + self.block
+            return linear_row(session.slot, session.base, tokens, session.base, keep=[len(tokens) - 1])
+        depth = len(self.chains[0]) - 1  # feed token `depth` of each chain (0: the candidate)
+        after_block = session.base + len(self.block)
+        columns = [after_block + k * self.need.count + depth for k in range(len(self.chains))]
+        return RowWork(
+            slot=session.slot,
+            prefix_length=after_block,
+            token_ids=tuple(chain[depth] for chain in self.chains),
+            columns=tuple(columns),
+            positions=(after_block + depth,) * len(columns),
+            attend=RunAttend([c - depth for c in columns], [c + 1 for c in columns]),  # each its own chain
+            keep=tuple(range(len(columns))),
+        )
+
+    def take(self, logits: torch.Tensor) -> None:
+        session = self.session
+        if self.guesses is None:  # the row after the block: the candidates for the bonus token
+            self._pending_fed()
+            row = session_rows(session, logits, [self.block])[0]  # [V]
+            self.guesses = bonus_guesses(row, self.need.guesses)
+            self.chains = [[guess] for guess in self.guesses]
+            return
+        logits = shared_vocab(session, logits)  # [K, V]
+        rows = session_rows(session, logits, [self.block + chain for chain in self.chains])  # [K, V]
+        for chain, token in zip(self.chains, self.source.categorical(rows).tolist()):
+            chain.append(int(token))
+        self.step_logits.append(logits)
+
+    def outcome(self) -> tuple[Any, Any]:
+        session = self.session
+        session.chain_start, session.chain_stride, session.chains = session.base, len(self.block), [self.block]
+        tokens = torch.tensor([chain[1:] for chain in self.chains], dtype=torch.int64)  # [K, count]
+        logits = torch.stack(self.step_logits, dim=1)  # [K, count, V]
+        return PreDrafted(self.guesses, tokens), PreDrafted(self.guesses, tokens, logits)
 
 
 class _ExtendTask(_Task):
@@ -489,7 +565,11 @@ class WorkerEngine:
             proposal = source[source_item]
             if isinstance(proposal, ItemOutcome):  # the proposing item failed
                 raise RuntimeError(f"the proposal failed: {proposal.error}")
+            if isinstance(proposal, PreDrafted):  # drafted last step: the chain after this bonus
+                proposal = proposal.chain(need.chain)
             return _ScoreVerifyTask(session, pending, need, proposal)
+        if isinstance(need, PreDraft):
+            return _PreDraftTask(session, pending, need)
         if isinstance(need, Extend):
             return _ExtendTask(session, pending, need)
         if isinstance(need, NextLogits):

@@ -41,7 +41,17 @@ from actors.output import OutputTracker
 from actors.plan import DecodingPlan
 from actors.step_costs import CallReport, StepCostModel
 from verifiers.adaptive import StepCosts
-from verifiers.machines import AR_TOKENS_PER_STEP, DecodeMachine, Extend, NextLogits, Sample, ScoreVerify
+from verifiers.machines import (
+    AR_TOKENS_PER_STEP,
+    PRE_DRAFTED,
+    DecodeMachine,
+    Extend,
+    NextLogits,
+    PreDraft,
+    Sample,
+    ScoreVerify,
+    SpeculativeMachine,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +103,7 @@ class RequestState:
     started: float = 0.0
     empty_steps: int = 0
     last_needs: list = field(default_factory=list)
+    pre_drafted: tuple[Any, int] | None = None  # (payloads of the call, index) of the last PreDraft
     cancelled: bool = False
     finished: bool = False
     clock: RequestClock = field(default_factory=RequestClock)
@@ -110,6 +121,7 @@ class _Placed:
     request: RequestState
     need_index: int
     item: WorkItem
+    carried: tuple[Any, int] | None = None  # a ScoreVerify of a pre-drafted block: where the block is
 
 
 @dataclass
@@ -129,7 +141,8 @@ class Scheduler:
     that keep the draft and the target busy at the same time)."""
 
     def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int, cohorts: int = 1,
-                 request_timeout_s: float = 600.0, metrics: SchedulerMetrics | None = None, goodput: bool = True):
+                 request_timeout_s: float = 600.0, metrics: SchedulerMetrics | None = None, goodput: bool = True,
+                 pre_drafting: int = 0):
         if cohorts not in (1, 2):
             raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
         self.workers = dict(workers)
@@ -148,6 +161,7 @@ class Scheduler:
         self._notify_tasks: set[asyncio.Task] = set()
         self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_STEP)
         self.goodput = goodput
+        self.pre_drafting = int(pre_drafting)
         self._batch_now = 1
 
     @property
@@ -275,6 +289,8 @@ class Scheduler:
             request.started = time.perf_counter()
             if self.goodput and getattr(request.machine, "chooser", None) is not None:
                 request.machine.step_costs = functools.partial(self.step_costs, request.machine)
+            if isinstance(request.machine, SpeculativeMachine) and request.machine.num_drafts == 1:
+                request.machine.pre_drafting = self.pre_drafting
             cohort.running.append(request)
             self.metrics.admitted(request.labels, request.clock, len(request.prompt_ids),
                                   request.started - request.submitted)
@@ -347,23 +363,29 @@ class Scheduler:
         """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers
         and everything on a model no one waits for)."""
         verifying = {need.model for _, needs in work for need in needs if isinstance(need, ScoreVerify)}
-        sources = {needs[need.proposal].model for _, needs in work for need in needs if isinstance(need, ScoreVerify)}
+        sources = {needs[need.proposal].model for _, needs in work for need in needs
+                   if isinstance(need, ScoreVerify) and need.proposal != PRE_DRAFTED}
         placed: dict[str, list[list[_Placed]]] = {name: [[], []] for name in self.workers}
         for request, needs in work:
             positions: dict[int, tuple[str, int, int]] = {}
             for index, need in enumerate(needs):
-                phase = 1 if isinstance(need, ScoreVerify) or (need.model in verifying and need.model not in sources) else 0
+                phase = 1 if (isinstance(need, (ScoreVerify, PreDraft))
+                              or (need.model in verifying and need.model not in sources)) else 0
                 open_spec = request.opens.pop(need.model, None)
                 if open_spec is not None:
                     request.opened.add(need.model)
-                source = None
-                if isinstance(need, ScoreVerify):
+                source, carried = None, None
+                if isinstance(need, ScoreVerify) and need.proposal == PRE_DRAFTED:
+                    carried = request.pre_drafted  # the previous step's PreDraft: see _call_workers
+                    if carried is None:
+                        raise RuntimeError("a pre-drafted block to verify, but no PreDraft ran")
+                elif isinstance(need, ScoreVerify):
                     source = positions[need.proposal]
                 item = WorkItem(session_id=request.session_id, need=need, open=open_spec,
                                 proposal_source=None if source is None else (source[0], source[2]))
                 slot_list = placed[need.model][phase]
                 positions[index] = (need.model, phase, len(slot_list))
-                slot_list.append(_Placed(request, index, item))
+                slot_list.append(_Placed(request, index, item, carried))
         return placed
 
     def _call_workers(self, placed: dict[str, list[list[_Placed]]]) -> dict[tuple[str, int], tuple[Any, list[_Placed]]]:
@@ -378,20 +400,36 @@ class Scheduler:
             if not phase1:
                 continue
             source_models = sorted({e.item.proposal_source[0] for e in phase1 if e.item.proposal_source})
-            index_of = {name: i for i, name in enumerate(source_models)}
-            items = [
-                e.item if e.item.proposal_source is None else WorkItem(
-                    session_id=e.item.session_id, need=e.item.need, open=e.item.open,
-                    proposal_source=(index_of[e.item.proposal_source[0]], e.item.proposal_source[1]),
-                )
-                for e in phase1
-            ]
-            outcomes_ref, _ = self._call(model, items, [payload_refs[name] for name in source_models])  # refs nested: see ModelWorker.step
+            sources = [payload_refs[name] for name in source_models]  # refs nested: see ModelWorker.step
+            index_of: dict[Any, int] = {name: i for i, name in enumerate(source_models)}
+            items = [self._phase1_item(e, index_of, sources) for e in phase1]
+            outcomes_ref, payloads_ref = self._call(model, items, sources)
             calls[(model, 1)] = (outcomes_ref, phase1)
+            for position, entry in enumerate(phase1):
+                if isinstance(entry.item.need, PreDraft):  # the next step may verify one of its chains
+                    entry.request.pre_drafted = (payloads_ref, position)
         for model, ids in self.releases.items():
             if ids and not any(key[0] == model for key in calls):
                 calls[(model, 0)] = (self._call(model, [])[0], [])
         return calls
+
+    @staticmethod
+    def _phase1_item(entry: _Placed, index_of: dict[Any, int], sources: list[Any]) -> WorkItem:
+        """``entry``'s item with its proposal source as an index into ``sources``: a model of this
+        step's phase 0, or the payloads of an earlier call holding a pre-drafted block (added to
+        ``sources`` once per call)."""
+        item = entry.item
+        if entry.carried is not None:
+            payloads_ref, position = entry.carried
+            if id(payloads_ref) not in index_of:
+                index_of[id(payloads_ref)] = len(sources)
+                sources.append(payloads_ref)
+            source = (index_of[id(payloads_ref)], position)
+        elif item.proposal_source is not None:
+            source = (index_of[item.proposal_source[0]], item.proposal_source[1])
+        else:
+            return item
+        return WorkItem(session_id=item.session_id, need=item.need, open=item.open, proposal_source=source)
 
     def _call(self, model: str, items: list[WorkItem], sources: list[Any] = ()) -> tuple[Any, Any]:
         releases, self.releases[model] = self.releases[model], []
@@ -451,6 +489,9 @@ class Scheduler:
                 stats.time_draft_s += outcome.timing.forward_s
                 if need.return_logits:
                     stats.bytes_moved += need.count * need.num_drafts * request.vocab_limit * 4
+            elif isinstance(need, PreDraft):
+                stats.time_draft_s += outcome.timing.forward_s
+                stats.bytes_moved += need.count * need.guesses * request.vocab_limit * 4
             elif isinstance(need, Extend) and not need.queued:
                 stats.time_draft_s += outcome.timing.forward_s
                 stats.bytes_moved += _nbytes(outcome.value)
@@ -473,10 +514,9 @@ class Scheduler:
                 self.metrics.verified(request.labels, 1, length, count)
             return
         sample = next((need for need in request.last_needs if isinstance(need, Sample)), None)
-        if sample is None:
-            return
-        for count in accepted:
-            self.metrics.verified(request.labels, sample.num_drafts, sample.num_drafts * sample.count, count)
+        drafts = 1 if sample is None else sample.num_drafts
+        for count in accepted:  # a pre-drafted block (no Sample this step) is draft_lengths[-1] long
+            self.metrics.verified(request.labels, drafts, drafts * machine.draft_lengths[-1], count)
 
     def _finish(self, request: RequestState, delta: Any, logprobs: list[TokenLogprob] | None = None) -> None:
         request.finished = True
@@ -554,6 +594,7 @@ def request_stats(request: RequestState) -> RequestStats:
         model_calls=dict(stats.model_calls),
         accepted_lengths=list(request.machine.accepted_lengths),
         draft_lengths=list(getattr(request.machine, "draft_lengths", ())),
+        pre_drafted=getattr(request.machine, "pre_drafted_steps", 0),
         block_efficiency=completion / target_calls if target_calls else 0.0,
         tokens_per_second=completion / elapsed if elapsed > 0 else 0.0,
         time_draft_s=stats.time_draft_s,

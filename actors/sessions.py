@@ -58,6 +58,7 @@ class Session:
     chain_stride: int = 0
     chains: list[list[int]] = field(default_factory=list)
     verify_state: Any = None
+    last_draft: list[int] = field(default_factory=list)  # draft 0 of the last Sample (a PreDraft's block)
     last_used: float = field(default_factory=time.monotonic)
     tokens_fed: int = 0
     forward_calls: int = 0

@@ -312,6 +312,16 @@ class EngineArgs(_Frozen):
         "(the law is unchanged; seeded tokens then depend on timings); false: the block follows the request's "
         "acceptance alone, seeded tokens reproducible (docs/engine.md).",
     )
+    pre_drafting: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="sd with a single-draft rule: while the target verifies a block, the draft drafts the next "
+        "block after each of this many candidate bonus tokens (its most likely ones), and the next step verifies "
+        "that chain when the block is accepted in full and the bonus is a candidate, so the draft's forwards leave "
+        "the critical path where draft and target have devices of their own. 0: off. The law is unchanged (exact "
+        "enumeration); seeded tokens differ from those with it off (docs/engine.md).",
+    )
 
 
 class SpecServeArgs(_Frozen):

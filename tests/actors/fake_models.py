@@ -140,12 +140,12 @@ class FunctionModelWorker(ModelWorker):
 
 
 def fake_group_config(overlap: bool = True, request_timeout_s: float = 600.0, goodput_gamma: bool = False,
-                      **defaults: Any) -> GroupConfig:
+                      pre_drafting: int = 0, **defaults: Any) -> GroupConfig:
     """The GroupConfig of YAML args over the four fake models (validated and derived like any
     deployment's), without a tokenizer (token ids only); ``overlap``: two alternating cohorts
     (the default) or one; ``goodput_gamma``: gamma "auto" weighs measured step costs (off by
-    default here, so seeded requests equal the reference loops token for token);
-    ``defaults``: the args' ``defaults`` over sd / token / gamma 3."""
+    default here, so seeded requests equal the reference loops token for token); ``pre_drafting``:
+    engine.pre_drafting (candidate bonus tokens, 0 off); ``defaults``: the args' ``defaults`` over sd / token / gamma 3."""
     roles = {"target": "target", "draft": "draft", "partner": "member", "partner2": "member"}
     args = parse_app_args({
         "models": {name: {"path": f"fake:{name}", "role": role} for name, role in roles.items()},
@@ -153,6 +153,6 @@ def fake_group_config(overlap: bool = True, request_timeout_s: float = 600.0, go
         "resources": {"gpus_per_model": 0, "cpus_per_model": 0.1},
         "limits": {"max_concurrent_requests": 64, "max_queued_requests": 1024, "session_idle_timeout_s": 120.0,
                    "request_timeout_s": request_timeout_s},
-        "engine": {"overlap": overlap, "goodput_gamma": goodput_gamma},
+        "engine": {"overlap": overlap, "goodput_gamma": goodput_gamma, "pre_drafting": pre_drafting},
     })
     return args.freeze().model_copy(update={"tokenizer_path": None})
