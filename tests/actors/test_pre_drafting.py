@@ -1,7 +1,8 @@
 """Pre-drafting served (engine.pre_drafting): the real Coordinator, Scheduler and WorkerEngine
 (in-process workers over the fake models) reproduce the reference loop token for token with
 pre-drafting on, for every single-draft rule, fixed and adaptive gamma, with and without
-penalties; pre-drafted chains are really verified; the sampled law is the target's (chi-square).
+penalties; pre-drafted chains are really verified; the sampled law is the target's (chi-square); and
+through real Ray actors (the carried chain is an object ref of the previous step's draft call).
 The reference loop's law with pre-drafting is proven exact by enumeration in
 tests/verifiers/test_pre_drafting.py."""
 
@@ -103,3 +104,23 @@ def test_sampled_law_with_pre_drafting_is_the_targets():
     samples = [tuple(_tokens(chunks)) for chunks in results]
     assert sum(chunks[-1].stats.pre_drafted for chunks in results) > 0
     assert chi_square_pvalue(samples, target_law(FAKE_MODELS["target"], PROMPT, length)) > CHI_SQUARE_SIGNIFICANCE
+
+
+def test_pre_drafted_chains_cross_ray_actors(ray_session):
+    """The carried chain is an object ref from the previous step's draft call, passed to the
+    target's next call: through real Ray actors the tokens still equal the reference loop's."""
+    from cluster.bringup import start_model_group
+    from tests.actors.test_coordinator_reference import run_requests
+
+    group = start_model_group(fake_group_config(overlap=False, pre_drafting=GUESSES), worker_cls=FunctionModelWorker)
+    try:
+        speculation = {"strategy": "sd", "method": "block", "gamma": 3}
+        results = run_requests(group, [_request(seed, speculation) for seed in range(4)])
+    finally:
+        group.shutdown()
+    for seed, chunks in enumerate(results):
+        expected, stats = speculative_generate(FAKE_MODELS["draft"], FAKE_MODELS["target"], PROMPT, MAX_TOKENS,
+                                               gamma=3, method="block", generator=torch.Generator().manual_seed(seed),
+                                               pre_drafting=GUESSES)
+        assert _tokens(chunks) == expected and chunks[-1].stats.pre_drafted == stats["pre_drafted"]
+    assert sum(chunks[-1].stats.pre_drafted for chunks in results) > 0
