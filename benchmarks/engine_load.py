@@ -11,6 +11,7 @@ forwards it ran: what the engine's own step costs, apart from Ray's hops and the
     python -m benchmarks.engine_load --strategy ar --concurrency 16 --requests 128
     python -m benchmarks.engine_load --strategy sd --concurrency 1 --requests 32 --prefix-caching off
     python -m benchmarks.engine_load --strategy sd --gamma auto --goodput on --concurrency 16 --requests 128
+    python -m benchmarks.engine_load --strategy sd --pre-drafting 2 --concurrency 1 --requests 32
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Force args.engine.prefix_caching (default: the YAML's).")
     parser.add_argument("--gamma", default=None,
                         help="sd / multi_draft block: an int or auto (default: the serve-load case's, 4).")
+    parser.add_argument("--pre-drafting", type=int, default=None,
+                        help="Force args.engine.pre_drafting (candidate bonus tokens; 0 off; default: the YAML's).")
     parser.add_argument("--goodput", choices=("on", "off"), default=None,
                         help="Force args.engine.goodput_gamma (gamma auto weighs measured step costs; default: the YAML's).")
     args = parser.parse_args(argv)
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_updates["prefix_caching"] = args.prefix_caching == "on"
     if args.goodput is not None:
         engine_updates["goodput_gamma"] = args.goodput == "on"
+    if args.pre_drafting is not None:
+        engine_updates["pre_drafting"] = args.pre_drafting
     if engine_updates:
         group_args = group_args.model_copy(update={"engine": group_args.engine.model_copy(update=engine_updates)})
     (case,) = serve_load_cases(ServeLoadSettings(strategies=(args.strategy,)), group_args.freeze().roles)
