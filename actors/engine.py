@@ -40,6 +40,7 @@ from actors.batch import RowWork, RunAttend, linear_row
 from actors.messages import CallTiming, ItemOutcome, OpenSession, RowSampling, WorkItem
 from actors.prefix_cache import PrefixCache
 from actors.sessions import Session, SessionNotFoundError, SessionStore
+from actors.simulated_device import SimulatedDevice
 from verifiers.machines import (
     Extend,
     MemberBlock,
@@ -465,9 +466,11 @@ def forward_groups(rows: dict[int, RowWork], overhead_tokens: int) -> list[dict[
 class WorkerEngine:
     """Sessions + a slot backend + the batched step. Thread-safe (one step at a time)."""
 
-    def __init__(self, backend: Any, name: str, idle_timeout_s: float = 300.0, prefix_caching: bool = True):
+    def __init__(self, backend: Any, name: str, idle_timeout_s: float = 300.0, prefix_caching: bool = True,
+                 device: SimulatedDevice | None = None):
         self.backend = backend
         self.name = name
+        self.device = device  # benchmarks only: each forward lasts as long as on the modelled device
         self.prefix_cache = PrefixCache(backend, enabled=prefix_caching)
         self.sessions = SessionStore(self.prefix_cache, idle_timeout_s, name)
         self.steps = 0
@@ -629,7 +632,11 @@ class WorkerEngine:
             return {}
         indices = list(rows)
         try:
-            return dict(zip(indices, self._to_host(self.backend.forward([rows[i] for i in indices]))))
+            started = self.device.clock.now() if self.device is not None else 0.0
+            logits = self._to_host(self.backend.forward([rows[i] for i in indices]))
+            if self.device is not None:
+                self.device.finish(started, sum(len(rows[i]) for i in indices))
+            return dict(zip(indices, logits))
         except Exception as error:  # noqa: BLE001 - isolate the failing rows below
             if len(indices) == 1:
                 tasks[indices[0]] = None

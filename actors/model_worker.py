@@ -29,6 +29,7 @@ from actors.backends import SlotBackend
 from actors.engine import WorkerEngine
 from actors.kv_budget import worker_kv_cache_memory
 from actors.messages import ItemOutcome, WorkerInfo, WorkItem
+from actors.simulated_device import SimulatedDevice
 from actors.vocabulary import load_tokenizer_identity
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,16 @@ def _resolve(source: Any) -> Any:
         return FailedSource(f"{type(error).__name__}")
 
 
+def simulated_device(spec: Any) -> SimulatedDevice | None:
+    """The worker's simulated device (``engine.simulated_device``; benchmarks only), or None."""
+    args = getattr(spec, "simulated_device", None)
+    if args is None:
+        return None
+    logger.warning("model %s runs on a SIMULATED device: every forward lasts at least %.3g ms + %.3g ms per token "
+                   "(engine.simulated_device; for benchmarks only)", spec.name, args.fixed_ms, args.per_token_ms)
+    return SimulatedDevice(args.fixed_ms, args.per_token_ms)
+
+
 class ModelWorker:
     """Hosts one model; use as a Ray actor: ``ray.remote(ModelWorker).options(...).remote(spec)``.
 
@@ -78,7 +89,8 @@ class ModelWorker:
         if self.device == "cpu":
             torch.set_num_threads(max(1, int(getattr(spec, "torch_threads", 1))))
         self.max_sessions = int(max_sessions)
-        self.engine = WorkerEngine(self._load_backend(), spec.name, idle_timeout_s, prefix_caching=prefix_caching)
+        self.engine = WorkerEngine(self._load_backend(), spec.name, idle_timeout_s, prefix_caching=prefix_caching,
+                                   device=simulated_device(spec))
         self.tokenizer_identity = load_tokenizer_identity(spec.path)  # checked against the group's at start-up
         self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
         self._reaper.start()

@@ -271,6 +271,13 @@ def parse_memory(value: Any) -> int | float:
 MemoryBudget = Annotated[int | float, BeforeValidator(parse_memory)]
 
 
+class SimulatedDeviceArgs(_Frozen):
+    """A modelled accelerator's time for one forward of a model (benchmarks only)."""
+
+    fixed_ms: float = Field(..., ge=0.0, description="Milliseconds every forward costs, whatever its size.")
+    per_token_ms: float = Field(..., ge=0.0, description="Milliseconds each new token of a forward adds.")
+
+
 class EngineArgs(_Frozen):
     """How the step scheduler runs the requests in flight (docs/engine.md), and the KV cache
     each worker holds (docs/models.md, "KV cache memory")."""
@@ -322,6 +329,13 @@ class EngineArgs(_Frozen):
         "the critical path where draft and target have devices of their own. 0: off. The law is unchanged (exact "
         "enumeration); seeded tokens differ from those with it off (docs/engine.md).",
     )
+    simulated_device: dict[str, SimulatedDeviceArgs] = Field(
+        default_factory=dict,
+        description="Benchmarks only (default: none): model name -> {fixed_ms, per_token_ms}; that model's worker "
+        "runs each real forward, then waits until fixed_ms + per_token_ms x (tokens in the forward) has passed since "
+        "it began, releasing the CPU, as a host waiting on a device would (tokens unchanged; docs/benchmarks.md, "
+        "'Simulated devices').",
+    )
 
 
 class SpecServeArgs(_Frozen):
@@ -364,6 +378,9 @@ class SpecServeArgs(_Frozen):
         unknown = [name for name in self.resources.per_model if name not in self.models]
         if unknown:
             raise ValueError(f"resources.per_model: unknown models {unknown}; models are {list(self.models)}")
+        unknown = [name for name in self.engine.simulated_device if name not in self.models]
+        if unknown:
+            raise ValueError(f"engine.simulated_device: unknown models {unknown}; models are {list(self.models)}")
         roles = {name: model.role for name, model in self.models.items()}
         d = self.defaults
         # The defaults are checked as if a request spelled them all out: for the default
@@ -398,6 +415,7 @@ class SpecServeArgs(_Frozen):
                 num_cpus=resources.cpus_per_model if override.cpus is None else override.cpus,
                 torch_threads=resources.torch_threads,
                 resources=override.resources,
+                simulated_device=self.engine.simulated_device.get(name),
             ))
         if self.tokenizer is not None:
             tokenizer_path = resolve_model_path(self.tokenizer)
@@ -429,6 +447,9 @@ class ModelSpec(ModelArgs):
         ...,
         description="Custom Ray resources of the worker actor and its placement-group bundle (per_model resources); "
         "they pin it to nodes that have them.",
+    )
+    simulated_device: SimulatedDeviceArgs | None = Field(
+        None, description="engine.simulated_device's entry for this model (benchmarks only); None: the real device."
     )
 
 
