@@ -66,16 +66,18 @@ class SamplingParams(_Frozen):
     stop: list[str] = Field(default_factory=list, description="Stop strings; generation ends before the first match.")
     seed: int | None = Field(None, ge=0, description="Seed of every random stream of the request; None picks one.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    # The penalties' and logit_bias' ranges are checked where requests enter the server, with
+    # every other value (cluster.validation.check_generation_request).
     presence_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token already generated (OpenAI)."
+        0.0, description="Subtracted from the logit of every token already generated (OpenAI, -2..2)."
     )
     frequency_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per time it was generated (OpenAI)."
+        0.0, description="Subtracted from a token's logit once per time it was generated (OpenAI, -2..2)."
     )
     repetition_penalty: float = Field(
-        1.0, gt=0.0, le=10.0,
+        1.0,
         description="Logits of tokens in the prompt or the output are divided by it when positive, multiplied when "
-        "negative (the transformers / vLLM extension); 1 disables it.",
+        "negative (the transformers / vLLM extension), in (0, 10]; 1 disables it.",
     )
     logit_bias: dict[int, float] = Field(
         default_factory=dict, description="Token id -> value added to its logit before sampling (OpenAI, -100..100)."

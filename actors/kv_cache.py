@@ -147,11 +147,6 @@ class SlotKVCache(Cache):
         return self.storage.shape[2]
 
     @property
-    def trash_column(self) -> int:
-        """The column padded tokens write to; never read."""
-        return self.capacity
-
-    @property
     def allocated(self) -> frozenset[int]:
         """Slots handed out and not yet freed."""
         return frozenset(self._allocated)

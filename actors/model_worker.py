@@ -172,19 +172,6 @@ class ModelWorker:
     def num_sessions(self) -> int:
         return len(self.engine.sessions)
 
-    def session_ids(self) -> list[str]:
-        return self.engine.sessions.ids()
-
-    def session_stats(self, session_id: str) -> dict[str, Any]:
-        """Counters of one session: committed length, cached length, tokens fed, forwards."""
-        session = self.engine.sessions.get(session_id)
-        return {
-            "context_length": len(session.context),
-            "cache_length": session.base,
-            "tokens_fed": session.tokens_fed,
-            "forward_calls": session.forward_calls,
-        }
-
     def engine_stats(self) -> dict[str, Any]:
         """Steps run, open sessions and the recent rows per forward (batch sizes)."""
         rows = list(self.engine.rows_per_forward)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.api import MAX_DRAFTS, MAX_GAMMA, EnsembleKind, GammaValue, InvalidRequestError, SpeculationParams, Strategy
 from verifiers.adaptive import AdaptiveGammaSettings
+from verifiers.registry import MethodName
 
 ModelRole = str  # "target" | "draft" | "member"
 
@@ -38,6 +39,8 @@ STRATEGY_METHODS: dict[str, tuple[str, ...]] = {
     "se": ("token", "block"),
 }
 assert set(STRATEGY_METHODS) == set(get_args(Strategy)), "one strategy vocabulary: actors.api.Strategy"
+assert {m for methods in STRATEGY_METHODS.values() for m in methods} == set(get_args(MethodName)), \
+    "one method vocabulary: verifiers.registry.MethodName"
 #: Strategies whose tokens follow an ensemble of their members (the others follow the target).
 ENSEMBLE_STRATEGIES: frozenset[str] = frozenset({"ensemble", "se"})
 
@@ -236,13 +239,13 @@ def resolve_plan(
     target = draft = ensemble = weights = None
     members: tuple[str, ...] = ()
     gammas: tuple[int, ...] = ()
-    if strategy in ("ar", "sd", "multi_draft"):
+    if strategy not in ENSEMBLE_STRATEGIES:
         target = _role_model(models, "target", strategy)
         if strategy != "ar":
             draft = _role_model(models, "draft", strategy)
     else:
         ensemble = _pick(speculation.ensemble, defaults.ensemble)
-        if ensemble not in ("weighted", "contrastive"):
+        if ensemble not in get_args(EnsembleKind):
             raise InvalidRequestError("speculation.ensemble", f"expected weighted or contrastive, got {ensemble!r}")
         members = _resolve_members(speculation.members, defaults.members, models, strategy, ensemble)
         weights = _resolve_weights(speculation.weights, defaults.weights, members, ensemble)

@@ -38,7 +38,7 @@ from actors.api import GenerationChunk, RequestStats, TokenLogprob
 from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
 from actors.metrics import NO_METHOD, RequestClock, SchedulerMetrics
 from actors.output import OutputTracker
-from actors.plan import DecodingPlan
+from actors.plan import ENSEMBLE_STRATEGIES, DecodingPlan
 from actors.step_costs import CallReport, StepCostModel
 from verifiers.adaptive import StepCosts
 from verifiers.machines import (
@@ -579,7 +579,7 @@ def request_stats(request: RequestState) -> RequestStats:
     """The request's :class:`RequestStats` so far."""
     stats, plan, output = request.stats, request.plan, request.output
     completion = len(output.token_ids)
-    if plan.strategy in ("ensemble", "se"):
+    if plan.strategy in ENSEMBLE_STRATEGIES:
         target_calls = max(stats.model_calls.values(), default=0)
     else:
         target_calls = stats.model_calls.get(plan.target, 0)

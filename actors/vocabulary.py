@@ -22,10 +22,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from actors.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,8 @@ def load_tokenizer_identity(path: str | None) -> TokenizerIdentity | None:
     """The identity of the tokenizer saved at ``path``; None when there is none to load."""
     if path is None:
         return None
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=os.path.isdir(path))
+        tokenizer = load_tokenizer(path)  # the process's one instance (the coordinator's, where shared)
     except (OSError, ValueError, TypeError) as error:  # no tokenizer files in the model directory
         logger.info("no tokenizer at %s (%s): its vocabulary is checked by size only", path, type(error).__name__)
         return None

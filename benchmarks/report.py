@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.plan import ENSEMBLE_STRATEGIES
 from benchmarks.analysis import (
     AdaptiveComparison,
     CaseSummary,
@@ -153,7 +154,7 @@ def render_markdown(results: BenchResults, plots: dict[str, str]) -> str:
     settings, env = results.settings, results.environment
     groups = defaultdict(list)
     for s in results.summaries:
-        groups["ensembles" if s.group in ("ensemble", "se") else "decoding"].append(s)
+        groups["ensembles" if s.group in ENSEMBLE_STRATEGIES else "decoding"].append(s)
     lines = [
         "# Benchmark results",
         "",

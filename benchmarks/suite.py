@@ -13,24 +13,21 @@ transformers' own sampling loop for the peer.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.api import GammaValue, SpeculationParams
+from actors.api import GammaValue, SpeculationParams, Strategy
+from actors.plan import STRATEGY_METHODS
 
 Mode = Literal["ray", "local", "hf"]
 MODES: tuple[Mode, ...] = ("ray", "local", "hf")
-SINGLE_DRAFT_METHODS = ("token", "block", "greedy_block")
-
-
-def multi_draft_methods() -> tuple[str, ...]:
-    """The multi-draft rules the coordinator accepts (``actors.plan.STRATEGY_METHODS``)."""
-    from actors.plan import STRATEGY_METHODS
-
-    return tuple(STRATEGY_METHODS["multi_draft"])
-
-STRATEGIES = ("ar", "sd", "multi_draft", "ensemble", "se", "peer")
+#: The rules the coordinator accepts per strategy (``actors.plan.STRATEGY_METHODS``).
+SINGLE_DRAFT_METHODS: tuple[str, ...] = STRATEGY_METHODS["sd"]
+MULTI_DRAFT_METHODS: tuple[str, ...] = STRATEGY_METHODS["multi_draft"]
+SE_METHODS: tuple[str, ...] = STRATEGY_METHODS["se"]
+#: The coordinator's strategies, and the peer engine.
+STRATEGIES: tuple[str, ...] = (*get_args(Strategy), "peer")
 
 
 class BenchSettings(BaseModel):
@@ -85,12 +82,12 @@ class BenchSettings(BaseModel):
             if method not in SINGLE_DRAFT_METHODS:
                 raise ValueError(f"sd_methods: unknown method {method!r}; expected {SINGLE_DRAFT_METHODS}")
         for method in self.multi_draft_methods or ():
-            if method not in multi_draft_methods():
-                raise ValueError(f"multi_draft_methods: unknown method {method!r}; expected {multi_draft_methods()}")
+            if method not in MULTI_DRAFT_METHODS:
+                raise ValueError(f"multi_draft_methods: unknown method {method!r}; expected {MULTI_DRAFT_METHODS}")
         unknown = [name for name in self.strategies if name not in STRATEGIES]
         if unknown:
             raise ValueError(f"strategies: unknown {unknown}; expected a subset of {STRATEGIES}")
-        if self.se_method not in ("token", "block"):
+        if self.se_method not in SE_METHODS:
             raise ValueError(f"se_method: expected token or block, got {self.se_method!r}")
         if len(set(self.gammas)) != len(self.gammas):
             raise ValueError(f"gammas: each draft length once, got {self.gammas}")
@@ -168,7 +165,7 @@ def _strategy_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode, 
                     speculation=SpeculationParams(strategy="sd", method=method, gamma=gamma, gamma_max=limit),
                 ))
     if has_draft and "multi_draft" in wanted:
-        for method in settings.multi_draft_methods or multi_draft_methods():
+        for method in settings.multi_draft_methods or MULTI_DRAFT_METHODS:
             for num_drafts in settings.num_drafts:
                 cases.append(BenchCase(
                     mode=mode, label=f"multi_draft/{method}/k{num_drafts}/g{settings.multi_draft_gamma}",

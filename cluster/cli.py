@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, get_args
 
-from actors.api import Strategy
+from actors.api import EnsembleKind, Strategy
 
 logger = logging.getLogger("specserve")
 
@@ -61,7 +61,7 @@ def add_generate_command(subparsers: Any) -> None:
     parser.add_argument("--gamma", type=_gamma, help='draft block length, or "auto": each block chosen from the acceptance so far')
     parser.add_argument("--gamma-max", type=int, help='largest block of --gamma auto')
     parser.add_argument("--num-drafts", type=int, help="K drafts (multi_draft)")
-    parser.add_argument("--ensemble", choices=["weighted", "contrastive"], help="ensemble function (ensemble, se)")
+    parser.add_argument("--ensemble", choices=list(get_args(EnsembleKind)), help="ensemble function (ensemble, se)")
     parser.add_argument("--members", type=_comma_list(str), help="ensemble members, comma-separated")
     parser.add_argument("--weights", type=_comma_list(float), help="ensemble weights, comma-separated")
     parser.add_argument("--mu", type=float, help="contrastive strength")

@@ -52,10 +52,7 @@ from cluster.generation_requests import (
 from cluster.responses import CompletionAccumulator, TokenTexts, merged_speculation, total_usage
 from cluster.schemas import (
     MAX_CHOICES,
-    check_logit_bias,
     check_n,
-    check_penalty,
-    check_repetition_penalty,
     check_sample_seeds,
     check_top_logprobs,
 )
@@ -194,21 +191,17 @@ def _set_scalars(message: Message, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def sampling_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, Any]:
-    """The sampling options the client set explicitly (``n`` aside: see :func:`samples`),
-    the new ones checked here (penalties, ``logit_bias``, ``logprobs`` / ``top_logprobs``)."""
+    """The sampling options the client set explicitly (``n`` aside: see :func:`samples`), with
+    ``logprobs`` / ``top_logprobs`` mapped onto ``SamplingParams.logprobs``; the values are
+    checked by :func:`cluster.generation_requests.build_generation_request`."""
     if not request.HasField("sampling"):
         return {}
     sampling = request.sampling
     overrides = _set_scalars(sampling, _SAMPLING_SCALARS)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if name in overrides:
-            check_penalty(f"sampling.{name}", overrides[name])
-    if "repetition_penalty" in overrides:
-        check_repetition_penalty("sampling.repetition_penalty", overrides["repetition_penalty"])
     if sampling.stop:
         overrides["stop"] = list(sampling.stop)
     if sampling.logit_bias:
-        overrides["logit_bias"] = check_logit_bias("sampling.logit_bias", dict(sampling.logit_bias))
+        overrides["logit_bias"] = dict(sampling.logit_bias)
     top = None
     if sampling.HasField("top_logprobs"):
         top = check_top_logprobs("sampling.top_logprobs", sampling.top_logprobs)

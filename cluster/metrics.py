@@ -177,17 +177,3 @@ def render(model_group: str, scrape: ScrapeResult) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(model_group, scrape.snapshots, scrape.failed))
     return generate_latest(registry)
-
-
-def metric_names() -> set[str]:
-    """Every sample name ``GET /metrics`` can show (counters' ``_total``, histograms'
-    ``_bucket`` / ``_sum`` / ``_count``): what dashboards may reference."""
-    names = {SCRAPE_COORDINATORS.name}
-    for spec in METRICS.values():
-        if spec.kind == COUNTER:
-            names.add(f"{spec.name}_total")
-        elif spec.kind == GAUGE:
-            names.add(spec.name)
-        else:
-            names.update(f"{spec.name}{suffix}" for suffix in ("_bucket", "_sum", "_count"))
-    return names

@@ -24,7 +24,6 @@ fields of :class:`actors.api.SpeculationParams`; unset fields take the deploymen
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -38,15 +37,11 @@ from actors.api import (
     SpeculationParams,
 )
 from cluster.chat_prompt import check_template_kwargs, render_chat_prompt
-from cluster.validation import INT64_MAX, MAX_STOP_STRINGS
+from cluster.validation import INT64_MAX, shortened
 
 #: Most choices one request may ask for (``n`` times the number of prompts); each is its own
 #: coordinator request, decoded concurrently.
 MAX_CHOICES = 64
-#: Largest absolute ``presence_penalty`` / ``frequency_penalty`` (OpenAI's range).
-MAX_PENALTY = 2.0
-#: Largest ``repetition_penalty`` (extension; must be > 0, 1 disables it).
-MAX_REPETITION_PENALTY = 10.0
 
 # Sampling fields a request may set; unset ones fall back to the deployment's defaults.
 SAMPLING_FIELDS: tuple[str, ...] = (
@@ -67,64 +62,33 @@ ChatRole = Literal["system", "developer", "user", "assistant"]
 # ----------------------------------------------------------------------------------------
 
 
-def _short(value: object, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def check_n(field: str, value: int) -> int:
     """Number of samples per prompt: 1..MAX_CHOICES."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
-        raise InvalidRequestError(field, f"must be an integer in [1, {MAX_CHOICES}] (got {_short(value)})")
+        raise InvalidRequestError(field, f"must be an integer in [1, {MAX_CHOICES}] (got {shortened(value)})")
     return value
-
-
-def check_penalty(field: str, value: float) -> float:
-    """``presence_penalty`` / ``frequency_penalty``: a finite number in [-2, 2]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not -MAX_PENALTY <= value <= MAX_PENALTY:
-        raise InvalidRequestError(field, f"must be a finite number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (got {_short(value)})")
-    return float(value)
-
-
-def check_repetition_penalty(field: str, value: float) -> float:
-    """``repetition_penalty``: a finite number in (0, 10]; 1 disables it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0.0 < value <= MAX_REPETITION_PENALTY:
-        raise InvalidRequestError(field, f"must be a finite number in (0, {MAX_REPETITION_PENALTY:g}] (got {_short(value)})")
-    return float(value)
 
 
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
 
 
-def check_logit_bias(field: str, bias: Mapping[Any, Any]) -> dict[int, float]:
-    """``logit_bias`` keys as token ids (a decimal string in JSON, an integer in gRPC) and values
-    as numbers: ``{int: float}``. The entry count and the values' range are checked with every
-    other field by :func:`cluster.validation.check_generation_request`, and whether the ids
-    exist in the vocabulary by the coordinator."""
+def parse_token_id_keys(field: str, bias: Mapping[str, float]) -> dict[int, float]:
+    """JSON ``logit_bias`` keys (decimal strings) as token ids: ``{int: float}``. The entries'
+    count, ids and values are checked with every other field by
+    :func:`cluster.validation.check_generation_request`, and whether the ids exist in the
+    vocabulary by the coordinator."""
     checked: dict[int, float] = {}
     for key, value in bias.items():
-        if isinstance(key, str):
-            if not _TOKEN_ID_KEY.fullmatch(key):
-                raise InvalidRequestError(field, f"keys must be token ids (decimal integers >= 0), got {_short(key)}")
-            token_id = int(key)
-        elif isinstance(key, int) and not isinstance(key, bool):
-            token_id = key
-        else:
-            raise InvalidRequestError(field, f"keys must be token ids, got {_short(key)}")
-        if not 0 <= token_id <= INT64_MAX:
-            raise InvalidRequestError(field, f"token ids must be in [0, {INT64_MAX}] (got {_short(token_id)})")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidRequestError(field, f"biases must be numbers (got {_short(value)} for token {token_id})")
-        checked[token_id] = float(value)
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidRequestError(field, f"keys must be token ids (decimal integers >= 0), got {shortened(key)}")
+        checked[int(key)] = value
     return checked
 
 
 def check_top_logprobs(field: str, value: int) -> int:
     """Number of most likely alternatives per token: 0..MAX_TOP_LOGPROBS."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise InvalidRequestError(field, f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (got {_short(value)})")
+        raise InvalidRequestError(field, f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (got {shortened(value)})")
     return value
 
 
@@ -164,13 +128,13 @@ class _GenerationFields(BaseModel):
 
     model: str | None = Field(None, description="Served model name (GET /v1/models); optional.")
     max_tokens: int | None = Field(
-        None, ge=0, description="Maximum number of generated tokens (>= 1; 0 scores the prompt alone: completions "
+        None, description="Maximum number of generated tokens (>= 1; 0 scores the prompt alone: completions "
         "with echo and logprobs, or prompt_logprobs)."
     )
-    temperature: float | None = Field(None, ge=0.0, description="Softmax temperature (>= 0); 0 is greedy.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1].")
-    top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens; 0 disables it (extension).")
-    seed: int | None = Field(None, ge=0, description="Seed of the request's random streams (>= 0); sample i uses seed + i.")
+    temperature: float | None = Field(None, description="Softmax temperature (>= 0); 0 is greedy.")
+    top_p: float | None = Field(None, description="Nucleus sampling mass in (0, 1].")
+    top_k: int | None = Field(None, description="Keep the k most likely tokens; 0 disables it (extension).")
+    seed: int | None = Field(None, description="Seed of the request's random streams (>= 0); sample i uses seed + i.")
     stop: Any = Field(None, description="A stop string or a list of them; output ends before the first match.")
     ignore_eos: bool | None = Field(None, description="Keep generating past the end-of-sequence token (extension).")
     stream: bool | None = Field(False, description="Stream server-sent events (`data: {...}` chunks, then `data: [DONE]`).")
@@ -197,20 +161,10 @@ class _GenerationFields(BaseModel):
     def _n(cls, value: int | None) -> int | None:
         return None if value is None else _pydantic_check(check_n, value)
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, value: float | None) -> float | None:
-        return None if value is None else _pydantic_check(check_penalty, value)
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty(cls, value: float | None) -> float | None:
-        return None if value is None else _pydantic_check(check_repetition_penalty, value)
-
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[int, float] | None:
-        return None if value is None else _pydantic_check(check_logit_bias, value)
+        return None if value is None else _pydantic_check(parse_token_id_keys, value)
 
     @field_validator("stop")
     @classmethod
@@ -221,11 +175,7 @@ class _GenerationFields(BaseModel):
             value = [value]
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise ValueError("must be a string or a list of strings")
-        if any(not item for item in value):
-            raise ValueError("stop strings must not be empty")
-        if len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
-        return value
+        return value  # their number and lengths: cluster.validation
 
     # -- derived values
 
@@ -261,7 +211,6 @@ class _GenerationFields(BaseModel):
             raise InvalidRequestError(
                 "n", f"n ({self.samples}) times the number of prompts ({len(self.prompts())}) must be at most {MAX_CHOICES}"
             )
-        check_sample_seeds("seed", self.seed, self.samples)
 
     def sampling_overrides(self) -> dict[str, Any]:
         """The sampling fields this request set explicitly (the rest use deployment defaults)."""
@@ -345,7 +294,7 @@ class CompletionRequest(_GenerationFields):
     @classmethod
     def _best_of(cls, value: int | None) -> int | None:
         if value is not None and not 1 <= value <= MAX_CHOICES:
-            raise ValueError(f"must be an integer in [1, {MAX_CHOICES}] (got {_short(value)})")
+            raise ValueError(f"must be an integer in [1, {MAX_CHOICES}] (got {shortened(value)})")
         return value
 
     @field_validator("logprobs")
@@ -488,9 +437,7 @@ class ChatCompletionRequest(_GenerationFields):
 
     def sampling_overrides(self) -> dict[str, Any]:
         overrides = super().sampling_overrides()
-        if self.max_completion_tokens is not None:
-            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise InvalidRequestError("max_completion_tokens", "conflicts with max_tokens; set only one")
+        if self.max_completion_tokens is not None:  # a conflict with max_tokens: check_fields
             overrides["max_tokens"] = self.max_completion_tokens
         return overrides
 
@@ -561,17 +508,13 @@ __all__ = [
     "ChatRole",
     "CompletionRequest",
     "MAX_CHOICES",
-    "MAX_PENALTY",
-    "MAX_REPETITION_PENALTY",
     "SAMPLING_FIELDS",
     "StreamOptions",
-    "check_logit_bias",
     "check_n",
-    "check_penalty",
-    "check_repetition_penalty",
     "check_sample_seeds",
     "check_top_logprobs",
     "http_field",
     "invalid_request_from_validation",
     "parse_body",
+    "parse_token_id_keys",
 ]

@@ -41,7 +41,7 @@ def test_storage_is_zero_and_shaped_per_slot():
     assert cache.storage.shape == (2, LAYERS, 2, HEADS, CAPACITY + 1, DIM)
     assert not cache.storage.any()
     assert cache.layers[1].keys.shape == (2, HEADS, CAPACITY + 1, DIM)
-    assert cache.trash_column == CAPACITY and cache.get_max_length() == CAPACITY
+    assert cache.get_max_length() == CAPACITY  # column CAPACITY is the trash column padded tokens write to
 
 
 def test_update_scatters_per_row_and_gathers_bound_slots():

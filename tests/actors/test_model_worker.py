@@ -53,6 +53,17 @@ def _run(worker, *items: WorkItem, releases=(), proposals=()):
     return outcomes, payloads
 
 
+def session_stats(worker, session_id: str) -> dict:
+    """Counters of one of ``worker``'s sessions: committed length, cached length, tokens fed, forwards."""
+    session = worker.engine.sessions.get(session_id)
+    return {
+        "context_length": len(session.context),
+        "cache_length": session.base,
+        "tokens_fed": session.tokens_fed,
+        "forward_calls": session.forward_calls,
+    }
+
+
 def _value(worker, item: WorkItem):
     return _run(worker, item)[0][0].value
 
@@ -67,7 +78,7 @@ def test_prefix_is_never_recomputed(worker):
         correction = (draft[2] + 1) % 300
         outcome = _run(worker, WorkItem("kv", Sample("target", (*draft[:2], correction), 3)))[0][0]
         assert outcome.timing.tokens_fed == 1 + 2
-        stats = worker.session_stats("kv")
+        stats = session_stats(worker, "kv")
         assert stats["tokens_fed"] == len(PROMPT) + 3 + 3
         assert stats["context_length"] == len(PROMPT) + 3
         # All accepted + bonus: the cache already holds the first two, so two tokens are fed.
@@ -165,15 +176,15 @@ def test_failed_item_frees_its_session_and_spares_the_others(worker):
     assert "random stream" in outcomes[0].error
     assert outcomes[1].error is None and outcomes[1].value.tokens.shape == (1, 2)
     with pytest.raises(SessionNotFoundError):
-        worker.session_stats("fails")
+        session_stats(worker, "fails")
     worker.release("fine")
 
 
 def test_released_sessions_free_their_slots(worker):
     _run(worker, WorkItem("r1", NextLogits("target", ()), open=_open()))
-    assert "r1" in worker.session_ids()
+    assert "r1" in worker.engine.sessions.ids()
     _run(worker, releases=["r1"])
-    assert "r1" not in worker.session_ids()
+    assert "r1" not in worker.engine.sessions.ids()
 
 
 def test_idle_sessions_are_reaped(worker):
@@ -183,7 +194,7 @@ def test_idle_sessions_are_reaped(worker):
         time.sleep(0.3)
         _run(worker, WorkItem("busy", Sample("target", (), 1)))  # touching a session keeps it alive
         assert worker.reap_idle_sessions() == ["idle"]
-        assert worker.session_ids() == ["busy"]
+        assert worker.engine.sessions.ids() == ["busy"]
     finally:
         worker.engine.sessions.idle_timeout_s = 600
         worker.release("busy")

@@ -69,8 +69,8 @@ def test_max_completion_tokens_is_an_alias_that_must_not_conflict():
     ],
 )
 def test_invalid_fields_are_named(body, field):
-    with pytest.raises(InvalidRequestError) as caught:
-        parse(CompletionRequest, body)
+    with pytest.raises(InvalidRequestError) as caught:  # parsing, or checking the values
+        http_generation_request(parse(CompletionRequest, body), "r", {})
     assert caught.value.field == field
 
 

@@ -12,11 +12,25 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.metrics import METRICS, GroupIdentity, RequestClock, SchedulerMetrics, group_snapshot
+from actors.metrics import COUNTER, GAUGE, METRICS, GroupIdentity, RequestClock, SchedulerMetrics, group_snapshot
 from cluster import metrics as cluster_metrics
-from cluster.metrics import CoordinatorDirectory, ScrapeResult, metric_names, render
+from cluster.metrics import SCRAPE_COORDINATORS, CoordinatorDirectory, ScrapeResult, render
 
 DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
+
+
+def metric_names() -> set[str]:
+    """Every sample name ``GET /metrics`` can show (counters' ``_total``, histograms'
+    ``_bucket`` / ``_sum`` / ``_count``): what dashboards may reference."""
+    names = {SCRAPE_COORDINATORS.name}
+    for spec in METRICS.values():
+        if spec.kind == COUNTER:
+            names.add(f"{spec.name}_total")
+        elif spec.kind == GAUGE:
+            names.add(spec.name)
+        else:
+            names.update(f"{spec.name}{suffix}" for suffix in ("_bucket", "_sum", "_count"))
+    return names
 
 
 def _snapshot(replica: str, tokens: int, accepted: list[int]) -> dict:

@@ -36,8 +36,9 @@ def parse(model, body: dict):
 
 
 def field_of(model, body: dict) -> str:
+    """The field named by the error of ``body``: parsing, or checking its values."""
     with pytest.raises(InvalidRequestError) as caught:
-        parse(model, body)
+        to_generation_requests(parse(model, body), "r", {})
     return caught.value.field
 
 
@@ -123,9 +124,9 @@ def test_unsupported_chat_fields_are_named(extra, field):
 
 def test_non_finite_numbers_are_named():
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        raw = b'{"prompt": "x", "%s": NaN}' % name.encode()
-        with pytest.raises(InvalidRequestError) as caught:
-            parse_body(CompletionRequest, raw)
+        body = parse_body(CompletionRequest, b'{"prompt": "x", "%s": NaN}' % name.encode())
+        with pytest.raises(InvalidRequestError) as caught:  # values: with every other field
+            to_generation_requests(body, "c", {})
         assert caught.value.field == name
     body = parse_body(CompletionRequest, b'{"prompt": "x", "logit_bias": {"3": 1e400}}')
     with pytest.raises(InvalidRequestError) as caught:  # values: with every other field
