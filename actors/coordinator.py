@@ -131,6 +131,7 @@ class Coordinator:
             request_timeout_s=config.request_timeout_s,
             metrics=self.metrics,
             goodput=config.goodput_gamma,
+            max_tokens_per_step=config.max_tokens_per_step,
         )
         self.worker_infos: dict[str, WorkerInfo] | None = None
         self.vocab_limit: int | None = None  # the group's real tokens (actors.vocabulary), set with the infos
