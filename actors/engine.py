@@ -21,6 +21,15 @@ of every prompt position in the forward that feeds its prompt (:func:`keep_promp
 and its outcome carries them (``ItemOutcome.prompt_logits``); such a session reuses no cached
 prefix, so every position is computed fresh.
 
+Chunked prefill: a :class:`actors.messages.Prefill` item feeds the next chunk of a new
+session's prompt. A step's token budget (``max_tokens_per_step``) goes first to the rows of the
+other items (decoding, verification, short prompts), and what is left to the prefill chunks, in
+item order (:func:`prefill_grants`); the first prompt in line always gets at least
+:data:`MIN_PREFILL_SHARE` of the budget, so no prompt waits forever behind running streams. A
+chunk is an ordinary causal row at the session's own columns and positions, so the keys/values
+it writes are those a one-shot prefill writes; the prompt's last token stays pending, and the
+decoding machine's first need computes the row after the prompt once the whole prompt is cached.
+
 Failures stay with their request: an item that fails (bad state, a forward that raises for
 its row) gets an error outcome and its session is freed; the other items of the step go on (a
 forward that raises is retried row by row to find the rows that fail).
@@ -37,7 +46,7 @@ from typing import Any
 import torch
 
 from actors.batch import RowWork, RunAttend, linear_row
-from actors.messages import CallTiming, ItemOutcome, OpenSession, RowSampling, WorkItem
+from actors.messages import CallTiming, ItemOutcome, OpenSession, Prefill, PrefillProgress, RowSampling, WorkItem
 from actors.prefix_cache import PrefixCache
 from actors.sessions import Session, SessionNotFoundError, SessionStore
 from actors.simulated_device import SimulatedDevice
@@ -58,6 +67,14 @@ from verifiers.penalties import penalized_probs
 from verifiers.sampling import token_logprob
 
 logger = logging.getLogger(__name__)
+
+#: ``engine.max_tokens_per_step`` when unset: tokens one worker step feeds at most (the rows of
+#: its first forward round), prefill chunks included.
+DEFAULT_MAX_TOKENS_PER_STEP = 512
+
+#: The first prefill chunk in line gets at least this share of the budget even when the step's
+#: other rows take it all.
+MIN_PREFILL_SHARE = 0.25
 
 
 def session_rows(session: Session, logits: torch.Tensor, after: list[list[int]]) -> torch.Tensor:
@@ -435,6 +452,59 @@ class _NextLogitsTask(_Task):
         return self.logits, None
 
 
+class _PrefillTask(_Task):
+    """:class:`Prefill`: the next ``grant`` tokens of the session's prompt as one causal row (the
+    prompt's last token stays pending). ``grant`` is set by :func:`prefill_grants` before the
+    step's forwards; a task granted nothing feeds nothing this step."""
+
+    def __init__(self, session: Session, pending: list[int], need: Prefill):
+        super().__init__(session, pending)
+        if session.base + len(pending) != session.prompt_length or session.chains:
+            raise ValueError(f"session {session.session_id!r} is past its prompt: nothing to prefill")
+        self.need = need
+        self.grant = 0
+        self.fed = 0
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to feed, the last one (always pending) not counted."""
+        return len(self.pending) - 1
+
+    @property
+    def active(self) -> bool:
+        return self.grant > 0 and not self.fed
+
+    def row(self) -> RowWork:
+        session, chunk = self.session, self.pending[: self.grant]
+        keep = range(len(chunk)) if self.need.keep_logits else [len(chunk) - 1]
+        return linear_row(session.slot, session.base, chunk, session.base, keep=keep)
+
+    def take(self, logits: torch.Tensor) -> None:
+        if self.need.keep_logits:  # [grant, V]: rows at prompt positions base .. base + grant - 1
+            self.prompt_logits = shared_vocab(self.session, logits).clone()
+        self.session.base += self.grant
+        self.pending = self.pending[self.grant:]
+        self.fed = self.grant
+
+    def outcome(self) -> tuple[Any, Any]:
+        return PrefillProgress(fed=self.fed, remaining=self.remaining), None
+
+
+def prefill_grants(other_tokens: int, remaining: Sequence[int], budget: int) -> list[int]:
+    """The prefill chunk of each prompt in line, in order: what ``budget`` leaves after the
+    ``other_tokens`` of the step's other rows, first come first served; the first prompt gets at
+    least ``MIN_PREFILL_SHARE`` of the budget (one token at least) whatever the others take.
+    ``remaining``: the prompt tokens each still has to feed."""
+    left = max(0, budget - other_tokens)
+    floor = max(1, int(budget * MIN_PREFILL_SHARE))
+    grants = []
+    for index, wanted in enumerate(remaining):
+        grant = min(wanted, max(left, floor) if index == 0 else left)
+        grants.append(grant)
+        left = max(0, left - grant)
+    return grants
+
+
 def forward_groups(rows: dict[int, RowWork], overhead_tokens: int) -> list[dict[int, RowWork]]:
     """Split one forward's rows into the forwards that cost least.
 
@@ -467,10 +537,13 @@ class WorkerEngine:
     """Sessions + a slot backend + the batched step. Thread-safe (one step at a time)."""
 
     def __init__(self, backend: Any, name: str, idle_timeout_s: float = 300.0, prefix_caching: bool = True,
-                 device: SimulatedDevice | None = None):
+                 device: SimulatedDevice | None = None, max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP):
+        if int(max_tokens_per_step) < 1:
+            raise ValueError(f"engine.max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
         self.backend = backend
         self.name = name
         self.device = device  # benchmarks only: each forward lasts as long as on the modelled device
+        self.max_tokens_per_step = int(max_tokens_per_step)
         self.prefix_cache = PrefixCache(backend, enabled=prefix_caching)
         self.sessions = SessionStore(self.prefix_cache, idle_timeout_s, name)
         self.steps = 0
@@ -501,6 +574,8 @@ class WorkerEngine:
         The session is then released; its slot is parked with the prompt, so a decode session of
         the same prompt that follows reuses it instead of computing it again (prefix caching)."""
         spec = OpenSession(tuple(int(t) for t in prompt_ids), RowSampling(vocab_limit=vocab_limit), prompt_logits=True)
+        if len(spec.prompt_ids) > self.max_tokens_per_step:
+            return self._chunked_prompt_logits(session_id, spec)
         outcomes, _ = self.step([WorkItem(session_id, NextLogits(self.name, ()), open=spec)])
         self.sessions.release(session_id)
         outcome = outcomes[0]
@@ -509,6 +584,23 @@ class WorkerEngine:
         if outcome.prompt_logits is None:  # a one-token prompt: nothing to score
             return torch.empty(0, outcome.value.shape[-1], dtype=torch.float32)
         return outcome.prompt_logits
+
+    def _chunked_prompt_logits(self, session_id: str, spec: OpenSession) -> torch.Tensor:
+        """:meth:`prompt_logits` of a prompt longer than the step budget: one step per chunk
+        (other sessions' steps run in between), the rows of every chunk in order."""
+        chunks: list[torch.Tensor] = []  # [fed, V] each
+        try:
+            while True:
+                item = WorkItem(session_id, Prefill(self.name, keep_logits=True), open=spec if not chunks else None)
+                outcome = self.step([item])[0][0]
+                if outcome.error is not None:
+                    raise RuntimeError(f"{self.name}: scoring the prompt failed: {outcome.error}")
+                if outcome.prompt_logits is not None:
+                    chunks.append(outcome.prompt_logits)
+                if outcome.value.remaining == 0:
+                    return torch.cat(chunks)  # [P - 1, V]
+        finally:
+            self.sessions.release(session_id)
 
     def step(
         self, items: Sequence[WorkItem], releases: Sequence[str] = (), proposals: Sequence[Sequence[Any]] = ()
@@ -539,6 +631,7 @@ class WorkerEngine:
                 errors[index] = self._fail(item.session_id, error)
                 if isinstance(error, (SessionNotFoundError, ProposalLost)):
                     lost.add(index)
+        self._grant_prefills(tasks)
         forward_s = self._run_forwards(tasks, errors, items)
         self.steps += 1
         return self._outcomes(items, tasks, errors, lost, forward_s)
@@ -549,9 +642,26 @@ class WorkerEngine:
             self._open(item.session_id, item.open)
         session = self.sessions.get(item.session_id)
         task = self._need_task(item, session, proposals)
-        if item.open is not None and item.open.prompt_logits:
+        if item.open is not None and item.open.prompt_logits and not isinstance(task, _PrefillTask):
             task.prompt_positions = session.prompt_length - 1
         return task
+
+    def _grant_prefills(self, tasks: Sequence[_Task | None]) -> None:
+        """Share the step's token budget: the other tasks' first rows first, then the prefill
+        chunks in item order (:func:`prefill_grants`)."""
+        prefills = [task for task in tasks if isinstance(task, _PrefillTask)]
+        if not prefills:
+            return
+        other_tokens = 0
+        for task in tasks:
+            if task is not None and not isinstance(task, _PrefillTask) and task.active:
+                try:
+                    other_tokens += len(task.row())
+                except Exception:  # noqa: BLE001 - the row fails again, and is reported, in the forward
+                    pass
+        grants = prefill_grants(other_tokens, [task.remaining for task in prefills], self.max_tokens_per_step)
+        for task, grant in zip(prefills, grants):
+            task.grant = grant
 
     def _need_task(self, item: WorkItem, session: Session, proposals: Sequence[Sequence[Any]]) -> _Task:
         need = item.need
@@ -577,6 +687,8 @@ class WorkerEngine:
             return _ExtendTask(session, pending, need)
         if isinstance(need, NextLogits):
             return _NextLogitsTask(session, pending, need)
+        if isinstance(need, Prefill):
+            return _PrefillTask(session, pending, need)
         raise TypeError(f"unknown need {type(need).__name__}")
 
     def _open(self, session_id: str, spec: OpenSession) -> None:

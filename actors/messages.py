@@ -73,6 +73,30 @@ class OpenSession:
 
 
 @dataclass(frozen=True)
+class Prefill:
+    """The scheduler's own need (not a decoding machine's): feed the next chunk of a new
+    session's prompt on ``model`` (chunked prefill, ``docs/engine.md``). The worker feeds as
+    many prompt tokens as its per-step token budget leaves once the step's other rows are
+    counted, never the prompt's last token (it stays pending, so the decoding machine's first
+    need still gets the row after the prompt); the outcome's value is a :class:`PrefillProgress`.
+    ``keep_logits``: keep the logits of every position fed (prompt log-probabilities, the
+    outcome's ``prompt_logits``)."""
+
+    model: str
+    keep_logits: bool = False
+    append: tuple[int, ...] = ()  # nothing is committed during a prefill (the machine vocabulary's field)
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """What a :class:`Prefill` item did: prompt tokens fed in this step, and those still to feed
+    (the prompt's last token, always left pending, is not counted)."""
+
+    fed: int
+    remaining: int
+
+
+@dataclass(frozen=True)
 class WorkItem:
     """One request's need (:mod:`verifiers.machines`) for one worker step.
 

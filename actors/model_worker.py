@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from actors.backends import SlotBackend
-from actors.engine import WorkerEngine
+from actors.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.kv_budget import worker_kv_cache_memory
 from actors.messages import ItemOutcome, WorkerInfo, WorkItem
 from actors.simulated_device import SimulatedDevice
@@ -78,10 +78,13 @@ class ModelWorker:
     unset); each slot holds ``max_model_len`` tokens (default: the model's context) plus scratch
     columns (:mod:`actors.kv_budget`). ``prefix_caching`` lets a new session copy the longest
     prefix of its prompt the worker already holds (:mod:`actors.prefix_cache`).
+    ``max_tokens_per_step``: the tokens one step feeds at most, prompts' prefill chunks
+    included (:mod:`actors.engine`, chunked prefill).
     """
 
     def __init__(self, spec: Any, idle_timeout_s: float = 300.0, max_sessions: int = 64, prefix_caching: bool = True,
-                 *, kv_cache_memory: int | float | None = None, max_model_len: int | None = None):
+                 *, kv_cache_memory: int | float | None = None, max_model_len: int | None = None,
+                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP):
         self.spec = spec
         self.kv_cache_memory = kv_cache_memory
         self.max_model_len = max_model_len
@@ -90,7 +93,7 @@ class ModelWorker:
             torch.set_num_threads(max(1, int(getattr(spec, "torch_threads", 1))))
         self.max_sessions = int(max_sessions)
         self.engine = WorkerEngine(self._load_backend(), spec.name, idle_timeout_s, prefix_caching=prefix_caching,
-                                   device=simulated_device(spec))
+                                   device=simulated_device(spec), max_tokens_per_step=max_tokens_per_step)
         self.tokenizer_identity = load_tokenizer_identity(spec.path)  # checked against the group's at start-up
         self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
         self._reaper.start()

@@ -13,6 +13,13 @@ A step (:meth:`Scheduler._step`):
    an argument of the verifying worker's call, so Ray runs the two back to back and the
    proposals' logits travel worker to worker, never through here. A model with nothing to
    propose for others gets all its items in that second call;
+   A request whose prompt is longer than ``max_tokens_per_step`` is admitted in a prefill
+   phase first: each step it sends a :class:`~actors.messages.Prefill` item to every model it
+   uses (the first opens the session), and each worker feeds the next chunk of the prompt with
+   what its step budget leaves after the running requests' rows; once every worker holds the
+   whole prompt but its last token, the request's machine takes its first step (chunked
+   prefill: running streams keep producing tokens while a long prompt arrives; the tokens are
+   the same, no random draw happens during the prefill);
 4. hand each request its results; its machine returns the tokens made final, which go through
    the request's :class:`~actors.output.OutputTracker` (EOS, stop strings, max_tokens) and out
    as a chunk on the request's queue.
@@ -35,7 +42,7 @@ from typing import Any
 import torch
 
 from actors.api import GenerationChunk, RequestStats, TokenLogprob
-from actors.messages import CallTiming, ItemOutcome, OpenSession, WorkItem
+from actors.messages import CallTiming, ItemOutcome, OpenSession, Prefill, WorkItem
 from actors.metrics import NO_METHOD, RequestClock, SchedulerMetrics
 from actors.output import OutputTracker
 from actors.plan import ENSEMBLE_STRATEGIES, DecodingPlan
@@ -106,6 +113,7 @@ class RequestState:
     pre_drafted: tuple[Any, int] | None = None  # (payloads of the call, index) of the last PreDraft
     cancelled: bool = False
     finished: bool = False
+    prefilling: set[str] = field(default_factory=set)  # models whose session does not hold the prompt yet
     clock: RequestClock = field(default_factory=RequestClock)
 
     @property
@@ -142,7 +150,7 @@ class Scheduler:
 
     def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int, cohorts: int = 1,
                  request_timeout_s: float = 600.0, metrics: SchedulerMetrics | None = None, goodput: bool = True,
-                 pre_drafting: int = 0):
+                 pre_drafting: int = 0, max_tokens_per_step: int | None = None):
         if cohorts not in (1, 2):
             raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
         self.workers = dict(workers)
@@ -162,6 +170,9 @@ class Scheduler:
         self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_STEP)
         self.goodput = goodput
         self.pre_drafting = int(pre_drafting)
+        #: Prompts longer than this are prefilled in chunks before their first decoding step
+        #: (the workers' step budget, ``engine.max_tokens_per_step``); None: never.
+        self.max_tokens_per_step = max_tokens_per_step
         self._batch_now = 1
 
     @property
@@ -291,6 +302,8 @@ class Scheduler:
                 request.machine.step_costs = functools.partial(self.step_costs, request.machine)
             if isinstance(request.machine, SpeculativeMachine) and request.machine.num_drafts == 1:
                 request.machine.pre_drafting = self.pre_drafting
+            if self.max_tokens_per_step is not None and len(request.prompt_ids) > self.max_tokens_per_step:
+                request.prefilling = set(request.opens)
             cohort.running.append(request)
             self.metrics.admitted(request.labels, request.clock, len(request.prompt_ids),
                                   request.started - request.submitted)
@@ -307,6 +320,9 @@ class Scheduler:
     async def _step(self, cohort: Cohort) -> None:
         self._batch_now = len(cohort.running)
         for request in list(cohort.running):
+            if request.prefilling:
+                request.last_needs = [Prefill(model) for model in sorted(request.prefilling)]
+                continue
             try:
                 request.last_needs = request.machine.needs()
             except Exception as error:  # noqa: BLE001 - a machine error ends this request only
@@ -443,6 +459,9 @@ class Scheduler:
         if failed:
             self._fail(request, failed[0].error, retryable=any(o.retryable for o in failed))
             return
+        if request.prefilling:
+            self._advance_prefill(request, outcomes)
+            return
         logged = len(request.machine.token_logprobs)
         verified_before = len(request.machine.accepted_lengths)
         try:
@@ -469,6 +488,19 @@ class Scheduler:
         request.empty_steps = 0
         request.chunks.put_nowait(GenerationChunk(request_id=request.request_id, token_ids=delta.token_ids,
                                                   text=delta.text, logprobs=logprobs))
+
+    @staticmethod
+    def _advance_prefill(request: RequestState, outcomes: list[ItemOutcome]) -> None:
+        """A prefill step's results: the models whose session now holds the whole prompt (but
+        its last token, which the machine's first need feeds) leave ``prefilling``. Their time
+        counts as the model's; the chunks are not decoding calls (``model_calls``)."""
+        for need, outcome in zip(request.last_needs, outcomes):
+            if need.model == request.plan.target:
+                request.stats.time_target_s += outcome.timing.forward_s
+            else:
+                request.stats.time_draft_s += outcome.timing.forward_s
+            if outcome.value.remaining == 0:
+                request.prefilling.discard(need.model)
 
     @staticmethod
     def _chunk_logprobs(request: RequestState, start: int, count: int) -> list[TokenLogprob] | None:

@@ -158,7 +158,8 @@ class LocalRunner:
         config = group_args.freeze()
         self.temperature = temperature
         self.workers = {m.name: LocalActorHandle(ModelWorker(m, config.session_idle_timeout_s,
-                                                             prefix_caching=config.prefix_caching))
+                                                             prefix_caching=config.prefix_caching,
+                                                             max_tokens_per_step=config.max_tokens_per_step))
                         for m in config.models}
         self.coordinator = Coordinator(self.workers, config)
         self.loop = asyncio.new_event_loop()

@@ -181,7 +181,7 @@ def start_model_group(
         workers[model.name] = remote_worker.options(**options).remote(
             model, config.session_idle_timeout_s, max_sessions=worker_sessions(config),
             prefix_caching=config.prefix_caching, kv_cache_memory=config.kv_cache_memory,
-            max_model_len=config.max_model_len,
+            max_model_len=config.max_model_len, max_tokens_per_step=config.max_tokens_per_step,
         )
     coordinator_options: dict[str, Any] = {"num_cpus": config.coordinator_cpus, "max_restarts": -1}
     if config.coordinator_resources:

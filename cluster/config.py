@@ -299,6 +299,14 @@ class EngineArgs(_Frozen):
         "limit is the smallest model's. Requests past it get HTTP 400.",
     )
 
+    max_tokens_per_step: int = Field(
+        512, ge=8,
+        description="Tokens one model worker feeds in one step at most: the rows of the running requests "
+        "(decoding, verification) first, what is left to the prefill of new prompts. A prompt longer than this is "
+        "prefilled in chunks over several steps (chunked prefill), so the running streams keep producing tokens "
+        "while it arrives; the output is unchanged. Lower: steadier inter-token latency while long prompts "
+        "arrive, a slower first token for them; on a GPU 2048-8192 suit better (docs/engine.md).",
+    )
     overlap: bool | Literal["auto"] = Field(
         "auto",
         description="Two alternating cohorts of requests, so the draft proposes for one while the target verifies "
