@@ -263,6 +263,9 @@ class Scheduler:
                 logger.exception("scheduler step failed; failing the cohort's requests")
                 for request in list(cohort.running):
                     self._fail(request, f"internal error: {type(error).__name__}")
+            # Let the streams' readers run between steps: in-process workers answer at once, and a
+            # loop that never yields would hold every chunk until it idles.
+            await asyncio.sleep(0)
 
     def _expire(self, cohort: Cohort) -> None:
         """End the requests (running in this cohort, or waiting) older than the request timeout."""
