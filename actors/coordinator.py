@@ -133,6 +133,7 @@ class Coordinator:
             goodput=config.goodput_gamma,
             pre_drafting=config.pre_drafting,
             max_tokens_per_step=config.max_tokens_per_step,
+            burst_s=config.burst_ms / 1e3,
         )
         self.worker_infos: dict[str, WorkerInfo] | None = None
         self.vocab_limit: int | None = None  # the group's real tokens (actors.vocabulary), set with the infos

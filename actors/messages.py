@@ -13,6 +13,9 @@ from typing import Any
 
 from verifiers.penalties import NO_PENALTIES, Penalties
 
+#: The error of a request whose work was on a worker that died (retryable).
+UNAVAILABLE = "model worker {model} is unavailable (restarting); retry the request"
+
 
 @dataclass(frozen=True)
 class RowSampling:

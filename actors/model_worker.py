@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from actors.backends import SlotBackend
+from actors.bursts import BurstRecord, run_burst
 from actors.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.kv_budget import worker_kv_cache_memory
 from actors.messages import ItemOutcome, WorkerInfo, WorkItem
@@ -55,6 +57,16 @@ def _resolve(source: Any) -> Any:
         return ray.get(source)
     except Exception as error:  # noqa: BLE001 - reported to the items that read it
         return FailedSource(f"{type(error).__name__}")
+
+
+def _fetch(refs: Sequence[Any]) -> list[Any]:
+    """The values of a peer call's returns: Ray ObjectRefs (one ``ray.get``), or resolved futures
+    of an in-process handle (``benchmarks.runners.LocalActorHandle``)."""
+    import ray
+
+    if all(isinstance(ref, ray.ObjectRef) for ref in refs):
+        return ray.get(list(refs))
+    return [ref.result() for ref in refs]
 
 
 def simulated_device(spec: Any) -> SimulatedDevice | None:
@@ -161,6 +173,30 @@ class ModelWorker:
         inside the list (so Ray does not fail the whole call when one source failed: a source
         that cannot be read fails only the items that read it) or as plain lists."""
         return self.engine.step(items, releases, [_resolve(source) for source in proposals])
+
+    def burst(
+        self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),
+        budget_s: float = 0.1, releases: Sequence[str] = (),
+    ) -> Iterator[BurstRecord]:
+        """Run one request's steps here for up to ``budget_s`` seconds (:mod:`actors.bursts`):
+        ``machine_blob`` is its pickled machine, ``peers`` the handles of the other models'
+        workers it uses (called directly, one ``step`` call per step). A generator: call it with
+        ``.options(num_returns="streaming")``; one :class:`~actors.bursts.BurstRecord` per step."""
+        machine = pickle.loads(machine_blob)
+        pending_releases = list(releases)
+
+        def local_step(items: list[WorkItem], sources: list[Any]) -> tuple[list[ItemOutcome], list[Any]]:
+            released, pending_releases[:] = list(pending_releases), []
+            return self.engine.step(items, released, sources)
+
+        def peer_step(model: str, items: list[WorkItem]) -> tuple[list[ItemOutcome], list[Any]]:
+            outcomes, payloads = _fetch(peers[model].step.options(num_returns=2).remote(items, proposals=[], releases=[]))
+            return outcomes, payloads
+
+        if pending_releases:
+            local_step([], [])
+        yield from run_burst(machine, session_id, self.spec.name, local_step, peer_step,
+                             eos_token_ids=eos_token_ids, budget_s=budget_s)
 
     # ------------------------------------------------------------------ sessions
     def prompt_logits(self, session_id: str, prompt_ids: list[int], vocab_limit: int | None = None) -> Any:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import pickle
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,7 +43,8 @@ from typing import Any
 import torch
 
 from actors.api import GenerationChunk, RequestStats, TokenLogprob
-from actors.messages import CallTiming, ItemOutcome, OpenSession, Prefill, WorkItem
+from actors.bursts import BurstRecord, FrozenStepCosts, burstable
+from actors.messages import UNAVAILABLE, CallTiming, ItemOutcome, OpenSession, Prefill, WorkItem
 from actors.metrics import NO_METHOD, RequestClock, SchedulerMetrics
 from actors.output import OutputTracker
 from actors.plan import ENSEMBLE_STRATEGIES, DecodingPlan
@@ -63,7 +65,6 @@ from verifiers.machines import (
 logger = logging.getLogger(__name__)
 
 MAX_EMPTY_STEPS = 64  # a machine that makes no progress this many steps in a row is a bug
-UNAVAILABLE = "model worker {model} is unavailable (restarting); retry the request"
 
 
 class OverloadedError(RuntimeError):
@@ -150,7 +151,7 @@ class Scheduler:
 
     def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int, cohorts: int = 1,
                  request_timeout_s: float = 600.0, metrics: SchedulerMetrics | None = None, goodput: bool = True,
-                 pre_drafting: int = 0, max_tokens_per_step: int | None = None):
+                 pre_drafting: int = 0, max_tokens_per_step: int | None = None, burst_s: float = 0.0):
         if cohorts not in (1, 2):
             raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
         self.workers = dict(workers)
@@ -173,6 +174,10 @@ class Scheduler:
         #: Prompts longer than this are prefilled in chunks before their first decoding step
         #: (the workers' step budget, ``engine.max_tokens_per_step``); None: never.
         self.max_tokens_per_step = max_tokens_per_step
+        #: Solo bursts (``engine.burst_ms``, :mod:`actors.bursts`): with one request running and
+        #: none waiting, its target's worker runs its steps for up to this long per call; 0: off.
+        self.burst_s = float(burst_s)
+        self.bursts = 0
         self._batch_now = 1
 
     @property
@@ -255,10 +260,13 @@ class Scheduler:
                 continue
             started = time.perf_counter()
             try:
-                await self._step(cohort)
-                elapsed = time.perf_counter() - started
-                self.step_seconds.append(elapsed)
-                self.metrics.step_duration(elapsed)
+                if self._can_burst(cohort):
+                    await self._burst(cohort.running[0])
+                else:
+                    await self._step(cohort)
+                    elapsed = time.perf_counter() - started
+                    self.step_seconds.append(elapsed)
+                    self.metrics.step_duration(elapsed)
             except Exception as error:  # noqa: BLE001 - a scheduler bug must not hang every request
                 logger.exception("scheduler step failed; failing the cohort's requests")
                 for request in list(cohort.running):
@@ -362,6 +370,73 @@ class Scheduler:
         for request in list(cohort.running):
             outcomes = per_request[id(request)]
             self._advance(request, [outcomes[i] for i in range(len(request.last_needs))])
+
+    # ------------------------------------------------------------------ solo bursts
+    def _can_burst(self, cohort: Cohort) -> bool:
+        """One request running (in every cohort), none waiting, every session open and no prompt
+        being prefilled, and a machine whose steps a burst can run (:func:`actors.bursts.burstable`)."""
+        if self.burst_s <= 0 or len(cohort.running) != 1 or self.waiting or len(self.running) != 1:
+            return False
+        request = cohort.running[0]
+        return (not request.opens and not request.prefilling and not request.cancelled and not request.finished
+                and burstable(request.machine))
+
+    async def _burst(self, request: RequestState) -> None:
+        """Run ``request``'s steps in its target's worker for up to ``burst_s`` (:mod:`actors.bursts`);
+        each streamed step is replayed through the request's own machine as a step of its own."""
+        machine = request.machine
+        target = machine.target
+        live_costs = getattr(machine, "step_costs", None)
+        if live_costs is not None:  # the worker's copy and the replay read the same costs
+            machine.step_costs = FrozenStepCosts(live_costs())
+        try:
+            blob = pickle.dumps(machine)
+            peers = {name: self.workers[name] for name in machine.streams() if name != target}
+            releases, self.releases[target] = self.releases[target], []
+            self.bursts += 1
+            stream = self.workers[target].burst.options(num_returns="streaming").remote(
+                blob, request.session_id, peers, tuple(request.output.eos_token_ids), self.burst_s, releases)
+            try:
+                async for ref in stream:
+                    record = await ref
+                    if request.finished or request.cancelled:
+                        break  # the worker stops within its budget; the session is released next call
+                    self._replay(request, record)
+            except Exception as error:  # noqa: BLE001 - the target's worker failed: as a lost worker call
+                logger.error("worker %s burst failed (%s); its sessions are lost", target, type(error).__name__)
+                self._fail(request, UNAVAILABLE.format(model=target), retryable=True)
+        finally:
+            if live_costs is not None:
+                machine.step_costs = live_costs
+
+    def _replay(self, request: RequestState, record: BurstRecord) -> None:
+        """One step of a burst, as if this scheduler had run it: the request's machine must ask
+        for exactly the needs the worker's copy executed; then its outcomes go the usual way."""
+        self.steps += 1
+        self.batch_sizes.append(1)
+        self.metrics.step(1)
+        self.step_seconds.append(record.wall_s)
+        self.metrics.step_duration(record.wall_s)
+        try:
+            request.last_needs = request.machine.needs()
+        except Exception as error:  # noqa: BLE001 - a machine error ends this request only
+            logger.exception("request %s: strategy failed to plan its step", request.session_id)
+            self._fail(request, f"{type(error).__name__}: {error}")
+            return
+        if tuple(request.last_needs) != record.needs:
+            logger.error("request %s: a burst ran %s where the machine asks for %s", request.session_id,
+                         record.needs, request.last_needs)
+            self._fail(request, "internal error: a burst's step differs from the request's")
+            return
+        if all(outcome.error is None for outcome in record.outcomes):
+            entries = [_Placed(request, i, WorkItem(request.session_id, need))
+                       for i, need in enumerate(request.last_needs)]
+            reports = [call_report(model, [e for e in entries if e.item.need.model == model],
+                                   [o for e, o in zip(entries, record.outcomes) if e.item.need.model == model])
+                       for model in dict.fromkeys(need.model for need in request.last_needs)]
+            speculative = any(isinstance(need, ScoreVerify) for need in request.last_needs)
+            self.cost_model.observe_step(1, reports, record.wall_s, speculative=speculative)
+        self._advance(request, list(record.outcomes))
 
     def _observe_costs(self, cohort: Cohort, placed: dict[str, list[list[_Placed]]], reports: list[CallReport],
                        wall_s: float) -> None:

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sd / multi_draft block: an int or auto (default: the serve-load case's, 4).")
     parser.add_argument("--pre-drafting", type=int, default=None,
                         help="Force args.engine.pre_drafting (candidate bonus tokens; 0 off; default: the YAML's).")
+    parser.add_argument("--burst-ms", type=float, default=None,
+                        help="Force args.engine.burst_ms (solo bursts; 0 off; default: the YAML's).")
     parser.add_argument("--goodput", choices=("on", "off"), default=None,
                         help="Force args.engine.goodput_gamma (gamma auto weighs measured step costs; default: the YAML's).")
     args = parser.parse_args(argv)
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_updates["goodput_gamma"] = args.goodput == "on"
     if args.pre_drafting is not None:
         engine_updates["pre_drafting"] = args.pre_drafting
+    if args.burst_ms is not None:
+        engine_updates["burst_ms"] = args.burst_ms
     if engine_updates:
         group_args = group_args.model_copy(update={"engine": group_args.engine.model_copy(update=engine_updates)})
     (case,) = serve_load_cases(ServeLoadSettings(strategies=(args.strategy,)), group_args.freeze().roles)

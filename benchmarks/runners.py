@@ -108,7 +108,9 @@ class _LocalMethod:
         self._method = method
         self._num_returns = num_returns
 
-    def remote(self, *args, **kwargs) -> asyncio.Future | tuple[asyncio.Future, ...]:
+    def remote(self, *args, **kwargs) -> asyncio.Future | tuple[asyncio.Future, ...] | _LocalStream:
+        if self._num_returns == "streaming":
+            return _LocalStream(self._method(*(_resolve(a) for a in args), **{k: _resolve(v) for k, v in kwargs.items()}))
         loop = asyncio.get_running_loop()
         futures = tuple(loop.create_future() for _ in range(self._num_returns))
         try:
@@ -123,9 +125,30 @@ class _LocalMethod:
                 future.set_exception(error)
         return futures[0] if self._num_returns == 1 else futures
 
-    def options(self, num_returns: int = 1, **_ignored) -> _LocalMethod:
-        """Ray's ``num_returns`` (an int): that many futures; other options do not apply here."""
-        return _LocalMethod(self._method, num_returns if isinstance(num_returns, int) else 1)
+    def options(self, num_returns: int | str = 1, **_ignored) -> _LocalMethod:
+        """Ray's ``num_returns``: an int gives that many futures, ``"streaming"`` an async
+        iterator of futures over a generator method; other options do not apply here."""
+        return _LocalMethod(self._method, num_returns if isinstance(num_returns, int) or num_returns == "streaming" else 1)
+
+
+class _LocalStream:
+    """An in-process stand-in for Ray's ObjectRefGenerator: each item of a generator method, run
+    step by step in the caller's loop, as a resolved future."""
+
+    def __init__(self, generator: Any):
+        self._generator = generator
+
+    def __aiter__(self) -> _LocalStream:
+        return self
+
+    async def __anext__(self) -> asyncio.Future:
+        try:
+            value = next(self._generator)
+        except StopIteration:
+            raise StopAsyncIteration from None
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(value)
+        return future
 
 
 def _resolve(value: Any) -> Any:

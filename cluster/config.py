@@ -337,6 +337,16 @@ class EngineArgs(_Frozen):
         "the critical path where draft and target have devices of their own. 0: off. The law is unchanged (exact "
         "enumeration); seeded tokens differ from those with it off (docs/engine.md).",
     )
+    burst_ms: float = Field(
+        100.0,
+        ge=0.0,
+        le=10_000.0,
+        description="Solo bursts: while exactly one request is running and none waits, its target's worker runs "
+        "its steps (ar; sd and multi_draft without pre_drafting) for up to this many milliseconds per call, calling "
+        "the draft's worker directly and streaming each step's tokens, instead of one scheduler round trip per "
+        "step. A request arriving meanwhile starts after the burst (at most this much later). Tokens are the same "
+        "either way; 0: off (docs/engine.md).",
+    )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,
         description="Benchmarks only (default: none): model name -> {fixed_ms, per_token_ms}; that model's worker "
