@@ -1,6 +1,6 @@
 """ModelWorker: one causal LM (draft, target or ensemble member) in its own Ray actor.
 
-A thin Ray face over a :class:`actors.engine.WorkerEngine`: the scheduler calls :meth:`step`
+A thin Ray face over a :class:`actors.engine.WorkerEngine`: the scheduler calls :meth:`run_step`
 once per step with the work of every request in flight on this model, and the engine runs it
 as batched forwards over the sessions' KV cache slots (:mod:`actors.sessions`,
 :mod:`actors.kv_cache`). Call it with ``.options(num_returns=2)``: the first return (outcomes:
@@ -40,7 +40,7 @@ SCRATCH_COLUMNS = 288  # cache columns past the context per slot: K x gamma draf
 
 @dataclass(frozen=True)
 class FailedSource:
-    """A proposing step whose payload could not be read (its worker died)."""
+    """A proposing call whose payload could not be read (its worker died)."""
 
     error: str
 
@@ -153,14 +153,14 @@ class ModelWorker:
         )
 
     # ------------------------------------------------------------------ the step
-    def step(
-        self, items: Sequence[WorkItem], proposals: Sequence[Any] = (), releases: Sequence[str] = ()
+    def run_step(
+        self, items: Sequence[WorkItem], source_payloads: Sequence[Any] = (), releases: Sequence[str] = ()
     ) -> tuple[list[ItemOutcome], list[Any]]:
-        """Run one scheduler step (see :meth:`actors.engine.WorkerEngine.step`). ``proposals``
-        are the payload lists of the steps this one's ScoreVerify items read, as ObjectRefs
-        inside the list (so Ray does not fail the whole call when one source failed: a source
+        """Run this worker's call of one scheduler step (:meth:`actors.engine.WorkerEngine.run_step`).
+        ``source_payloads`` are the payload lists of the calls this one's ScoreVerify items read,
+        as ObjectRefs inside the list (so Ray does not fail the whole call when one source failed: a source
         that cannot be read fails only the items that read it) or as plain lists."""
-        return self.engine.step(items, releases, [_resolve(source) for source in proposals])
+        return self.engine.run_step(items, releases, [_resolve(source) for source in source_payloads])
 
     # ------------------------------------------------------------------ sessions
     def prompt_logits(self, session_id: str, prompt_ids: list[int], vocab_limit: int | None = None) -> Any:
