@@ -43,7 +43,7 @@ import torch
 
 from actors.api import GenerationChunk, RequestStats, TokenLogprob
 from actors.messages import CallTiming, ItemOutcome, OpenSession, Prefill, WorkItem
-from actors.metrics import NO_METHOD, RequestClock, SchedulerMetrics
+from actors.metrics import RequestClock, SchedulerMetrics, plan_labels
 from actors.output import OutputTracker
 from actors.plan import ENSEMBLE_STRATEGIES, DecodingPlan
 from actors.step_costs import CallReport, StepCostModel
@@ -119,7 +119,7 @@ class RequestState:
     @property
     def labels(self) -> tuple[str, str]:
         """The request's metric labels: (strategy, method)."""
-        return self.plan.strategy, self.plan.method or NO_METHOD
+        return plan_labels(self.plan)
 
 
 @dataclass

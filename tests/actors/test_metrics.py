@@ -244,6 +244,24 @@ def test_invalid_requests_are_counted(local_coordinator):
     assert requests[("none", "none", "invalid")] == 1
 
 
+def test_prompt_scoring_requests_are_counted(local_coordinator):
+    """``max_tokens: 0`` (the prompt scored, nothing decoded) never reaches the scheduler and is
+    counted as it counts a request: admitted with its prompt tokens, ended ``length``."""
+    coordinator, loop = local_coordinator.coordinator, local_coordinator.loop
+    request = GenerationRequest(request_id="score", prompt_ids=PROMPT, speculation=SPECULATIONS["sd"],
+                                sampling={"max_tokens": 0, "prompt_logprobs": 1})
+    (chunk,) = loop.run_until_complete(_chunks(coordinator, request))
+    assert chunk.finished and chunk.prompt_logprobs and chunk.stats.prompt_tokens == len(PROMPT)
+    families = _families(loop.run_until_complete(coordinator.metrics_snapshot()))
+    labels = ("sd", "block")
+    assert families["specserve_requests"] == {(*labels, "length"): 1}
+    assert families["specserve_prompt_tokens"] == {labels: len(PROMPT)}
+    assert families["specserve_request_queue_time_seconds"][labels][2] == 1
+    assert families["specserve_e2e_request_latency_seconds"][labels][2] == 1
+    assert labels not in families.get("specserve_generation_tokens", {})
+    assert coordinator.scheduler.steps == 0
+
+
 def test_a_cancelled_request_is_counted_once():
     scheduler = Scheduler({}, max_running=1, max_waiting=1)
     request = SimpleNamespace(labels=("ar", "none"), clock=RequestClock(), finished=False, cancelled=False,
