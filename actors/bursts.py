@@ -1,25 +1,25 @@
-"""Solo bursts: several steps of one request in ONE call to its target's worker.
+"""Solo bursts: several iterations of one request in ONE call to its target's worker.
 
 When exactly one request is running and none waits, a scheduler step is mostly the hops around
 the model: the coordinator's call to the draft, the draft's payload relayed to the target, the
 target's outcome back, the coordinator's own Python between steps; the workers idle meanwhile.
-A *burst* (``engine.burst_ms``) moves the step loop of that one request into its target's
+A *burst* (``engine.burst_ms``) moves the iterations of that one request into its target's
 worker for a bounded time: the scheduler sends the request's machine (:mod:`verifiers.machines`,
 pickled: the same I/O-free machine, a copy) to the target worker, which runs
 
-    needs = machine.needs() -> the draft's needs as ONE direct call to the draft worker
-    (``ModelWorker.step``), the target's own needs in its engine with the draft's payloads
+    needs = machine.needs() -> the draft's needs as ONE direct call to the draft's worker
+    (``ModelWorker.run_step``), the target's own needs in its engine with the draft's payloads
     -> machine.consume(outcomes)
 
-step after step, streaming each step's needs and outcomes back (a :class:`BurstRecord` per
-step, a Ray streaming generator), until the machine is done, a step emits an EOS token, a step
-fails, or ``budget_s`` has passed. An ``ar`` burst makes no hop at all between its steps.
+iteration after iteration, streaming each one's needs and outcomes back (a :class:`BurstRecord`
+per iteration, over a Ray streaming generator), until the machine is done, an iteration emits an
+EOS token or fails, or ``budget_s`` has passed. An ``ar`` burst makes no hop between iterations.
 
-The scheduler replays every record through ITS machine (``needs()`` must equal the record's,
-then ``consume`` of the record's outcomes through the usual path: output, stop strings,
-metrics), so the coordinator's machine stays the one truth and a divergence is caught. Every
-need is executed by the same engine code, with the same sessions and random streams, in the
-same order as step by step: a seeded request's tokens are the same with bursts on or off
+The scheduler replays every record through ITS machine as a step of one request (``needs()``
+must equal the record's, then the record's outcomes go the usual way: ``consume``, output, stop
+strings, metrics), so the coordinator's machine stays the one truth and a divergence is caught.
+Every need is executed by the same engine code, with the same sessions and random streams, in
+the same order as step by step: a seeded request's tokens are the same with bursts on or off
 (``tests/actors/test_bursts.py``). ``gamma: "auto"`` with measured step costs reads the costs
 frozen when the burst starts (:class:`FrozenStepCosts`), in the worker's copy and in the replay.
 
@@ -42,19 +42,19 @@ from verifiers.machines import AutoregressiveMachine, DecodeMachine, Need, Sampl
 
 logger = logging.getLogger(__name__)
 
-#: A burst never runs more steps than this, whatever its time budget.
-MAX_BURST_STEPS = 64
+#: A burst never runs more iterations than this, whatever its time budget.
+MAX_BURST_ITERATIONS = 64
 
-#: ``(model, items) -> (outcomes, payloads)``: one step call on another model's worker.
+#: ``(model, items) -> (outcomes, payloads)``: one call on another model's worker.
 PeerStep = Callable[[str, list[WorkItem]], tuple[list[ItemOutcome], list[Any]]]
-#: ``(items, source payload lists) -> (outcomes, payloads)``: a step of this worker's engine.
+#: ``(items, source payload lists) -> (outcomes, payloads)``: one call of this worker's engine.
 LocalStep = Callable[[list[WorkItem], list[Any]], tuple[list[ItemOutcome], list[Any]]]
 
 
 @dataclass(frozen=True)
 class BurstRecord:
-    """One step of a burst: the needs the worker's copy of the machine returned, their outcomes
-    (aligned), and the step's wall time in the worker."""
+    """One iteration of a burst: the needs the worker's copy of the machine returned, their
+    outcomes (aligned), and the iteration's wall time in the worker."""
 
     needs: tuple[Need, ...]
     outcomes: tuple[ItemOutcome, ...]
@@ -82,17 +82,17 @@ def burstable(machine: DecodeMachine) -> bool:
 
 def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_step: LocalStep,
               peer_step: PeerStep, *, eos_token_ids: Sequence[int] = (), budget_s: float,
-              max_steps: int = MAX_BURST_STEPS) -> Iterator[BurstRecord]:
-    """Drive ``machine`` (a copy: this consumes its outcomes) step after step; yield each step's
-    :class:`BurstRecord`. Stops after the step that finishes the machine, emits one of
-    ``eos_token_ids``, fails, or ends past ``budget_s`` seconds (or ``max_steps`` steps)."""
+              max_iterations: int = MAX_BURST_ITERATIONS) -> Iterator[BurstRecord]:
+    """Drive ``machine`` (a copy: this consumes its outcomes) iteration after iteration; yield
+    each one's :class:`BurstRecord`. Stops after the iteration that finishes the machine, emits
+    one of ``eos_token_ids``, fails, or ends past ``budget_s`` seconds (or ``max_iterations``)."""
     eos = frozenset(int(t) for t in eos_token_ids)
     started = time.perf_counter()
-    for _ in range(max_steps):
-        step_started = time.perf_counter()
+    for _ in range(max_iterations):
+        iteration_started = time.perf_counter()
         needs = machine.needs()
         outcomes = execute_needs(needs, session_id, local_model, local_step, peer_step)
-        record = BurstRecord(tuple(needs), tuple(outcomes), time.perf_counter() - step_started)
+        record = BurstRecord(tuple(needs), tuple(outcomes), time.perf_counter() - iteration_started)
         tokens: list[int] = []
         failed = any(outcome.error is not None for outcome in outcomes)
         if not failed:
@@ -107,8 +107,8 @@ def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_s
 
 def execute_needs(needs: Sequence[Need], session_id: str, local_model: str, local_step: LocalStep,
                   peer_step: PeerStep) -> list[ItemOutcome]:
-    """One step of one request: the needs on other models first (one call per model), then the
-    local model's, each ScoreVerify reading its proposal from those calls' payloads. Outcomes
+    """One iteration of one request: the needs on other models first (one call per model), then
+    the local model's, each ScoreVerify reading its proposal from those calls' payloads. Outcomes
     aligned with ``needs``; a peer that cannot be reached fails its needs (retryable)."""
     outcomes: list[ItemOutcome | None] = [None] * len(needs)
     remote: dict[str, list[int]] = {}
@@ -140,7 +140,7 @@ def execute_needs(needs: Sequence[Need], session_id: str, local_model: str, loca
 
 def _local_item(session_id: str, need: Need, where: dict[int, tuple[int, int]]) -> WorkItem:
     if isinstance(need, ScoreVerify):
-        return WorkItem(session_id, need, proposal_source=where[need.proposal])
+        return WorkItem(session_id, need, proposal_source=where[need.draft_need])
     if not isinstance(need, Sample):
         raise TypeError(f"a burst runs Sample and ScoreVerify needs only, got {type(need).__name__}")
     return WorkItem(session_id, need)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -37,8 +38,10 @@ from actors.metrics import (
     GroupIdentity,
     MetricsRecorder,
     RayMetricsExporter,
+    RequestClock,
     SchedulerMetrics,
     group_snapshot,
+    plan_labels,
 )
 from actors.output import OutputTracker
 from actors.plan import DecodingPlan, resolve_plan
@@ -311,17 +314,14 @@ class Coordinator:
             plan = self._plan(request)
             prompt_ids, vocab_limit, max_context = await self._prepare(request, plan)
         except InvalidRequestError:
-            labels = (plan.strategy, plan.method or NO_METHOD) if plan is not None else (NO_METHOD, NO_METHOD)
-            self.metrics.refused(labels, "invalid")
+            self.metrics.refused(plan_labels(plan), "invalid")
             raise
         prompt_entries = None
         if request.sampling.prompt_logprobs is not None:
-            prompt_entries = await self._score_prompt(request, plan, prompt_ids, vocab_limit)
             if request.sampling.max_tokens == 0:  # the prompt alone: no decoding
-                stats = RequestStats(strategy=plan.strategy, method=plan.method, prompt_tokens=len(prompt_ids))
-                yield GenerationChunk(request_id=request.request_id, prompt_token_ids=prompt_ids,
-                                      prompt_logprobs=prompt_entries, finished=True, finish_reason="length", stats=stats)
+                yield await self._score_prompt_only(request, plan, prompt_ids, vocab_limit)
                 return
+            prompt_entries = await self._score_prompt(request, plan, prompt_ids, vocab_limit)
         state = self._request_state(request, plan, prompt_ids, vocab_limit, max_context)
         self.scheduler.submit(state)  # OverloadedError when the waiting line is full
         try:
@@ -338,6 +338,25 @@ class Coordinator:
                     return
         finally:
             self.scheduler.cancel(state)  # no-op when finished; else it leaves at the next step
+
+    async def _score_prompt_only(
+        self, request: GenerationRequest, plan: DecodingPlan, prompt_ids: list[int], vocab_limit: int
+    ) -> GenerationChunk:
+        """A ``max_tokens: 0`` request: the prompt's log-probabilities alone, never seen by the
+        scheduler, so counted here as it counts a request: admitted at once with its prompt
+        tokens, ended ``length`` (``cancelled`` / ``error`` when it does not finish)."""
+        labels, clock, submitted = plan_labels(plan), RequestClock(), time.perf_counter()
+        self.metrics.admitted(labels, clock, len(prompt_ids), 0.0)
+        try:
+            entries = await self._score_prompt(request, plan, prompt_ids, vocab_limit)
+        except BaseException as error:  # the client went away (cancelled) or the scoring failed
+            status = "cancelled" if isinstance(error, asyncio.CancelledError) else "error"
+            self.metrics.ended(labels, clock, status, time.perf_counter(), submitted)
+            raise
+        self.metrics.ended(labels, clock, "length", time.perf_counter(), submitted)
+        stats = RequestStats(strategy=plan.strategy, method=plan.method, prompt_tokens=len(prompt_ids))
+        return GenerationChunk(request_id=request.request_id, prompt_token_ids=prompt_ids, prompt_logprobs=entries,
+                               finished=True, finish_reason="length", stats=stats)
 
     async def _score_prompt(
         self, request: GenerationRequest, plan: DecodingPlan, prompt_ids: list[int], vocab_limit: int

@@ -1,6 +1,6 @@
 """The worker engine: one step = the needs of every request on this model, batched.
 
-:class:`WorkerEngine.step` takes the work items of one scheduler step (a :mod:`verifiers.machines`
+:class:`WorkerEngine.run_step` takes the work items of one scheduler step (a :mod:`verifiers.machines`
 need per request, with the session to run it in) and runs them together: every forward pass
 of the step is ONE ragged forward over every session that still has tokens to feed
 (:class:`actors.batch.RowWork` rows in a :class:`actors.backends.SlotBackend`), cut by length
@@ -155,14 +155,14 @@ class _Task:
 
 
 class _SampleTask(_Task):
-    """:class:`Sample`: the pending tokens, then one forward per further draft step with the
+    """:class:`Sample`: the pending tokens, then one forward per further draft position with the
     K chains' newest tokens (each seeing only its own chain)."""
 
     def __init__(self, session: Session, pending: list[int], need: Sample):
         super().__init__(session, pending)
         self.need = need
         self.drafts: list[list[int]] = [[] for _ in range(need.num_drafts)]
-        self.step_logits: list[torch.Tensor] = []
+        self.position_logits: list[torch.Tensor] = []
         self.logprobs: list = []  # draft 0's draws, when the need asks for them
         self.source = session.source(need.stream)
 
@@ -198,7 +198,7 @@ class _SampleTask(_Task):
         for draft, token in zip(self.drafts, tokens.tolist()):
             draft.append(int(token))
         if self.need.return_logits:
-            self.step_logits.append(logits)
+            self.position_logits.append(logits)
 
     def outcome(self) -> tuple[Any, Any]:
         session, stride = self.session, self.need.count - 1
@@ -209,7 +209,7 @@ class _SampleTask(_Task):
         logprobs = self.logprobs if self.need.logprobs is not None else None
         if not self.need.return_logits:
             return Sampled(tokens, logprobs=logprobs), None
-        logits = torch.stack(self.step_logits, dim=1)  # [K, n, V]
+        logits = torch.stack(self.position_logits, dim=1)  # [K, n, V]
         return Sampled(tokens, logprobs=logprobs), Sampled(tokens, logits)
 
 
@@ -314,7 +314,7 @@ class _PreDraftTask(_Task):
         self.need, self.block = need, [int(t) for t in block]
         self.guesses: list[int] | None = None
         self.chains: list[list[int]] = []  # chain k: candidate k, then its draws
-        self.step_logits: list[torch.Tensor] = []
+        self.position_logits: list[torch.Tensor] = []
         self.source = session.source(need.stream)
 
     @property
@@ -351,13 +351,13 @@ class _PreDraftTask(_Task):
         rows = session_rows(session, logits, [self.block + chain for chain in self.chains])  # [K, V]
         for chain, token in zip(self.chains, self.source.categorical(rows).tolist()):
             chain.append(int(token))
-        self.step_logits.append(logits)
+        self.position_logits.append(logits)
 
     def outcome(self) -> tuple[Any, Any]:
         session = self.session
         session.chain_start, session.chain_stride, session.chains = session.base, len(self.block), [self.block]
         tokens = torch.tensor([chain[1:] for chain in self.chains], dtype=torch.int64)  # [K, count]
-        logits = torch.stack(self.step_logits, dim=1)  # [K, count, V]
+        logits = torch.stack(self.position_logits, dim=1)  # [K, count, V]
         return PreDrafted(self.guesses, tokens), PreDrafted(self.guesses, tokens, logits)
 
 
@@ -576,7 +576,7 @@ class WorkerEngine:
         spec = OpenSession(tuple(int(t) for t in prompt_ids), RowSampling(vocab_limit=vocab_limit), prompt_logits=True)
         if len(spec.prompt_ids) > self.max_tokens_per_step:
             return self._chunked_prompt_logits(session_id, spec)
-        outcomes, _ = self.step([WorkItem(session_id, NextLogits(self.name, ()), open=spec)])
+        outcomes, _ = self.run_step([WorkItem(session_id, NextLogits(self.name, ()), open=spec)])
         self.sessions.release(session_id)
         outcome = outcomes[0]
         if outcome.error is not None:
@@ -592,7 +592,7 @@ class WorkerEngine:
         try:
             while True:
                 item = WorkItem(session_id, Prefill(self.name, keep_logits=True), open=spec if not chunks else None)
-                outcome = self.step([item])[0][0]
+                outcome = self.run_step([item])[0][0]
                 if outcome.error is not None:
                     raise RuntimeError(f"{self.name}: scoring the prompt failed: {outcome.error}")
                 if outcome.prompt_logits is not None:
@@ -602,22 +602,23 @@ class WorkerEngine:
         finally:
             self.sessions.release(session_id)
 
-    def step(
-        self, items: Sequence[WorkItem], releases: Sequence[str] = (), proposals: Sequence[Sequence[Any]] = ()
+    def run_step(
+        self, items: Sequence[WorkItem], releases: Sequence[str] = (), source_payloads: Sequence[Sequence[Any]] = ()
     ) -> tuple[list[ItemOutcome], list[Any]]:
-        """Run one step; returns (outcomes aligned with ``items``, payloads aligned with
-        ``items``). ``proposals[i][j]`` is the payload of item j of the i-th source step."""
+        """Run this worker's call of one step; returns (outcomes aligned with ``items``, payloads
+        aligned with ``items``). ``source_payloads[i][j]`` is the payload of item j of the i-th
+        source call."""
         with self.sessions.lock:
             started = time.perf_counter()
             try:
-                return self._step(items, releases, proposals)
+                return self._run_step(items, releases, source_payloads)
             finally:
                 self.step_seconds_total += time.perf_counter() - started
 
-    def _step(
-        self, items: Sequence[WorkItem], releases: Sequence[str], proposals: Sequence[Sequence[Any]]
+    def _run_step(
+        self, items: Sequence[WorkItem], releases: Sequence[str], source_payloads: Sequence[Sequence[Any]]
     ) -> tuple[list[ItemOutcome], list[Any]]:
-        """The body of :meth:`step` (under the session lock)."""
+        """The body of :meth:`run_step` (under the session lock)."""
         for session_id in releases:
             self.sessions.release(session_id)
         tasks: list[_Task | None] = []
@@ -625,7 +626,7 @@ class WorkerEngine:
         lost: set[int] = set()
         for index, item in enumerate(items):
             try:
-                tasks.append(self._task(item, proposals))
+                tasks.append(self._task(item, source_payloads))
             except Exception as error:  # noqa: BLE001 - reported to the one request
                 tasks.append(None)
                 errors[index] = self._fail(item.session_id, error)
@@ -637,11 +638,11 @@ class WorkerEngine:
         return self._outcomes(items, tasks, errors, lost, forward_s)
 
     # ------------------------------------------------------------------ internals
-    def _task(self, item: WorkItem, proposals: Sequence[Sequence[Any]]) -> _Task:
+    def _task(self, item: WorkItem, source_payloads: Sequence[Sequence[Any]]) -> _Task:
         if item.open is not None:
             self._open(item.session_id, item.open)
         session = self.sessions.get(item.session_id)
-        task = self._need_task(item, session, proposals)
+        task = self._need_task(item, session, source_payloads)
         if item.open is not None and item.open.prompt_logits and not isinstance(task, _PrefillTask):
             task.prompt_positions = session.prompt_length - 1
         return task
@@ -663,7 +664,7 @@ class WorkerEngine:
         for task, grant in zip(prefills, grants):
             task.grant = grant
 
-    def _need_task(self, item: WorkItem, session: Session, proposals: Sequence[Sequence[Any]]) -> _Task:
+    def _need_task(self, item: WorkItem, session: Session, source_payloads: Sequence[Sequence[Any]]) -> _Task:
         need = item.need
         pending = session.sync(need.append, self.backend.copy_columns)
         if isinstance(need, Sample):
@@ -671,14 +672,14 @@ class WorkerEngine:
                 raise ValueError(f"count and num_drafts must be >= 1, got {need.count}, {need.num_drafts}")
             return _SampleTask(session, pending, need)
         if isinstance(need, ScoreVerify):
-            source_step, source_item = item.proposal_source
-            source = proposals[source_step]
-            if not isinstance(source, (list, tuple)):  # the proposing worker's step could not be read
+            source_call, source_item = item.proposal_source
+            source = source_payloads[source_call]
+            if not isinstance(source, (list, tuple)):  # the proposing worker's call could not be read
                 raise ProposalLost(f"the proposals of this step were lost ({getattr(source, 'error', source)})")
             proposal = source[source_item]
             if isinstance(proposal, ItemOutcome):  # the proposing item failed
                 raise RuntimeError(f"the proposal failed: {proposal.error}")
-            if isinstance(proposal, PreDrafted):  # drafted last step: the chain after this bonus
+            if isinstance(proposal, PreDrafted):  # drafted in the previous step: the chain after this bonus
                 proposal = proposal.chain(need.chain)
             return _ScoreVerifyTask(session, pending, need, proposal)
         if isinstance(need, PreDraft):

@@ -16,7 +16,7 @@ The gathered keys/values of a layer are read by that layer's attention only, so 
 gathers into the same two reused buffers instead of fresh tensors. A fresh multi-megabyte
 tensor per layer per forward is a fresh ``mmap`` from the allocator while the gathered size
 keeps growing past its threshold, and faulting its pages in cost more than the attention
-itself: a run of 16-row decode steps of the embedded target took 39.9 ms a step with fresh
+itself: a run of 16-row decode forwards of the embedded target took 39.9 ms a forward with fresh
 tensors and 16.4 ms with the reused buffers (transformers with a DynamicCache: 15.7 ms; the
 decode run of ``python -m benchmarks.forward_micro``, ``docs/engine.md``).
 """
@@ -284,7 +284,7 @@ class SlotKVCache(Cache):
         heads, _, head_dim = self._shape
         shape = (batch, heads, self.kv_length, head_dim)
         size = batch * heads * self.kv_length * head_dim
-        if self._gather_buffer.shape[1] < size:  # doubling: contexts grow a column per step
+        if self._gather_buffer.shape[1] < size:  # doubling: contexts grow a column per decoded token
             grown = max(size, 2 * self._gather_buffer.shape[1])
             self._gather_buffer = torch.empty((2, grown), dtype=self.dtype, device=self.device)
         return self._gather_buffer[0, :size].view(shape), self._gather_buffer[1, :size].view(shape)

@@ -101,11 +101,11 @@ class PrefillProgress:
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One request's need (:mod:`verifiers.machines`) for one worker step.
+    """One request's need (:mod:`verifiers.machines`) for one worker's call of a step.
 
     open: set on the request's first item on this worker (the session is opened, then the need
     runs; the prompt's prefill is the need's first row). proposal_source: for a ScoreVerify,
-    ``(i, j)``: the proposal is item j's payload of the i-th source step passed to the call.
+    ``(i, j)``: the proposal is item j's payload in ``source_payloads[i]``, the i-th source call's.
     """
 
     session_id: str

@@ -45,6 +45,14 @@ PLAN_LABELS = ("strategy", "method")
 #: refused before their plan was known.
 NO_METHOD = "none"
 
+
+def plan_labels(plan: Any | None) -> tuple[str, str]:
+    """A request's metric labels (strategy, method) from its plan; :data:`NO_METHOD` for both
+    before the plan is known."""
+    if plan is None:
+        return NO_METHOD, NO_METHOD
+    return plan.strategy, plan.method or NO_METHOD
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0,

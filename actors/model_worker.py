@@ -1,6 +1,6 @@
 """ModelWorker: one causal LM (draft, target or ensemble member) in its own Ray actor.
 
-A thin Ray face over a :class:`actors.engine.WorkerEngine`: the scheduler calls :meth:`step`
+A thin Ray face over a :class:`actors.engine.WorkerEngine`: the scheduler calls :meth:`run_step`
 once per step with the work of every request in flight on this model, and the engine runs it
 as batched forwards over the sessions' KV cache slots (:mod:`actors.sessions`,
 :mod:`actors.kv_cache`). Call it with ``.options(num_returns=2)``: the first return (outcomes:
@@ -42,7 +42,7 @@ SCRATCH_COLUMNS = 288  # cache columns past the context per slot: K x gamma draf
 
 @dataclass(frozen=True)
 class FailedSource:
-    """A proposing step whose payload could not be read (its worker died)."""
+    """A proposing call whose payload could not be read (its worker died)."""
 
     error: str
 
@@ -165,32 +165,32 @@ class ModelWorker:
         )
 
     # ------------------------------------------------------------------ the step
-    def step(
-        self, items: Sequence[WorkItem], proposals: Sequence[Any] = (), releases: Sequence[str] = ()
+    def run_step(
+        self, items: Sequence[WorkItem], source_payloads: Sequence[Any] = (), releases: Sequence[str] = ()
     ) -> tuple[list[ItemOutcome], list[Any]]:
-        """Run one scheduler step (see :meth:`actors.engine.WorkerEngine.step`). ``proposals``
-        are the payload lists of the steps this one's ScoreVerify items read, as ObjectRefs
-        inside the list (so Ray does not fail the whole call when one source failed: a source
+        """Run this worker's call of one scheduler step (:meth:`actors.engine.WorkerEngine.run_step`).
+        ``source_payloads`` are the payload lists of the calls this one's ScoreVerify items read,
+        as ObjectRefs inside the list (so Ray does not fail the whole call when one source failed: a source
         that cannot be read fails only the items that read it) or as plain lists."""
-        return self.engine.step(items, releases, [_resolve(source) for source in proposals])
+        return self.engine.run_step(items, releases, [_resolve(source) for source in source_payloads])
 
     def burst(
         self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),
         budget_s: float = 0.1, releases: Sequence[str] = (),
     ) -> Iterator[BurstRecord]:
-        """Run one request's steps here for up to ``budget_s`` seconds (:mod:`actors.bursts`):
+        """Run one request's iterations here for up to ``budget_s`` seconds (:mod:`actors.bursts`):
         ``machine_blob`` is its pickled machine, ``peers`` the handles of the other models'
-        workers it uses (called directly, one ``step`` call per step). A generator: call it with
-        ``.options(num_returns="streaming")``; one :class:`~actors.bursts.BurstRecord` per step."""
+        workers it uses (one direct ``run_step`` call per iteration). A generator: call it with
+        ``.options(num_returns="streaming")``; one :class:`~actors.bursts.BurstRecord` per iteration."""
         machine = pickle.loads(machine_blob)
         pending_releases = list(releases)
 
         def local_step(items: list[WorkItem], sources: list[Any]) -> tuple[list[ItemOutcome], list[Any]]:
             released, pending_releases[:] = list(pending_releases), []
-            return self.engine.step(items, released, sources)
+            return self.engine.run_step(items, released, sources)
 
         def peer_step(model: str, items: list[WorkItem]) -> tuple[list[ItemOutcome], list[Any]]:
-            outcomes, payloads = _fetch(peers[model].step.options(num_returns=2).remote(items, proposals=[], releases=[]))
+            outcomes, payloads = _fetch(peers[model].run_step.options(num_returns=2).remote(items, source_payloads=[], releases=[]))
             return outcomes, payloads
 
         if pending_releases:

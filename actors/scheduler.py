@@ -1,4 +1,4 @@
-"""The step scheduler: every request in flight advances by one machine step per step, and each
+"""The step scheduler: every request in flight advances by one machine iteration per step, and each
 model worker gets ONE call per step carrying the work of every request.
 
 A step (:meth:`Scheduler._step`):
@@ -8,7 +8,7 @@ A step (:meth:`Scheduler._step`):
    :class:`OverloadedError`);
 2. ask each running request's machine for its needs (:mod:`verifiers.machines`);
 3. group the needs by model into one :class:`~actors.messages.WorkItem` list per worker and
-   call each worker once (``step.options(num_returns=2)``). A ScoreVerify reads the proposal of
+   call each worker once (``run_step.options(num_returns=2)``). A ScoreVerify reads the proposal of
    a Sample on another worker: the proposing worker's call goes first and its payload ref is
    an argument of the verifying worker's call, so Ray runs the two back to back and the
    proposals' logits travel worker to worker, never through here. A model with nothing to
@@ -17,7 +17,7 @@ A step (:meth:`Scheduler._step`):
    phase first: each step it sends a :class:`~actors.messages.Prefill` item to every model it
    uses (the first opens the session), and each worker feeds the next chunk of the prompt with
    what its step budget leaves after the running requests' rows; once every worker holds the
-   whole prompt but its last token, the request's machine takes its first step (chunked
+   whole prompt but its last token, the request's machine makes its first iteration (chunked
    prefill: running streams keep producing tokens while a long prompt arrives; the tokens are
    the same, no random draw happens during the prefill);
 4. hand each request its results; its machine returns the tokens made final, which go through
@@ -45,13 +45,13 @@ import torch
 from actors.api import GenerationChunk, RequestStats, TokenLogprob
 from actors.bursts import BurstRecord, FrozenStepCosts, burstable
 from actors.messages import UNAVAILABLE, CallTiming, ItemOutcome, OpenSession, Prefill, WorkItem
-from actors.metrics import NO_METHOD, RequestClock, SchedulerMetrics
+from actors.metrics import RequestClock, SchedulerMetrics, plan_labels
 from actors.output import OutputTracker
 from actors.plan import ENSEMBLE_STRATEGIES, DecodingPlan
 from actors.step_costs import CallReport, StepCostModel
 from verifiers.adaptive import StepCosts
 from verifiers.machines import (
-    AR_TOKENS_PER_STEP,
+    AR_TOKENS_PER_ITERATION,
     PRE_DRAFTED,
     DecodeMachine,
     Extend,
@@ -64,7 +64,7 @@ from verifiers.machines import (
 
 logger = logging.getLogger(__name__)
 
-MAX_EMPTY_STEPS = 64  # a machine that makes no progress this many steps in a row is a bug
+MAX_EMPTY_ITERATIONS = 64  # a machine that makes no progress this many iterations in a row is a bug
 
 
 class OverloadedError(RuntimeError):
@@ -109,7 +109,7 @@ class RequestState:
     opened: set[str] = field(default_factory=set)
     submitted: float = field(default_factory=time.perf_counter)
     started: float = 0.0
-    empty_steps: int = 0
+    empty_iterations: int = 0
     last_needs: list = field(default_factory=list)
     pre_drafted: tuple[Any, int] | None = None  # (payloads of the call, index) of the last PreDraft
     cancelled: bool = False
@@ -120,7 +120,7 @@ class RequestState:
     @property
     def labels(self) -> tuple[str, str]:
         """The request's metric labels: (strategy, method)."""
-        return self.plan.strategy, self.plan.method or NO_METHOD
+        return plan_labels(self.plan)
 
 
 @dataclass
@@ -168,14 +168,14 @@ class Scheduler:
         self._wakeup: asyncio.Condition | None = None
         self._loop_tasks: list[asyncio.Task] = []
         self._notify_tasks: set[asyncio.Task] = set()
-        self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_STEP)
+        self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
         self.goodput = goodput
         self.pre_drafting = int(pre_drafting)
         #: Prompts longer than this are prefilled in chunks before their first decoding step
         #: (the workers' step budget, ``engine.max_tokens_per_step``); None: never.
         self.max_tokens_per_step = max_tokens_per_step
         #: Solo bursts (``engine.burst_ms``, :mod:`actors.bursts`): with one request running and
-        #: none waiting, its target's worker runs its steps for up to this long per call; 0: off.
+        #: none waiting, its target's worker runs its iterations for up to this long per call; 0: off.
         self.burst_s = float(burst_s)
         self.bursts = 0
         self._batch_now = 1
@@ -337,7 +337,7 @@ class Scheduler:
             try:
                 request.last_needs = request.machine.needs()
             except Exception as error:  # noqa: BLE001 - a machine error ends this request only
-                logger.exception("request %s: strategy failed to plan its step", request.session_id)
+                logger.exception("request %s: strategy failed to plan its iteration", request.session_id)
                 self._fail(request, f"{type(error).__name__}: {error}")
                 cohort.running.remove(request)
                 self._release(request)
@@ -355,7 +355,7 @@ class Scheduler:
             try:
                 outcomes = await ref
             except Exception as error:  # noqa: BLE001 - the worker call failed: its requests fail
-                logger.error("worker %s step failed (%s); its sessions are lost", model, type(error).__name__)
+                logger.error("worker %s call failed (%s); its sessions are lost", model, type(error).__name__)
                 lost.add(model)
                 outcomes = [ItemOutcome(error=UNAVAILABLE.format(model=model))] * len(entries)
             for entry, outcome in zip(entries, outcomes):
@@ -374,7 +374,7 @@ class Scheduler:
     # ------------------------------------------------------------------ solo bursts
     def _can_burst(self, cohort: Cohort) -> bool:
         """One request running (in every cohort), none waiting, every session open and no prompt
-        being prefilled, and a machine whose steps a burst can run (:func:`actors.bursts.burstable`)."""
+        being prefilled, and a machine whose iterations a burst can run (:func:`actors.bursts.burstable`)."""
         if self.burst_s <= 0 or len(cohort.running) != 1 or self.waiting or len(self.running) != 1:
             return False
         request = cohort.running[0]
@@ -382,8 +382,8 @@ class Scheduler:
                 and burstable(request.machine))
 
     async def _burst(self, request: RequestState) -> None:
-        """Run ``request``'s steps in its target's worker for up to ``burst_s`` (:mod:`actors.bursts`);
-        each streamed step is replayed through the request's own machine as a step of its own."""
+        """Run ``request``'s iterations in its target's worker for up to ``burst_s`` (:mod:`actors.bursts`);
+        each streamed iteration is replayed through the request's own machine as a step of its own."""
         machine = request.machine
         target = machine.target
         live_costs = getattr(machine, "step_costs", None)
@@ -410,8 +410,8 @@ class Scheduler:
                 machine.step_costs = live_costs
 
     def _replay(self, request: RequestState, record: BurstRecord) -> None:
-        """One step of a burst, as if this scheduler had run it: the request's machine must ask
-        for exactly the needs the worker's copy executed; then its outcomes go the usual way."""
+        """One iteration of a burst, as a step of one request: the request's machine must ask for
+        exactly the needs the worker's copy executed; then their outcomes go the usual way."""
         self.steps += 1
         self.batch_sizes.append(1)
         self.metrics.step(1)
@@ -426,7 +426,7 @@ class Scheduler:
         if tuple(request.last_needs) != record.needs:
             logger.error("request %s: a burst ran %s where the machine asks for %s", request.session_id,
                          record.needs, request.last_needs)
-            self._fail(request, "internal error: a burst's step differs from the request's")
+            self._fail(request, "internal error: a burst's iteration differs from the request's")
             return
         if all(outcome.error is None for outcome in record.outcomes):
             entries = [_Placed(request, i, WorkItem(request.session_id, need))
@@ -457,8 +457,8 @@ class Scheduler:
         """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers
         and everything on a model no one waits for)."""
         verifying = {need.model for _, needs in work for need in needs if isinstance(need, ScoreVerify)}
-        sources = {needs[need.proposal].model for _, needs in work for need in needs
-                   if isinstance(need, ScoreVerify) and need.proposal != PRE_DRAFTED}
+        sources = {needs[need.draft_need].model for _, needs in work for need in needs
+                   if isinstance(need, ScoreVerify) and need.draft_need != PRE_DRAFTED}
         placed: dict[str, list[list[_Placed]]] = {name: [[], []] for name in self.workers}
         for request, needs in work:
             positions: dict[int, tuple[str, int, int]] = {}
@@ -469,12 +469,12 @@ class Scheduler:
                 if open_spec is not None:
                     request.opened.add(need.model)
                 source, carried = None, None
-                if isinstance(need, ScoreVerify) and need.proposal == PRE_DRAFTED:
+                if isinstance(need, ScoreVerify) and need.draft_need == PRE_DRAFTED:
                     carried = request.pre_drafted  # the previous step's PreDraft: see _call_workers
                     if carried is None:
                         raise RuntimeError("a pre-drafted block to verify, but no PreDraft ran")
                 elif isinstance(need, ScoreVerify):
-                    source = positions[need.proposal]
+                    source = positions[need.draft_need]
                 item = WorkItem(session_id=request.session_id, need=need, open=open_spec,
                                 proposal_source=None if source is None else (source[0], source[2]))
                 slot_list = placed[need.model][phase]
@@ -494,7 +494,7 @@ class Scheduler:
             if not phase1:
                 continue
             source_models = sorted({e.item.proposal_source[0] for e in phase1 if e.item.proposal_source})
-            sources = [payload_refs[name] for name in source_models]  # refs nested: see ModelWorker.step
+            sources = [payload_refs[name] for name in source_models]  # refs nested: see ModelWorker.run_step
             index_of: dict[Any, int] = {name: i for i, name in enumerate(source_models)}
             items = [self._phase1_item(e, index_of, sources) for e in phase1]
             outcomes_ref, payloads_ref = self._call(model, items, sources)
@@ -527,7 +527,8 @@ class Scheduler:
 
     def _call(self, model: str, items: list[WorkItem], sources: list[Any] = ()) -> tuple[Any, Any]:
         releases, self.releases[model] = self.releases[model], []
-        return self.workers[model].step.options(num_returns=2).remote(items, proposals=list(sources), releases=releases)
+        call = self.workers[model].run_step.options(num_returns=2)
+        return call.remote(items, source_payloads=list(sources), releases=releases)
 
     # ------------------------------------------------------------------ results
     def _advance(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:
@@ -545,7 +546,7 @@ class Scheduler:
         try:
             tokens = request.machine.consume([o.value for o in outcomes])
         except Exception as error:  # noqa: BLE001 - a machine error ends this request only
-            logger.exception("request %s: strategy step failed", request.session_id)
+            logger.exception("request %s: strategy iteration failed", request.session_id)
             self._fail(request, f"{type(error).__name__}: {error}")
             return
         self._record(request, outcomes)
@@ -559,11 +560,12 @@ class Scheduler:
             self._finish(request, delta, logprobs)
             return
         if not delta.token_ids:
-            request.empty_steps = request.empty_steps + 1 if not tokens else 0
-            if request.empty_steps > MAX_EMPTY_STEPS:
-                self._fail(request, f"strategy {request.plan.strategy} made no progress in {MAX_EMPTY_STEPS} steps")
+            request.empty_iterations = request.empty_iterations + 1 if not tokens else 0
+            if request.empty_iterations > MAX_EMPTY_ITERATIONS:
+                self._fail(request, f"strategy {request.plan.strategy} made no progress in "
+                                    f"{MAX_EMPTY_ITERATIONS} iterations")
             return
-        request.empty_steps = 0
+        request.empty_iterations = 0
         request.chunks.put_nowait(GenerationChunk(request_id=request.request_id, token_ids=delta.token_ids,
                                                   text=delta.text, logprobs=logprobs))
 
@@ -704,7 +706,7 @@ def request_stats(request: RequestState) -> RequestStats:
         model_calls=dict(stats.model_calls),
         accepted_lengths=list(request.machine.accepted_lengths),
         draft_lengths=list(getattr(request.machine, "draft_lengths", ())),
-        pre_drafted=getattr(request.machine, "pre_drafted_steps", 0),
+        pre_drafted=getattr(request.machine, "pre_drafted_iterations", 0),
         block_efficiency=completion / target_calls if target_calls else 0.0,
         tokens_per_second=completion / elapsed if elapsed > 0 else 0.0,
         time_draft_s=stats.time_draft_s,

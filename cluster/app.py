@@ -570,7 +570,7 @@ class SpecServeIngress:
         token_ids = bool(body.return_token_ids)
         rendering = {
             "echo_logprobs": getattr(body, "echo_logprobs", None),
-            "prompt_logprobs": getattr(body, "prompt_logprobs", None) if not chat else None,
+            "prompt_logprobs": body.prompt_logprobs,
             "generated_logprobs": body.logprobs_count() is not None,
         }
         if not body.streaming:

@@ -358,7 +358,7 @@ def completion_response(
     (``token_ids``: add them to each choice; ``logprobs``: the token texts of log-probabilities;
     ``generated_logprobs``: render each choice's ``logprobs``, led by the echoed prompt's with
     ``echo_logprobs`` alternatives when set; ``prompt_logprobs``: add each choice's
-    ``prompt_logprobs`` with this many alternatives). With several choices each carries its own
+    ``prompt_logprobs`` with this many alternatives, or for chat the response's, as vLLM). With several choices each carries its own
     ``speculation`` block, and the response's is :func:`merged_speculation`."""
     results = _results(result)
     choices = []
@@ -386,7 +386,7 @@ def completion_response(
         if len(results) > 1:
             choice["speculation"] = speculation_block(item.stats)
         choices.append(choice)
-    return {
+    response = {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
@@ -395,6 +395,11 @@ def completion_response(
         "usage": total_usage(results),
         "speculation": merged_speculation(results, wall_s),
     }
+    if chat and "prompt_logprobs" in choices[0]:  # one prompt: vLLM's chat has it once, beside the choices
+        response["prompt_logprobs"] = choices[0]["prompt_logprobs"]
+        for choice in choices:
+            del choice["prompt_logprobs"]
+    return response
 
 
 def stream_chunk(

@@ -16,8 +16,8 @@ log-probabilities (completions ``echo`` with ``logprobs``, ``prompt_logprobs``) 
 :class:`actors.api.SamplingParams`.
 
 Extensions to the OpenAI schema: ``return_token_ids``; ``top_k``, ``ignore_eos``,
-``repetition_penalty`` (sampling); ``prompt_logprobs`` (completions) and
-``chat_template_kwargs`` (chat), as vLLM has them; and ``speculation`` (an object with the
+``repetition_penalty`` (sampling); ``prompt_logprobs`` (completions per choice, chat per
+response and not streamed) and ``chat_template_kwargs`` (chat), as vLLM has them; and ``speculation`` (an object with the
 fields of :class:`actors.api.SpeculationParams`; unset fields take the deployment's defaults).
 """
 
@@ -376,6 +376,10 @@ class ChatCompletionRequest(_GenerationFields):
     top_logprobs: int | None = Field(
         None, description=f"With logprobs: this many most likely alternatives per token (0..{MAX_TOP_LOGPROBS})."
     )
+    prompt_logprobs: int | None = Field(
+        None, description="Each prompt token's log-probability with this many alternatives, as the response's "
+        f"`prompt_logprobs` (vLLM's extension; 0..{MAX_TOP_LOGPROBS}; not with stream)."
+    )
     tools: Any = Field(None, description="Tool calling is not supported: only null or [] is accepted.")
     tool_choice: Any = Field(None, description='Only null or "none" is accepted.')
     functions: Any = Field(None, description="Function calling is not supported: only null or [] is accepted.")
@@ -391,7 +395,7 @@ class ChatCompletionRequest(_GenerationFields):
     def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return None if value is None else _pydantic_check(check_template_kwargs, value)
 
-    @field_validator("top_logprobs")
+    @field_validator("top_logprobs", "prompt_logprobs")
     @classmethod
     def _top_logprobs(cls, value: int | None) -> int | None:
         return None if value is None else _pydantic_check(check_top_logprobs, value)
@@ -427,10 +431,15 @@ class ChatCompletionRequest(_GenerationFields):
             return None
         return self.top_logprobs or 0
 
+    def prompt_logprobs_count(self) -> int | None:
+        return self.prompt_logprobs
+
     def check_fields(self) -> None:
         super().check_fields()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        if self.prompt_logprobs is not None and self.streaming:  # as vLLM: a response-level field
+            raise InvalidRequestError("prompt_logprobs", "not available with stream: true")
         if self.max_completion_tokens is not None and self.max_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise InvalidRequestError("max_completion_tokens", "conflicts with max_tokens; set only one")

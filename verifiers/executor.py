@@ -67,18 +67,18 @@ class LocalExecutor:
         self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         self.vocab_limit = vocab_limit
         self.verify_states: dict[str, Any] = {}
-        self.pre_drafted: PreDrafted | None = None  # the last PreDraft's result (a later step verifies a chain)
+        self.pre_drafted: PreDrafted | None = None  # the last PreDraft's result (a later iteration verifies a chain)
         self.model_calls = {name: 0 for name in self.model_fns}
 
-    def run_step(self, needs: Sequence[Need]) -> list[object]:
-        """Execute one step's needs in order (a ScoreVerify reads an earlier need's result)."""
+    def run_iteration(self, needs: Sequence[Need]) -> list[object]:
+        """Execute one iteration's needs in order (a ScoreVerify reads an earlier need's result)."""
         results: list[object] = []
         for need in needs:
             self.contexts[need.model] += tuple(int(t) for t in need.append)
             if isinstance(need, Sample):
                 results.append(self._sample(need))
             elif isinstance(need, ScoreVerify):
-                proposal = self.pre_drafted.chain(need.chain) if need.proposal == PRE_DRAFTED else results[need.proposal]
+                proposal = self.pre_drafted.chain(need.chain) if need.draft_need == PRE_DRAFTED else results[need.draft_need]
                 results.append(self._score_verify(need, proposal))
             elif isinstance(need, PreDraft):
                 block = need.block if need.block is not None else tuple(results[need.block_from].tokens[0].tolist())
@@ -112,7 +112,7 @@ class LocalExecutor:
         source = self._source(need.model, need.stream)
         context = self.contexts[need.model]
         drafts: list[list[int]] = [[] for _ in range(need.num_drafts)]
-        step_logits: list[torch.Tensor] = []
+        position_logits: list[torch.Tensor] = []
         logprobs = []
         for _ in range(need.count):
             contexts = [context + tuple(draft) for draft in drafts]
@@ -123,9 +123,9 @@ class LocalExecutor:
                 logprobs.append(token_logprob(rows[0], int(tokens[0]), need.logprobs))
             for draft, token in zip(drafts, tokens.tolist()):
                 draft.append(int(token))
-            step_logits.append(logits)
+            position_logits.append(logits)
         self.model_calls[need.model] += need.count
-        logits = torch.stack(step_logits, dim=1) if need.return_logits else None  # [K, n, V]
+        logits = torch.stack(position_logits, dim=1) if need.return_logits else None  # [K, n, V]
         return Sampled(tokens=torch.tensor(drafts, dtype=torch.int64), logits=logits,
                        logprobs=logprobs if need.logprobs is not None else None)
 
@@ -135,16 +135,16 @@ class LocalExecutor:
         row = self._rows(self._logits(need.model, context)[None], [context])[0]  # [V]
         guesses = bonus_guesses(row, need.guesses)
         chains: list[list[int]] = [[] for _ in guesses]
-        step_logits: list[torch.Tensor] = []
+        position_logits: list[torch.Tensor] = []
         for _ in range(need.count):
             contexts = [context + (guess,) + tuple(chain) for guess, chain in zip(guesses, chains)]
             logits = torch.stack([self._logits(need.model, c) for c in contexts])  # [K, V]
             tokens = source.categorical(self._rows(logits, contexts))  # [K]
             for chain, token in zip(chains, tokens.tolist()):
                 chain.append(int(token))
-            step_logits.append(logits)
+            position_logits.append(logits)
         self.model_calls[need.model] += need.count + 1
-        return PreDrafted(guesses, torch.tensor(chains, dtype=torch.int64), torch.stack(step_logits, dim=1))
+        return PreDrafted(guesses, torch.tensor(chains, dtype=torch.int64), torch.stack(position_logits, dim=1))
 
     def _score_verify(self, need: ScoreVerify, proposal: Sampled) -> Verified:
         spec = get_verifier(need.method)
@@ -204,7 +204,7 @@ class LocalExecutor:
 def run_machine(machine: DecodeMachine, executor: LocalExecutor) -> list[int]:
     """Drive ``machine`` to its end with ``executor``; returns the committed tokens."""
     while not machine.done:
-        machine.consume(executor.run_step(machine.needs()))
+        machine.consume(executor.run_iteration(machine.needs()))
     return list(machine.committed)
 
 

@@ -1,6 +1,6 @@
 """Decoding strategies as state machines without I/O: the one implementation of each strategy.
 
-A machine decodes one request. Each step it says what the models must do (:meth:`needs`: a
+A machine decodes one request. Each *iteration* it says what the models must do (:meth:`needs`: a
 list of :data:`Need` values), and it consumes what they returned (:meth:`consume`, results
 aligned with the needs), returning the tokens that became final. It never calls a model and
 never touches a KV cache; who executes the needs is up to the driver:
@@ -9,7 +9,8 @@ never touches a KV cache; who executes the needs is up to the driver:
   execute them with :class:`verifiers.executor.LocalExecutor`, recomputing every row from the
   full context (slow, obviously correct; the exactness tests enumerate their output law);
 * the serving engine (``actors.scheduler``) gathers the needs of every request in flight and
-  runs them as one batched call per model worker per step.
+  runs them as one batched call per model worker per scheduler step (each running request
+  makes one iteration per step).
 
 Both drivers run the same machine, so what is proven exact is what serves.
 
@@ -41,7 +42,7 @@ from verifiers.sampling import token_logprob
 from verifiers.registry import get_verifier
 from verifiers.types import PAD_TOKEN
 
-AR_TOKENS_PER_STEP = 4  # ar: tokens drawn per step (streaming granularity vs per-step overhead)
+AR_TOKENS_PER_ITERATION = 4  # ar: tokens drawn per iteration (streaming granularity vs per-step overhead)
 #: After this many plain steps in a row, gamma "auto" with step costs drafts once (a probe): plain
 #: steps observe no acceptance, so without it an early low estimate would never be revised.
 PLAIN_PROBE_EVERY = 4
@@ -53,7 +54,7 @@ class Sample:
     """``model`` draws ``count`` tokens for each of ``num_drafts`` drafts after its context.
 
     Contract: the first tokens of the K drafts come from the row after the context (shared);
-    step i makes ONE ``categorical(rows [K, V])`` call on stream ``stream``, row k being the row
+    draft position i makes ONE ``categorical(rows [K, V])`` call on stream ``stream``, row k being the row
     after the context and draft k's first i tokens. Result: :class:`Sampled`.
     """
 
@@ -68,8 +69,8 @@ class Sample:
 
 @dataclass(frozen=True)
 class ScoreVerify:
-    """``model`` (the target) scores the proposal returned for need ``proposal`` of the same
-    step, or chain ``chain`` of the previous step's :class:`PreDraft` when ``proposal`` is
+    """``model`` (the target) scores the proposal returned for need ``draft_need`` of the same
+    iteration, or chain ``chain`` of the previous iteration's :class:`PreDraft` when ``draft_need`` is
     :data:`PRE_DRAFTED` (``gamma + 1`` rows per draft), and verifies it with the registry rule ``method`` on its
     stream ``stream``, ONE verifier call with batch 1; a stateful rule's state stays with the
     executor. The emitted tokens are committed to the model's context by the executor.
@@ -77,14 +78,14 @@ class ScoreVerify:
 
     model: str
     append: tuple[int, ...]
-    proposal: int
+    draft_need: int
     method: str
     stream: str = "verify"
     logprobs: int | None = None  # report each emitted token's log-probability under the target row
-    chain: int = 0  # with proposal PRE_DRAFTED: the chain of the previous step's PreDraft to verify
+    chain: int = 0  # with draft_need PRE_DRAFTED: the chain of the previous iteration's PreDraft to verify
 
 
-#: ``ScoreVerify.proposal`` of a block drafted in the previous step (:class:`PreDraft`).
+#: ``ScoreVerify.draft_need`` of a block drafted in the previous iteration (:class:`PreDraft`).
 PRE_DRAFTED = -1
 
 
@@ -92,12 +93,12 @@ PRE_DRAFTED = -1
 class PreDraft:
     """``model`` (the draft) drafts ahead while the target verifies: after its context plus the
     block under verification (``block``; None: draft 0 of need ``block_from``'s result in this
-    step, which the executor sampled before), it takes the ``guesses`` most likely ids of its
+    iteration, which the executor sampled before), it takes the ``guesses`` most likely ids of its
     row there (under the request's law; ties to the lower id) as candidates for the target's
-    bonus token, and after each candidate ``k`` draws ``count`` tokens: step i makes ONE
+    bonus token, and after each candidate ``k`` draws ``count`` tokens: position i makes ONE
     ``categorical(rows [K, V])`` call on stream ``stream``, row k being the row after the
     block, candidate k and chain k's first i tokens. Result: :class:`PreDrafted`; the next
-    step verifies chain k (``ScoreVerify(proposal=PRE_DRAFTED, chain=k)``) when the block was
+    iteration verifies chain k (``ScoreVerify(draft_need=PRE_DRAFTED, chain=k)``) when the block was
     accepted in full and the bonus token is candidate k."""
 
     model: str
@@ -222,7 +223,7 @@ class DecodeMachine(ABC):
 
     @abstractmethod
     def needs(self) -> list[Need]:
-        """What the models must do this step (never empty while not done)."""
+        """What the models must do this iteration (never empty while not done)."""
 
     @abstractmethod
     def consume(self, results: Sequence[object]) -> list[int]:
@@ -239,7 +240,7 @@ class DecodeMachine(ABC):
         self.committed.extend(tokens)
         if self.logprobs is not None:
             if logprobs is None or len(logprobs) != len(tokens):
-                raise RuntimeError("log-probabilities were asked for but the step did not return one per token")
+                raise RuntimeError("log-probabilities were asked for but the iteration did not return one per token")
             self.token_logprobs.extend(logprobs)
         return tokens
 
@@ -262,14 +263,14 @@ class _Unsent:
 
 
 class AutoregressiveMachine(DecodeMachine):
-    """``ar``: the target alone; ``tokens_per_step`` draws per step, one per token, stream 0
+    """``ar``: the target alone; ``tokens_per_iteration`` draws per iteration, one per token, stream 0
     on the target (``verifiers.reference.autoregressive_generate``)."""
 
     def __init__(self, target: str, max_new_tokens: int, context_budget: int | None = None,
-                 tokens_per_step: int = AR_TOKENS_PER_STEP, logprobs: int | None = None):
+                 tokens_per_iteration: int = AR_TOKENS_PER_ITERATION, logprobs: int | None = None):
         super().__init__(max_new_tokens, context_budget, logprobs)
         self.target = target
-        self.tokens_per_step = tokens_per_step
+        self.tokens_per_iteration = tokens_per_iteration
         self.unsent = _Unsent([target], self.committed)
 
     def streams(self) -> dict[str, dict[str, int]]:
@@ -277,7 +278,7 @@ class AutoregressiveMachine(DecodeMachine):
 
     def needs(self) -> list[Need]:
         remaining = self.max_new_tokens - len(self.committed)
-        count = self.lookahead(min(self.tokens_per_step, max(1, remaining)))
+        count = self.lookahead(min(self.tokens_per_iteration, max(1, remaining)))
         return [Sample(self.target, self.unsent.take(self.target), count, logprobs=self.logprobs)]
 
     def consume(self, results: Sequence[object]) -> list[int]:
@@ -286,23 +287,23 @@ class AutoregressiveMachine(DecodeMachine):
 
 
 class SpeculativeMachine(DecodeMachine):
-    """``sd`` / ``multi_draft`` (``verifiers.reference.speculative_generate``): each step the
+    """``sd`` / ``multi_draft`` (``verifiers.reference.speculative_generate``): each iteration the
     draft samples K x gamma tokens (stream 0 on the draft), the target scores and verifies them
     (stream 1 on the target) and emits the accepted prefix plus one token.
 
     ``adaptive``: when given, gamma is chosen before each draft from this request's accepted
     lengths so far (:mod:`verifiers.adaptive`, ``gamma: "auto"``) and ``gamma`` is unused;
-    ``draft_lengths`` records the block drafted at each step either way. ``step_costs``: when
+    ``draft_lengths`` records the block drafted at each iteration either way. ``step_costs``: when
     set (with ``adaptive``), a callable giving the measured :class:`~verifiers.adaptive.StepCosts`
     of a step now (or None while unmeasured); the choice then weighs them and may be 0, a
-    *plain step*: no draft, ``AR_TOKENS_PER_STEP`` tokens sampled from the target on its
+    *plain step*: no draft, ``AR_TOKENS_PER_ITERATION`` tokens sampled from the target on its
     verification stream (recorded as a 0 in ``draft_lengths``, no entry in
     ``accepted_lengths``).
 
     ``pre_drafting`` (K > 0, single-draft rules): while the target verifies a block, the draft
     drafts the next one (:class:`PreDraft`) after each of the K most likely values of the target's
     bonus token, so that when the block is accepted in full (and no greedy modification is
-    pending) and the bonus is one of them, the next step verifies that chain right away: the
+    pending) and the bonus is one of them, the next iteration verifies that chain right away: the
     draft's work leaves the critical path (PEARL, ICLR 2025: drafting during verification;
     drafting after predicted verification outcomes, as SSD / Saguaro, ICLR 2026). Lossless: the
     chain verified was drawn from the draft's law after the committed context (the bonus
@@ -328,19 +329,19 @@ class SpeculativeMachine(DecodeMachine):
         self.pending_positions = 0
         self.unsent = _Unsent([draft, target], self.committed)
         self.draft_indices: list[int] = []
-        self.draft_lengths: list[int] = []  # the block drafted at each step (0: a plain step)
+        self.draft_lengths: list[int] = []  # the block drafted at each iteration (0: a plain step)
         self.step_costs: Callable[[], StepCosts | None] | None = None
         self.pre_drafting = pre_drafting if num_drafts == 1 else 0
-        self.carried: list[int] | None = None  # the pre-drafted chain this step verifies
+        self.carried: list[int] | None = None  # the pre-drafted chain this iteration verifies
         self.carried_chain = 0
-        self.pre_draft_count = 0  # tokens per chain of this step's PreDraft (0: none)
-        self.pre_drafted_steps = 0  # steps that verified a pre-drafted chain
+        self.pre_draft_count = 0  # tokens per chain of this iteration's PreDraft (0: none)
+        self.pre_drafted_iterations = 0  # iterations that verified a pre-drafted chain
 
     def streams(self) -> dict[str, dict[str, int]]:
         return {self.draft: {"sample": 0}, self.target: {"verify": 1}}
 
     def next_gamma(self) -> int:
-        """The block the next step drafts (chosen from the past only, clipped at the context end).
+        """The block the next iteration drafts (chosen from the past only, clipped at the context end).
         No block leaves a stateful rule's pending modification uncovered."""
         block = self.gamma if self.chooser is None else self._choose()
         if block == 0:
@@ -366,10 +367,10 @@ class SpeculativeMachine(DecodeMachine):
         return self.chooser.choose(costs, allow_plain=self.pending_positions == 0 and not probe)
 
     def needs(self) -> list[Need]:
-        if self.carried is not None:  # the block was drafted last step, after this bonus token
+        if self.carried is not None:  # the block was drafted last iteration, after this bonus token
             self.draft_lengths.append(len(self.carried))
-            self.pre_drafted_steps += 1
-            needs: list[Need] = [ScoreVerify(self.target, self.unsent.take(self.target), proposal=PRE_DRAFTED,
+            self.pre_drafted_iterations += 1
+            needs: list[Need] = [ScoreVerify(self.target, self.unsent.take(self.target), draft_need=PRE_DRAFTED,
                                              method=self.method, logprobs=self.logprobs, chain=self.carried_chain)]
             return needs + self._pre_draft(tuple(self.carried), None)
         gamma = self.next_gamma()
@@ -377,16 +378,16 @@ class SpeculativeMachine(DecodeMachine):
         if gamma == 0:  # a plain step: the target samples on its own stream
             self.pre_draft_count = 0
             remaining = self.max_new_tokens - len(self.committed)
-            count = self.lookahead(min(AR_TOKENS_PER_STEP, max(1, remaining)))
+            count = self.lookahead(min(AR_TOKENS_PER_ITERATION, max(1, remaining)))
             return [Sample(self.target, self.unsent.take(self.target), count, stream="verify", logprobs=self.logprobs)]
         return [
             Sample(self.draft, self.unsent.take(self.draft), gamma, self.num_drafts, return_logits=True),
-            ScoreVerify(self.target, self.unsent.take(self.target), proposal=0, method=self.method,
+            ScoreVerify(self.target, self.unsent.take(self.target), draft_need=0, method=self.method,
                         logprobs=self.logprobs),
         ] + self._pre_draft(None, 0)
 
     def _pre_draft(self, block: tuple[int, ...] | None, block_from: int | None) -> list[Need]:
-        """This step's :class:`PreDraft` (none when off, or when no next block is worth drafting)."""
+        """This iteration's :class:`PreDraft` (none when off, or when no next block is worth drafting)."""
         length = self.draft_lengths[-1]
         self.pre_draft_count = self._pre_draft_length(length)
         if self.pre_draft_count == 0:
@@ -428,7 +429,7 @@ class SpeculativeMachine(DecodeMachine):
         return tokens
 
     def _carry(self, pre_drafted: PreDrafted | None, verified: Verified, gamma: int) -> None:
-        """Keep the pre-drafted chain drafted after the bonus token this step emitted, when the
+        """Keep the pre-drafted chain drafted after the bonus token this iteration emitted, when the
         block was accepted in full and no greedy modification is pending."""
         self.carried = None
         if pre_drafted is None or verified.num_accepted != gamma or self.pending_positions:
@@ -546,7 +547,7 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
     """``se``: the alternate proposal framework (2 members) / n-model chain (paper 001, App. B.1
     Alg. 1 and B.2 Alg. 2; the loop is stated in ``verifiers.reference_ensemble.ensemble_generate``).
 
-    One step = one member call: the default proposer proposing into an empty queue, or the
+    One iteration = one member call: the default proposer proposing into an empty queue, or the
     member with the least coverage scoring the queue, drawing its bonus token and proposing
     after it (:class:`Extend`); then every verifiable segment is verified here with the own
     stream (:func:`verifiers.ensemble.verify_segment`).

@@ -79,7 +79,7 @@ __all__ = [
 #: Registered methods of this module that are known not to be lossless in general.
 EXPERIMENTAL_METHODS = frozenset({"spectr_gbv"})
 
-_BISECTION_STEPS = 200  # far more than float64 needs; the loop stops when the bracket is tight
+_BISECTION_ITERATIONS = 200  # far more than float64 needs; the loop stops when the bracket is tight
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def kseq_rho(draft_row: torch.Tensor, target_row: torch.Tensor, num_candidates: 
 
 def _bisect_piece(low: float, high: float, linear: float, inverse: float, count: int) -> float:
     """Smallest rho in (low, high] with excess <= 0, to adjacent floats (excess(high) <= 0)."""
-    for _ in range(_BISECTION_STEPS):
+    for _ in range(_BISECTION_ITERATIONS):
         middle = 0.5 * (low + high)
         if middle <= low or middle >= high:
             break

@@ -64,14 +64,14 @@ def speculative_generate(
     its own position, :mod:`verifiers.penalties`). Returns ``(tokens, stats)``: exactly
     ``max_new_tokens`` generated ids (the last block is truncated; no EOS handling) and a
     dict with ``target_calls`` (one per iteration), ``draft_calls`` (``gamma`` per
-    iteration: one batched step over the K drafts), ``accepted`` (accepted lengths per
+    iteration: one batched call per draft position over the K drafts), ``accepted`` (accepted lengths per
     iteration), ``draft_lengths`` (the block drafted per iteration), ``draft_index`` (multi-draft: the
     chosen draft per iteration) and ``iterations``. ``adaptive``: choose each iteration's block
     from the accepted lengths so far (:mod:`verifiers.adaptive`; ``gamma`` is then unused).
     ``pre_drafting`` (K > 0): the draft drafts the next block after each of K candidate bonus
     tokens while the target verifies (:class:`verifiers.machines.PreDraft`; ``pre_drafted`` in
     the stats counts the iterations that verified such a block). The random streams then differ
-    from the contract below (the drafting stream also serves the pre-drafts, in step order), the
+    from the contract below (the drafting stream also serves the pre-drafts, in iteration order), the
     law does not.
 
     Random-stream contract (the distributed coordinator reproduces this loop token for
@@ -80,7 +80,7 @@ def speculative_generate(
     1. ``draft_source, verify_source = split_sources(generator, 2)`` once per call
        (stream 0 = drafting, stream 1 = verification; see ``verifiers.randomness.stream_seeds``).
     2. Every iteration drafts a full block of ``gamma`` tokens for each of the ``K =
-       num_drafts`` drafts (K = 1 for single-draft rules), step by step: at step ``i`` ONE call
+       num_drafts`` drafts (K = 1 for single-draft rules), position by position: at position ``i`` ONE call
        ``draft_source.categorical(rows)`` with ``rows [K, V]`` (draft k's row after its own
        first ``i`` tokens, in draft order).
     3. The target rows are computed for all ``gamma + 1`` positions of each draft.
@@ -114,7 +114,7 @@ def speculative_generate(
         "draft_lengths": list(machine.draft_lengths),
         "draft_index": list(machine.draft_indices),
         "iterations": iterations,
-        "pre_drafted": machine.pre_drafted_steps,
+        "pre_drafted": machine.pre_drafted_iterations,
     }
     logger.debug("speculative_generate(%s): %s", method, stats)
     return generated[:max_new_tokens], stats

@@ -176,7 +176,7 @@ def _full_logits(model, context: list[int]) -> torch.Tensor:
 
 
 def _run(worker: ModelWorker, *items: WorkItem):
-    outcomes, payloads = worker.step(list(items))
+    outcomes, payloads = worker.run_step(list(items))
     for outcome in outcomes:
         assert outcome.error is None, outcome.error
     return outcomes, payloads

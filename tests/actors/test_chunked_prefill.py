@@ -170,17 +170,17 @@ def _open(prompt: list[int]) -> OpenSession:
 
 def test_a_chunked_prefill_writes_the_keys_values_and_row_of_a_one_shot_prefill(llama):
     prompt = _prompt(300, seed=3)
-    one_shot = llama.step([WorkItem("one-shot", NextLogits("target", ()), open=_open(prompt))])[0][0]
+    one_shot = llama.run_step([WorkItem("one-shot", NextLogits("target", ()), open=_open(prompt))])[0][0]
     steps, opened = 0, _open(prompt)
     while True:  # the chunks, one step each, then the row after the prompt
-        outcome = llama.step([WorkItem("chunked", Prefill("target"), open=opened)])[0][0]
+        outcome = llama.run_step([WorkItem("chunked", Prefill("target"), open=opened)])[0][0]
         assert outcome.error is None, outcome.error
         assert outcome.value.fed <= llama.engine.max_tokens_per_step
         opened, steps = None, steps + 1
         if outcome.value.remaining == 0:
             break
     assert steps == 5  # 299 tokens in chunks of 64
-    chunked = llama.step([WorkItem("chunked", NextLogits("target", ()))])[0][0]
+    chunked = llama.run_step([WorkItem("chunked", NextLogits("target", ()))])[0][0]
     assert (chunked.value - one_shot.value).abs().max().item() < 1e-5  # [V]
     storage, sessions = llama.backend.cache.storage, llama.engine.sessions  # [2, layers, S, H, capacity + 1, D]
     one_shot_slot, chunked_slot = (sessions.get(name).slot for name in ("one-shot", "chunked"))

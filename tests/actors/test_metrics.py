@@ -27,7 +27,7 @@ from actors.metrics import (
 from actors.scheduler import OverloadedError, Scheduler
 from benchmarks.runners import LocalActorHandle
 from tests.actors.fake_models import FunctionModelWorker, fake_group_config
-from verifiers.machines import AR_TOKENS_PER_STEP
+from verifiers.machines import AR_TOKENS_PER_ITERATION
 
 PROMPT = [1, 2, 3]
 MAX_TOKENS = 14
@@ -208,9 +208,9 @@ def test_counters_match_what_the_requests_returned(local_coordinator):
         assert families["specserve_prompt_tokens"][labels] == sum(s.prompt_tokens for s in stats)
         assert families["specserve_time_to_first_token_seconds"][labels][2] == 2
         assert families["specserve_e2e_request_latency_seconds"][labels][2] == 2
-        # Every token after each request's first scheduler chunk is one ITL observation (ar: 4 per step).
+        # Every token after each request's first scheduler chunk is one ITL observation (ar: 4 per iteration).
         itl_count = families["specserve_inter_token_latency_seconds"].get(labels, (None, 0, 0))[2]
-        assert itl_count == 2 * (MAX_TOKENS - AR_TOKENS_PER_STEP) if name == "ar" else 0 < itl_count <= 2 * (MAX_TOKENS - 1)
+        assert itl_count == 2 * (MAX_TOKENS - AR_TOKENS_PER_ITERATION) if name == "ar" else 0 < itl_count <= 2 * (MAX_TOKENS - 1)
         accepted_lengths = [a for s in stats for a in s.accepted_lengths]
         if name in ("ar", "ensemble"):
             assert labels not in families.get("specserve_spec_decode_num_drafts", {})
@@ -244,6 +244,24 @@ def test_invalid_requests_are_counted(local_coordinator):
     assert requests[("none", "none", "invalid")] == 1
 
 
+def test_prompt_scoring_requests_are_counted(local_coordinator):
+    """``max_tokens: 0`` (the prompt scored, nothing decoded) never reaches the scheduler and is
+    counted as it counts a request: admitted with its prompt tokens, ended ``length``."""
+    coordinator, loop = local_coordinator.coordinator, local_coordinator.loop
+    request = GenerationRequest(request_id="score", prompt_ids=PROMPT, speculation=SPECULATIONS["sd"],
+                                sampling={"max_tokens": 0, "prompt_logprobs": 1})
+    (chunk,) = loop.run_until_complete(_chunks(coordinator, request))
+    assert chunk.finished and chunk.prompt_logprobs and chunk.stats.prompt_tokens == len(PROMPT)
+    families = _families(loop.run_until_complete(coordinator.metrics_snapshot()))
+    labels = ("sd", "block")
+    assert families["specserve_requests"] == {(*labels, "length"): 1}
+    assert families["specserve_prompt_tokens"] == {labels: len(PROMPT)}
+    assert families["specserve_request_queue_time_seconds"][labels][2] == 1
+    assert families["specserve_e2e_request_latency_seconds"][labels][2] == 1
+    assert labels not in families.get("specserve_generation_tokens", {})
+    assert coordinator.scheduler.steps == 0
+
+
 def test_a_cancelled_request_is_counted_once():
     scheduler = Scheduler({}, max_running=1, max_waiting=1)
     request = SimpleNamespace(labels=("ar", "none"), clock=RequestClock(), finished=False, cancelled=False,
@@ -259,14 +277,14 @@ def test_worker_seconds_are_cumulative_and_exact(local_coordinator):
     coordinator, loop, workers = local_coordinator.coordinator, local_coordinator.loop, local_coordinator.workers
     engine = workers["target"].engine
     step_forward_s: list[float] = []
-    original = engine.step
+    original = engine.run_step
 
-    def recording_step(items, releases=(), proposals=()):
-        outcomes, payloads = original(items, releases, proposals)
+    def recording_step(items, releases=(), source_payloads=()):
+        outcomes, payloads = original(items, releases, source_payloads)
         step_forward_s.append(max((o.timing.forward_s for o in outcomes), default=0.0))
         return outcomes, payloads
 
-    engine.step = recording_step
+    engine.run_step = recording_step
     first = engine.metrics()
     loop.run_until_complete(_chunks(coordinator, _request("sd", 3)))
     middle = engine.metrics()

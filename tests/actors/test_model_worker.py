@@ -46,8 +46,8 @@ def _open(prompt=PROMPT, sampling=SAMPLING, seeds=None) -> OpenSession:
     return OpenSession(tuple(prompt), sampling, seeds if seeds is not None else {"sample": 1, "verify": 2})
 
 
-def _run(worker, *items: WorkItem, releases=(), proposals=()):
-    outcomes, payloads = worker.step(list(items), proposals=list(proposals), releases=list(releases))
+def _run(worker, *items: WorkItem, releases=(), source_payloads=()):
+    outcomes, payloads = worker.run_step(list(items), source_payloads=list(source_payloads), releases=list(releases))
     for outcome in outcomes:
         assert outcome.error is None, outcome.error
     return outcomes, payloads
@@ -98,7 +98,7 @@ def test_one_step_batches_sessions_and_matches_full_forwards(worker, full_logits
     try:
         outcomes, payloads = _run(worker, *items)
         # The prompts' forward is split where padding costs more than a forward
-        # (forward_groups: rows of 30, 10 and 3 + 2 tokens), then two draft steps with all four
+        # (forward_groups: rows of 30, 10 and 3 + 2 tokens), then two draft positions with all four
         # sessions in one forward each.
         assert worker.engine.rows_per_forward[-5:] == [1, 1, 2, 4, 4]
         for i, (prompt, payload) in enumerate(zip(prompts, payloads)):
@@ -139,10 +139,10 @@ def test_k_drafts_in_one_row_then_the_winner_continues(worker, full_logits):
     drafts = torch.tensor([garbage, [greedy, greedy2, (greedy2 + 7) % 300]])  # [K=2, gamma=3]
     proposal = Sampled(drafts, torch.zeros(2, 3, worker.backend.vocab_size))  # uniform draft rows: any draft is possible
     try:
-        outcome = worker.step(
-            [WorkItem("multi", ScoreVerify("target", (), proposal=0, method="spectr"), open=_open(sampling=SHARP, seeds={"verify": 3}),
+        outcome = worker.run_step(
+            [WorkItem("multi", ScoreVerify("target", (), draft_need=0, method="spectr"), open=_open(sampling=SHARP, seeds={"verify": 3}),
                       proposal_source=(0, 0))],
-            proposals=[[proposal]],
+            source_payloads=[[proposal]],
         )[0][0]
         assert outcome.error is None, outcome.error
         verified = outcome.value
@@ -169,7 +169,7 @@ def test_member_extend_rows_match_full_forward(worker, full_logits):
 
 
 def test_failed_item_frees_its_session_and_spares_the_others(worker):
-    outcomes, _ = worker.step(
+    outcomes, _ = worker.run_step(
         [WorkItem("fails", Sample("target", (), 2), open=_open(seeds={"verify": 3})),  # owns no sampling stream
          WorkItem("fine", Sample("target", (), 2), open=_open())],
     )

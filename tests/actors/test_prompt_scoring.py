@@ -41,7 +41,7 @@ def test_prompt_logits_equal_a_full_forward_even_when_a_prefix_is_cached(target)
     prompt = _prompt(40, seed=1)
     cache = target.engine.prefix_cache
     # A finished request with the same first 30 tokens leaves them parked in the cache.
-    outcomes, _ = target.step([WorkItem("donor", Sample("target", (), 1), open=OpenSession(tuple(prompt[:30] + [7] * 5),
+    outcomes, _ = target.run_step([WorkItem("donor", Sample("target", (), 1), open=OpenSession(tuple(prompt[:30] + [7] * 5),
                                                                                        RowSampling(), {"sample": 1}))])
     assert outcomes[0].error is None
     target.release("donor")
@@ -60,7 +60,7 @@ def test_a_decode_session_after_scoring_reuses_the_scored_prompt(target):
     cache = target.engine.prefix_cache
     reused = cache.reused_tokens_total
     open_spec = OpenSession(tuple(prompt), RowSampling(), {"sample": 3})
-    outcomes, _ = target.step([WorkItem("decode", Sample("target", (), 1), open=open_spec)])
+    outcomes, _ = target.run_step([WorkItem("decode", Sample("target", (), 1), open=open_spec)])
     assert outcomes[0].error is None and outcomes[0].prompt_logits is None
     assert cache.reused_tokens_total - reused == len(prompt) - 1
     target.release("decode")
@@ -75,7 +75,7 @@ def test_prompt_logits_in_a_batched_step_leave_the_neighbour_rows_alone(target):
         WorkItem("s2", Sample("target", (), 1, return_logits=True),
                  open=OpenSession(tuple(plain), RowSampling(), {"sample": 2})),
     ]
-    outcomes, payloads = target.step(items)
+    outcomes, payloads = target.run_step(items)
     try:
         assert [o.error for o in outcomes] == [None, None]
         diff = (torch.log_softmax(outcomes[0].prompt_logits, -1) - _reference(target, scored)).abs().max().item()

@@ -586,6 +586,29 @@ def test_prompt_logprobs_extension_in_vllm_shape_for_an_ensemble(client, serve_a
     assert body["choices"][0]["logprobs"] is None  # no generated-token log-probabilities were asked for
 
 
+def test_chat_prompt_logprobs_extension_once_per_response(client, serve_app, greedy_reference):
+    """vLLM's chat ``prompt_logprobs``: the templated prompt's tokens under the target, once
+    beside the choices (not per choice); refused with stream, as vLLM does."""
+    messages = [{"role": "user", "content": PROMPT}]
+    ids = list(greedy_reference.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    rows = _reference_log_rows(greedy_reference, ids)  # [P, V]
+    body = client.chat.completions.create(model=serve_app.model, messages=messages, max_tokens=1, n=2,
+                                          extra_body={"prompt_logprobs": 0}).model_dump()
+    block = body["prompt_logprobs"]
+    assert block[0] is None and len(block) == len(ids)
+    for j, entry in enumerate(block[1:]):
+        assert abs(entry[str(ids[j + 1])]["logprob"] - rows[j, ids[j + 1]].item()) < 1e-4
+    assert all("prompt_logprobs" not in choice and choice["logprobs"] is None for choice in body["choices"])
+    scored = client.chat.completions.create(model=serve_app.model, messages=messages, max_tokens=0,
+                                            extra_body={"prompt_logprobs": 0}).model_dump()
+    assert scored["prompt_logprobs"] == block and scored["usage"]["completion_tokens"] == 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=serve_app.model, messages=messages, max_tokens=1, stream=True,
+                                       extra_body={"prompt_logprobs": 0})
+    assert refused.value.body["param"] == "prompt_logprobs"
+
+
 @pytest.mark.parametrize("bias", [100.5, float("nan")])
 def test_logit_bias_values_are_checked_once_where_every_field_is(bias):
     """Keys are parsed with the body; values and counts are checked with every other field

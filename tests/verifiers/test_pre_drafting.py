@@ -101,7 +101,7 @@ def test_pre_drafting_with_a_history_dependent_block_keeps_the_target_law(method
                                  layout_sources(machine.streams(), split_sources(source, 2)),
                                  temperature=1.0, top_k=0, top_p=1.0)
         tokens = run_machine(machine, executor)
-        reused.append(machine.pre_drafted_steps)
+        reused.append(machine.pre_drafted_iterations)
         return tuple(tokens[:4])
 
     law = exact_law(procedure)
