@@ -178,9 +178,10 @@ class Coordinator:
         }
 
     async def engine_stats(self) -> dict[str, Any]:
-        """Scheduler counters: steps, running and waiting requests, recent batch sizes."""
+        """Scheduler counters: steps, solo bursts, running and waiting requests, recent batch sizes."""
         return {
             "steps": self.scheduler.steps,
+            "bursts": self.scheduler.bursts,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "batch_sizes": list(self.scheduler.batch_sizes),
