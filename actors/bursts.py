@@ -23,9 +23,12 @@ the same order as step by step: a seeded request's tokens are the same with burs
 (``tests/actors/test_bursts.py``). ``gamma: "auto"`` with measured step costs reads the costs
 frozen when the burst starts (:class:`FrozenStepCosts`), in the worker's copy and in the replay.
 
-Only machines whose needs are a Sample on the target, or a Sample on the draft and a
-ScoreVerify on the target, burst (``ar``, ``sd``, ``multi_draft`` without pre-drafting):
-:func:`burstable`.
+With pre-drafting (``engine.pre_drafting``) an iteration's PreDraft is sent to the draft's
+worker right after its Sample and runs there while the target verifies here; the next iteration
+verifies a pre-drafted chain from that call's payloads, so the draft's forwards leave the
+critical path as in step-by-step scheduling (each record carries the PreDraft payloads' ref, so a
+later step or burst reads them the same way). Only ``ar``, ``sd`` and ``multi_draft`` burst
+(:func:`burstable`); the ensembles' members are peers of equal rank.
 """
 
 from __future__ import annotations
@@ -36,17 +39,28 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from actors.messages import UNAVAILABLE, ItemOutcome, WorkItem
+from actors.messages import UNAVAILABLE, FailedSource, ItemOutcome, WorkItem
 from verifiers.adaptive import StepCosts
-from verifiers.machines import AutoregressiveMachine, DecodeMachine, Need, Sample, ScoreVerify, SpeculativeMachine
+from verifiers.machines import (
+    PRE_DRAFTED,
+    AutoregressiveMachine,
+    DecodeMachine,
+    Need,
+    PreDraft,
+    Sample,
+    ScoreVerify,
+    SpeculativeMachine,
+)
 
 logger = logging.getLogger(__name__)
 
 #: A burst never runs more iterations than this, whatever its time budget.
 MAX_BURST_ITERATIONS = 64
 
-#: ``(model, items) -> (outcomes, payloads)``: one call on another model's worker.
-PeerStep = Callable[[str, list[WorkItem]], tuple[list[ItemOutcome], list[Any]]]
+#: ``(model, items) -> (outcomes ref, payloads ref)``: submit one call on another model's worker.
+PeerSubmit = Callable[[str, list[WorkItem]], tuple[Any, Any]]
+#: ``refs -> values``: wait for calls' returns (Ray ObjectRefs, or resolved in-process futures).
+Fetch = Callable[[Sequence[Any]], list[Any]]
 #: ``(items, source payload lists) -> (outcomes, payloads)``: one call of this worker's engine.
 LocalStep = Callable[[list[WorkItem], list[Any]], tuple[list[ItemOutcome], list[Any]]]
 
@@ -59,6 +73,9 @@ class BurstRecord:
     needs: tuple[Need, ...]
     outcomes: tuple[ItemOutcome, ...]
     wall_s: float
+    #: With a PreDraft need: (the ref of its call's payloads, its position there), as the
+    #: scheduler keeps it for the next iteration's ScoreVerify of a pre-drafted chain.
+    pre_drafted: tuple[Any, int] | None = None
 
 
 class FrozenStepCosts:
@@ -73,26 +90,29 @@ class FrozenStepCosts:
 
 
 def burstable(machine: DecodeMachine) -> bool:
-    """Whether ``machine``'s needs are always a Sample on its target, or a Sample on the draft
-    and a ScoreVerify on the target (``ar``; ``sd`` / ``multi_draft`` without pre-drafting)."""
-    if isinstance(machine, AutoregressiveMachine):
-        return True
-    return isinstance(machine, SpeculativeMachine) and not machine.pre_drafting
+    """Whether ``machine``'s needs are Samples, a ScoreVerify on its target and PreDrafts only
+    (``ar``, ``sd``, ``multi_draft``; not the ensembles, whose members are peers of equal rank)."""
+    return isinstance(machine, (AutoregressiveMachine, SpeculativeMachine))
 
 
 def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_step: LocalStep,
-              peer_step: PeerStep, *, eos_token_ids: Sequence[int] = (), budget_s: float,
+              peer_submit: PeerSubmit, fetch: Fetch, *, eos_token_ids: Sequence[int] = (), budget_s: float,
+              pre_drafted: tuple[Any, int] | None = None,
               max_iterations: int = MAX_BURST_ITERATIONS) -> Iterator[BurstRecord]:
     """Drive ``machine`` (a copy: this consumes its outcomes) iteration after iteration; yield
     each one's :class:`BurstRecord`. Stops after the iteration that finishes the machine, emits
-    one of ``eos_token_ids``, fails, or ends past ``budget_s`` seconds (or ``max_iterations``)."""
+    one of ``eos_token_ids``, fails, or ends past ``budget_s`` seconds (or ``max_iterations``).
+    ``pre_drafted``: where the chains of the request's last PreDraft are, when the first
+    iteration verifies one."""
     eos = frozenset(int(t) for t in eos_token_ids)
     started = time.perf_counter()
     for _ in range(max_iterations):
         iteration_started = time.perf_counter()
         needs = machine.needs()
-        outcomes = execute_needs(needs, session_id, local_model, local_step, peer_step)
-        record = BurstRecord(tuple(needs), tuple(outcomes), time.perf_counter() - iteration_started)
+        outcomes, drafted_ahead = execute_needs(needs, session_id, local_model, local_step, peer_submit, fetch,
+                                                pre_drafted)
+        pre_drafted = drafted_ahead or pre_drafted
+        record = BurstRecord(tuple(needs), tuple(outcomes), time.perf_counter() - iteration_started, drafted_ahead)
         tokens: list[int] = []
         failed = any(outcome.error is not None for outcome in outcomes)
         if not failed:
@@ -106,41 +126,86 @@ def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_s
 
 
 def execute_needs(needs: Sequence[Need], session_id: str, local_model: str, local_step: LocalStep,
-                  peer_step: PeerStep) -> list[ItemOutcome]:
-    """One iteration of one request: the needs on other models first (one call per model), then
-    the local model's, each ScoreVerify reading its proposal from those calls' payloads. Outcomes
-    aligned with ``needs``; a peer that cannot be reached fails its needs (retryable)."""
+                  peer_submit: PeerSubmit, fetch: Fetch, pre_drafted: tuple[Any, int] | None = None,
+                  ) -> tuple[list[ItemOutcome], tuple[Any, int] | None]:
+    """One iteration of one request, as the scheduler places it: the needs on other models but
+    PreDrafts first (one call per model, awaited: the local ScoreVerify reads their payloads),
+    then the PreDrafts submitted, the local needs run here meanwhile, and the PreDrafts awaited.
+    Returns the outcomes aligned with ``needs`` (a peer that cannot be reached fails its needs,
+    retryable) and, with a PreDraft, where its payloads are."""
     outcomes: list[ItemOutcome | None] = [None] * len(needs)
-    remote: dict[str, list[int]] = {}
-    for index, need in enumerate(needs):
-        if need.model != local_model:
-            remote.setdefault(need.model, []).append(index)
-    sources: list[Any] = []  # per peer call, its payload list
+    sources: list[Any] = []  # per source, a payload list
     where: dict[int, tuple[int, int]] = {}  # need index -> (source, position) of its payload
-    for model, indices in remote.items():
-        items = [WorkItem(session_id, needs[i]) for i in indices]
-        try:
-            peer_outcomes, payloads = peer_step(model, items)
-        except Exception as error:  # noqa: BLE001 - the peer died: its needs fail, retryable
-            logger.error("burst: %s step failed (%s)", model, type(error).__name__)
-            failed = ItemOutcome(error=UNAVAILABLE.format(model=model), retryable=True)
-            peer_outcomes, payloads = [failed] * len(items), [failed] * len(items)
-        for position, (index, outcome) in enumerate(zip(indices, peer_outcomes)):
-            outcomes[index] = outcome
-            where[index] = (len(sources), position)
-        sources.append(list(payloads))
+    first, ahead = _peer_calls(needs, local_model)
+    for model, indices in first.items():
+        results = _await_peer(model, peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices]), fetch,
+                              len(indices))
+        _place_results(indices, results, outcomes, where, sources)
+    submitted = {model: peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices])
+                 for model, indices in ahead.items()}
     local = [i for i, need in enumerate(needs) if need.model == local_model]
     if local:
-        items = [_local_item(session_id, needs[i], where) for i in local]
+        items = [_local_item(session_id, needs[i], where, sources, pre_drafted, fetch) for i in local]
         local_outcomes, _ = local_step(items, sources)
         for index, outcome in zip(local, local_outcomes):
             outcomes[index] = outcome
-    return outcomes  # type: ignore[return-value]
+    drafted_ahead = None
+    for model, refs in submitted.items():
+        indices = ahead[model]
+        peer_outcomes, _ = _await_peer(model, refs, fetch, len(indices))
+        for position, index in enumerate(indices):
+            outcomes[index] = peer_outcomes[position]
+            drafted_ahead = (refs[1], position)
+    return outcomes, drafted_ahead  # type: ignore[return-value]
 
 
-def _local_item(session_id: str, need: Need, where: dict[int, tuple[int, int]]) -> WorkItem:
+def _peer_calls(needs: Sequence[Need], local_model: str) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Indices of the needs on other models, per model: those the local needs wait for, and the
+    PreDrafts, which run while the local needs do."""
+    first: dict[str, list[int]] = {}
+    ahead: dict[str, list[int]] = {}
+    for index, need in enumerate(needs):
+        if need.model != local_model:
+            (ahead if isinstance(need, PreDraft) else first).setdefault(need.model, []).append(index)
+    return first, ahead
+
+
+def _await_peer(model: str, refs: tuple[Any, Any], fetch: Fetch, count: int) -> tuple[list[ItemOutcome], list[Any]]:
+    """A peer call's (outcomes, payloads); every item failed (retryable) when it cannot be read."""
+    try:
+        outcomes, payloads = fetch(refs)
+        return list(outcomes), list(payloads)
+    except Exception as error:  # noqa: BLE001 - the peer died: its needs fail, retryable
+        logger.error("burst: the call on %s failed (%s)", model, type(error).__name__)
+        failed = ItemOutcome(error=UNAVAILABLE.format(model=model), retryable=True)
+        return [failed] * count, [failed] * count
+
+
+def _place_results(indices: list[int], results: tuple[list[ItemOutcome], list[Any]], outcomes: list,
+                   where: dict[int, tuple[int, int]], sources: list[Any]) -> None:
+    peer_outcomes, payloads = results
+    for position, index in enumerate(indices):
+        outcomes[index] = peer_outcomes[position]
+        where[index] = (len(sources), position)
+    sources.append(payloads)
+
+
+def _local_item(session_id: str, need: Need, where: dict[int, tuple[int, int]], sources: list[Any],
+                pre_drafted: tuple[Any, int] | None, fetch: Fetch) -> WorkItem:
+    """The local need as a work item; a ScoreVerify says where its proposal is (a pre-drafted
+    chain: the payloads of the request's last PreDraft, fetched and added to ``sources``)."""
+    if isinstance(need, ScoreVerify) and need.draft_need == PRE_DRAFTED:
+        if pre_drafted is None:
+            raise RuntimeError("a pre-drafted block to verify, but no PreDraft ran")
+        payloads_ref, position = pre_drafted
+        try:
+            (payloads,) = fetch([payloads_ref])
+        except Exception as error:  # noqa: BLE001 - the engine reports a lost proposal (retryable)
+            payloads = FailedSource(type(error).__name__)
+        sources.append(payloads)
+        return WorkItem(session_id, need, proposal_source=(len(sources) - 1, position))
     if isinstance(need, ScoreVerify):
         return WorkItem(session_id, need, proposal_source=where[need.draft_need])
     if not isinstance(need, Sample):
-        raise TypeError(f"a burst runs Sample and ScoreVerify needs only, got {type(need).__name__}")
+        raise TypeError(f"a burst runs Sample, ScoreVerify and PreDraft needs only, got {type(need).__name__}")
     return WorkItem(session_id, need)

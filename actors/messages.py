@@ -100,6 +100,13 @@ class PrefillProgress:
 
 
 @dataclass(frozen=True)
+class FailedSource:
+    """A proposing call whose payload could not be read (its worker died)."""
+
+    error: str
+
+
+@dataclass(frozen=True)
 class WorkItem:
     """One request's need (:mod:`verifiers.machines`) for one worker's call of a step.
 

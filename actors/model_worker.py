@@ -21,7 +21,6 @@ import pickle
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from actors.backends import SlotBackend
 from actors.bursts import BurstRecord, run_burst
 from actors.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.kv_budget import worker_kv_cache_memory
-from actors.messages import ItemOutcome, WorkerInfo, WorkItem
+from actors.messages import FailedSource, ItemOutcome, WorkerInfo, WorkItem
 from actors.simulated_device import SimulatedDevice
 from actors.vocabulary import load_tokenizer_identity
 
@@ -38,13 +37,6 @@ logger = logging.getLogger(__name__)
 
 REAPER_PERIOD_S = 5.0
 SCRATCH_COLUMNS = 288  # cache columns past the context per slot: K x gamma drafts, queued segments
-
-
-@dataclass(frozen=True)
-class FailedSource:
-    """A proposing call whose payload could not be read (its worker died)."""
-
-    error: str
 
 
 def _resolve(source: Any) -> Any:
@@ -176,11 +168,12 @@ class ModelWorker:
 
     def burst(
         self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),
-        budget_s: float = 0.1, releases: Sequence[str] = (),
+        budget_s: float = 0.1, releases: Sequence[str] = (), pre_drafted: tuple[Any, int] | None = None,
     ) -> Iterator[BurstRecord]:
         """Run one request's iterations here for up to ``budget_s`` seconds (:mod:`actors.bursts`):
         ``machine_blob`` is its pickled machine, ``peers`` the handles of the other models'
-        workers it uses (one direct ``run_step`` call per iteration). A generator: call it with
+        workers it uses (called directly, one ``run_step`` call per iteration and model),
+        ``pre_drafted`` where its last PreDraft's chains are. A generator: call it with
         ``.options(num_returns="streaming")``; one :class:`~actors.bursts.BurstRecord` per iteration."""
         machine = pickle.loads(machine_blob)
         pending_releases = list(releases)
@@ -189,14 +182,13 @@ class ModelWorker:
             released, pending_releases[:] = list(pending_releases), []
             return self.engine.run_step(items, released, sources)
 
-        def peer_step(model: str, items: list[WorkItem]) -> tuple[list[ItemOutcome], list[Any]]:
-            outcomes, payloads = _fetch(peers[model].run_step.options(num_returns=2).remote(items, source_payloads=[], releases=[]))
-            return outcomes, payloads
+        def peer_submit(model: str, items: list[WorkItem]) -> tuple[Any, Any]:
+            return tuple(peers[model].run_step.options(num_returns=2).remote(items, source_payloads=[], releases=[]))
 
         if pending_releases:
             local_step([], [])
-        yield from run_burst(machine, session_id, self.spec.name, local_step, peer_step,
-                             eos_token_ids=eos_token_ids, budget_s=budget_s)
+        yield from run_burst(machine, session_id, self.spec.name, local_step, peer_submit, _fetch,
+                             eos_token_ids=eos_token_ids, budget_s=budget_s, pre_drafted=pre_drafted)
 
     # ------------------------------------------------------------------ sessions
     def prompt_logits(self, session_id: str, prompt_ids: list[int], vocab_limit: int | None = None) -> Any:

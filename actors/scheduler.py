@@ -395,19 +395,31 @@ class Scheduler:
             releases, self.releases[target] = self.releases[target], []
             self.bursts += 1
             stream = self.workers[target].burst.options(num_returns="streaming").remote(
-                blob, request.session_id, peers, tuple(request.output.eos_token_ids), self.burst_s, releases)
+                blob, request.session_id, peers, tuple(request.output.eos_token_ids), self.burst_s, releases,
+                request.pre_drafted)
             try:
                 async for ref in stream:
                     record = await ref
                     if request.finished or request.cancelled:
                         break  # the worker stops within its budget; the session is released next call
                     self._replay(request, record)
-            except Exception as error:  # noqa: BLE001 - the target's worker failed: as a lost worker call
-                logger.error("worker %s burst failed (%s); its sessions are lost", target, type(error).__name__)
-                self._fail(request, UNAVAILABLE.format(model=target), retryable=True)
+            except Exception as error:  # noqa: BLE001 - the burst failed: this request only
+                self._burst_failed(request, target, error)
         finally:
             if live_costs is not None:
                 machine.step_costs = live_costs
+
+    def _burst_failed(self, request: RequestState, target: str, error: Exception) -> None:
+        """A burst that raised: an exception of the burst's own code ends the request as an
+        internal error; anything else (the worker died) as a lost worker call, retryable."""
+        from ray.exceptions import RayTaskError
+
+        if isinstance(error, RayTaskError) or not _is_ray_error(error):
+            logger.error("request %s: the burst on %s failed: %s", request.session_id, target, error)
+            self._fail(request, f"internal error: {type(error).__name__}")
+            return
+        logger.error("worker %s burst failed (%s); its sessions are lost", target, type(error).__name__)
+        self._fail(request, UNAVAILABLE.format(model=target), retryable=True)
 
     def _replay(self, request: RequestState, record: BurstRecord) -> None:
         """One iteration of a burst, as a step of one request: the request's machine must ask for
@@ -428,15 +440,20 @@ class Scheduler:
                          record.needs, request.last_needs)
             self._fail(request, "internal error: a burst's iteration differs from the request's")
             return
-        if all(outcome.error is None for outcome in record.outcomes):
-            entries = [_Placed(request, i, WorkItem(request.session_id, need))
-                       for i, need in enumerate(request.last_needs)]
-            reports = [call_report(model, [e for e in entries if e.item.need.model == model],
-                                   [o for e, o in zip(entries, record.outcomes) if e.item.need.model == model])
-                       for model in dict.fromkeys(need.model for need in request.last_needs)]
-            speculative = any(isinstance(need, ScoreVerify) for need in request.last_needs)
-            self.cost_model.observe_step(1, reports, record.wall_s, speculative=speculative)
+        if any(isinstance(need, PreDraft) for need in request.last_needs):
+            request.pre_drafted = record.pre_drafted  # the next iteration may verify one of its chains
+        elif all(outcome.error is None for outcome in record.outcomes):  # like steps: not with a PreDraft
+            self._observe_iteration_costs(request, record)
         self._advance(request, list(record.outcomes))
+
+    def _observe_iteration_costs(self, request: RequestState, record: BurstRecord) -> None:
+        """Feed a burst's iteration to the cost model as a step of one request (one call per model)."""
+        entries = [_Placed(request, i, WorkItem(request.session_id, need)) for i, need in enumerate(record.needs)]
+        reports = [call_report(model, [e for e in entries if e.item.need.model == model],
+                               [o for e, o in zip(entries, record.outcomes) if e.item.need.model == model])
+                   for model in dict.fromkeys(need.model for need in record.needs)]
+        speculative = any(isinstance(need, ScoreVerify) for need in record.needs)
+        self.cost_model.observe_step(1, reports, record.wall_s, speculative=speculative)
 
     def _observe_costs(self, cohort: Cohort, placed: dict[str, list[list[_Placed]]], reports: list[CallReport],
                        wall_s: float) -> None:
@@ -678,6 +695,13 @@ def call_report(model: str, entries: list[_Placed], outcomes: list[ItemOutcome])
     return CallReport(model=model, tokens_fed=sum(timing.tokens_fed for timing in timings),
                       forwards=max(forwards, default=0), forward_s=max((t.forward_s for t in timings), default=0.0),
                       uniform=uniform)
+
+
+def _is_ray_error(error: Exception) -> bool:
+    """Whether ``error`` is Ray's (an actor that died, an object lost), not the called code's."""
+    from ray.exceptions import RayError
+
+    return isinstance(error, RayError)
 
 
 def _nbytes(value: Any) -> int:

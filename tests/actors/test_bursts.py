@@ -82,6 +82,29 @@ def test_ar_in_bursts_equals_the_reference(burst_group):
         assert chunks[-1].stats.target_calls == MAX_TOKENS
 
 
+def test_pre_drafting_in_bursts_equals_the_reference(ray_session):
+    """The PreDraft runs on the draft's worker while the target verifies, and the next iteration
+    verifies its chain, inside a burst: the reference loop's tokens, with chains really reused."""
+    group = start_model_group(fake_group_config(overlap=False, pre_drafting=2, burst_ms=5_000),
+                              worker_cls=FunctionModelWorker)
+    try:
+        seeds = (0, 1, 2, 3)
+        speculation = {"strategy": "sd", "method": "block", "gamma": 2}
+        results = _run_one_at_a_time(group, [_request(seed, speculation, max_tokens=20) for seed in seeds])
+        assert _bursts(group) >= len(seeds)
+    finally:
+        group.shutdown()
+    reused = 0
+    for seed, chunks in zip(seeds, results):
+        expected, stats = speculative_generate(FAKE_MODELS["draft"], FAKE_MODELS["target"], PROMPT, 20, gamma=2,
+                                               method="block", generator=torch.Generator().manual_seed(seed),
+                                               pre_drafting=2)
+        assert _tokens(chunks) == expected
+        assert chunks[-1].stats.pre_drafted == stats["pre_drafted"]
+        reused += stats["pre_drafted"]
+    assert reused > 0
+
+
 @pytest.mark.parametrize("strategy,method,num_drafts,gamma", [
     ("sd", "token", 1, 3),
     ("sd", "block", 1, 3),
@@ -167,9 +190,13 @@ def _no_peer(model, items):
     raise AssertionError("ar makes no call to another worker")
 
 
+def _fetch(refs):
+    return list(refs)
+
+
 def test_a_burst_stops_when_the_machine_is_done():
     machine = AutoregressiveMachine("target", max_new_tokens=10, tokens_per_iteration=4)
-    records = list(run_burst(machine, "s", "target", _ar_step([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6]]), _no_peer,
+    records = list(run_burst(machine, "s", "target", _ar_step([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6]]), _no_peer, _fetch,
                              budget_s=60))
     assert [len(record.outcomes[0].value.tokens[0]) for record in records] == [4, 4, 2]
     assert machine.done
@@ -178,7 +205,7 @@ def test_a_burst_stops_when_the_machine_is_done():
 def test_a_burst_stops_after_an_eos_token():
     machine = AutoregressiveMachine("target", max_new_tokens=40, tokens_per_iteration=4)
     records = list(run_burst(machine, "s", "target", _ar_step([[1, 2, 3, 4], [1, 9, 3, 4], [1, 2, 3, 4]]), _no_peer,
-                             eos_token_ids=(9,), budget_s=60))
+                             _fetch, eos_token_ids=(9,), budget_s=60))
     assert len(records) == 2
 
 
@@ -190,7 +217,7 @@ def test_a_burst_stops_at_its_time_budget():
         time.sleep(0.02)
         return inner(items, sources)
 
-    records = list(run_burst(machine, "s", "target", slow_step, _no_peer, budget_s=0.05))
+    records = list(run_burst(machine, "s", "target", slow_step, _no_peer, _fetch, budget_s=0.05))
     assert 2 <= len(records) <= 4
 
 
@@ -200,7 +227,7 @@ def test_a_burst_stops_after_a_failed_iteration():
     def failing_step(items, sources):
         return [ItemOutcome(error="RuntimeError: boom")], [None]
 
-    records = list(run_burst(machine, "s", "target", failing_step, _no_peer, budget_s=60))
+    records = list(run_burst(machine, "s", "target", failing_step, _no_peer, _fetch, budget_s=60))
     assert len(records) == 1 and records[0].outcomes[0].error == "RuntimeError: boom"
 
 
@@ -209,6 +236,9 @@ def test_an_unreachable_draft_fails_its_iteration_as_retryable():
     needs = machine.needs()
 
     def dead_peer(model, items):
+        return "outcomes ref", "payloads ref"
+
+    def fetch(refs):
         raise RuntimeError("the actor died")
 
     def local_step(items, sources):
@@ -217,16 +247,22 @@ def test_an_unreachable_draft_fails_its_iteration_as_retryable():
         assert isinstance(sources[0][0], ItemOutcome) and sources[0][0].error is not None
         return [ItemOutcome(error="RuntimeError: the proposal failed")], [None]
 
-    outcomes = execute_needs(needs, "s", "target", local_step, dead_peer)
+    outcomes, pre_drafted = execute_needs(needs, "s", "target", local_step, dead_peer, fetch)
+    assert pre_drafted is None
     assert outcomes[0].retryable and "draft" in outcomes[0].error
     assert outcomes[1].error is not None
 
 
-def test_only_machines_without_pre_drafting_burst():
+def test_ar_sd_and_multi_draft_burst_the_ensembles_do_not():
+    from verifiers.machines import EnsembleMachine
+    from verifiers.randomness import TorchRandomSource
+
     assert burstable(AutoregressiveMachine("target", max_new_tokens=4))
-    assert burstable(SpeculativeMachine("draft", "target", method="block", gamma=3, num_drafts=1, max_new_tokens=4))
-    assert not burstable(SpeculativeMachine("draft", "target", method="block", gamma=3, num_drafts=1,
-                                            max_new_tokens=4, pre_drafting=2))
+    assert burstable(SpeculativeMachine("draft", "target", method="block", gamma=3, num_drafts=1, max_new_tokens=4,
+                                        pre_drafting=2))
+    ensemble = EnsembleMachine(["target", "partner"], ensemble="weighted", weights=None, mu=0.1, temperature=1.0,
+                               top_k=0, top_p=1.0, own_source=TorchRandomSource(torch.Generator()), max_new_tokens=4)
+    assert not burstable(ensemble)
 
 
 def test_frozen_step_costs_pickle_with_the_machine():
