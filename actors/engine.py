@@ -62,6 +62,7 @@ from verifiers.machines import (
     Verified,
     bonus_guesses,
 )
+from verifiers.randomness import RowSources
 from verifiers.registry import get_verifier
 from verifiers.penalties import penalized_probs
 from verifiers.sampling import token_logprob
@@ -226,10 +227,13 @@ class _ScoreVerifyTask(_Task):
         self.spec = get_verifier(need.method)
         self.source = session.source(need.stream)
         self.result: Verified | None = None
+        #: Once the rows are taken and until verified: (draft tokens, draft rows, target rows) in
+        #: the rule's batch layout (``[1, gamma]``, ``[1, gamma, V]``, ``[1, gamma+1, V]`` single-draft).
+        self.inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def active(self) -> bool:
-        return self.result is None
+        return self.result is None and self.inputs is None
 
     def row(self) -> RowWork:
         session, pending = self.session, self.pending
@@ -257,6 +261,9 @@ class _ScoreVerifyTask(_Task):
         )
 
     def take(self, logits: torch.Tensor) -> None:
+        """The target rows and the draft's rows of the block; a rule the engine verifies for many
+        requests at once (:attr:`batch_key`) waits for :func:`verify_together`, any other is
+        verified here."""
         session = self.session
         draft_tokens = self.proposal.tokens  # [K, gamma]
         num_drafts, gamma = draft_tokens.shape
@@ -272,29 +279,74 @@ class _ScoreVerifyTask(_Task):
         draft_after = [draft[:j] for draft in drafts for j in range(gamma)]
         draft_probs = session_rows(session, self.proposal.logits, draft_after)  # [K, gamma, V]
         if self.spec.multi_draft:
-            batched = (draft_tokens[None], draft_probs[None], target_probs[None])  # B = 1
+            self.inputs = (draft_tokens[None], draft_probs[None], target_probs[None])  # B = 1
         else:
-            batched = (draft_tokens, draft_probs, target_probs)  # K = 1 is the batch of 1
-        result = self.spec.verify(*batched, generator=self.source, state=session.verify_state)
+            self.inputs = (draft_tokens, draft_probs, target_probs)  # K = 1 is the batch of 1
+        self.verify_s = time.perf_counter() - started
+        if self.batch_key is None:
+            self.verify_alone()
+
+    @property
+    def batch_key(self) -> tuple[str, int] | None:
+        """Requests whose blocks one verifier call takes together: a stateless single-draft rule
+        (token, block) and the block length; None: verified alone (multi-draft and greedy rules)."""
+        if self.spec.multi_draft or self.spec.stateful or self.inputs is None:
+            return None
+        return self.need.method, int(self.inputs[0].shape[-1])
+
+    def verify_alone(self) -> None:
+        """Verify this block by itself on the request's verification stream."""
+        started = time.perf_counter()
+        result = self.spec.verify(*self.inputs, generator=self.source, state=self.session.verify_state)
+        self.verify_s += time.perf_counter() - started
+        self.finish(result, 0)
+
+    def finish(self, result: Any, row: int) -> None:
+        """Take batch row ``row`` of the verifier's ``result``: commit the emitted tokens."""
+        session = self.session
+        draft_tokens, _, target_probs = self.inputs
+        if self.spec.multi_draft:
+            draft_tokens, target_probs = draft_tokens[0], target_probs[0]  # [K, gamma], [K, gamma+1, V]
         session.verify_state = result.state
-        emitted = result.emitted(0)
-        chosen = 0 if result.draft_index is None else int(result.draft_index[0])
+        emitted = result.emitted(row)
+        chosen = 0 if result.draft_index is None else int(result.draft_index[row])
         logprobs = None
         if self.need.logprobs is not None:  # each emitted token under the target row at its position
             logprobs = [token_logprob(target_probs[chosen, j], t, self.need.logprobs) for j, t in enumerate(emitted)]
-        session.chain_start, session.chain_stride = session.base, gamma
+        session.chain_start, session.chain_stride = session.base, draft_tokens.shape[-1]
         session.chains = draft_tokens.tolist()
         session.context.extend(emitted)
         self.result = Verified(
             emitted=emitted,
-            num_accepted=int(result.num_accepted[0]),
-            draft_index=None if result.draft_index is None else int(result.draft_index[0]),
+            num_accepted=int(result.num_accepted[row]),
+            draft_index=None if result.draft_index is None else int(result.draft_index[row]),
             logprobs=logprobs,
         )
-        self.verify_s = time.perf_counter() - started
+        self.inputs = None
 
     def outcome(self) -> tuple[Any, Any]:
         return self.result, None
+
+
+def verify_together(tasks: Sequence[_ScoreVerifyTask]) -> None:
+    """ONE verifier call for the blocks of many requests with the same rule and block length
+    (their :attr:`_ScoreVerifyTask.batch_key`): rows stacked ``[B, gamma]`` / ``[B, gamma, V]`` /
+    ``[B, gamma+1, V]``, each row drawing from its own request's verification stream
+    (:class:`verifiers.randomness.RowSources`: the draws a call of batch 1 would make), so every
+    request gets the tokens it would get verified alone. The call's time is shared evenly."""
+    if len(tasks) == 1:
+        tasks[0].verify_alone()
+        return
+    started = time.perf_counter()
+    draft_tokens = torch.cat([task.inputs[0] for task in tasks])  # [B, gamma]
+    draft_probs = torch.cat([task.inputs[1] for task in tasks])  # [B, gamma, V]
+    target_probs = torch.cat([task.inputs[2] for task in tasks])  # [B, gamma+1, V]
+    result = tasks[0].spec.verify(draft_tokens, draft_probs, target_probs,
+                                  generator=RowSources([task.source for task in tasks]), state=None)
+    share = (time.perf_counter() - started) / len(tasks)
+    for row, task in enumerate(tasks):
+        task.verify_s += share
+        task.finish(result, row)
 
 
 class _PreDraftTask(_Task):
@@ -733,6 +785,31 @@ class WorkerEngine:
                     row_logits = row_logits[count:]
                 try:
                     task.take(row_logits)
+                except Exception as error:  # noqa: BLE001
+                    tasks[i] = None
+                    errors[i] = self._fail(items[i].session_id, error)
+            self._verify_waiting(tasks, errors, items)
+
+    def _verify_waiting(self, tasks: list[_Task | None], errors: dict[int, str], items: Sequence[WorkItem]) -> None:
+        """Verify the blocks waiting after this forward, one verifier call per rule and block
+        length (:func:`verify_together`); if a call raises, each block alone, failing only the
+        requests whose verification fails."""
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, task in enumerate(tasks):
+            if isinstance(task, _ScoreVerifyTask) and task.result is None and task.batch_key is not None:
+                groups.setdefault(task.batch_key, []).append(i)
+        for indices in groups.values():
+            try:
+                verify_together([tasks[i] for i in indices])
+                continue
+            except Exception:  # noqa: BLE001 - find the blocks that fail, below
+                if len(indices) > 1:
+                    logger.warning("%s: verifying %d blocks together failed; verifying each alone", self.name,
+                                   len(indices))
+            for i in indices:
+                try:
+                    if tasks[i].result is None:
+                        tasks[i].verify_alone()
                 except Exception as error:  # noqa: BLE001
                     tasks[i] = None
                     errors[i] = self._fail(items[i].session_id, error)

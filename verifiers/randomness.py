@@ -83,6 +83,45 @@ def _skip_zero_mass(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.where(chosen > 0, index, last_positive)
 
 
+class RowSources:
+    """One random stream per batch row, for a verifier called on the rows of several requests at
+    once: every draw of batch row ``b`` comes from ``sources[b]``, and each stream sees exactly
+    the calls a batch-1 call on that row alone makes (same calls, same shapes, same order), so a
+    request's tokens do not depend on which requests share the call.
+
+    Verifiers pass the batch rows of a Bernoulli call over a subset of rows through
+    :func:`bernoulli_rows`; ``categorical`` takes every row ``[B, V]`` in order.
+    """
+
+    def __init__(self, sources: list[RandomSource]):
+        if not sources:
+            raise ValueError("RowSources needs one source per batch row")
+        self.sources = list(sources)
+
+    def bernoulli_rows(self, prob: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``prob [A]`` of batch rows ``rows [A]`` -> bool ``[A]``, element j from ``sources[rows[j]]``."""
+        draws = [self.sources[int(row)].bernoulli(prob[j: j + 1]) for j, row in enumerate(rows.tolist())]
+        return torch.cat(draws) if draws else torch.zeros(0, dtype=torch.bool)
+
+    def bernoulli(self, prob: torch.Tensor) -> torch.Tensor:
+        """``prob [B]``, one per batch row in order."""
+        return self.bernoulli_rows(prob, torch.arange(prob.shape[0]))
+
+    def categorical(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs [B, V]``: row ``b`` drawn from ``sources[b]``."""
+        if probs.shape[0] != len(self.sources):
+            raise ValueError(f"categorical over {probs.shape[0]} rows with {len(self.sources)} row sources")
+        return torch.cat([source.categorical(probs[b: b + 1]) for b, source in enumerate(self.sources)])
+
+
+def bernoulli_rows(source: RandomSource, prob: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A Bernoulli draw over the batch rows ``rows`` (``prob [A]``): per row from its own stream
+    when ``source`` is a :class:`RowSources`, else one call of ``source``."""
+    if isinstance(source, RowSources):
+        return source.bernoulli_rows(prob, rows)
+    return source.bernoulli(prob)
+
+
 def as_random_source(generator: torch.Generator | RandomSource) -> RandomSource:
     """Accept either a ``torch.Generator`` (wrapped) or a ready :class:`RandomSource`."""
     if isinstance(generator, torch.Generator):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifiers.randomness import RandomSource, as_random_source
+from verifiers.randomness import RandomSource, as_random_source, bernoulli_rows
 from verifiers.types import PAD_TOKEN, VerifyResult, validated_verify_inputs
 
 
@@ -105,7 +105,7 @@ def verify_token(
         rows = still_accepting.nonzero().squeeze(1)  # [A]
         if rows.numel() == 0:
             break
-        accepted_here = source.bernoulli(accept_probs[rows, position])  # [A]
+        accepted_here = bernoulli_rows(source, accept_probs[rows, position], rows)  # [A]
         num_accepted[rows[accepted_here]] += 1
         still_accepting[rows[~accepted_here]] = False
 
@@ -361,7 +361,7 @@ def _longest_accepted(source: RandomSource, accept_probs: torch.Tensor) -> torch
         rows = undecided.nonzero().squeeze(1)  # [A]
         if rows.numel() == 0:
             break
-        accepted_here = source.bernoulli(accept_probs[rows, i - 1])  # [A]
+        accepted_here = bernoulli_rows(source, accept_probs[rows, i - 1], rows)  # [A]
         num_accepted[rows[accepted_here]] = i
         undecided[rows[accepted_here]] = False
     return num_accepted
