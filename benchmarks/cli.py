@@ -105,7 +105,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--seed", type=int, default=None, help="Base seed.")
     parser.add_argument("--gammas", type=gamma_list, default=None,
                         help="Draft lengths of sd and the peer, e.g. 2,4,8; 'auto' adds sd cases with the adaptive "
-                        "draft length (gamma: auto), e.g. 2,4,8,auto.")
+                        "draft length (gamma: auto), e.g. 2,4,8,auto (serve-load too: one sd case each).")
     parser.add_argument("--gamma-max", type=int, default=None,
                         help="Largest block of the auto cases (default: the largest fixed gamma of the run, else the "
                         "deployment's default).")
@@ -153,8 +153,8 @@ def settings_from_args(args: argparse.Namespace):
     return BenchSettings(**values)
 
 
-SUITE_ONLY_FLAGS = {"quick": "--quick", "modes": "--modes", "repeats": "--repeats", "gammas": "--gammas",
-                    "gamma_max": "--gamma-max", "se_gammas": "--se-gammas", "max_prompt_tokens": "--max-prompt-tokens"}
+SUITE_ONLY_FLAGS = {"quick": "--quick", "modes": "--modes", "repeats": "--repeats",
+                    "se_gammas": "--se-gammas", "max_prompt_tokens": "--max-prompt-tokens"}
 SERVE_LOAD_ONLY_FLAGS = {"concurrency": "--concurrency", "requests_per_level": "--requests-per-level",
                          "request_timeout": "--request-timeout", "worker_class": "--worker-class",
                          "overlap": "--overlap", "prefix_caching": "--prefix-caching",
@@ -175,6 +175,7 @@ def serve_load_settings_from_args(args: argparse.Namespace):
         "overlap": args.overlap,
         "prefix_caching": None if args.prefix_caching is None else args.prefix_caching == "on",
         "bare_limit": None if args.bare_limit is None else args.bare_limit == "on",
+        "sd_gammas": args.gammas, "gamma_max": args.gamma_max,
     }
     return ServeLoadSettings(**{k: v for k, v in overrides.items() if v is not None})
 

@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -95,6 +95,10 @@ class ServeLoadSettings(BaseModel):
     num_prompts: int | None = Field(None, ge=1, description="Use the first N prompts of the set; None: all.")
     sd_method: str = "block"
     sd_gamma: int = Field(4, ge=1)
+    sd_gammas: tuple[int | Literal["auto"], ...] = Field(
+        (), description="sd cases, one per block length (an int, or auto: gamma \"auto\" up to gamma_max); "
+        "empty: one case of sd_gamma.")
+    gamma_max: int = Field(8, ge=1, description="Largest block of the sd auto case.")
     multi_draft_method: str = "spectr"
     num_drafts: int = Field(2, ge=1)
     multi_draft_gamma: int = Field(4, ge=1)
@@ -155,8 +159,11 @@ def serve_load_cases(settings: ServeLoadSettings, roles: dict[str, str]) -> list
         if strategy == "ar":
             cases.append(LoadCase("ar", "ar", {"strategy": "ar"}))
         elif strategy == "sd":
-            cases.append(LoadCase("sd", f"sd/{settings.sd_method}/g{settings.sd_gamma}",
-                                  {"strategy": "sd", "method": settings.sd_method, "gamma": settings.sd_gamma}))
+            for gamma in settings.sd_gammas or (settings.sd_gamma,):
+                speculation = {"strategy": "sd", "method": settings.sd_method, "gamma": gamma}
+                if gamma == "auto":
+                    speculation["gamma_max"] = settings.gamma_max
+                cases.append(LoadCase("sd", f"sd/{settings.sd_method}/g{gamma}", speculation))
         elif strategy == "multi_draft":
             cases.append(LoadCase(
                 "multi_draft", f"multi_draft/{settings.multi_draft_method}/k{settings.num_drafts}/g{settings.multi_draft_gamma}",
@@ -685,9 +692,13 @@ def run_serve_load(
     return results
 
 
-def level_shape(settings: ServeLoadSettings, strategy: str, concurrency: int) -> LevelShape:
-    """The shapes of a level's iteration (its strategy's gamma as this run sends it)."""
+def level_shape(settings: ServeLoadSettings, strategy: str, concurrency: int, label: str = "") -> LevelShape:
+    """The shapes of a level's iteration (its strategy's gamma as this run sends it; an sd case
+    of gamma auto, whose blocks vary, gets the shapes of ``sd_gamma``)."""
     gamma = {"sd": settings.sd_gamma, "multi_draft": settings.multi_draft_gamma, "se": settings.se_gamma}.get(strategy, 1)
+    block = label.rsplit("/g", 1)[-1]
+    if strategy == "sd" and block.isdigit():
+        gamma = int(block)
     return LevelShape(strategy, concurrency, gamma=gamma, num_drafts=settings.num_drafts)
 
 
@@ -701,7 +712,7 @@ def add_bare_limits(results: ServeLoadResults, settings: ServeLoadSettings, grou
     context = representative_context(tokenizer, [p.text for p in prompts], settings.max_tokens)
     threads = max(m.torch_threads for m in group.models)
     logger.info("bare-model limit: %d levels at context %d, %d torch thread(s)", len(results.levels), context, threads)
-    shapes = [level_shape(settings, run.strategy, run.concurrency) for run in results.levels]
+    shapes = [level_shape(settings, run.strategy, run.concurrency, run.label) for run in results.levels]
     efficiencies = [s.block_efficiency for s in results.summaries]
     records = bare_limits(shapes, efficiencies, roles, paths, context=context, repeats=settings.bare_repeats,
                           threads=threads)

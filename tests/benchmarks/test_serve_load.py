@@ -88,6 +88,18 @@ def test_strategies_send_the_requested_speculation():
         serve_load_cases(ServeLoadSettings(strategies=("sd",)), {"target": "target"})
 
 
+def test_sd_cases_per_block_length_with_auto():
+    from benchmarks.serve_load import level_shape
+
+    settings = ServeLoadSettings(strategies=("ar", "sd"), sd_gammas=(4, "auto"), gamma_max=6)
+    sd = [case for case in serve_load_cases(settings, ROLES) if case.strategy == "sd"]
+    assert [case.label for case in sd] == ["sd/block/g4", "sd/block/gauto"]
+    assert sd[1].speculation == {"strategy": "sd", "method": "block", "gamma": "auto", "gamma_max": 6}
+    assert level_shape(settings, "sd", 1, "sd/block/g4").gamma == 4
+    assert level_shape(settings.model_copy(update={"sd_gammas": (2,)}), "sd", 1, "sd/block/g2").gamma == 2
+    assert level_shape(settings, "sd", 1, "sd/block/gauto").gamma == settings.sd_gamma
+
+
 def test_the_client_sends_the_api_key_of_the_application(monkeypatch):
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     assert _api_key({"args": {}}) is None
