@@ -32,6 +32,7 @@ call that will not come). A worker call that fails ends only the requests that h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import pickle
@@ -48,7 +49,7 @@ from actors.messages import UNAVAILABLE, CallTiming, ItemOutcome, OpenSession, P
 from actors.metrics import RequestClock, SchedulerMetrics, plan_labels
 from actors.output import OutputTracker
 from actors.plan import ENSEMBLE_STRATEGIES, DecodingPlan
-from actors.step_costs import CallReport, StepCostModel
+from actors.step_costs import AcceptanceBoard, CallReport, StepCostModel
 from verifiers.adaptive import StepCosts
 from verifiers.machines import (
     AR_TOKENS_PER_ITERATION,
@@ -169,6 +170,7 @@ class Scheduler:
         self._loop_tasks: list[asyncio.Task] = []
         self._notify_tasks: set[asyncio.Task] = set()
         self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
+        self.acceptance_board = AcceptanceBoard()
         self.goodput = goodput
         self.pre_drafting = int(pre_drafting)
         #: Prompts longer than this are prefilled in chunks before their first decoding step
@@ -311,6 +313,7 @@ class Scheduler:
             request.started = time.perf_counter()
             if self.goodput and getattr(request.machine, "chooser", None) is not None:
                 request.machine.step_costs = functools.partial(self.step_costs, request.machine)
+                self._start_from_group_acceptance(request)
             if isinstance(request.machine, SpeculativeMachine) and request.machine.num_drafts == 1:
                 request.machine.pre_drafting = self.pre_drafting
             if self.max_tokens_per_step is not None and len(request.prompt_ids) > self.max_tokens_per_step:
@@ -318,6 +321,14 @@ class Scheduler:
             cohort.running.append(request)
             self.metrics.admitted(request.labels, request.clock, len(request.prompt_ids),
                                   request.started - request.submitted)
+
+    def _start_from_group_acceptance(self, request: RequestState) -> None:
+        """A gamma-auto request starts from the acceptance its pair met recently
+        (:class:`actors.step_costs.AcceptanceBoard`), when there is one, instead of the fixed prior."""
+        chooser = request.machine.chooser
+        alpha = self.acceptance_board.acceptance(_board_key(request))
+        if alpha is not None:
+            chooser.settings = dataclasses.replace(chooser.settings, prior_acceptance=alpha)
 
     async def _flush_releases(self) -> None:
         calls = [self._call(model, []) for model, ids in self.releases.items() if ids]
@@ -646,6 +657,7 @@ class Scheduler:
         drafts = 1 if sample is None else sample.num_drafts
         for count in accepted:  # a pre-drafted block (no Sample this step) is draft_lengths[-1] long
             self.metrics.verified(request.labels, drafts, drafts * machine.draft_lengths[-1], count)
+            self.acceptance_board.observe(_board_key(request), machine.draft_lengths[-1], count)
 
     def _finish(self, request: RequestState, delta: Any, logprobs: list[TokenLogprob] | None = None) -> None:
         request.finished = True
@@ -695,6 +707,12 @@ def call_report(model: str, entries: list[_Placed], outcomes: list[ItemOutcome])
     return CallReport(model=model, tokens_fed=sum(timing.tokens_fed for timing in timings),
                       forwards=max(forwards, default=0), forward_s=max((t.forward_s for t in timings), default=0.0),
                       uniform=uniform)
+
+
+def _board_key(request: RequestState) -> tuple:
+    """A speculative request's key in the acceptance board: its pair, rule and drafts per step."""
+    plan = request.plan
+    return plan.draft, plan.target, plan.method, plan.num_drafts
 
 
 def _is_ray_error(error: Exception) -> bool:

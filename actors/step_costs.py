@@ -11,6 +11,11 @@ model keeps
   the seconds a step pays besides its forwards (hops, verification, the scheduler's own work),
   by the number of requests in the step.
 
+:class:`AcceptanceBoard` keeps, per draft / target / rule, the per-token acceptance the group's
+requests met recently: a new ``gamma: "auto"`` request starts from it instead of the settings'
+fixed prior (a short request otherwise spends its first iterations learning what every request
+of the pair already showed).
+
 :meth:`StepCostModel.costs` turns them into the :class:`verifiers.adaptive.StepCosts` of a step
 of ``batch`` requests, which the speculative machines weigh before each draft
 (:func:`verifiers.adaptive.best_block`). Nothing here changes what is sampled: the choice is made
@@ -20,6 +25,7 @@ before the draft (see :mod:`verifiers.adaptive` for why any such choice is lossl
 from __future__ import annotations
 
 import bisect
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from verifiers.adaptive import StepCosts
@@ -132,3 +138,35 @@ class StepCostModel:
             plain_overhead_s=plain_overhead,
             plain_tokens=self.plain_tokens,
         )
+
+
+#: Weight kept by the board's older observations per verification (about the last 50 count).
+BOARD_DECAY = 0.98
+#: Verifications the board needs for a pair before it offers a prior.
+BOARD_MIN_VERIFICATIONS = 8
+#: The board's prior is kept in this range (a request still learns its own rate from there).
+BOARD_PRIOR_RANGE = (0.05, 0.98)
+
+
+@dataclass
+class AcceptanceBoard:
+    """Per key (draft, target, rule, drafts per step): the decayed counts of accepted draft
+    positions and of rejections over the group's recent verifications; :meth:`acceptance` is their
+    ratio, the per-token acceptance rate (as :class:`verifiers.adaptive.AdaptiveGamma` estimates
+    one request's). Read when a request is admitted, so it is fixed before the request's first
+    draft and depends on other requests only: the choice it informs stays lossless."""
+
+    counts: dict[Hashable, list[float]] = field(default_factory=dict)  # key -> [accepted, rejected, verifications]
+
+    def observe(self, key: Hashable, gamma: int, num_accepted: int) -> None:
+        accepted, rejected, seen = self.counts.get(key, [0.0, 0.0, 0.0])
+        self.counts[key] = [BOARD_DECAY * accepted + num_accepted,
+                            BOARD_DECAY * rejected + (1.0 if num_accepted < gamma else 0.0), seen + 1]
+
+    def acceptance(self, key: Hashable) -> float | None:
+        """The recent per-token acceptance of ``key``; None until it has enough verifications."""
+        accepted, rejected, seen = self.counts.get(key, [0.0, 0.0, 0.0])
+        if seen < BOARD_MIN_VERIFICATIONS or accepted + rejected <= 0:
+            return None
+        low, high = BOARD_PRIOR_RANGE
+        return min(high, max(low, accepted / (accepted + rejected)))

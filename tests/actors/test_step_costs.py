@@ -12,7 +12,14 @@ import torch
 
 from actors.api import GenerationRequest
 from actors.coordinator import Coordinator
-from actors.step_costs import CallReport, CostTable, StepCostModel
+from actors.step_costs import (
+    BOARD_MIN_VERIFICATIONS,
+    BOARD_PRIOR_RANGE,
+    AcceptanceBoard,
+    CallReport,
+    CostTable,
+    StepCostModel,
+)
 from benchmarks.runners import LocalActorHandle
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
 from tests.verifiers.test_adaptive import LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN
@@ -160,3 +167,34 @@ def test_more_tokens_never_look_cheaper():
     table.observe(5, 0.027)
     assert table.estimate(5) == pytest.approx(0.034)
     assert table.estimate(4) == pytest.approx(0.034)
+
+
+def test_the_acceptance_board_learns_a_pairs_rate():
+    board = AcceptanceBoard()
+    key = ("draft", "target", "block", 1)
+    for _ in range(BOARD_MIN_VERIFICATIONS - 1):
+        board.observe(key, 4, 3)  # 3 accepted, then a rejection: rate 3/4
+    assert board.acceptance(key) is None  # too few verifications yet
+    board.observe(key, 4, 3)
+    assert board.acceptance(key) == pytest.approx(0.75)
+    for _ in range(200):
+        board.observe(key, 4, 4)  # every block accepted in full
+    assert board.acceptance(key) == BOARD_PRIOR_RANGE[1]
+    assert board.acceptance(("draft", "target", "token", 1)) is None
+
+
+def test_a_new_auto_request_starts_from_the_groups_acceptance():
+    """With goodput on, requests admitted after the pair was verified often enough start from the
+    board's rate (fixed at admission, before their first draft); the first ones from the settings' prior."""
+    coordinator = _coordinator(goodput=True)
+    first = _run(coordinator, [_request(seed, "block", temperature=1.0, max_tokens=24) for seed in range(8)])
+    assert all(chunks[-1].error is None for chunks in first)
+    board = coordinator.scheduler.acceptance_board
+    alpha = board.acceptance(("draft", "target", "block", 1))
+    assert alpha is not None
+    state = coordinator._request_state(_request(99, "block", temperature=1.0, max_tokens=12),
+                                       coordinator._plan(_request(99, "block", temperature=1.0, max_tokens=12)),
+                                       list(PROMPT), 6, 64)
+    assert state.machine.chooser.settings.prior_acceptance != alpha
+    coordinator.scheduler._start_from_group_acceptance(state)
+    assert state.machine.chooser.settings.prior_acceptance == pytest.approx(alpha)
