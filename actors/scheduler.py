@@ -50,9 +50,10 @@ from actors.metrics import RequestClock, SchedulerMetrics, plan_labels
 from actors.output import OutputTracker
 from actors.plan import ENSEMBLE_STRATEGIES, DecodingPlan
 from actors.step_costs import AcceptanceBoard, CallReport, StepCostModel
-from verifiers.adaptive import StepCosts
+from verifiers.adaptive import StepCosts, best_block
 from verifiers.machines import (
     AR_TOKENS_PER_ITERATION,
+    PLAIN_PROBE_EVERY,
     PRE_DRAFTED,
     DecodeMachine,
     Extend,
@@ -143,6 +144,7 @@ class Cohort:
 
     index: int
     running: list[RequestState] = field(default_factory=list)
+    plain_steps: int = 0  # plain steps in a row decided for the whole cohort (its probe counter)
 
 
 class Scheduler:
@@ -181,6 +183,7 @@ class Scheduler:
         self.burst_s = float(burst_s)
         self.bursts = 0
         self._batch_now = 1
+        self._step_mode = "any"  # the cohort now stepping: what its gamma-auto requests do (StepCosts.mode)
 
     @property
     def running(self) -> list[RequestState]:
@@ -341,6 +344,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     async def _step(self, cohort: Cohort) -> None:
         self._batch_now = len(cohort.running)
+        self._step_mode = self._cohort_mode(cohort)
         for request in list(cohort.running):
             if request.prefilling:
                 request.last_needs = [Prefill(model) for model in sorted(request.prefilling)]
@@ -398,6 +402,7 @@ class Scheduler:
         machine = request.machine
         target = machine.target
         live_costs = getattr(machine, "step_costs", None)
+        self._batch_now, self._step_mode = 1, "any"  # a step of this request alone
         if live_costs is not None:  # the worker's copy and the replay read the same costs
             machine.step_costs = FrozenStepCosts(live_costs())
         try:
@@ -477,9 +482,38 @@ class Scheduler:
         self.cost_model.observe_step(len(cohort.running), reports, wall_s, speculative=speculative)
 
     def step_costs(self, machine: Any) -> StepCosts | None:
-        """The measured costs of a step of the cohort now stepping, for ``machine``'s models."""
-        return self.cost_model.costs(machine.draft, machine.target, batch=self._batch_now,
-                                     gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+        """The measured costs of a step of the cohort now stepping, for ``machine``'s models, with
+        the step mode decided for the cohort (:meth:`_cohort_mode`)."""
+        costs = self.cost_model.costs(machine.draft, machine.target, batch=self._batch_now,
+                                      gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+        return costs if costs is None else dataclasses.replace(costs, mode=self._step_mode)
+
+    def _cohort_mode(self, cohort: Cohort) -> str:
+        """Plain or speculative for every gamma-auto request of a step of two or more requests,
+        decided once (a step whose requests split pays the draft's forwards AND the plain
+        forwards): speculative when a fixed block drafts anyway, else what the measured costs and
+        the pair's recent acceptance favour, with the whole cohort drafting once after
+        ``PLAIN_PROBE_EVERY`` plain steps (its probe). ``any``: alone, or nothing measured yet;
+        each request weighs the costs itself."""
+        stepping = [request for request in cohort.running if not request.prefilling]
+        autos = [r for r in stepping if getattr(r.machine, "step_costs", None) is not None]
+        if len(stepping) < 2 or not autos:
+            return "any"
+        if any(isinstance(r.machine, SpeculativeMachine) and r.machine.chooser is None for r in stepping):
+            return "speculative"
+        machine = autos[0].machine
+        costs = self.cost_model.costs(machine.draft, machine.target, batch=len(stepping),
+                                      gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+        if costs is None:
+            return "any"
+        alpha = self.acceptance_board.acceptance(_board_key(autos[0]))
+        if alpha is None:
+            alpha = sum(r.machine.chooser.acceptance for r in autos) / len(autos)
+        if best_block(alpha, machine.chooser.settings.gamma_max, costs) > 0 or cohort.plain_steps >= PLAIN_PROBE_EVERY:
+            cohort.plain_steps = 0
+            return "speculative"
+        cohort.plain_steps += 1
+        return "plain"
 
     def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
         """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers

@@ -75,6 +75,10 @@ class AdaptiveGammaSettings:
             raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
 
 
+#: :attr:`StepCosts.mode` values.
+STEP_MODES = ("any", "plain", "speculative")
+
+
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Expected tokens emitted by one iteration of ``gamma`` drafts at per-token acceptance
     ``alpha`` (accepted prefix plus the target's token): ``sum_{i=0..gamma} alpha^i``."""
@@ -110,8 +114,15 @@ class StepCosts:
     plain_s: float
     plain_overhead_s: float
     plain_tokens: int
+    #: What the step's other requests do, decided for them all (``STEP_MODES``): ``any``, each
+    #: request weighs the costs itself; ``plain``, a plain step unless a greedy modification is
+    #: pending; ``speculative``, a block of at least one draft. A step whose requests split pays
+    #: the draft's forwards AND the plain forwards, worse than either.
+    mode: str = "any"
 
     def __post_init__(self) -> None:
+        if self.mode not in STEP_MODES:
+            raise ValueError(f"StepCosts.mode must be one of {STEP_MODES}, got {self.mode!r}")
         values = (self.draft_s, *self.verify_s, self.overhead_s, self.plain_s, self.plain_overhead_s)
         if any(not value >= 0.0 for value in values):
             raise ValueError(f"step costs must be >= 0 seconds, got {self}")

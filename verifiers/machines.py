@@ -358,13 +358,20 @@ class SpeculativeMachine(DecodeMachine):
     def _choose(self) -> int:
         """The chooser's block, with the measured step costs when there are any. A plain step
         (0) is offered only when no greedy modification is pending (it must be covered by a
-        verified block)."""
+        verified block). When the costs carry a step mode decided for every request of the step
+        (:attr:`~verifiers.adaptive.StepCosts.mode`), it is followed: ``plain`` takes a plain step
+        (where allowed), ``speculative`` a block of at least one draft."""
         costs = self.step_costs() if self.step_costs is not None else None
         if costs is None:
             return self.chooser.choose()
+        plain_allowed = self.pending_positions == 0
+        if costs.mode == "plain" and plain_allowed:
+            return 0
+        if costs.mode == "speculative":
+            return self.chooser.choose(costs, allow_plain=False)
         recent = self.draft_lengths[-PLAIN_PROBE_EVERY:]
         probe = len(recent) == PLAIN_PROBE_EVERY and not any(recent)  # refresh the acceptance estimate
-        return self.chooser.choose(costs, allow_plain=self.pending_positions == 0 and not probe)
+        return self.chooser.choose(costs, allow_plain=plain_allowed and not probe)
 
     def needs(self) -> list[Need]:
         if self.carried is not None:  # the block was drafted last iteration, after this bonus token

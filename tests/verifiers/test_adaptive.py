@@ -8,6 +8,8 @@ beyond the fixed-gamma tests.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -297,6 +299,56 @@ def test_a_choice_reading_outside_costs_keeps_the_target_law_exactly(method, voc
     blocks_used = {gamma for history in histories for gamma in history}
     assert 0 in blocks_used and max(blocks_used) >= 2, f"the costs never moved the block: {histories}"
     assert any(0 in history and any(g > 0 for g in history) for history in histories)
+    assert total_variation(law, target_law(target_fn, PROMPT, length)) < EXACT_TOLERANCE
+
+
+class _OutsideModes:
+    """Step modes decided outside the request, as the scheduler decides one for a whole cohort:
+    plain forced where long blocks would win, speculative forced where plain would win, by the
+    request's step count and tokens (standing in for what the other requests of a step do)."""
+
+    SCHEDULE = (dataclasses.replace(PLAIN_WINS, mode="speculative"), dataclasses.replace(LONG_BLOCKS_WIN, mode="plain"),
+                SHORT_BLOCKS_WIN)
+
+    def __init__(self, machine: SpeculativeMachine):
+        self.machine = machine
+
+    def __call__(self) -> StepCosts:
+        return self.SCHEDULE[(len(self.machine.draft_lengths) + sum(self.machine.committed)) % len(self.SCHEDULE)]
+
+
+@pytest.mark.parametrize("method,vocab,length,seed,num_drafts,gamma_max", COST_CASES)
+def test_a_step_mode_decided_outside_keeps_the_target_law_exactly(method, vocab, length, seed, num_drafts, gamma_max):
+    """Plain or speculative decided for the request from outside (the scheduler's cohort mode):
+    followed on every branch (a forced plain step is plain unless a greedy modification is
+    pending; a forced speculative step drafts), and the law is the target's exactly."""
+    draft_fn, target_fn = model_pair(vocab, seed)
+    followed: list[bool] = []
+
+    def procedure(source):
+        machine = SpeculativeMachine("draft", "target", method=method, gamma=1, num_drafts=num_drafts,
+                                     max_new_tokens=length,
+                                     adaptive=AdaptiveGammaSettings(gamma_max=gamma_max, **VARYING))
+        schedule = _OutsideModes(machine)
+        modes: list[tuple[str, bool]] = []  # (mode, plain allowed) at each choice
+
+        def costs() -> StepCosts:
+            value = schedule()
+            modes.append((value.mode, machine.pending_positions == 0))
+            return value
+
+        machine.step_costs = costs
+        tokens = _run_local(machine, draft_fn, target_fn, source)
+        for (mode, plain_allowed), block in zip(modes, machine.draft_lengths):
+            if mode == "speculative":
+                followed.append(("speculative", block >= 1))
+            elif mode == "plain":
+                followed.append(("plain", block == 0 if plain_allowed else block >= 1))
+        return tuple(tokens[:length])
+
+    law = exact_law(procedure)
+    assert {mode for mode, _ in followed} == {"plain", "speculative"}, followed
+    assert all(ok for _, ok in followed)
     assert total_variation(law, target_law(target_fn, PROMPT, length)) < EXACT_TOLERANCE
 
 
