@@ -49,7 +49,7 @@ from actors.messages import UNAVAILABLE, CallTiming, ItemOutcome, OpenSession, P
 from actors.metrics import RequestClock, SchedulerMetrics, plan_labels
 from actors.output import OutputTracker
 from actors.plan import ENSEMBLE_STRATEGIES, DecodingPlan
-from actors.step_costs import AcceptanceBoard, CallReport, StepCostModel
+from actors.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel
 from verifiers.adaptive import StepCosts, best_block
 from verifiers.machines import (
     AR_TOKENS_PER_ITERATION,
@@ -144,7 +144,8 @@ class Cohort:
 
     index: int
     running: list[RequestState] = field(default_factory=list)
-    plain_steps: int = 0  # plain steps in a row decided for the whole cohort (its probe counter)
+    mode: str = "any"  # the step mode last decided for the whole cohort (StepCosts.mode)
+    mode_steps: int = 0  # steps in a row in that mode (the other is probed after PLAIN_PROBE_EVERY)
 
 
 class Scheduler:
@@ -173,6 +174,7 @@ class Scheduler:
         self._notify_tasks: set[asyncio.Task] = set()
         self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
         self.acceptance_board = AcceptanceBoard()
+        self.mode_rates = ModeRates()
         self.goodput = goodput
         self.pre_drafting = int(pre_drafting)
         #: Prompts longer than this are prefilled in chunks before their first decoding step
@@ -343,8 +345,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     async def _step(self, cohort: Cohort) -> None:
+        step_started = time.perf_counter()
+        # Read by the machines' needs() below, before any await (the other cohort may step meanwhile).
         self._batch_now = len(cohort.running)
-        self._step_mode = self._cohort_mode(cohort)
+        self._step_mode = mode = self._cohort_mode(cohort)
         for request in list(cohort.running):
             if request.prefilling:
                 request.last_needs = [Prefill(model) for model in sorted(request.prefilling)]
@@ -382,9 +386,13 @@ class Scheduler:
         for request in list(self.running):  # every cohort: their sessions on a lost worker are gone too
             if lost & request.opened:  # its sessions died with the worker, whatever this step did
                 self._fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
+        committed = sum(len(request.machine.committed) for request in cohort.running)
         for request in list(cohort.running):
             outcomes = per_request[id(request)]
             self._advance(request, [outcomes[i] for i in range(len(request.last_needs))])
+        if mode != "any" and not lost:  # what a step of this mode yields at this batch
+            tokens = sum(len(request.machine.committed) for request in cohort.running) - committed
+            self.mode_rates.observe(mode, len(cohort.running), tokens, time.perf_counter() - step_started)
 
     # ------------------------------------------------------------------ solo bursts
     def _can_burst(self, cohort: Cohort) -> bool:
@@ -491,29 +499,43 @@ class Scheduler:
     def _cohort_mode(self, cohort: Cohort) -> str:
         """Plain or speculative for every gamma-auto request of a step of two or more requests,
         decided once (a step whose requests split pays the draft's forwards AND the plain
-        forwards): speculative when a fixed block drafts anyway, else what the measured costs and
-        the pair's recent acceptance favour, with the whole cohort drafting once after
-        ``PLAIN_PROBE_EVERY`` plain steps (its probe). ``any``: alone, or nothing measured yet;
-        each request weighs the costs itself."""
+        forwards): speculative when a fixed block drafts anyway; else the mode whose whole steps
+        measured more tokens per second at this batch (:class:`actors.step_costs.ModeRates`), the
+        other probed after ``PLAIN_PROBE_EVERY`` steps in a row; before both are measured, what
+        the cost model and the pair's recent acceptance favour. ``any``: alone, or nothing
+        measured yet; each request weighs the costs itself."""
         stepping = [request for request in cohort.running if not request.prefilling]
         autos = [r for r in stepping if getattr(r.machine, "step_costs", None) is not None]
         if len(stepping) < 2 or not autos:
             return "any"
         if any(isinstance(r.machine, SpeculativeMachine) and r.machine.chooser is None for r in stepping):
             return "speculative"
+        mode = self._faster_mode(autos, len(stepping))
+        if mode is None:
+            return "any"
+        if mode == cohort.mode and cohort.mode_steps >= PLAIN_PROBE_EVERY:  # probe the other mode once
+            mode = "plain" if mode == "speculative" else "speculative"
+        cohort.mode_steps = cohort.mode_steps + 1 if mode == cohort.mode else 1
+        cohort.mode = mode
+        return mode
+
+    def _faster_mode(self, autos: list[RequestState], batch: int) -> str | None:
+        """The mode whose steps of ``batch`` requests measured faster; the unmeasured one while
+        only one is; None while neither is and the cost model has nothing."""
+        plain, speculative = self.mode_rates.rate("plain", batch), self.mode_rates.rate("speculative", batch)
+        if plain is not None and speculative is not None:
+            return "plain" if plain > speculative else "speculative"
+        if plain is not None or speculative is not None:
+            return "speculative" if plain is not None else "plain"
         machine = autos[0].machine
-        costs = self.cost_model.costs(machine.draft, machine.target, batch=len(stepping),
+        costs = self.cost_model.costs(machine.draft, machine.target, batch=batch,
                                       gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
         if costs is None:
-            return "any"
+            return None
         alpha = self.acceptance_board.acceptance(_board_key(autos[0]))
         if alpha is None:
             alpha = sum(r.machine.chooser.acceptance for r in autos) / len(autos)
-        if best_block(alpha, machine.chooser.settings.gamma_max, costs) > 0 or cohort.plain_steps >= PLAIN_PROBE_EVERY:
-            cohort.plain_steps = 0
-            return "speculative"
-        cohort.plain_steps += 1
-        return "plain"
+        return "speculative" if best_block(alpha, machine.chooser.settings.gamma_max, costs) > 0 else "plain"
 
     def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
         """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers

@@ -11,6 +11,10 @@ model keeps
   the seconds a step pays besides its forwards (hops, verification, the scheduler's own work),
   by the number of requests in the step.
 
+:class:`ModeRates` keeps the tokens per second that whole steps of several gamma-auto requests
+reached, plain and speculative, by the number of requests: the scheduler steps such a cohort in
+the mode that measured faster (each step's mode is decided for all its requests at once).
+
 :class:`AcceptanceBoard` keeps, per draft / target / rule, the per-token acceptance the group's
 requests met recently: a new ``gamma: "auto"`` request starts from it instead of the settings'
 fixed prior (a short request otherwise spends its first iterations learning what every request
@@ -170,3 +174,30 @@ class AcceptanceBoard:
             return None
         low, high = BOARD_PRIOR_RANGE
         return min(high, max(low, accepted / (accepted + rejected)))
+
+
+def _bucket(count: float) -> int:
+    return BUCKETS[max(0, bisect.bisect_right(BUCKETS, count) - 1)]
+
+
+@dataclass
+class ModeRates:
+    """Tokens per second of whole steps by mode (``plain``, ``speculative``) and by requests in
+    the step: a running mean per bucket (:data:`SMOOTHING`), read at the nearest measured bucket."""
+
+    means: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def observe(self, mode: str, batch: int, tokens: int, seconds: float) -> None:
+        if batch < 1 or seconds <= 0:
+            return
+        buckets = self.means.setdefault(mode, {})
+        bucket, rate = _bucket(batch), tokens / seconds
+        buckets[bucket] = rate if bucket not in buckets else buckets[bucket] + SMOOTHING * (rate - buckets[bucket])
+
+    def rate(self, mode: str, batch: int) -> float | None:
+        """The measured rate of ``mode`` for a step of ``batch`` requests; None before any."""
+        buckets = self.means.get(mode)
+        if not buckets:
+            return None
+        bucket = _bucket(batch)
+        return buckets[min(buckets, key=lambda measured: (abs(measured - bucket), measured))]

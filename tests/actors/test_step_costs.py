@@ -18,12 +18,14 @@ from actors.step_costs import (
     AcceptanceBoard,
     CallReport,
     CostTable,
+    ModeRates,
     StepCostModel,
 )
 from benchmarks.runners import LocalActorHandle
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
 from tests.verifiers.test_adaptive import LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
+from verifiers.machines import PLAIN_PROBE_EVERY
 from verifiers.reference import autoregressive_generate
 
 PROMPT = (1, 2, 3)
@@ -198,3 +200,33 @@ def test_a_new_auto_request_starts_from_the_groups_acceptance():
     assert state.machine.chooser.settings.prior_acceptance != alpha
     coordinator.scheduler._start_from_group_acceptance(state)
     assert state.machine.chooser.settings.prior_acceptance == pytest.approx(alpha)
+
+
+def test_mode_rates_read_the_nearest_measured_batch():
+    rates = ModeRates()
+    assert rates.rate("plain", 16) is None
+    rates.observe("plain", 16, 64, 0.1)  # 640 tok/s
+    rates.observe("speculative", 4, 30, 0.1)
+    assert rates.rate("plain", 16) == pytest.approx(640.0)
+    assert rates.rate("plain", 2) == pytest.approx(640.0)  # the only measured bucket
+    rates.observe("plain", 16, 32, 0.1)  # a running mean
+    assert rates.rate("plain", 16) == pytest.approx(640.0 + 0.2 * (320.0 - 640.0))
+    assert rates.rate("speculative", 3) == pytest.approx(300.0)
+
+
+def test_a_cohort_steps_in_the_faster_mode_and_probes_the_other():
+    coordinator = _coordinator(goodput=True)
+    scheduler = coordinator.scheduler
+    requests = [coordinator._request_state(_request(seed, "block", temperature=1.0, max_tokens=12),
+                                           coordinator._plan(_request(seed, "block", temperature=1.0, max_tokens=12)),
+                                           list(PROMPT), 6, 64) for seed in range(3)]
+    cohort = scheduler.cohorts[0]
+    for request in requests:
+        request.machine.step_costs = lambda: None
+        cohort.running.append(request)
+    scheduler.mode_rates.observe("plain", 3, 12, 0.1)  # 120 tok/s
+    scheduler.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
+    modes = [scheduler._cohort_mode(cohort) for _ in range(2 * (PLAIN_PROBE_EVERY + 1))]
+    assert modes.count("plain") == 2 and modes.count("speculative") == 2 * PLAIN_PROBE_EVERY
+    assert modes[PLAIN_PROBE_EVERY] == "plain"  # the probe after PLAIN_PROBE_EVERY speculative steps
+    assert scheduler._cohort_mode(type(cohort)(index=9, running=cohort.running[:1])) == "any"  # alone
