@@ -186,6 +186,7 @@ class Scheduler:
         self.bursts = 0
         self._batch_now = 1
         self._step_mode = "any"  # the cohort now stepping: what its gamma-auto requests do (StepCosts.mode)
+        self._step_block = 0  # and with mode speculative, the block they all draft (StepCosts.block)
 
     @property
     def running(self) -> list[RequestState]:
@@ -349,6 +350,7 @@ class Scheduler:
         # Read by the machines' needs() below, before any await (the other cohort may step meanwhile).
         self._batch_now = len(cohort.running)
         self._step_mode = mode = self._cohort_mode(cohort)
+        self._step_block = self._cohort_block(cohort) if mode == "speculative" else 0
         for request in list(cohort.running):
             if request.prefilling:
                 request.last_needs = [Prefill(model) for model in sorted(request.prefilling)]
@@ -410,7 +412,7 @@ class Scheduler:
         machine = request.machine
         target = machine.target
         live_costs = getattr(machine, "step_costs", None)
-        self._batch_now, self._step_mode = 1, "any"  # a step of this request alone
+        self._batch_now, self._step_mode, self._step_block = 1, "any", 0  # a step of this request alone
         if live_costs is not None:  # the worker's copy and the replay read the same costs
             machine.step_costs = FrozenStepCosts(live_costs())
         try:
@@ -494,7 +496,10 @@ class Scheduler:
         the step mode decided for the cohort (:meth:`_cohort_mode`)."""
         costs = self.cost_model.costs(machine.draft, machine.target, batch=self._batch_now,
                                       gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
-        return costs if costs is None else dataclasses.replace(costs, mode=self._step_mode)
+        if costs is None:
+            return None
+        block = self._step_block if self._step_mode == "speculative" else 0
+        return dataclasses.replace(costs, mode=self._step_mode, block=min(block, machine.chooser.settings.gamma_max))
 
     def _cohort_mode(self, cohort: Cohort) -> str:
         """Plain or speculative for every gamma-auto request of a step of two or more requests,
@@ -519,6 +524,26 @@ class Scheduler:
         cohort.mode = mode
         return mode
 
+    def _cohort_block(self, cohort: Cohort) -> int:
+        """The block every gamma-auto request of a speculative step drafts: the one with the most
+        expected tokens per second at the pair's recent acceptance and the measured costs (a
+        step's draft call runs as many forwards as its longest block, its verifying forward is
+        padded to its longest row); 0 (each chooses) while nothing is measured."""
+        autos = [r for r in cohort.running if not r.prefilling and getattr(r.machine, "step_costs", None) is not None]
+        if len(autos) < 2:
+            return 0
+        machine = autos[0].machine
+        costs = self.cost_model.costs(machine.draft, machine.target, batch=len(cohort.running),
+                                      gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+        if costs is None:
+            return 0
+        return best_block(self._group_acceptance(autos), machine.chooser.settings.gamma_max, costs, allow_plain=False)
+
+    def _group_acceptance(self, autos: list[RequestState]) -> float:
+        """The pair's recent per-token acceptance (the board), else the requests' own mean."""
+        alpha = self.acceptance_board.acceptance(_board_key(autos[0]))
+        return alpha if alpha is not None else sum(r.machine.chooser.acceptance for r in autos) / len(autos)
+
     def _faster_mode(self, autos: list[RequestState], batch: int) -> str | None:
         """The mode whose steps of ``batch`` requests measured faster; the unmeasured one while
         only one is; None while neither is and the cost model has nothing."""
@@ -532,9 +557,7 @@ class Scheduler:
                                       gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
         if costs is None:
             return None
-        alpha = self.acceptance_board.acceptance(_board_key(autos[0]))
-        if alpha is None:
-            alpha = sum(r.machine.chooser.acceptance for r in autos) / len(autos)
+        alpha = self._group_acceptance(autos)
         return "speculative" if best_block(alpha, machine.chooser.settings.gamma_max, costs) > 0 else "plain"
 
     def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:

@@ -119,10 +119,15 @@ class StepCosts:
     #: pending; ``speculative``, a block of at least one draft. A step whose requests split pays
     #: the draft's forwards AND the plain forwards, worse than either.
     mode: str = "any"
+    #: With mode ``speculative``: the block every request of the step drafts (a step's draft call
+    #: runs as many forwards as its longest block); 0: each request chooses its own.
+    block: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in STEP_MODES:
             raise ValueError(f"StepCosts.mode must be one of {STEP_MODES}, got {self.mode!r}")
+        if self.block < 0 or (self.block and self.mode != "speculative"):
+            raise ValueError(f"StepCosts.block must be >= 0, and set only with mode speculative, got {self.block!r}")
         values = (self.draft_s, *self.verify_s, self.overhead_s, self.plain_s, self.plain_overhead_s)
         if any(not value >= 0.0 for value in values):
             raise ValueError(f"step costs must be >= 0 seconds, got {self}")

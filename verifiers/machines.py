@@ -360,7 +360,8 @@ class SpeculativeMachine(DecodeMachine):
         (0) is offered only when no greedy modification is pending (it must be covered by a
         verified block). When the costs carry a step mode decided for every request of the step
         (:attr:`~verifiers.adaptive.StepCosts.mode`), it is followed: ``plain`` takes a plain step
-        (where allowed), ``speculative`` a block of at least one draft."""
+        (where allowed), ``speculative`` a block of at least one draft (the step's ``block`` when
+        it names one, clipped like any block by :meth:`next_gamma`)."""
         costs = self.step_costs() if self.step_costs is not None else None
         if costs is None:
             return self.chooser.choose()
@@ -368,7 +369,7 @@ class SpeculativeMachine(DecodeMachine):
         if costs.mode == "plain" and plain_allowed:
             return 0
         if costs.mode == "speculative":
-            return self.chooser.choose(costs, allow_plain=False)
+            return costs.block or self.chooser.choose(costs, allow_plain=False)
         recent = self.draft_lengths[-PLAIN_PROBE_EVERY:]
         probe = len(recent) == PLAIN_PROBE_EVERY and not any(recent)  # refresh the acceptance estimate
         return self.chooser.choose(costs, allow_plain=plain_allowed and not probe)

@@ -308,7 +308,7 @@ class _OutsideModes:
     request's step count and tokens (standing in for what the other requests of a step do)."""
 
     SCHEDULE = (dataclasses.replace(PLAIN_WINS, mode="speculative"), dataclasses.replace(LONG_BLOCKS_WIN, mode="plain"),
-                SHORT_BLOCKS_WIN)
+                SHORT_BLOCKS_WIN, dataclasses.replace(SHORT_BLOCKS_WIN, mode="speculative", block=2))
 
     def __init__(self, machine: SpeculativeMachine):
         self.machine = machine
@@ -330,24 +330,26 @@ def test_a_step_mode_decided_outside_keeps_the_target_law_exactly(method, vocab,
                                      max_new_tokens=length,
                                      adaptive=AdaptiveGammaSettings(gamma_max=gamma_max, **VARYING))
         schedule = _OutsideModes(machine)
-        modes: list[tuple[str, bool]] = []  # (mode, plain allowed) at each choice
+        modes: list[tuple[str, bool, int]] = []  # (mode, plain allowed, block named) at each choice
 
         def costs() -> StepCosts:
             value = schedule()
-            modes.append((value.mode, machine.pending_positions == 0))
+            modes.append((value.mode, machine.pending_positions == 0, value.block))
             return value
 
         machine.step_costs = costs
         tokens = _run_local(machine, draft_fn, target_fn, source)
-        for (mode, plain_allowed), block in zip(modes, machine.draft_lengths):
-            if mode == "speculative":
+        for (mode, plain_allowed, named), block in zip(modes, machine.draft_lengths):
+            if mode == "speculative" and named:  # the named block (longer only over a pending greedy modification)
+                followed.append(("named block", block == named or (method == "greedy_block" and block > named)))
+            elif mode == "speculative":
                 followed.append(("speculative", block >= 1))
             elif mode == "plain":
                 followed.append(("plain", block == 0 if plain_allowed else block >= 1))
         return tuple(tokens[:length])
 
     law = exact_law(procedure)
-    assert {mode for mode, _ in followed} == {"plain", "speculative"}, followed
+    assert {mode for mode, _ in followed} == {"plain", "speculative", "named block"}, followed
     assert all(ok for _, ok in followed)
     assert total_variation(law, target_law(target_fn, PROMPT, length)) < EXACT_TOLERANCE
 
