@@ -129,20 +129,22 @@ def execute_needs(needs: Sequence[Need], session_id: str, local_model: str, loca
                   peer_submit: PeerSubmit, fetch: Fetch, pre_drafted: tuple[Any, int] | None = None,
                   ) -> tuple[list[ItemOutcome], tuple[Any, int] | None]:
     """One iteration of one request, as the scheduler places it: the needs on other models but
-    PreDrafts first (one call per model, awaited: the local ScoreVerify reads their payloads),
-    then the PreDrafts submitted, the local needs run here meanwhile, and the PreDrafts awaited.
+    PreDrafts first (one call per model), then the PreDrafts (each runs right after its
+    worker's first call); the first calls awaited (the local ScoreVerify reads their payloads),
+    the local needs run here while the PreDrafts run there, and the PreDrafts awaited.
     Returns the outcomes aligned with ``needs`` (a peer that cannot be reached fails its needs,
     retryable) and, with a PreDraft, where its payloads are."""
     outcomes: list[ItemOutcome | None] = [None] * len(needs)
     sources: list[Any] = []  # per source, a payload list
     where: dict[int, tuple[int, int]] = {}  # need index -> (source, position) of its payload
     first, ahead = _peer_calls(needs, local_model)
-    for model, indices in first.items():
-        results = _await_peer(model, peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices]), fetch,
-                              len(indices))
-        _place_results(indices, results, outcomes, where, sources)
+    called = {model: peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices])
+              for model, indices in first.items()}
+    # The PreDrafts queue right behind their worker's Sample (a worker runs its calls in order).
     submitted = {model: peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices])
                  for model, indices in ahead.items()}
+    for model, indices in first.items():
+        _place_results(indices, _await_peer(model, called[model], fetch, len(indices)), outcomes, where, sources)
     local = [i for i, need in enumerate(needs) if need.model == local_model]
     if local:
         items = [_local_item(session_id, needs[i], where, sources, pre_drafted, fetch) for i in local]
