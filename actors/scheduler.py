@@ -509,8 +509,7 @@ class Scheduler:
         other probed after ``PLAIN_PROBE_EVERY`` steps in a row; before both are measured, what
         the cost model and the pair's recent acceptance favour. ``any``: alone, or nothing
         measured yet; each request weighs the costs itself."""
-        stepping = [request for request in cohort.running if not request.prefilling]
-        autos = [r for r in stepping if getattr(r.machine, "step_costs", None) is not None]
+        stepping, autos = self._cohort_autos(cohort)
         if len(stepping) < 2 or not autos:
             return "any"
         if any(isinstance(r.machine, SpeculativeMachine) and r.machine.chooser is None for r in stepping):
@@ -529,20 +528,11 @@ class Scheduler:
         expected tokens per second at the pair's recent acceptance and the measured costs (a
         step's draft call runs as many forwards as its longest block, its verifying forward is
         padded to its longest row); 0 (each chooses) while nothing is measured."""
-        autos = [r for r in cohort.running if not r.prefilling and getattr(r.machine, "step_costs", None) is not None]
-        if len(autos) < 2:
-            return 0
-        machine = autos[0].machine
-        costs = self.cost_model.costs(machine.draft, machine.target, batch=len(cohort.running),
-                                      gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+        stepping, autos = self._cohort_autos(cohort)
+        costs = self._pair_costs(autos, len(stepping)) if len(autos) >= 2 else None
         if costs is None:
             return 0
-        return best_block(self._group_acceptance(autos), machine.chooser.settings.gamma_max, costs, allow_plain=False)
-
-    def _group_acceptance(self, autos: list[RequestState]) -> float:
-        """The pair's recent per-token acceptance (the board), else the requests' own mean."""
-        alpha = self.acceptance_board.acceptance(_board_key(autos[0]))
-        return alpha if alpha is not None else sum(r.machine.chooser.acceptance for r in autos) / len(autos)
+        return best_block(self._group_acceptance(autos), len(costs.verify_s), costs, allow_plain=False)
 
     def _faster_mode(self, autos: list[RequestState], batch: int) -> str | None:
         """The mode whose steps of ``batch`` requests measured faster; the unmeasured one while
@@ -552,13 +542,28 @@ class Scheduler:
             return "plain" if plain > speculative else "speculative"
         if plain is not None or speculative is not None:
             return "speculative" if plain is not None else "plain"
-        machine = autos[0].machine
-        costs = self.cost_model.costs(machine.draft, machine.target, batch=batch,
-                                      gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+        costs = self._pair_costs(autos, batch)
         if costs is None:
             return None
-        alpha = self._group_acceptance(autos)
-        return "speculative" if best_block(alpha, machine.chooser.settings.gamma_max, costs) > 0 else "plain"
+        return "speculative" if best_block(self._group_acceptance(autos), len(costs.verify_s), costs) > 0 else "plain"
+
+    @staticmethod
+    def _cohort_autos(cohort: Cohort) -> tuple[list[RequestState], list[RequestState]]:
+        """The cohort's requests that step (not prefilling), and those of them choosing their
+        blocks by measured costs (gamma auto with ``goodput_gamma``)."""
+        stepping = [request for request in cohort.running if not request.prefilling]
+        return stepping, [r for r in stepping if getattr(r.machine, "step_costs", None) is not None]
+
+    def _pair_costs(self, autos: list[RequestState], batch: int) -> StepCosts | None:
+        """The measured costs of a step of ``batch`` requests for the first gamma-auto request's pair."""
+        machine = autos[0].machine
+        return self.cost_model.costs(machine.draft, machine.target, batch=batch,
+                                     gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+
+    def _group_acceptance(self, autos: list[RequestState]) -> float:
+        """The pair's recent per-token acceptance (the board), else the requests' own mean."""
+        alpha = self.acceptance_board.acceptance(_board_key(autos[0]))
+        return alpha if alpha is not None else sum(r.machine.chooser.acceptance for r in autos) / len(autos)
 
     def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
         """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers
