@@ -29,7 +29,6 @@ Section 4's time split is the responses' own (``RequestStats``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import pathlib
 import statistics

@@ -20,7 +20,6 @@ All arithmetic is float64; every random choice goes through the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

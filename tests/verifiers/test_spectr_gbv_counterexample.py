@@ -28,7 +28,7 @@ The laws are computed here with exact fractions straight from the paper's formul
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from fractions import Fraction
 from itertools import permutations, product
 from math import factorial
