@@ -176,17 +176,15 @@ class ModelWorker:
         ``pre_drafted`` where its last PreDraft's chains are. A generator: call it with
         ``.options(num_returns="streaming")``; one :class:`~actors.bursts.BurstRecord` per iteration."""
         machine = pickle.loads(machine_blob)
-        pending_releases = list(releases)
+        if releases:
+            self.engine.run_step([], releases)
 
         def local_step(items: list[WorkItem], sources: list[Any]) -> tuple[list[ItemOutcome], list[Any]]:
-            released, pending_releases[:] = list(pending_releases), []
-            return self.engine.run_step(items, released, sources)
+            return self.engine.run_step(items, (), sources)
 
         def peer_submit(model: str, items: list[WorkItem]) -> tuple[Any, Any]:
             return tuple(peers[model].run_step.options(num_returns=2).remote(items, source_payloads=[], releases=[]))
 
-        if pending_releases:
-            local_step([], [])
         yield from run_burst(machine, session_id, self.spec.name, local_step, peer_submit, _fetch,
                              eos_token_ids=eos_token_ids, budget_s=budget_s, pre_drafted=pre_drafted)
 

@@ -272,9 +272,7 @@ class Scheduler:
                     await self._burst(cohort.running[0])
                 else:
                     await self._step(cohort)
-                    elapsed = time.perf_counter() - started
-                    self.step_seconds.append(elapsed)
-                    self.metrics.step_duration(elapsed)
+                    self._count_duration(time.perf_counter() - started)
             except Exception as error:  # noqa: BLE001 - a scheduler bug must not hang every request
                 logger.exception("scheduler step failed; failing the cohort's requests")
                 for request in list(cohort.running):
@@ -355,19 +353,13 @@ class Scheduler:
             if request.prefilling:
                 request.last_needs = [Prefill(model) for model in sorted(request.prefilling)]
                 continue
-            try:
-                request.last_needs = request.machine.needs()
-            except Exception as error:  # noqa: BLE001 - a machine error ends this request only
-                logger.exception("request %s: strategy failed to plan its iteration", request.session_id)
-                self._fail(request, f"{type(error).__name__}: {error}")
+            if not self._plan_iteration(request):
                 cohort.running.remove(request)
                 self._release(request)
         if not cohort.running:
             return
         placed = self._place([(request, request.last_needs) for request in cohort.running])
-        self.steps += 1
-        self.batch_sizes.append(len(cohort.running))
-        self.metrics.step(len(cohort.running))
+        self._count_step(len(cohort.running))
         per_request: dict[int, dict[int, ItemOutcome]] = {id(r): {} for r in cohort.running}
         lost: set[str] = set()
         reports: list[CallReport] = []
@@ -388,13 +380,13 @@ class Scheduler:
         for request in list(self.running):  # every cohort: their sessions on a lost worker are gone too
             if lost & request.opened:  # its sessions died with the worker, whatever this step did
                 self._fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
-        committed = sum(len(request.machine.committed) for request in cohort.running)
+        committed = _committed(cohort) if mode != "any" else 0
         for request in list(cohort.running):
             outcomes = per_request[id(request)]
             self._advance(request, [outcomes[i] for i in range(len(request.last_needs))])
         if mode != "any" and not lost:  # what a step of this mode yields at this batch
-            tokens = sum(len(request.machine.committed) for request in cohort.running) - committed
-            self.mode_rates.observe(mode, len(cohort.running), tokens, time.perf_counter() - step_started)
+            self.mode_rates.observe(mode, len(cohort.running), _committed(cohort) - committed,
+                                    time.perf_counter() - step_started)
 
     # ------------------------------------------------------------------ solo bursts
     def _can_burst(self, cohort: Cohort) -> bool:
@@ -450,16 +442,9 @@ class Scheduler:
     def _replay(self, request: RequestState, record: BurstRecord) -> None:
         """One iteration of a burst, as a step of one request: the request's machine must ask for
         exactly the needs the worker's copy executed; then their outcomes go the usual way."""
-        self.steps += 1
-        self.batch_sizes.append(1)
-        self.metrics.step(1)
-        self.step_seconds.append(record.wall_s)
-        self.metrics.step_duration(record.wall_s)
-        try:
-            request.last_needs = request.machine.needs()
-        except Exception as error:  # noqa: BLE001 - a machine error ends this request only
-            logger.exception("request %s: strategy failed to plan its step", request.session_id)
-            self._fail(request, f"{type(error).__name__}: {error}")
+        self._count_step(1)
+        self._count_duration(record.wall_s)
+        if not self._plan_iteration(request):
             return
         if tuple(request.last_needs) != record.needs:
             logger.error("request %s: a burst ran %s where the machine asks for %s", request.session_id,
@@ -480,6 +465,25 @@ class Scheduler:
                    for model in dict.fromkeys(need.model for need in record.needs)]
         speculative = any(isinstance(need, ScoreVerify) for need in record.needs)
         self.cost_model.observe_step(1, reports, record.wall_s, speculative=speculative)
+
+    def _count_step(self, batch: int) -> None:
+        self.steps += 1
+        self.batch_sizes.append(batch)
+        self.metrics.step(batch)
+
+    def _count_duration(self, seconds: float) -> None:
+        self.step_seconds.append(seconds)
+        self.metrics.step_duration(seconds)
+
+    def _plan_iteration(self, request: RequestState) -> bool:
+        """``request.last_needs`` from its machine; False (the request failed) when it raises."""
+        try:
+            request.last_needs = request.machine.needs()
+            return True
+        except Exception as error:  # noqa: BLE001 - a machine error ends this request only
+            logger.exception("request %s: strategy failed to plan its iteration", request.session_id)
+            self._fail(request, f"{type(error).__name__}: {error}")
+            return False
 
     def _observe_costs(self, cohort: Cohort, placed: dict[str, list[list[_Placed]]], reports: list[CallReport],
                        wall_s: float) -> None:
@@ -791,6 +795,11 @@ def call_report(model: str, entries: list[_Placed], outcomes: list[ItemOutcome])
     return CallReport(model=model, tokens_fed=sum(timing.tokens_fed for timing in timings),
                       forwards=max(forwards, default=0), forward_s=max((t.forward_s for t in timings), default=0.0),
                       uniform=uniform)
+
+
+def _committed(cohort: Cohort) -> int:
+    """Tokens the cohort's requests have committed so far."""
+    return sum(len(request.machine.committed) for request in cohort.running)
 
 
 def _board_key(request: RequestState) -> tuple:

@@ -45,6 +45,11 @@ SMOOTHING = 0.2
 EXTRAPOLATION_OVERHEAD_TOKENS = 8
 
 
+def _bucket(count: float) -> int:
+    """The bucket of a count: the largest edge of :data:`BUCKETS` at or below it."""
+    return BUCKETS[max(0, bisect.bisect_right(BUCKETS, count) - 1)]
+
+
 @dataclass
 class CostTable:
     """Seconds by a count (tokens of a forward, requests of a step): a running mean per bucket,
@@ -55,7 +60,7 @@ class CostTable:
     def observe(self, count: float, seconds: float) -> None:
         if count <= 0 or seconds < 0:
             return
-        bucket = BUCKETS[max(0, bisect.bisect_right(BUCKETS, count) - 1)]
+        bucket = _bucket(count)
         if bucket not in self.means:
             self.means[bucket] = (float(count), float(seconds))
             return
@@ -175,9 +180,6 @@ class AcceptanceBoard:
         low, high = BOARD_PRIOR_RANGE
         return min(high, max(low, accepted / (accepted + rejected)))
 
-
-def _bucket(count: float) -> int:
-    return BUCKETS[max(0, bisect.bisect_right(BUCKETS, count) - 1)]
 
 
 @dataclass
