@@ -49,7 +49,7 @@ from actors.messages import UNAVAILABLE, CallTiming, ItemOutcome, OpenSession, P
 from actors.metrics import RequestClock, SchedulerMetrics, plan_labels
 from actors.output import OutputTracker
 from actors.plan import ENSEMBLE_STRATEGIES, DecodingPlan
-from actors.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel
+from actors.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
 from verifiers.adaptive import StepCosts, best_block
 from verifiers.machines import (
     AR_TOKENS_PER_ITERATION,
@@ -332,7 +332,8 @@ class Scheduler:
         chooser = request.machine.chooser
         alpha = self.acceptance_board.acceptance(_board_key(request))
         if alpha is not None:
-            chooser.settings = dataclasses.replace(chooser.settings, prior_acceptance=alpha)
+            chooser.settings = dataclasses.replace(chooser.settings, prior_acceptance=alpha,
+                                                   prior_weight=board_prior_weight(alpha))
 
     async def _flush_releases(self) -> None:
         calls = [self._call(model, []) for model, ids in self.releases.items() if ids]

@@ -155,6 +155,18 @@ BOARD_DECAY = 0.98
 BOARD_MIN_VERIFICATIONS = 8
 #: The board's prior is kept in this range (a request still learns its own rate from there).
 BOARD_PRIOR_RANGE = (0.05, 0.98)
+#: A request started from the board counts its rate as this many verifications seen (next to its
+#: own decayed counts, about ``1 / (1 - decay)`` = 10 verifications): one request's few blocks
+#: are noisy, and an estimate that dips low by chance would otherwise turn it to plain steps.
+BOARD_PRIOR_VERIFICATIONS = 3.0
+
+
+def board_prior_weight(alpha: float) -> float:
+    """The prior weight (:class:`verifiers.adaptive.AdaptiveGammaSettings.prior_weight`, in
+    accepted-position units) of :data:`BOARD_PRIOR_VERIFICATIONS` verifications at rate ``alpha``:
+    ``k`` geometric verifications at rate ``alpha`` accept ``k alpha / (1 - alpha)`` positions
+    and reject ``k`` times, i.e. a weight of ``k / (1 - alpha)``."""
+    return BOARD_PRIOR_VERIFICATIONS / (1.0 - alpha)
 
 
 @dataclass

@@ -181,6 +181,15 @@ class AdaptiveGamma:
             return best_gamma(self.acceptance, s.gamma_max, s.draft_cost_ratio)
         return best_block(self.acceptance, s.gamma_max, costs, allow_plain=allow_plain)
 
+    def skip(self) -> None:
+        """An iteration without a draft (a plain step): nothing observed, the counts age as in
+        :meth:`observe`, so the prior regains weight. A request that took plain steps on an
+        unluckily low estimate drifts back to its prior (the pair's recent rate when the
+        scheduler set one) instead of keeping that estimate for as long as it stays plain."""
+        decay = self.settings.decay
+        self.accepted *= decay
+        self.rejected *= decay
+
     def observe(self, gamma: int, num_accepted: int) -> None:
         if not 0 <= num_accepted <= gamma:
             raise ValueError(f"num_accepted must be in [0, {gamma}], got {num_accepted}")

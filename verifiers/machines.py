@@ -420,6 +420,8 @@ class SpeculativeMachine(DecodeMachine):
     def consume(self, results: Sequence[object]) -> list[int]:
         if self.draft_lengths[-1] == 0:  # a plain step: its tokens reach the target as append
             (sampled,) = results
+            if self.chooser is not None:
+                self.chooser.skip()
             return self._commit(sampled.tokens[0].tolist(), sampled.logprobs)
         verified = next(result for result in results if isinstance(result, Verified))
         pre_drafted = results[-1] if self.pre_draft_count else None

@@ -15,6 +15,7 @@ from actors.coordinator import Coordinator
 from actors.step_costs import (
     BOARD_MIN_VERIFICATIONS,
     BOARD_PRIOR_RANGE,
+    BOARD_PRIOR_VERIFICATIONS,
     AcceptanceBoard,
     CallReport,
     CostTable,
@@ -200,6 +201,8 @@ def test_a_new_auto_request_starts_from_the_groups_acceptance():
     assert state.machine.chooser.settings.prior_acceptance != alpha
     coordinator.scheduler._start_from_group_acceptance(state)
     assert state.machine.chooser.settings.prior_acceptance == pytest.approx(alpha)
+    # ... counted as BOARD_PRIOR_VERIFICATIONS verifications at that rate, next to its own counts.
+    assert state.machine.chooser.settings.prior_weight == pytest.approx(BOARD_PRIOR_VERIFICATIONS / (1.0 - alpha))
 
 
 def test_mode_rates_read_the_nearest_measured_batch():

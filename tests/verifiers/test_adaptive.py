@@ -80,6 +80,39 @@ def test_bad_settings_name_the_field(field, kwargs):
         AdaptiveGammaSettings(**kwargs)
 
 
+def test_a_plain_step_ages_the_counts_toward_the_prior():
+    """An unlucky start (two blocks rejected at once) leaves the estimate below a strong prior;
+    plain steps observe nothing, so the counts age and the estimate returns toward the prior
+    (before, it stayed at the unlucky value for as long as the request stepped plain)."""
+    chooser = AdaptiveGamma(AdaptiveGammaSettings(gamma_max=8, prior_acceptance=0.85, prior_weight=20.0))
+    chooser.observe(4, 0)
+    chooser.observe(8, 0)
+    low = chooser.acceptance
+    assert low < 0.85
+    for _ in range(10):
+        chooser.skip()
+    assert low < chooser.acceptance < 0.85
+    assert chooser.acceptance == pytest.approx(
+        (20.0 * 0.85) / (20.0 + (0.9 ** 10) * (0.9 + 1.0)))  # rejected counts 0.9 + 1, aged 10 times
+
+
+def test_a_plain_step_of_the_machine_ages_its_chooser():
+    """SpeculativeMachine.consume of a plain step (block 0) ages the chooser's counts."""
+    machine = SpeculativeMachine("draft", "target", method="block", gamma=1, num_drafts=1, max_new_tokens=8,
+                                 adaptive=AdaptiveGammaSettings(gamma_max=4))
+    machine.step_costs = lambda: PLAIN_WINS
+    machine.chooser.observe(4, 2)
+    before = (machine.chooser.accepted, machine.chooser.rejected)
+    draft_fn, target_fn = model_pair(3, 5)
+    executor = LocalExecutor({"draft": draft_fn, "target": target_fn}, PROMPT,
+                             layout_sources(machine.streams(), split_sources(torch.Generator().manual_seed(0), 2)),
+                             temperature=1.0, top_k=0, top_p=1.0)
+    machine.consume(executor.run_iteration(machine.needs()))
+    assert machine.draft_lengths == [0]
+    decay = machine.chooser.settings.decay
+    assert (machine.chooser.accepted, machine.chooser.rejected) == pytest.approx((decay * before[0], decay * before[1]))
+
+
 def test_observe_rejects_impossible_counts():
     chooser = AdaptiveGamma(AdaptiveGammaSettings(gamma_max=4))
     with pytest.raises(ValueError, match="num_accepted"):
