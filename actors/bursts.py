@@ -105,12 +105,11 @@ def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_s
     ``pre_drafted``: where the chains of the request's last PreDraft are, when the first
     iteration verifies one."""
     eos = frozenset(int(t) for t in eos_token_ids)
-    started = time.perf_counter()
-    for _ in range(max_iterations):
-        iteration_started = time.perf_counter()
-        needs = machine.needs()
-        outcomes, drafted_ahead = execute_needs(needs, session_id, local_model, local_step, peer_submit, fetch,
-                                                pre_drafted)
+    started = iteration_started = time.perf_counter()
+    needs = machine.needs()
+    calls = submit_peer_calls(needs, session_id, local_model, peer_submit)
+    for iteration in range(max_iterations):
+        outcomes, drafted_ahead = finish_needs(needs, calls, session_id, local_model, local_step, fetch, pre_drafted)
         pre_drafted = drafted_ahead or pre_drafted
         record = BurstRecord(tuple(needs), tuple(outcomes), time.perf_counter() - iteration_started, drafted_ahead)
         tokens: list[int] = []
@@ -120,31 +119,64 @@ def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_s
                 tokens = machine.consume([outcome.value for outcome in outcomes])
             except Exception:  # noqa: BLE001 - the scheduler's replay raises it again and ends the request
                 failed = True
+        last = (failed or machine.done or bool(eos.intersection(tokens)) or iteration + 1 == max_iterations
+                or time.perf_counter() - started >= budget_s)
+        if not last:
+            # The next iteration's peer calls go out before this record does: the draft drafts
+            # while the record is serialized and streamed (they are the calls the next iteration
+            # makes anyway, in the same order: the generator is only closed early when the
+            # request ends, and then its sessions are released).
+            iteration_started = time.perf_counter()
+            needs = machine.needs()
+            calls = submit_peer_calls(needs, session_id, local_model, peer_submit)
         yield record
-        if failed or machine.done or eos.intersection(tokens) or time.perf_counter() - started >= budget_s:
+        if last:
             return
+
+
+@dataclass(frozen=True)
+class PeerCalls:
+    """One iteration's calls on other models' workers, submitted: the calls its local needs wait
+    for (``first``) and its PreDrafts (``ahead``), each as ``model -> (need indices, refs)``."""
+
+    first: dict[str, tuple[list[int], tuple[Any, Any]]]
+    ahead: dict[str, tuple[list[int], tuple[Any, Any]]]
+
+
+def submit_peer_calls(needs: Sequence[Need], session_id: str, local_model: str, peer_submit: PeerSubmit) -> PeerCalls:
+    """Submit one iteration's needs on other models (one call per model), the PreDrafts last: each
+    queues right behind its worker's first call (a worker runs its calls in order)."""
+    first, ahead = _peer_calls(needs, local_model)
+
+    def submit(indices_by_model: dict[str, list[int]]) -> dict[str, tuple[list[int], tuple[Any, Any]]]:
+        return {model: (indices, peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices]))
+                for model, indices in indices_by_model.items()}
+
+    calls = submit(first)
+    return PeerCalls(calls, submit(ahead))
 
 
 def execute_needs(needs: Sequence[Need], session_id: str, local_model: str, local_step: LocalStep,
                   peer_submit: PeerSubmit, fetch: Fetch, pre_drafted: tuple[Any, int] | None = None,
                   ) -> tuple[list[ItemOutcome], tuple[Any, int] | None]:
-    """One iteration of one request, as the scheduler places it: the needs on other models but
-    PreDrafts first (one call per model), then the PreDrafts (each runs right after its
-    worker's first call); the first calls awaited (the local ScoreVerify reads their payloads),
-    the local needs run here while the PreDrafts run there, and the PreDrafts awaited.
-    Returns the outcomes aligned with ``needs`` (a peer that cannot be reached fails its needs,
-    retryable) and, with a PreDraft, where its payloads are."""
+    """One iteration of one request, as the scheduler places it (:func:`submit_peer_calls`, then
+    :func:`finish_needs`)."""
+    calls = submit_peer_calls(needs, session_id, local_model, peer_submit)
+    return finish_needs(needs, calls, session_id, local_model, local_step, fetch, pre_drafted)
+
+
+def finish_needs(needs: Sequence[Need], calls: PeerCalls, session_id: str, local_model: str, local_step: LocalStep,
+                 fetch: Fetch, pre_drafted: tuple[Any, int] | None = None,
+                 ) -> tuple[list[ItemOutcome], tuple[Any, int] | None]:
+    """The rest of one iteration whose peer ``calls`` were submitted: the first calls awaited (the
+    local ScoreVerify reads their payloads), the local needs run here while the PreDrafts run
+    there, and the PreDrafts awaited. Returns the outcomes aligned with ``needs`` (a peer that
+    cannot be reached fails its needs, retryable) and, with a PreDraft, where its payloads are."""
     outcomes: list[ItemOutcome | None] = [None] * len(needs)
     sources: list[Any] = []  # per source, a payload list
     where: dict[int, tuple[int, int]] = {}  # need index -> (source, position) of its payload
-    first, ahead = _peer_calls(needs, local_model)
-    called = {model: peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices])
-              for model, indices in first.items()}
-    # The PreDrafts queue right behind their worker's Sample (a worker runs its calls in order).
-    submitted = {model: peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices])
-                 for model, indices in ahead.items()}
-    for model, indices in first.items():
-        _place_results(indices, _await_peer(model, called[model], fetch, len(indices)), outcomes, where, sources)
+    for model, (indices, refs) in calls.first.items():
+        _place_results(indices, _await_peer(model, refs, fetch, len(indices)), outcomes, where, sources)
     local = [i for i, need in enumerate(needs) if need.model == local_model]
     if local:
         items = [_local_item(session_id, needs[i], where, sources, pre_drafted, fetch) for i in local]
@@ -152,8 +184,7 @@ def execute_needs(needs: Sequence[Need], session_id: str, local_model: str, loca
         for index, outcome in zip(local, local_outcomes):
             outcomes[index] = outcome
     drafted_ahead = None
-    for model, refs in submitted.items():
-        indices = ahead[model]
+    for model, (indices, refs) in calls.ahead.items():
         peer_outcomes, _ = _await_peer(model, refs, fetch, len(indices))
         for position, index in enumerate(indices):
             outcomes[index] = peer_outcomes[position]

@@ -27,7 +27,7 @@ from cluster.bringup import start_model_group
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from verifiers.adaptive import AdaptiveGammaSettings, StepCosts
-from verifiers.machines import AutoregressiveMachine, Sample, Sampled, ScoreVerify, SpeculativeMachine
+from verifiers.machines import AutoregressiveMachine, Sample, Sampled, ScoreVerify, SpeculativeMachine, Verified
 from verifiers.reference import autoregressive_generate, speculative_generate
 
 PROMPT = (1, 2, 3)
@@ -251,6 +251,31 @@ def test_an_unreachable_draft_fails_its_iteration_as_retryable():
     assert pre_drafted is None
     assert outcomes[0].retryable and "draft" in outcomes[0].error
     assert outcomes[1].error is not None
+
+
+def test_the_next_iterations_draft_call_goes_out_before_the_record_and_none_after_the_last():
+    """The draft drafts the next block while the current record is streamed: its call is submitted
+    before the record reaches the consumer; the last iteration submits nothing further."""
+    machine = SpeculativeMachine("draft", "target", method="block", gamma=2, num_drafts=1, max_new_tokens=9)
+    events: list[str] = []
+
+    def draft_peer(model, items):
+        (item,) = items
+        assert model == "draft" and isinstance(item.need, Sample)
+        events.append("draft call")
+        sampled = Sampled(torch.tensor([[7] * item.need.count]), torch.zeros(1, item.need.count, 11))
+        return [ItemOutcome(value=sampled)], [sampled]
+
+    def local_step(items, sources):
+        (item,) = items
+        assert isinstance(item.need, ScoreVerify)
+        return [ItemOutcome(value=Verified(emitted=[7, 7, 5], num_accepted=2))], [None]
+
+    for record in run_burst(machine, "s", "target", local_step, draft_peer, _fetch, budget_s=60):
+        events.append(f"record of {len(record.outcomes[1].value.emitted)} tokens")
+    assert machine.done
+    assert events == ["draft call", "draft call", "record of 3 tokens", "draft call", "record of 3 tokens",
+                      "record of 3 tokens"]
 
 
 def test_ar_sd_and_multi_draft_burst_the_ensembles_do_not():
