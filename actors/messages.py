@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verifiers.penalties import NO_PENALTIES, Penalties
+from verifiers.wire import TensorWire
 
 #: The error of a request whose work was on a worker that died (retryable).
 UNAVAILABLE = "model worker {model} is unavailable (restarting); retry the request"
@@ -122,7 +123,7 @@ class WorkItem:
 
 
 @dataclass(frozen=True)
-class ItemOutcome:
+class ItemOutcome(TensorWire):
     """What one work item produced: a value (see each need's result type) or an error
     message (the item's session was freed), and the step's timing for it."""
 

@@ -5,7 +5,9 @@ a no-op actor call (from the driver and from an async coordinator actor), and th
 coordinator's chain ``proposal_ref = draft.propose.remote(...)`` ->
 ``await target.score_and_verify.remote(proposal_ref)`` (and, for comparison, awaiting the
 proposal in the coordinator and passing the value) with proposals of the sizes ``sd``
-moves (float64 probability rows, 4096-token vocabulary, gamma 2 / 4 / 8). Medians of
+moves (float64 probability rows, 4096-token vocabulary, gamma 2 / 4 / 8); and a burst's hop, a
+worker calling another for a draft payload, with torch's pickling and with the engine's
+(:mod:`verifiers.wire`). Medians of
 ``--repeats`` calls, logged (stderr). Starts its own local Ray instance.
 """
 
@@ -25,6 +27,9 @@ def _actors():
     import ray
     import torch
 
+    from actors.messages import ItemOutcome
+    from verifiers.machines import Sampled
+
     @ray.remote(num_cpus=0.25)
     class Worker:
         def noop(self) -> int:
@@ -35,6 +40,22 @@ def _actors():
 
         def verify(self, rows: torch.Tensor) -> int:
             return int(rows.numel())
+
+        def payload(self, as_sampled: bool):
+            """A 4-token draft call's returns: (outcomes, payloads), float32 logits over VOCAB."""
+            tokens, logits = torch.ones(1, 4, dtype=torch.int64), torch.zeros(1, 4, VOCAB)
+            if as_sampled:  # the engine's own types: tensors cross as numpy (verifiers.wire)
+                return [ItemOutcome(value=Sampled(tokens))], [Sampled(tokens, logits)]
+            return [tokens], [(tokens, logits)]  # torch's own pickling
+
+        def call_peer_ms(self, peer, as_sampled: bool, repeats: int) -> float:
+            """A burst's hop: this worker calls ``peer.payload`` (2 returns) and waits for both."""
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                ray.get(list(peer.payload.options(num_returns=2).remote(as_sampled)))
+                times.append(time.perf_counter() - started)
+            return 1e3 * statistics.median(times)
 
     @ray.remote(num_cpus=0)
     class Coordinator:
@@ -94,6 +115,10 @@ def measure(repeats: int = 200) -> dict[str, float]:
             results[label] = ray.get(coordinator.chain_ms.remote(numel, repeats // 2))
             label = f"coordinator: await draft, then target with the value, {numel * 8 // 1024} KB (gamma {gamma})"
             results[label] = ray.get(coordinator.awaited_chain_ms.remote(numel, repeats // 2))
+        for as_sampled in (False, True):
+            label = ("worker -> worker call returning a 4-token draft payload (64 KB float32), "
+                     + ("engine types, tensors as numpy" if as_sampled else "torch tensors"))
+            results[label] = ray.get(target.call_peer_ms.remote(draft, as_sampled, repeats))
         return results
     finally:
         ray.shutdown()
