@@ -62,7 +62,7 @@ from verifiers.machines import (
     Verified,
     bonus_guesses,
 )
-from verifiers.randomness import RowSources
+from verifiers.randomness import RowSources, categorical_together
 from verifiers.registry import get_verifier
 from verifiers.penalties import penalized_probs
 from verifiers.sampling import token_logprob
@@ -166,6 +166,7 @@ class _SampleTask(_Task):
         self.position_logits: list[torch.Tensor] = []
         self.logprobs: list = []  # draft 0's draws, when the need asks for them
         self.source = session.source(need.stream)
+        self.rows: torch.Tensor | None = None  # [K, V]: this position's rows, between rows_to_draw and drawn
 
     @property
     def active(self) -> bool:
@@ -188,18 +189,29 @@ class _SampleTask(_Task):
         )
 
     def take(self, logits: torch.Tensor) -> None:
+        rows = self.rows_to_draw(logits)
+        self.drawn(self.source.categorical(rows))
+
+    def rows_to_draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """The first half of :meth:`take`: this position's rows ``[K, V]`` (float64), to be drawn
+        from :attr:`source` (the engine draws every sampling task of a forward together,
+        :func:`verifiers.randomness.categorical_together`); then :meth:`drawn`."""
         if self.pending:
             self._pending_fed()
             logits = logits.expand(self.need.num_drafts, -1)  # [K, V]: the K drafts share the first row
         logits = shared_vocab(self.session, logits)  # [K, V]
-        rows = session_rows(self.session, logits, self.drafts)  # [K, V]
-        tokens = self.source.categorical(rows)  # [K]
+        if self.need.return_logits:
+            self.position_logits.append(logits)
+        self.rows = session_rows(self.session, logits, self.drafts)  # [K, V]
+        return self.rows
+
+    def drawn(self, tokens: torch.Tensor) -> None:
+        """The second half of :meth:`take`: the tokens ``[K]`` drawn from this position's rows."""
+        rows, self.rows = self.rows, None
         if self.need.logprobs is not None:
             self.logprobs.append(token_logprob(rows[0], int(tokens[0]), self.need.logprobs))
         for draft, token in zip(self.drafts, tokens.tolist()):
             draft.append(int(token))
-        if self.need.return_logits:
-            self.position_logits.append(logits)
 
     def outcome(self) -> tuple[Any, Any]:
         session, stride = self.session, self.need.count - 1
@@ -773,6 +785,7 @@ class WorkerEngine:
             forward_s += elapsed
             self.forward_seconds_total += elapsed
             del self.rows_per_forward[:-256]
+            sampling: list[tuple[int, torch.Tensor]] = []  # (task, its rows [K, V]) to draw together
             for i, row_logits in logits.items():
                 task = tasks[i]
                 task.forwards += 1
@@ -784,11 +797,31 @@ class WorkerEngine:
                     task.prompt_logits = shared_vocab(task.session, row_logits[:count]).clone()
                     row_logits = row_logits[count:]
                 try:
-                    task.take(row_logits)
+                    if isinstance(task, _SampleTask):
+                        sampling.append((i, task.rows_to_draw(row_logits)))
+                    else:
+                        task.take(row_logits)
                 except Exception as error:  # noqa: BLE001
                     tasks[i] = None
                     errors[i] = self._fail(items[i].session_id, error)
+            self._draw_together(sampling, tasks, errors, items)
             self._verify_waiting(tasks, errors, items)
+
+    def _draw_together(self, sampling: list[tuple[int, torch.Tensor]], tasks: list[_Task | None],
+                       errors: dict[int, str], items: Sequence[WorkItem]) -> None:
+        """Draw this forward's tokens of every sampling task in ONE call
+        (:func:`verifiers.randomness.categorical_together`: each task's stream draws what its own
+        call would); if that call raises, each task alone, failing only the tasks that fail."""
+        try:
+            drawn = categorical_together([(tasks[i].source, rows) for i, rows in sampling])
+        except Exception:  # noqa: BLE001 - find the tasks that fail, below
+            drawn = [None] * len(sampling)
+        for (i, rows), tokens in zip(sampling, drawn):
+            try:
+                tasks[i].drawn(tokens if tokens is not None else tasks[i].source.categorical(rows))
+            except Exception as error:  # noqa: BLE001
+                tasks[i] = None
+                errors[i] = self._fail(items[i].session_id, error)
 
     def _verify_waiting(self, tasks: list[_Task | None], errors: dict[int, str], items: Sequence[WorkItem]) -> None:
         """Verify the blocks waiting after this forward, one verifier call per rule and block

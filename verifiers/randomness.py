@@ -60,16 +60,51 @@ class TorchRandomSource:
 
     def categorical(self, probs: torch.Tensor) -> torch.Tensor:
         probs = torch.as_tensor(probs)
-        batch_shape, vocab = probs.shape[:-1], probs.shape[-1]
-        flat = probs.reshape(-1, vocab).to(torch.float64).cpu()  # [N, V]
-        # Inverse-CDF sampling with one uniform per row: exact in float64, one code path for
-        # every caller, and independent of torch.multinomial's internal algorithm.
-        uniform = torch.rand((flat.shape[0], 1), generator=self.generator, dtype=torch.float64)
-        cdf = torch.cumsum(flat, dim=-1)  # [N, V]
-        total = cdf[:, -1:]  # [N, 1]; 1 up to rounding
-        index = torch.searchsorted(cdf, uniform * total, right=True)  # [N, 1]
-        index = _skip_zero_mass(flat, index.clamp_(max=vocab - 1))
-        return index.reshape(batch_shape).to(torch.int64)
+        batch_shape = probs.shape[:-1]
+        flat = _flat_rows(probs)  # [N, V]
+        return _inverse_cdf(flat, self.uniforms(flat.shape[0])).reshape(batch_shape)
+
+    def uniforms(self, count: int) -> torch.Tensor:
+        """The ``[count, 1]`` float64 uniforms a :meth:`categorical` call over ``count`` rows draws."""
+        return torch.rand((count, 1), generator=self.generator, dtype=torch.float64)
+
+
+def _flat_rows(probs: torch.Tensor) -> torch.Tensor:
+    """``probs [..., V]`` -> float64 host rows ``[N, V]``."""
+    return probs.reshape(-1, probs.shape[-1]).to(torch.float64).cpu()
+
+
+def _inverse_cdf(flat: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Rows ``flat [N, V]`` and one uniform per row ``[N, 1]`` -> int64 indices ``[N]``.
+
+    Inverse-CDF sampling: exact in float64, one code path for every caller, and independent of
+    torch.multinomial's internal algorithm. Each row's result depends on that row and its uniform
+    only (the cumulative sum runs along each row), so rows drawn in one call or in many agree."""
+    cdf = torch.cumsum(flat, dim=-1)  # [N, V]
+    total = cdf[:, -1:]  # [N, 1]; 1 up to rounding
+    index = torch.searchsorted(cdf, uniform * total, right=True)  # [N, 1]
+    index = _skip_zero_mass(flat, index.clamp_(max=flat.shape[-1] - 1))
+    return index.reshape(-1).to(torch.int64)
+
+
+def categorical_together(draws: list[tuple[RandomSource, torch.Tensor]]) -> list[torch.Tensor]:
+    """Many requests' categorical draws in one call: ``draws[i] = (source_i, probs_i [k_i, V])``
+    -> ``tokens_i [k_i]``, each exactly what ``source_i.categorical(probs_i)`` returns.
+
+    With torch sources every source draws its own uniforms (the very draws its own call makes, in
+    the same order), then ONE cumulative sum and search runs over all the rows: the per-row work
+    of a decode step's sampling is done once for the step instead of once per request. Any other
+    source (the exact enumerator) is called as it is."""
+    if not draws:
+        return []
+    vocab = draws[0][1].shape[-1]
+    if not all(isinstance(source, TorchRandomSource) and probs.dim() == 2 and probs.shape[-1] == vocab
+               for source, probs in draws):
+        return [source.categorical(probs) for source, probs in draws]
+    counts = [probs.shape[0] for _, probs in draws]
+    flat = torch.cat([_flat_rows(probs) for _, probs in draws])  # [sum k_i, V]
+    uniform = torch.cat([source.uniforms(count) for (source, _), count in zip(draws, counts)])  # [sum k_i, 1]
+    return list(torch.split(_inverse_cdf(flat, uniform), counts))
 
 
 def _skip_zero_mass(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

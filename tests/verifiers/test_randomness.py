@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from verifiers.exact import exact_law, total_variation
-from verifiers.randomness import RowSources, TorchRandomSource
+from verifiers.randomness import RowSources, TorchRandomSource, categorical_together
 from verifiers.single_draft import verify_block, verify_token
 
 RULES = {"token": verify_token, "block": verify_block}
@@ -80,3 +80,43 @@ def test_row_sources_refuse_a_row_count_they_do_not_have():
         sources.categorical(torch.full((3, 4), 0.25, dtype=torch.float64))
     with pytest.raises(ValueError, match="one source per batch row"):
         RowSources([])
+
+
+def _sparse_rows(generator: torch.Generator, count: int, vocab: int) -> torch.Tensor:
+    """``[count, vocab]`` float64 rows, some with zero entries (never to be drawn)."""
+    logits = torch.randn(count, vocab, generator=generator, dtype=torch.float64) * 3
+    logits[torch.rand(count, vocab, generator=generator) < 0.3] = float("-inf")
+    logits[:, 0] = 0.0  # every row keeps one token
+    return torch.softmax(logits, dim=-1)
+
+
+def test_categorical_together_draws_what_each_source_alone_draws():
+    """Many requests' draws in one call (a decode step's sampling): every source returns, for
+    several positions in a row, exactly the tokens its own categorical call returns."""
+    shapes = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        counts = [int(c) for c in torch.randint(1, 4, (int(torch.randint(1, 17, (1,), generator=shapes)),),
+                                                generator=shapes)]
+        vocab = int(torch.randint(2, 300, (1,), generator=shapes))
+        seeds = [trial * 100 + i for i in range(len(counts))]
+        together = [TorchRandomSource(torch.Generator().manual_seed(s)) for s in seeds]
+        alone = [TorchRandomSource(torch.Generator().manual_seed(s)) for s in seeds]
+        for _ in range(3):  # positions: each source's stream must stay aligned call after call
+            probs = [_sparse_rows(shapes, count, vocab) for count in counts]
+            drawn = categorical_together(list(zip(together, probs)))
+            for source, rows, tokens in zip(alone, probs, drawn):
+                expected = source.categorical(rows)
+                assert torch.equal(tokens, expected)
+                assert bool((rows.gather(-1, tokens[:, None]) > 0).all())
+
+
+def test_categorical_together_leaves_other_sources_their_own_calls():
+    """The exact enumerator (or any non-torch source) is called as it is: the law is enumerated."""
+    probs = torch.tensor([[0.25, 0.75]], dtype=torch.float64)
+
+    def procedure(source):
+        (tokens,) = categorical_together([(source, probs)])
+        return int(tokens[0])
+
+    law = exact_law(procedure)
+    assert law == pytest.approx({0: 0.25, 1: 0.75})
