@@ -537,7 +537,8 @@ class Scheduler:
         costs = self._pair_costs(autos, len(stepping)) if len(autos) >= 2 else None
         if costs is None:
             return 0
-        return best_block(self._group_acceptance(autos), len(costs.verify_s), costs, allow_plain=False)
+        return best_block(self._group_acceptance(autos), len(costs.verify_s), costs, allow_plain=False,
+                          tokens_by_block=self._group_tokens_by_block(autos, len(costs.verify_s)))
 
     def _faster_mode(self, autos: list[RequestState], batch: int) -> str | None:
         """The mode whose steps of ``batch`` requests measured faster; the unmeasured one while
@@ -550,7 +551,9 @@ class Scheduler:
         costs = self._pair_costs(autos, batch)
         if costs is None:
             return None
-        return "speculative" if best_block(self._group_acceptance(autos), len(costs.verify_s), costs) > 0 else "plain"
+        tokens_by_block = self._group_tokens_by_block(autos, len(costs.verify_s))
+        block = best_block(self._group_acceptance(autos), len(costs.verify_s), costs, tokens_by_block=tokens_by_block)
+        return "speculative" if block > 0 else "plain"
 
     @staticmethod
     def _cohort_autos(cohort: Cohort) -> tuple[list[RequestState], list[RequestState]]:
@@ -569,6 +572,11 @@ class Scheduler:
         """The pair's recent per-token acceptance (the board), else the requests' own mean."""
         alpha = self.acceptance_board.acceptance(_board_key(autos[0]))
         return alpha if alpha is not None else sum(r.machine.chooser.acceptance for r in autos) / len(autos)
+
+    def _group_tokens_by_block(self, autos: list[RequestState], gamma_max: int) -> tuple[float, ...] | None:
+        """The tokens an iteration of the pair emits by block, measured over the group's recent
+        verifications (:meth:`actors.step_costs.AcceptanceBoard.expected_tokens`); None before."""
+        return self.acceptance_board.expected_tokens(_board_key(autos[0]), gamma_max)
 
     def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
         """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers

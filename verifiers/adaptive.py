@@ -136,10 +136,13 @@ class StepCosts:
         if self.plain_tokens < 1:
             raise ValueError(f"StepCosts.plain_tokens must be >= 1, got {self.plain_tokens}")
 
-    def speculative_rate(self, alpha: float, gamma: int) -> float:
-        """Expected tokens per second of one request's speculative step with ``gamma`` drafts."""
+    def speculative_rate(self, alpha: float, gamma: int, tokens: float | None = None) -> float:
+        """Expected tokens per second of one request's speculative step with ``gamma`` drafts:
+        ``tokens`` per iteration when given (a measured expectation), else the geometric
+        expectation at per-token acceptance ``alpha``."""
         seconds = gamma * self.draft_s + self.verify_s[gamma - 1] + self.overhead_s
-        return expected_tokens(alpha, gamma) / max(seconds, 1e-12)
+        expected = expected_tokens(alpha, gamma) if tokens is None else tokens
+        return expected / max(seconds, 1e-12)
 
     def plain_rate(self) -> float:
         """Tokens per second of one request's plain step."""
@@ -147,12 +150,17 @@ class StepCosts:
         return self.plain_tokens / max(seconds, 1e-12)
 
 
-def best_block(alpha: float, gamma_max: int, costs: StepCosts, *, allow_plain: bool = True) -> int:
+def best_block(alpha: float, gamma_max: int, costs: StepCosts, *, allow_plain: bool = True,
+               tokens_by_block: tuple[float, ...] | None = None) -> int:
     """The block in ``[0, gamma_max]`` (0: a plain step, only when ``allow_plain``) with the most
-    expected tokens per second of the step at ``costs``; ties go to the shorter block."""
+    expected tokens per second of the step at ``costs``; ties go to the shorter block.
+    ``tokens_by_block[g - 1]``: the tokens an iteration drafting ``g`` emits, when measured
+    (:meth:`actors.step_costs.AcceptanceBoard.expected_tokens`); else the geometric expectation
+    at ``alpha``."""
     best, best_rate = (0, costs.plain_rate()) if allow_plain else (1, -1.0)
-    for gamma in range(1, min(gamma_max, len(costs.verify_s)) + 1):
-        rate = costs.speculative_rate(alpha, gamma)
+    longest = min(gamma_max, len(costs.verify_s), len(tokens_by_block) if tokens_by_block else gamma_max)
+    for gamma in range(1, longest + 1):
+        rate = costs.speculative_rate(alpha, gamma, None if tokens_by_block is None else tokens_by_block[gamma - 1])
         if rate > best_rate * (1.0 + 1e-12):
             best, best_rate = gamma, rate
     return best

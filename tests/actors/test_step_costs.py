@@ -23,6 +23,7 @@ from actors.step_costs import (
     StepCostModel,
 )
 from benchmarks.runners import LocalActorHandle
+from verifiers.adaptive import expected_tokens
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
 from tests.verifiers.test_adaptive import LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
@@ -184,6 +185,34 @@ def test_the_acceptance_board_learns_a_pairs_rate():
         board.observe(key, 4, 4)  # every block accepted in full
     assert board.acceptance(key) == BOARD_PRIOR_RANGE[1]
     assert board.acceptance(("draft", "target", "token", 1)) is None
+
+
+def test_the_board_measures_what_blocks_yield_where_requests_differ():
+    """Half the requests accept every draft, half none: a block of g emits 1 + g/2 tokens on
+    average. The pooled rate is 8/9 and the geometric formula at it overstates every block (5.9
+    tokens at g = 8 instead of 5); the board's position-by-position estimate does not."""
+    board = AcceptanceBoard()
+    key = ("draft", "target", "block", 1)
+    assert board.expected_tokens(key, 8) is None
+    for _ in range(100):
+        board.observe(key, 8, 8)
+        board.observe(key, 8, 0)
+    alpha = board.acceptance(key)
+    assert alpha == pytest.approx(8 / 9, abs=0.01)
+    measured = board.expected_tokens(key, 8)
+    for gamma in range(1, 9):
+        assert measured[gamma - 1] == pytest.approx(1 + gamma / 2, rel=0.02)
+        assert expected_tokens(alpha, gamma) > 1.15 * measured[gamma - 1]  # the formula overstates by 15-26%
+    # Positions never judged take the pooled rate: blocks of 2 only, asked up to 4.
+    short = AcceptanceBoard()
+    for _ in range(50):
+        short.observe(key, 2, 2)
+        short.observe(key, 2, 1)
+    survival_2 = short.expected_tokens(key, 2)[1] - short.expected_tokens(key, 2)[0]
+    rate = short.acceptance(key)
+    tokens = short.expected_tokens(key, 4)
+    assert tokens[2] - tokens[1] == pytest.approx(survival_2 * rate)
+    assert tokens[3] - tokens[2] == pytest.approx(survival_2 * rate * rate)
 
 
 def test_a_new_auto_request_starts_from_the_groups_acceptance():

@@ -269,6 +269,16 @@ def test_best_block_is_plain_when_a_plain_step_is_cheaper_per_token():
     assert best_block(0.0, 3, LONG_BLOCKS_WIN) == 1  # nothing is ever accepted: the shortest block
 
 
+def test_best_block_weighs_measured_tokens_by_block_when_given():
+    """With the tokens each block length measured to yield (flat beyond 2 drafts here), the
+    longer blocks the geometric formula favours at a high rate lose."""
+    assert best_block(0.95, 3, LONG_BLOCKS_WIN, allow_plain=False) == 3
+    flat = (1.9, 2.5, 2.5)
+    assert best_block(0.95, 3, LONG_BLOCKS_WIN, allow_plain=False, tokens_by_block=flat) == 2
+    rates = [LONG_BLOCKS_WIN.speculative_rate(0.95, g, flat[g - 1]) for g in (1, 2, 3)]
+    assert rates[1] == max(rates)
+
+
 def test_best_block_maximises_the_measured_rate():
     for alpha in (0.1, 0.5, 0.8, 0.95):
         chosen = best_block(alpha, 3, SHORT_BLOCKS_WIN)
