@@ -697,9 +697,10 @@ class WorkerEngine:
                 if isinstance(error, (SessionNotFoundError, ProposalLost)):
                     lost.add(index)
         self._grant_prefills(tasks)
+        started = time.perf_counter()
         forward_s = self._run_forwards(tasks, errors, items)
         self.steps += 1
-        return self._outcomes(items, tasks, errors, lost, forward_s)
+        return self._outcomes(items, tasks, errors, lost, forward_s, time.perf_counter() - started)
 
     # ------------------------------------------------------------------ internals
     def _task(self, item: WorkItem, source_payloads: Sequence[Sequence[Any]]) -> _Task:
@@ -890,7 +891,8 @@ class WorkerEngine:
         return f"{type(error).__name__}: {error}"
 
     def _outcomes(
-        self, items: Sequence[WorkItem], tasks: list[_Task | None], errors: dict[int, str], lost: set[int], forward_s: float
+        self, items: Sequence[WorkItem], tasks: list[_Task | None], errors: dict[int, str], lost: set[int], forward_s: float,
+        call_s: float = 0.0,
     ) -> tuple[list[ItemOutcome], list[Any]]:
         outcomes: list[ItemOutcome] = []
         payloads: list[Any] = []
@@ -902,7 +904,7 @@ class WorkerEngine:
                 continue
             summary, payload = task.outcome()
             timing = CallTiming(forward_s=forward_s, verify_s=task.verify_s, forward_calls=task.forwards,
-                                tokens_fed=task.tokens_fed)
+                                tokens_fed=task.tokens_fed, call_s=call_s)
             outcomes.append(ItemOutcome(value=summary, timing=timing, prompt_logits=task.prompt_logits))
             payloads.append(payload)
         return outcomes, payloads

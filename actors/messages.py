@@ -60,6 +60,9 @@ class CallTiming:
     verify_s: float = 0.0
     forward_calls: int = 0
     tokens_fed: int = 0
+    #: The whole call's seconds in the worker (forwards, sampling, verification, row building),
+    #: what the step cost model charges per forward; 0: not measured (forward_s then stands in).
+    call_s: float = 0.0
 
 
 @dataclass(frozen=True)

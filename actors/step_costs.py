@@ -4,9 +4,10 @@ The scheduler reports every step it runs (:meth:`StepCostModel.observe_step`): p
 call, the tokens it fed, its forwards and their seconds, and the step's wall time. From them the
 model keeps
 
-* per model, the seconds of one forward by the tokens it runs (:class:`CostTable`: a running
-  mean per bucket of token counts, interpolated between buckets; forwards of steps that opened a
-  session, i.e. prefilled a prompt, are left out);
+* per model, the seconds of one forward by the tokens it runs, with the worker's own work around
+  it (the call's seconds over its forwards: sampling, verification, row building; a
+  :class:`CostTable`: a running mean per bucket of token counts, interpolated between buckets;
+  forwards of steps that opened a session, i.e. prefilled a prompt, are left out);
 * per kind of step (speculative: a draft call then a verifying call; plain: the target alone),
   the seconds a step pays besides its forwards (hops, verification, the scheduler's own work),
   by the number of requests in the step.
@@ -108,6 +109,16 @@ class CallReport:
     forwards: int  # forwards the call ran (its items' most)
     forward_s: float  # seconds in those forwards
     uniform: bool  # every item ran as many forwards and none opened a session (clean per-forward figures)
+    call_s: float = 0.0  # the whole call's seconds in the worker (>= forward_s; 0: use forward_s)
+
+
+def _call_seconds(call: CallReport) -> float:
+    """What a call costs per its forwards: the whole call in the worker (its forwards and the work
+    that grows with them: per-position sampling, verification of longer blocks, row building).
+    Charged to the forwards, that work scales with the block; left in the step's overhead, it read
+    as a fixed cost per step (57 ms of a 16-request speculative step, served), and long blocks
+    looked cheaper than they are."""
+    return max(call.forward_s, call.call_s)
 
 
 class StepCostModel:
@@ -124,8 +135,8 @@ class StepCostModel:
         for call in calls:
             if call.uniform and call.forwards > 0 and call.tokens_fed > 0:
                 self.forwards.setdefault(call.model, CostTable()).observe(
-                    call.tokens_fed / call.forwards, call.forward_s / call.forwards)
-        outside = max(0.0, wall_s - sum(call.forward_s for call in calls))
+                    call.tokens_fed / call.forwards, _call_seconds(call) / call.forwards)
+        outside = max(0.0, wall_s - sum(_call_seconds(call) for call in calls))
         (self.speculative_overhead if speculative else self.plain_overhead).observe(batch, outside)
 
     def costs(self, draft: str, target: str, *, batch: int, gamma_max: int, num_drafts: int = 1) -> StepCosts | None:

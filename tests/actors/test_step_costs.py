@@ -71,6 +71,21 @@ def test_model_gives_no_costs_until_both_models_and_a_speculative_step_are_measu
     assert costs.plain_tokens == 4
 
 
+def test_a_calls_own_work_is_charged_to_its_forwards_not_to_the_step():
+    """A draft call of 4 forwards (4 ms) that spent 6 ms in the worker (sampling after each
+    forward) and a verifying call of 8 ms forward, 10 ms in all (verification): their host work
+    scales with the block, so it is charged per forward; the step's overhead is what no call
+    covers (hops, the scheduler)."""
+    model = StepCostModel(plain_tokens=4)
+    draft = CallReport(model="draft", tokens_fed=4, forwards=4, forward_s=0.004, uniform=True, call_s=0.006)
+    target = CallReport(model="target", tokens_fed=5, forwards=1, forward_s=0.008, uniform=True, call_s=0.010)
+    model.observe_step(1, [draft, target], 0.019, speculative=True)
+    costs = model.costs("draft", "target", batch=1, gamma_max=4)
+    assert costs.draft_s == pytest.approx(0.0015)
+    assert costs.verify_s[3] == pytest.approx(0.010)
+    assert costs.overhead_s == pytest.approx(0.003)
+
+
 def test_plain_overhead_defaults_to_half_the_speculative_one():
     model = StepCostModel(plain_tokens=4)
     model.observe_step(1, [_report("draft", 4, 4, 0.004), _report("target", 5, 1, 0.008)], 0.015, speculative=True)
