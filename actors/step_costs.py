@@ -9,8 +9,8 @@ model keeps
   :class:`CostTable`: a running mean per bucket of token counts, interpolated between buckets;
   forwards of steps that opened a session, i.e. prefilled a prompt, are left out);
 * per kind of step (speculative: a draft call then a verifying call; plain: the target alone),
-  the seconds a step pays besides its forwards (hops, verification, the scheduler's own work),
-  by the number of requests in the step.
+  the seconds a step pays besides its worker calls (hops, the scheduler's own work), by the
+  number of requests in the step.
 
 :class:`ModeRates` keeps the tokens per second that whole steps of several gamma-auto requests
 reached, plain and speculative, by the number of requests: the scheduler steps such a cohort in

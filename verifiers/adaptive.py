@@ -101,11 +101,12 @@ def best_gamma(alpha: float, gamma_max: int, draft_cost_ratio: float) -> int:
 class StepCosts:
     """What a step costs at the current batch (seconds), as the scheduler measured it.
 
-    draft_s: one draft forward (every request's next draft token). verify_s: the target's
-    scoring forward by block, ``verify_s[g]`` for a block of ``g`` drafts (``g + 1`` tokens per
-    request), g in ``[1, gamma_max]``. overhead_s: what a speculative step pays once besides its
-    forwards (hops, verification, coordination). plain_s: one plain target forward (one token
-    per request); plain_overhead_s: what a plain step pays once besides its forwards;
+    draft_s: one draft forward (every request's next draft token) with the worker's sampling
+    around it. verify_s: the target's scoring forward with the verification, by block,
+    ``verify_s[g]`` for a block of ``g`` drafts (``g + 1`` tokens per request), g in
+    ``[1, gamma_max]``. overhead_s: what a speculative step pays once besides its worker calls
+    (hops, coordination). plain_s: one plain target forward with its sampling (one token per
+    request); plain_overhead_s: what a plain step pays once besides its worker call;
     plain_tokens: tokens a plain step samples per request (one forward each)."""
 
     draft_s: float
