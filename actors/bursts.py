@@ -152,17 +152,7 @@ def submit_peer_calls(needs: Sequence[Need], session_id: str, local_model: str, 
         return {model: (indices, peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices]))
                 for model, indices in indices_by_model.items()}
 
-    calls = submit(first)
-    return PeerCalls(calls, submit(ahead))
-
-
-def execute_needs(needs: Sequence[Need], session_id: str, local_model: str, local_step: LocalStep,
-                  peer_submit: PeerSubmit, fetch: Fetch, pre_drafted: tuple[Any, int] | None = None,
-                  ) -> tuple[list[ItemOutcome], tuple[Any, int] | None]:
-    """One iteration of one request, as the scheduler places it (:func:`submit_peer_calls`, then
-    :func:`finish_needs`)."""
-    calls = submit_peer_calls(needs, session_id, local_model, peer_submit)
-    return finish_needs(needs, calls, session_id, local_model, local_step, fetch, pre_drafted)
+    return PeerCalls(submit(first), submit(ahead))  # in this order
 
 
 def finish_needs(needs: Sequence[Need], calls: PeerCalls, session_id: str, local_model: str, local_step: LocalStep,

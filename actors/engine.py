@@ -166,7 +166,6 @@ class _SampleTask(_Task):
         self.position_logits: list[torch.Tensor] = []
         self.logprobs: list = []  # draft 0's draws, when the need asks for them
         self.source = session.source(need.stream)
-        self.rows: torch.Tensor | None = None  # [K, V]: this position's rows, between rows_to_draw and drawn
 
     @property
     def active(self) -> bool:
@@ -190,7 +189,7 @@ class _SampleTask(_Task):
 
     def take(self, logits: torch.Tensor) -> None:
         rows = self.rows_to_draw(logits)
-        self.drawn(self.source.categorical(rows))
+        self.drawn(rows, self.source.categorical(rows))
 
     def rows_to_draw(self, logits: torch.Tensor) -> torch.Tensor:
         """The first half of :meth:`take`: this position's rows ``[K, V]`` (float64), to be drawn
@@ -202,12 +201,10 @@ class _SampleTask(_Task):
         logits = shared_vocab(self.session, logits)  # [K, V]
         if self.need.return_logits:
             self.position_logits.append(logits)
-        self.rows = session_rows(self.session, logits, self.drafts)  # [K, V]
-        return self.rows
+        return session_rows(self.session, logits, self.drafts)  # [K, V]
 
-    def drawn(self, tokens: torch.Tensor) -> None:
-        """The second half of :meth:`take`: the tokens ``[K]`` drawn from this position's rows."""
-        rows, self.rows = self.rows, None
+    def drawn(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The second half of :meth:`take`: the tokens ``[K]`` drawn from this position's ``rows``."""
         if self.need.logprobs is not None:
             self.logprobs.append(token_logprob(rows[0], int(tokens[0]), self.need.logprobs))
         for draft, token in zip(self.drafts, tokens.tolist()):
@@ -819,7 +816,7 @@ class WorkerEngine:
             drawn = [None] * len(sampling)
         for (i, rows), tokens in zip(sampling, drawn):
             try:
-                tasks[i].drawn(tokens if tokens is not None else tasks[i].source.categorical(rows))
+                tasks[i].drawn(rows, tokens if tokens is not None else tasks[i].source.categorical(rows))
             except Exception as error:  # noqa: BLE001
                 tasks[i] = None
                 errors[i] = self._fail(items[i].session_id, error)

@@ -801,10 +801,9 @@ def call_report(model: str, entries: list[_Placed], outcomes: list[ItemOutcome])
     # call's mean tokens per forward.
     uniform = len(timings) == len(entries) and min(forwards, default=0) > 0 and all(
         entry.item.open is None for entry in entries)
-    forward_s = max((t.forward_s for t in timings), default=0.0)
     return CallReport(model=model, tokens_fed=sum(timing.tokens_fed for timing in timings),
-                      forwards=max(forwards, default=0), forward_s=forward_s,
-                      uniform=uniform, call_s=max([forward_s] + [t.call_s for t in timings]))
+                      forwards=max(forwards, default=0), forward_s=max((t.forward_s for t in timings), default=0.0),
+                      uniform=uniform, call_s=max((t.call_s for t in timings), default=0.0))
 
 
 def _committed(cohort: Cohort) -> int:

@@ -182,22 +182,20 @@ def board_prior_weight(alpha: float) -> float:
 
 @dataclass
 class AcceptanceBoard:
-    """Per key (draft, target, rule, drafts per step): the decayed counts of accepted draft
-    positions and of rejections over the group's recent verifications; :meth:`acceptance` is their
-    ratio, the per-token acceptance rate (as :class:`verifiers.adaptive.AdaptiveGamma` estimates
+    """Per key (draft, target, rule, drafts per step): per draft position, the decayed counts of
+    the group's recent blocks that reached it and of those rejected there; :meth:`acceptance` is
+    the ratio of accepted positions (reached, not rejected) to rejections over every position, the per-token acceptance rate (as :class:`verifiers.adaptive.AdaptiveGamma` estimates
     one request's). Read when a request is admitted, so it is fixed before the request's first
     draft and depends on other requests only: the choice it informs stays lossless."""
 
-    counts: dict[Hashable, list[float]] = field(default_factory=dict)  # key -> [accepted, rejected, verifications]
     #: key -> (reached, rejected): per draft position i (0-based), the decayed count of blocks that
     #: reached it and of those rejected there (a survival table of the accepted run, see
     #: :meth:`expected_tokens`).
     positions: dict[Hashable, tuple[list[float], list[float]]] = field(default_factory=dict)
+    verifications: dict[Hashable, int] = field(default_factory=dict)  # key -> verifications seen
 
     def observe(self, key: Hashable, gamma: int, num_accepted: int) -> None:
-        accepted, rejected, seen = self.counts.get(key, [0.0, 0.0, 0.0])
-        self.counts[key] = [BOARD_DECAY * accepted + num_accepted,
-                            BOARD_DECAY * rejected + (1.0 if num_accepted < gamma else 0.0), seen + 1]
+        self.verifications[key] = self.verifications.get(key, 0) + 1
         reached, rejected_at = self.positions.setdefault(key, ([], []))
         if len(reached) < gamma:
             reached.extend([0.0] * (gamma - len(reached)))
@@ -237,8 +235,10 @@ class AcceptanceBoard:
 
     def acceptance(self, key: Hashable) -> float | None:
         """The recent per-token acceptance of ``key``; None until it has enough verifications."""
-        accepted, rejected, seen = self.counts.get(key, [0.0, 0.0, 0.0])
-        if seen < BOARD_MIN_VERIFICATIONS or accepted + rejected <= 0:
+        reached, rejected_at = self.positions.get(key, ([], []))
+        rejected = sum(rejected_at)
+        accepted = sum(reached) - rejected
+        if self.verifications.get(key, 0) < BOARD_MIN_VERIFICATIONS or accepted + rejected <= 0:
             return None
         low, high = BOARD_PRIOR_RANGE
         return min(high, max(low, accepted / (accepted + rejected)))

@@ -191,8 +191,8 @@ class AdaptiveGamma:
         return best_block(self.acceptance, s.gamma_max, costs, allow_plain=allow_plain)
 
     def skip(self) -> None:
-        """An iteration without a draft (a plain step): nothing observed, the counts age as in
-        :meth:`observe`, so the prior regains weight. A request that took plain steps on an
+        """An iteration without a draft (a plain step): nothing observed, the counts age as every
+        iteration ages them (:meth:`observe` too), so the prior regains weight. A request that took plain steps on an
         unluckily low estimate drifts back to its prior (the pair's recent rate when the
         scheduler set one) instead of keeping that estimate for as long as it stays plain."""
         decay = self.settings.decay
@@ -202,6 +202,6 @@ class AdaptiveGamma:
     def observe(self, gamma: int, num_accepted: int) -> None:
         if not 0 <= num_accepted <= gamma:
             raise ValueError(f"num_accepted must be in [0, {gamma}], got {num_accepted}")
-        decay = self.settings.decay
-        self.accepted = decay * self.accepted + num_accepted
-        self.rejected = decay * self.rejected + (1.0 if num_accepted < gamma else 0.0)
+        self.skip()
+        self.accepted += num_accepted
+        self.rejected += 1.0 if num_accepted < gamma else 0.0

@@ -146,7 +146,7 @@ class RowSources:
         """``probs [B, V]``: row ``b`` drawn from ``sources[b]``."""
         if probs.shape[0] != len(self.sources):
             raise ValueError(f"categorical over {probs.shape[0]} rows with {len(self.sources)} row sources")
-        return torch.cat([source.categorical(probs[b: b + 1]) for b, source in enumerate(self.sources)])
+        return torch.cat(categorical_together([(source, probs[b: b + 1]) for b, source in enumerate(self.sources)]))
 
 
 def bernoulli_rows(source: RandomSource, prob: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

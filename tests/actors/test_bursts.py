@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from actors.api import GenerationRequest
-from actors.bursts import BurstRecord, FrozenStepCosts, burstable, execute_needs, run_burst
+from actors.bursts import BurstRecord, FrozenStepCosts, burstable, finish_needs, run_burst, submit_peer_calls
 from actors.messages import CallTiming, ItemOutcome
 from actors.plan import DecodingDefaults
 from cluster.bringup import start_model_group
@@ -247,7 +247,8 @@ def test_an_unreachable_draft_fails_its_iteration_as_retryable():
         assert isinstance(sources[0][0], ItemOutcome) and sources[0][0].error is not None
         return [ItemOutcome(error="RuntimeError: the proposal failed")], [None]
 
-    outcomes, pre_drafted = execute_needs(needs, "s", "target", local_step, dead_peer, fetch)
+    calls = submit_peer_calls(needs, "s", "target", dead_peer)
+    outcomes, pre_drafted = finish_needs(needs, calls, "s", "target", local_step, fetch)
     assert pre_drafted is None
     assert outcomes[0].retryable and "draft" in outcomes[0].error
     assert outcomes[1].error is not None
