@@ -30,8 +30,10 @@ from actors.bursts import BurstRecord, run_burst
 from actors.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.kv_budget import worker_kv_cache_memory
 from actors.messages import FailedSource, ItemOutcome, WorkerInfo, WorkItem
+from actors.peer_link import LinkCall, PeerLink, PeerLinkAddress, PeerLinkError, PeerLinkServer
 from actors.simulated_device import SimulatedDevice
 from actors.vocabulary import load_tokenizer_identity
+from verifiers.machines import PreDraft
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +54,13 @@ def _resolve(source: Any) -> Any:
 
 
 def _fetch(refs: Sequence[Any]) -> list[Any]:
-    """The values of a peer call's returns: Ray ObjectRefs (one ``ray.get``), or resolved futures
-    of an in-process handle (``benchmarks.runners.LocalActorHandle``)."""
+    """The values of a peer call's returns: Ray ObjectRefs (one ``ray.get``), a call on a
+    :class:`~actors.peer_link.PeerLink`, or resolved futures of an in-process handle
+    (``benchmarks.runners.LocalActorHandle``)."""
     import ray
 
+    if len(refs) == 1 and isinstance(refs[0], LinkCall):
+        return list(refs[0].result())
     if all(isinstance(ref, ray.ObjectRef) for ref in refs):
         return ray.get(list(refs))
     return [ref.result() for ref in refs]
@@ -101,6 +106,9 @@ class ModelWorker:
         self.tokenizer_identity = load_tokenizer_identity(spec.path)  # checked against the group's at start-up
         self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
         self._reaper.start()
+        self._link_server: PeerLinkServer | None = None  # started when a peer first asks for it
+        self._links: dict[str, PeerLink | None] = {}  # peer actor id -> link (None: use Ray calls)
+        self._links_lock = threading.Lock()
 
     # ------------------------------------------------------------------ set-up
     def _pick_device(self) -> str:
@@ -133,16 +141,20 @@ class ModelWorker:
     def backend(self) -> Any:
         return self.engine.backend
 
-    def info(self) -> WorkerInfo:
-        """Name, role, vocabulary, context length, KV cache slots and placement of this worker."""
-        node_id = ""
+    @staticmethod
+    def _node_id() -> str:
         try:
             import ray
 
             if ray.is_initialized():
-                node_id = ray.get_runtime_context().get_node_id()
+                return ray.get_runtime_context().get_node_id()
         except RuntimeError:
             pass
+        return ""
+
+    def info(self) -> WorkerInfo:
+        """Name, role, vocabulary, context length, KV cache slots and placement of this worker."""
+        node_id = self._node_id()
         return WorkerInfo(
             name=self.spec.name,
             role=self.spec.role,
@@ -178,15 +190,69 @@ class ModelWorker:
         machine = pickle.loads(machine_blob)
         if releases:
             self.engine.run_step([], releases)
+        link_calls: list[LinkCall] = []
 
         def local_step(items: list[WorkItem], sources: list[Any]) -> tuple[list[ItemOutcome], list[Any]]:
             return self.engine.run_step(items, (), sources)
 
-        def peer_submit(model: str, items: list[WorkItem]) -> tuple[Any, Any]:
+        def peer_submit(model: str, items: list[WorkItem]) -> tuple[Any, ...]:
+            link = self._peer_link(peers[model]) if not any(isinstance(item.need, PreDraft) for item in items) else None
+            if link is not None:
+                try:
+                    link_calls.append(link.submit(items))
+                    return (link_calls[-1],)
+                except PeerLinkError:
+                    self._drop_link(link)
             return tuple(peers[model].run_step.options(num_returns=2).remote(items, source_payloads=[], releases=[]))
 
-        yield from run_burst(machine, session_id, self.spec.name, local_step, peer_submit, _fetch,
-                             eos_token_ids=eos_token_ids, budget_s=budget_s, pre_drafted=pre_drafted)
+        try:
+            yield from run_burst(machine, session_id, self.spec.name, local_step, peer_submit, _fetch,
+                                 eos_token_ids=eos_token_ids, budget_s=budget_s, pre_drafted=pre_drafted)
+        finally:
+            for call in link_calls:
+                if not call.done:  # closed early with a call in flight: its reply is not wanted
+                    self._drop_link(call.link)
+
+    # ------------------------------------------------------------------ peer links
+    def peer_link_address(self) -> PeerLinkAddress:
+        """Where a burst on another worker of this node can call :meth:`run_step` directly
+        (:mod:`actors.peer_link`); the listener starts on the first request."""
+        with self._links_lock:
+            if self._link_server is None:
+                self._link_server = PeerLinkServer(
+                    lambda items: self.engine.run_step(items, (), ()), self._node_id())
+            return self._link_server.address
+
+    def _peer_link(self, handle: Any) -> PeerLink | None:
+        """The link to the worker behind Ray actor ``handle``: opened on first use when it runs on
+        this node; None (use Ray calls) elsewhere, for in-process handles, or when it cannot open."""
+        import ray
+
+        if not isinstance(handle, ray.actor.ActorHandle):
+            return None
+        key = handle._actor_id.hex()
+        with self._links_lock:
+            if key in self._links and not (self._links[key] is not None and self._links[key].broken):
+                return self._links[key]
+        link = None
+        try:
+            address = ray.get(handle.peer_link_address.remote(), timeout=30)
+            if address.node_id and address.node_id == self._node_id():
+                link = PeerLink(address)
+        except Exception as error:  # noqa: BLE001 - fall back to Ray calls
+            logger.warning("%s: no direct link to a peer worker (%s); bursts call it through Ray",
+                           self.spec.name, type(error).__name__)
+        with self._links_lock:
+            self._links[key] = link
+        return link
+
+    def _drop_link(self, link: PeerLink) -> None:
+        """Close ``link`` and forget it (the next burst opens a new one)."""
+        link.close()
+        with self._links_lock:
+            for key, value in list(self._links.items()):
+                if value is link:
+                    del self._links[key]
 
     # ------------------------------------------------------------------ sessions
     def prompt_logits(self, session_id: str, prompt_ids: list[int], vocab_limit: int | None = None) -> Any:
@@ -202,9 +268,12 @@ class ModelWorker:
         return len(self.engine.sessions)
 
     def engine_stats(self) -> dict[str, Any]:
-        """Steps run, open sessions and the recent rows per forward (batch sizes)."""
+        """Steps run, open sessions, the recent rows per forward (batch sizes) and the calls other
+        workers' bursts made over this worker's peer link (:mod:`actors.peer_link`)."""
         rows = list(self.engine.rows_per_forward)
-        return {"steps": self.engine.steps, "sessions": len(self.engine.sessions), "rows_per_forward": rows}
+        link_calls = self._link_server.calls if self._link_server is not None else 0
+        return {"steps": self.engine.steps, "sessions": len(self.engine.sessions), "rows_per_forward": rows,
+                "peer_link_calls": link_calls}
 
     def metrics(self) -> dict[str, float]:
         """Cumulative since this worker started: seconds in forward passes and in step calls,

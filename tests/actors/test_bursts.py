@@ -132,6 +132,24 @@ def test_speculation_in_bursts_equals_the_reference(burst_group, strategy, metho
         assert chunks[-1].stats.target_calls == stats["target_calls"]
 
 
+def test_bursts_call_the_draft_over_the_peer_link_and_keep_its_tokens(burst_group):
+    """Workers of one node: a burst's draft calls go over the direct link (actors/peer_link.py),
+    not Ray calls, and the tokens stay the reference's."""
+    import ray
+
+    draft = burst_group.workers["draft"]
+    before = ray.get(draft.engine_stats.remote())["peer_link_calls"]
+    speculation = {"strategy": "sd", "method": "block", "num_drafts": 1, "gamma": 3}
+    (chunks,) = _run_one_at_a_time(burst_group, [_request(5, speculation)])
+    expected, stats = speculative_generate(FAKE_MODELS["draft"], FAKE_MODELS["target"], PROMPT, MAX_TOKENS, gamma=3,
+                                           method="block", num_drafts=1, generator=torch.Generator().manual_seed(5))
+    assert _tokens(chunks) == expected
+    calls = ray.get(draft.engine_stats.remote())["peer_link_calls"] - before
+    # one draft call per iteration over the link: every iteration but the first, which the
+    # scheduler runs as a step (the request is still being prefilled then)
+    assert calls == stats["target_calls"] - 1
+
+
 def test_goodput_auto_in_bursts_keeps_the_target_law(ray_session):
     """gamma auto weighing measured step costs (frozen per burst; plain steps allowed): 300
     sequences of 3 tokens, one request at a time, fit the target's law."""

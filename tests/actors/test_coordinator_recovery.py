@@ -92,6 +92,32 @@ def test_killed_workers_fail_their_requests_retryably_and_the_group_recovers(slo
     assert _tokens(again) == _tokens(fresh)
 
 
+def test_a_draft_killed_mid_burst_fails_the_request_retryably_and_the_next_burst_links_again(slow_group):
+    """One request alone runs in bursts whose draft calls go over the direct peer link
+    (actors/peer_link.py). Its draft dies mid-burst: the request ends retryably, the restarted
+    draft serves the next bursts over a new link, and their tokens are exact again."""
+    speculation = {"strategy": "sd", "method": "block", "gamma": 3}
+    request = _request(7, speculation, max_tokens=60)
+    (expected,) = run_requests(slow_group, [request])
+    draft = slow_group.workers["draft"]
+    assert ray.get(draft.engine_stats.remote())["peer_link_calls"] > 0
+
+    async def run_and_kill():
+        from tests.actors.test_coordinator_reference import _collect
+
+        task = asyncio.create_task(_collect(slow_group.coordinator, request))
+        await asyncio.sleep(0.3)
+        _kill(draft)
+        return await task
+
+    chunks = asyncio.run(run_and_kill())
+    assert chunks[-1].error is not None and chunks[-1].retryable, chunks[-1].error
+    assert _serve_again(slow_group, RECOVERY_LIMIT_S) < RECOVERY_LIMIT_S
+    (again,) = run_requests(slow_group, [request])
+    assert _tokens(again) == _tokens(expected)
+    assert ray.get(draft.engine_stats.remote())["peer_link_calls"] > 0  # the restarted draft's own link
+
+
 def test_a_request_past_its_timeout_ends_and_frees_its_sessions(ray_session):
     """limits.request_timeout_s bounds every request: a slow one ends with a timed-out error
     (HTTP 504) and its sessions are freed; a short one on the same group completes."""
