@@ -33,7 +33,6 @@ from actors.messages import FailedSource, ItemOutcome, WorkerInfo, WorkItem
 from actors.peer_link import LinkCall, PeerLink, PeerLinkAddress, PeerLinkError, PeerLinkServer
 from actors.simulated_device import SimulatedDevice
 from actors.vocabulary import load_tokenizer_identity
-from verifiers.machines import PreDraft
 
 logger = logging.getLogger(__name__)
 
@@ -191,12 +190,15 @@ class ModelWorker:
         if releases:
             self.engine.run_step([], releases)
         link_calls: list[LinkCall] = []
+        # With pre-drafting an iteration's Sample and PreDraft on the draft must run in the order
+        # sent, which only Ray's per-caller order gives (the link's thread would not wait): all Ray.
+        use_links = not getattr(machine, "pre_drafting", 0)
 
         def local_step(items: list[WorkItem], sources: list[Any]) -> tuple[list[ItemOutcome], list[Any]]:
             return self.engine.run_step(items, (), sources)
 
         def peer_submit(model: str, items: list[WorkItem]) -> tuple[Any, ...]:
-            link = self._peer_link(peers[model]) if not any(isinstance(item.need, PreDraft) for item in items) else None
+            link = self._peer_link(peers[model]) if use_links else None
             if link is not None:
                 try:
                     link_calls.append(link.submit(items))

@@ -19,8 +19,10 @@ domain socket to a thread of the peer worker that runs the same :meth:`WorkerEng
   :class:`PeerLinkError`, which the burst reports like a failed Ray call (retryable), and the
   link is dropped. Work the peer's thread runs is serialized with its Ray calls by the engine's
   session lock, as with the session reaper.
-* **Only for calls that end in the burst.** A PreDraft's payloads must outlive the burst (the
-  scheduler hands their ObjectRef to the next step), so those calls stay Ray calls.
+* **Not with pre-drafting.** A PreDraft's payloads must outlive the burst (the scheduler hands
+  their ObjectRef to the next step), and it must run after the same iteration's Sample on the
+  draft, which only Ray's per-caller order guarantees: bursts of a request with pre-drafting
+  make Ray calls only.
 """
 
 from __future__ import annotations

@@ -92,6 +92,10 @@ def test_pre_drafting_in_bursts_equals_the_reference(ray_session):
         speculation = {"strategy": "sd", "method": "block", "gamma": 2}
         results = _run_one_at_a_time(group, [_request(seed, speculation, max_tokens=20) for seed in seeds])
         assert _bursts(group) >= len(seeds)
+        import ray
+
+        # Sample and PreDraft must run on the draft in the order sent: Ray calls, not the peer link.
+        assert ray.get(group.workers["draft"].engine_stats.remote())["peer_link_calls"] == 0
     finally:
         group.shutdown()
     reused = 0
