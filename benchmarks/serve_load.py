@@ -58,7 +58,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from benchmarks.bare_limit import LevelShape, bare_limits, representative_context
+from benchmarks.bare_limit import LevelShape, bare_limits, median_prompt_tokens
 from benchmarks.prompts import PROMPTS_PATH, Prompt, load_prompts
 from benchmarks.serve_load_report import (
     LevelRun,
@@ -709,15 +709,16 @@ def add_bare_limits(results: ServeLoadResults, settings: ServeLoadSettings, grou
     roles = dict(group.roles)
     paths = {m.name: m.path for m in group.models}
     tokenizer = group.tokenizer_path or paths[_first_role(roles, "target")]
-    context = representative_context(tokenizer, [p.text for p in prompts], settings.max_tokens)
+    prompt_tokens = median_prompt_tokens(tokenizer, [p.text for p in prompts])
+    context = prompt_tokens + settings.max_tokens // 2  # benchmarks.bare_limit.representative_context
     threads = max(m.torch_threads for m in group.models)
     logger.info("bare-model limit: %d levels at context %d, %d torch thread(s)", len(results.levels), context, threads)
     shapes = [level_shape(settings, run.strategy, run.concurrency, run.label) for run in results.levels]
     efficiencies = [s.block_efficiency for s in results.summaries]
     records = bare_limits(shapes, efficiencies, roles, paths, context=context, repeats=settings.bare_repeats,
-                          threads=threads)
+                          threads=threads, prompt_tokens=prompt_tokens, max_tokens=settings.max_tokens)
     results.levels = [dataclasses.replace(run, bare=record) for run, record in zip(results.levels, records)]
-    results.environment["bare_limit"] = {"context": context, "torch_threads": threads,
+    results.environment["bare_limit"] = {"context": context, "prompt_tokens": prompt_tokens, "torch_threads": threads,
                                          "repeats": settings.bare_repeats}
 
 

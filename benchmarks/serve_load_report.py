@@ -140,6 +140,8 @@ class LevelSummary:
     busy: dict[str, dict[str, float | None]] | None = None  # worker -> forward_fraction, step_fraction
     bare_limit_tokens_per_second: float | None = None  # benchmarks.bare_limit (None: not measured)
     served_over_limit: float | None = None  # tokens_per_second / bare_limit_tokens_per_second
+    limit_with_prompt_tokens_per_second: float | None = None  # the limit with each request's prompt forwards
+    served_over_limit_with_prompt: float | None = None  # tokens_per_second / limit_with_prompt_tokens_per_second
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -173,6 +175,7 @@ def summarize_level(run: LevelRun, records: list[RequestRecord], max_tokens: int
     errors = sorted({r.error for r in records if r.error})[:5]
     served = tokens / run.wall_s if run.wall_s > 0 else 0.0
     limit = (run.bare or {}).get("limit_tokens_per_second")
+    limit_with_prompt = (run.bare or {}).get("limit_with_prompt_tokens_per_second")
     return LevelSummary(
         label=run.label,
         strategy=run.strategy,
@@ -203,6 +206,8 @@ def summarize_level(run: LevelRun, records: list[RequestRecord], max_tokens: int
         busy=run.busy,
         bare_limit_tokens_per_second=limit,
         served_over_limit=served / limit if limit else None,
+        limit_with_prompt_tokens_per_second=limit_with_prompt,
+        served_over_limit_with_prompt=served / limit_with_prompt if limit_with_prompt else None,
     )
 
 
@@ -321,7 +326,11 @@ def has_bare_limits(summaries: list[LevelSummary]) -> bool:
 def level_table(summaries: list[LevelSummary], *, overlap_column: bool = False) -> list[str]:
     head, rule = (" overlap |", " :---: |") if overlap_column else ("", "")
     bare = has_bare_limits(summaries)
+    prompt = any(s.limit_with_prompt_tokens_per_second is not None for s in summaries)
     bare_head, bare_rule = (" bare limit tok/s | served / limit |", " ---: | ---: |") if bare else ("", "")
+    if prompt:
+        bare_head += " limit with prompt tok/s | served / that |"
+        bare_rule += " ---: | ---: |"
     lines = [
         f"| strategy | concurrency |{head} ok / failed | tok/s |{bare_head} TTFT p50 / p99 ms | ITL p50 / p99 ms | chunk gap p99 ms "
         "| TPOT p50 ms | e2e p50 / p99 s | tokens / chunk | worker peak RSS MiB (sum / max) |",
@@ -333,6 +342,8 @@ def level_table(summaries: list[LevelSummary], *, overlap_column: bool = False) 
                   if s.worker_peak_rss_mib_total is not None else "–")
         overlap = f" {on_off(s.overlap)} |" if overlap_column else ""
         limit = f" {_f(s.bare_limit_tokens_per_second)} | {_percent(s.served_over_limit)} |" if bare else ""
+        if prompt:
+            limit += f" {_f(s.limit_with_prompt_tokens_per_second)} | {_percent(s.served_over_limit_with_prompt)} |"
         lines.append(
             f"| {s.label} | {s.concurrency} |{overlap} {s.completed} / {failed} | {_f(s.tokens_per_second)} |{limit}"
             f" {_ms(s.ttft_median_s)} / {_ms(s.ttft_p99_s)} | {_ms(s.itl_median_s)} / {_ms(s.itl_p99_s)} "
@@ -347,14 +358,20 @@ def bare_table(results: ServeLoadResults) -> list[str]:
     runs = [run for run in results.levels if run.bare]
     if not runs:
         return []
+    prompt = any((run.bare or {}).get("prompt_forwards") for run in runs)
+    head, rule = (" a request's prompt forwards (ms each) | limit with prompt tok/s |", " --- | ---: |") if prompt else ("", "")
     lines = ["| strategy | concurrency | forwards per iteration (median ms each) | iteration ms | tokens / iteration "
-             "| bare limit tok/s |", "| --- | ---: | --- | ---: | ---: | ---: |"]
+             f"| bare limit tok/s |{head}", f"| --- | ---: | --- | ---: | ---: | ---: |{rule}"]
     for run in runs:
         bare = run.bare or {}
         forwards = ", ".join(f"{f['count']} x {f['model']}: {f['rows']} x {f['tokens']} ({f['ms']:.1f})"
                              for f in bare.get("forwards", []))
+        extra = ""
+        if prompt:
+            prompts = ", ".join(f"{f['model']}: 1 x {f['tokens']} ({f['ms']:.1f})" for f in bare.get("prompt_forwards", []))
+            extra = f" {prompts or '–'} | {_f(bare.get('limit_with_prompt_tokens_per_second'))} |"
         lines.append(f"| {run.label} | {run.concurrency} | {forwards} | {_f(bare.get('iteration_ms'))} "
-                     f"| {_f(bare.get('tokens_per_iteration'), 2)} | {_f(bare.get('limit_tokens_per_second'))} |")
+                     f"| {_f(bare.get('tokens_per_iteration'), 2)} | {_f(bare.get('limit_tokens_per_second'))} |{extra}")
     return lines
 
 
@@ -363,13 +380,17 @@ def bare_section(results: ServeLoadResults) -> list[str]:
     if not table:
         return []
     contexts = sorted({(run.bare or {}).get("context") for run in results.levels if run.bare} - {None})
+    prompt = ""
+    if any((run.bare or {}).get("prompt_forwards") for run in results.levels):
+        prompt = (" The limit with prompt adds each request's prompt forward on every model the level uses (from an "
+                  "empty cache, the median prompt): a served request pays it too, and it is model time.")
     return ["## Bare-model limit", "",
             "What the level's forward passes alone allow: transformers' own forward (DynamicCache) of each model at "
             "the level's shapes, in the benchmark process with the workers' torch threads, at "
             f"{', '.join(map(str, contexts))} cached tokens per row (median prompt + half the completion); "
             "`model: r x n` is one forward of r rows of n new tokens. Tokens per iteration: c for ar and ensemble, "
-            "c x the level's block efficiency for sd, multi_draft and se (definitions: `benchmarks/bare_limit.py`).",
-            "", *table, ""]
+            "c x the level's block efficiency for sd, multi_draft and se (definitions: `benchmarks/bare_limit.py`)."
+            + prompt, "", *table, ""]
 
 
 def busy_workers(summaries: list[LevelSummary]) -> list[str]:

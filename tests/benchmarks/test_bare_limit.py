@@ -15,6 +15,7 @@ from benchmarks.bare_limit import (
     bare_limits,
     level_forwards,
     limit_record,
+    prefill_forwards,
     representative_context,
     tokens_per_iteration,
 )
@@ -55,6 +56,30 @@ def test_limit_is_tokens_per_iteration_over_the_iteration_time():
     assert tokens_per_iteration(LevelShape("se", 3), 1.5) == pytest.approx(4.5)
 
 
+def test_the_limit_with_the_prompt_adds_each_requests_prompt_forwards():
+    assert prefill_forwards(LevelShape("ar", 16), ROLES, 131) == [Forward("target", 1, 131, cached=0)]
+    assert prefill_forwards(LevelShape("sd", 2, gamma=4), ROLES, 131) == [
+        Forward("draft", 1, 131, cached=0), Forward("target", 1, 131, cached=0)]
+    assert Forward("target", 1, 131, cached=0).shape == "target: 1 x 131 after 0"
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        prefill_forwards(LevelShape("ar", 1), ROLES, 0)
+    ms = {"target: 2 x 1": 8.0, "target: 1 x 100 after 0": 40.0, "draft: 2 x 1": 1.0, "target: 2 x 5": 12.0,
+          "draft: 1 x 100 after 0": 4.0}
+    shape = LevelShape("ar", 2)
+    ar = limit_record(shape, level_forwards(shape, ROLES), ms, None, context=120,
+                      prompt=prefill_forwards(shape, ROLES, 100), max_tokens=11)
+    # 2 requests of 11 tokens: 2 prompts (2 x 40 ms), then 10 iterations of 2 tokens (10 x 8 ms)
+    assert ar["prompt_ms"] == 40.0 and ar["max_tokens"] == 11
+    assert ar["limit_with_prompt_tokens_per_second"] == pytest.approx(22 / 0.160)
+    assert ar["limit_tokens_per_second"] == pytest.approx(250.0)  # unchanged: 2 tokens per 8 ms
+    shape = LevelShape("sd", 2, gamma=4)
+    sd = limit_record(shape, level_forwards(shape, ROLES), ms, 2.5, context=120,
+                      prompt=prefill_forwards(shape, ROLES, 100), max_tokens=11)
+    # 2 x (4 + 40) ms of prompts, then (10 x 2 / 5) iterations of 4 x 1 + 12 ms
+    assert sd["limit_with_prompt_tokens_per_second"] == pytest.approx(22 / ((2 * 44 + 4 * 16) / 1000))
+    assert "limit_with_prompt_tokens_per_second" not in limit_record(shape, level_forwards(shape, ROLES), ms, 2.5, 120)
+
+
 def test_bare_limits_measure_the_embedded_models():
     paths = {"target": str(embedded_model_path("target")), "draft": str(embedded_model_path("draft"))}
     context = representative_context(paths["target"], ["def main(", "The river"], max_tokens=8)
@@ -66,11 +91,17 @@ def test_bare_limits_measure_the_embedded_models():
         assert record["context"] == context and all(f["ms"] > 0 for f in record["forwards"])
         assert record["limit_tokens_per_second"] == pytest.approx(
             record["tokens_per_iteration"] / (record["iteration_ms"] / 1000.0))
-    assert records[1]["forwards"] == [{"model": "target", "rows": 2, "tokens": 1, "count": 1,
+    assert records[1]["forwards"] == [{"model": "target", "rows": 2, "tokens": 1, "count": 1, "cached": None,
                                        "ms": records[1]["forwards"][0]["ms"]}]
     assert [f["model"] for f in records[2]["forwards"]] == ["draft", "target"] and records[2]["tokens_per_iteration"] == 3.0
     with pytest.raises(ValueError, match="model"):
         bare_limits([LevelShape("ar", 1)], [None], {"other": "target"}, paths, context=context, repeats=1)
+    (with_prompt,) = bare_limits([LevelShape("sd", 1, gamma=2)], [1.5], {"target": "target", "draft": "draft"}, paths,
+                                 context=context, repeats=1, prompt_tokens=6, max_tokens=8)
+    assert [(f["model"], f["tokens"], f["cached"]) for f in with_prompt["prompt_forwards"]] == [
+        ("draft", 6, 0), ("target", 6, 0)]
+    assert all(f["ms"] > 0 for f in with_prompt["prompt_forwards"])
+    assert 0 < with_prompt["limit_with_prompt_tokens_per_second"] < with_prompt["limit_tokens_per_second"]
 
 
 def test_report_puts_the_limit_next_to_the_served_figure():
@@ -92,6 +123,7 @@ def test_report_puts_the_limit_next_to_the_served_figure():
     assert "| sd/block/g4 | 2 | 1 / 0 | 100.0 | 400.0 | 25% |" in markdown
     assert "## Bare-model limit" in markdown
     assert "| sd/block/g4 | 2 | 4 x draft: 2 x 1 (1.0), 1 x target: 2 x 5 (6.0) | 10.0 | 4.00 | 400.0 |" in markdown
+    assert "limit with prompt" not in markdown  # not measured: neither columns nor their definition
     again = ServeLoadResults.from_json(json.loads(json.dumps(results.to_json())))
     assert again.summaries[0].served_over_limit == pytest.approx(0.25)
 
@@ -107,3 +139,25 @@ def test_bare_limit_flag_and_level_shapes(tmp_path):
     settings = ServeLoadSettings(sd_gamma=3, se_gamma=2)
     assert level_shape(settings, "sd", 4) == LevelShape("sd", 4, gamma=3, num_drafts=2)
     assert level_shape(settings, "se", 4).gamma == 2 and level_shape(settings, "ar", 4).gamma == 1
+
+
+def test_report_puts_the_limit_with_the_prompt_next_to_the_served_figure():
+    shape = LevelShape("ar", 1)
+    ms = {"target: 1 x 1": 10.0, "target: 1 x 50 after 0": 30.0}
+    bare = limit_record(shape, level_forwards(shape, ROLES), ms, None, context=52,
+                        prompt=prefill_forwards(shape, ROLES, 50), max_tokens=4)  # 4 tokens in 30 + 3 x 10 ms
+    run = LevelRun(label="ar", strategy="ar", concurrency=1, requests=1, wall_s=0.08, warmup_ok=True, warmup_s=0.1,
+                   bare=bare)
+    record = RequestRecord(label="ar", concurrency=1, index=0, prompt_id="p", seed=0, ok=True, error=None,
+                           sent_s=0.0, e2e_s=0.08, chunk_times_s=[0.04, 0.08], chunk_tokens=[2, 2], target_calls=4)
+    results = ServeLoadResults(settings=ServeLoadSettings(concurrency=(1,), strategies=("ar",), max_tokens=4)
+                               .model_dump(mode="json"), environment={"config": "x.yaml", "num_prompts": 1},
+                               command="specserve bench --mode serve-load", levels=[run], records=[record]).summarize()
+    summary = results.summaries[0]
+    assert summary.tokens_per_second == pytest.approx(50.0)
+    assert summary.limit_with_prompt_tokens_per_second == pytest.approx(4 / 0.060)
+    assert summary.served_over_limit_with_prompt == pytest.approx(50.0 / (4 / 0.060))
+    markdown = render_markdown(results, {})
+    assert "| bare limit tok/s | served / limit | limit with prompt tok/s | served / that |" in markdown
+    assert "| ar | 1 | 1 / 0 | 50.0 | 100.0 | 50% | 66.7 | 75% |" in markdown
+    assert "| ar | 1 | 1 x target: 1 x 1 (10.0) | 10.0 | 1.00 | 100.0 | target: 1 x 50 (30.0) | 66.7 |" in markdown
