@@ -1,4 +1,4 @@
-"""Micro-benchmark of one batched forward of the embedded target (not a test).
+"""Micro-benchmark of one batched forward of an embedded model (not a test; the target by default).
 
 Times :meth:`actors.backends.SlotBackend.forward` for decode rows (``rows x 1`` token), the
 shape of verifying gamma 4 (``rows x 5``) and one prefill, with the rows' slots in a run (the
@@ -16,6 +16,7 @@ tensor one column larger every step stays just above that threshold.
 
     python -m benchmarks.forward_micro
     python -m benchmarks.forward_micro --rows 1,4,16 --context 150 --repeats 31
+    python -m benchmarks.forward_micro --model draft --rows 1
 """
 
 from __future__ import annotations
@@ -80,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=150, help="Cached tokens per row (default 150).")
     parser.add_argument("--repeats", type=int, default=21, help="Timed forwards per case (default 21).")
     parser.add_argument("--run-steps", type=int, default=30, help="Steps of the decode run (default 30).")
+    parser.add_argument("--model", default="target", help="Which embedded model (default target; or draft, partner).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
     sizes = [int(x) for x in args.rows.split(",")]
-    backend = SlotBackend.load(str(embedded_model_path("target")), max_context=1024, max_slots=2 * max(sizes) + 2,
+    backend = SlotBackend.load(str(embedded_model_path(args.model)), max_context=1024, max_slots=2 * max(sizes) + 2,
                                scratch_columns=288)
     slots = [backend.allocate() for _ in range(2 * max(sizes) + 2)]
     run_ms = _decode_run_ms(backend, slots[: max(sizes)], args.context, args.run_steps)
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):  # interleaved
         for name, run in cases.items():
             timings[name].append(_elapsed_ms(run))
-    print(f"| forward (embedded target, context {args.context}, 1 thread) | median ms |")
+    print(f"| forward (embedded {args.model}, context {args.context}, 1 thread) | median ms |")
     print("| --- | ---: |")
     print(f"| decode run: {max(sizes)} x 1, {args.run_steps} steps from context {args.context}, first in the process "
           f"| {run_ms:.1f} |")
