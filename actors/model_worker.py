@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 REAPER_PERIOD_S = 5.0
 SCRATCH_COLUMNS = 288  # cache columns past the context per slot: K x gamma drafts, queued segments
+LINK_RETRY_S = 30.0  # a peer link that could not open: Ray calls, then try again after this long
 
 
 def _resolve(source: Any) -> Any:
@@ -106,7 +107,8 @@ class ModelWorker:
         self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
         self._reaper.start()
         self._link_server: PeerLinkServer | None = None  # started when a peer first asks for it
-        self._links: dict[str, PeerLink | None] = {}  # peer actor id -> link (None: use Ray calls)
+        self._links: dict[str, PeerLink | None] = {}  # peer actor id -> link (None: another node, Ray calls)
+        self._link_retry_at: dict[str, float] = {}  # peer actor id -> when to try opening a link again
         self._links_lock = threading.Lock()
 
     # ------------------------------------------------------------------ set-up
@@ -227,25 +229,34 @@ class ModelWorker:
 
     def _peer_link(self, handle: Any) -> PeerLink | None:
         """The link to the worker behind Ray actor ``handle``: opened on first use when it runs on
-        this node; None (use Ray calls) elsewhere, for in-process handles, or when it cannot open."""
+        this node (and again after it broke: a restarted worker listens anew); None (use Ray calls)
+        elsewhere, for in-process handles, and for ``LINK_RETRY_S`` after it could not open."""
         import ray
 
         if not isinstance(handle, ray.actor.ActorHandle):
             return None
         key = handle._actor_id.hex()
         with self._links_lock:
-            if key in self._links and not (self._links[key] is not None and self._links[key].broken):
-                return self._links[key]
-        link = None
+            link = self._links.get(key)
+            if key in self._links and (link is None or not link.broken):
+                return link
+            if time.monotonic() < self._link_retry_at.get(key, 0.0):
+                return None
+        link, permanent = None, True
         try:
-            address = ray.get(handle.peer_link_address.remote(), timeout=30)
+            address = ray.get(handle.peer_link_address.remote(), timeout=LINK_RETRY_S)
             if address.node_id and address.node_id == self._node_id():
                 link = PeerLink(address)
-        except Exception as error:  # noqa: BLE001 - fall back to Ray calls
-            logger.warning("%s: no direct link to a peer worker (%s); bursts call it through Ray",
-                           self.spec.name, type(error).__name__)
+        except Exception as error:  # noqa: BLE001 - Ray calls for now; try again later
+            permanent = False
+            logger.warning("%s: no direct link to a peer worker (%s); bursts call it through Ray for %.0f s",
+                           self.spec.name, type(error).__name__, LINK_RETRY_S)
         with self._links_lock:
-            self._links[key] = link
+            if permanent:
+                self._links[key] = link  # a link, or None for a peer on another node
+            else:
+                self._links.pop(key, None)
+                self._link_retry_at[key] = time.monotonic() + LINK_RETRY_S
         return link
 
     def _drop_link(self, link: PeerLink) -> None:

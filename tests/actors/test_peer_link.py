@@ -103,3 +103,33 @@ def test_one_call_in_flight_per_link_and_a_result_is_read_once():
     finally:
         link.close()
         server.close()
+
+
+def _serve_in_a_process(queue):
+    server = PeerLinkServer(_echo, node_id="n")
+    queue.put(server.address)
+    threading.Event().wait(60)
+
+
+def test_a_link_to_a_peer_process_that_died_fails_at_submit_so_the_burst_can_use_ray():
+    """A worker that died (and was restarted by Ray) leaves its old link closed: sending on it
+    raises at once (the burst then makes a Ray call) instead of failing a request later."""
+    import multiprocessing
+    import os
+    import signal
+
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_serve_in_a_process, args=(queue,), daemon=True)
+    process.start()
+    try:
+        link = PeerLink(queue.get(timeout=60))
+        assert link.submit([1]).result() == ([("seen", 1)], [1])
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(10)
+        with pytest.raises(PeerLinkError, match="closed"):
+            link.submit([2])
+        assert link.broken and not link.in_flight
+    finally:
+        if process.is_alive():
+            process.kill()
