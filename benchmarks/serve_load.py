@@ -559,6 +559,7 @@ class LoadClient:
             sent_s=sent - level_start, e2e_s=time.perf_counter() - sent, chunk_times_s=times, chunk_tokens=tokens,
             usage_completion_tokens=(final.get("usage") or {}).get("completion_tokens"),
             target_calls=speculation.get("target_calls"), overlap=overlap,
+            drafted_tokens=_drafted_tokens(speculation),
         )
 
     async def run_level(self, plan: LevelPlan, memory: MemoryProbe) -> tuple[LevelRun, list[RequestRecord]]:
@@ -692,13 +693,23 @@ def run_serve_load(
     return results
 
 
-def level_shape(settings: ServeLoadSettings, strategy: str, concurrency: int, label: str = "") -> LevelShape:
+def _drafted_tokens(speculation: dict[str, Any]) -> int | None:
+    """Tokens drafted over a request's iterations (its stats' ``draft_lengths``), or None."""
+    lengths = speculation.get("draft_lengths")
+    return int(sum(lengths)) if isinstance(lengths, list) and lengths else None
+
+
+def level_shape(settings: ServeLoadSettings, strategy: str, concurrency: int, label: str = "",
+                mean_block: float | None = None) -> LevelShape:
     """The shapes of a level's iteration (its strategy's gamma as this run sends it; an sd case
-    of gamma auto, whose blocks vary, gets the shapes of ``sd_gamma``)."""
+    of gamma auto, whose blocks vary, gets the shapes of its measured mean block, rounded, when
+    the server reported it, else those of ``sd_gamma``)."""
     gamma = {"sd": settings.sd_gamma, "multi_draft": settings.multi_draft_gamma, "se": settings.se_gamma}.get(strategy, 1)
     block = label.rsplit("/g", 1)[-1]
     if strategy == "sd" and block.isdigit():
         gamma = int(block)
+    elif strategy == "sd" and block == "auto" and mean_block:
+        gamma = max(1, round(mean_block))
     return LevelShape(strategy, concurrency, gamma=gamma, num_drafts=settings.num_drafts)
 
 
@@ -713,7 +724,8 @@ def add_bare_limits(results: ServeLoadResults, settings: ServeLoadSettings, grou
     context = prompt_tokens + settings.max_tokens // 2  # benchmarks.bare_limit.representative_context
     threads = max(m.torch_threads for m in group.models)
     logger.info("bare-model limit: %d levels at context %d, %d torch thread(s)", len(results.levels), context, threads)
-    shapes = [level_shape(settings, run.strategy, run.concurrency, run.label) for run in results.levels]
+    shapes = [level_shape(settings, run.strategy, run.concurrency, run.label, summary.mean_block)
+              for run, summary in zip(results.levels, results.summaries)]
     efficiencies = [s.block_efficiency for s in results.summaries]
     records = bare_limits(shapes, efficiencies, roles, paths, context=context, repeats=settings.bare_repeats,
                           threads=threads, prompt_tokens=prompt_tokens, max_tokens=settings.max_tokens)

@@ -69,6 +69,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in that chunk
     usage_completion_tokens: int | None = None  # the server's count (final chunk's usage)
     target_calls: int | None = None  # the server's speculation stats, when streamed
+    drafted_tokens: int | None = None  # the server's stats: tokens drafted over the request's iterations
     overlap: bool | None = None  # the server's args.engine.overlap (None: not recorded)
 
     @property
@@ -142,6 +143,7 @@ class LevelSummary:
     served_over_limit: float | None = None  # tokens_per_second / bare_limit_tokens_per_second
     limit_with_prompt_tokens_per_second: float | None = None  # the limit with each request's prompt forwards
     served_over_limit_with_prompt: float | None = None  # tokens_per_second / limit_with_prompt_tokens_per_second
+    mean_block: float | None = None  # server stats: drafted tokens per target call, pooled (sd, multi_draft)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -170,6 +172,8 @@ def summarize_level(run: LevelRun, records: list[RequestRecord], max_tokens: int
     efficiency = None
     if calls and len(calls) == len(done):
         efficiency = tokens / sum(calls)
+    drafted = [r.drafted_tokens for r in done if r.drafted_tokens is not None and r.target_calls]
+    mean_block = sum(drafted) / sum(calls) if calls and drafted and len(drafted) == len(calls) == len(done) else None
     peaks = (run.memory or {}).get("workers") or {}
     peak_values = [p["peak_rss_bytes"] / MIB for p in peaks.values() if p.get("peak_rss_bytes")]
     errors = sorted({r.error for r in records if r.error})[:5]
@@ -208,6 +212,7 @@ def summarize_level(run: LevelRun, records: list[RequestRecord], max_tokens: int
         served_over_limit=served / limit if limit else None,
         limit_with_prompt_tokens_per_second=limit_with_prompt,
         served_over_limit_with_prompt=served / limit_with_prompt if limit_with_prompt else None,
+        mean_block=mean_block,
     )
 
 

@@ -139,6 +139,28 @@ def test_bare_limit_flag_and_level_shapes(tmp_path):
     settings = ServeLoadSettings(sd_gamma=3, se_gamma=2)
     assert level_shape(settings, "sd", 4) == LevelShape("sd", 4, gamma=3, num_drafts=2)
     assert level_shape(settings, "se", 4).gamma == 2 and level_shape(settings, "ar", 4).gamma == 1
+    # gamma auto: the measured mean block, rounded; sd_gamma while the server reported none
+    assert level_shape(settings, "sd", 1, "sd/block/gauto", mean_block=5.4).gamma == 5
+    assert level_shape(settings, "sd", 1, "sd/block/gauto", mean_block=None).gamma == 3
+    assert level_shape(settings, "sd", 1, "sd/block/g6", mean_block=5.4).gamma == 6
+
+
+def test_a_levels_mean_block_is_drafted_tokens_per_target_call():
+    from benchmarks.serve_load import _drafted_tokens
+
+    assert _drafted_tokens({"draft_lengths": [5, 5, 6, 0]}) == 16
+    assert _drafted_tokens({}) is None and _drafted_tokens({"draft_lengths": []}) is None
+    run = LevelRun(label="sd/block/gauto", strategy="sd", concurrency=1, requests=2, wall_s=1.0, warmup_ok=True,
+                   warmup_s=0.1)
+    records = [RequestRecord(label="sd/block/gauto", concurrency=1, index=i, prompt_id="p", seed=i, ok=True,
+                             error=None, sent_s=0.0, e2e_s=0.5, chunk_times_s=[0.1], chunk_tokens=[8],
+                             target_calls=calls, drafted_tokens=drafted)
+               for i, (calls, drafted) in enumerate([(2, 11), (3, 14)])]
+    results = ServeLoadResults(settings=ServeLoadSettings(concurrency=(1,), strategies=("sd",), max_tokens=8)
+                               .model_dump(mode="json"), environment={"config": "x.yaml", "num_prompts": 1},
+                               command="specserve bench --mode serve-load", levels=[run], records=records).summarize()
+    assert results.summaries[0].mean_block == pytest.approx(25 / 5)
+    assert results.summaries[0].block_efficiency == pytest.approx(16 / 5)
 
 
 def test_report_puts_the_limit_with_the_prompt_next_to_the_served_figure():
