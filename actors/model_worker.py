@@ -206,7 +206,7 @@ class ModelWorker:
                     link_calls.append(link.submit(items))
                     return (link_calls[-1],)
                 except PeerLinkError:
-                    self._drop_link(link)
+                    link.close()  # broken: the next burst opens a new one
             return tuple(peers[model].run_step.options(num_returns=2).remote(items, source_payloads=[], releases=[]))
 
         try:
@@ -215,7 +215,7 @@ class ModelWorker:
         finally:
             for call in link_calls:
                 if not call.done:  # closed early with a call in flight: its reply is not wanted
-                    self._drop_link(call.link)
+                    call.link.close()
 
     # ------------------------------------------------------------------ peer links
     def peer_link_address(self) -> PeerLinkAddress:
@@ -258,14 +258,6 @@ class ModelWorker:
                 self._links.pop(key, None)
                 self._link_retry_at[key] = time.monotonic() + LINK_RETRY_S
         return link
-
-    def _drop_link(self, link: PeerLink) -> None:
-        """Close ``link`` and forget it (the next burst opens a new one)."""
-        link.close()
-        with self._links_lock:
-            for key, value in list(self._links.items()):
-                if value is link:
-                    del self._links[key]
 
     # ------------------------------------------------------------------ sessions
     def prompt_logits(self, session_id: str, prompt_ids: list[int], vocab_limit: int | None = None) -> Any:

@@ -27,6 +27,15 @@ from models import embedded_model_path
 ROLES = {"target": "target", "draft": "draft", "partner": "member"}
 
 
+def _summarized(strategy: str, concurrency: int, max_tokens: int, run: LevelRun,
+                records: list[RequestRecord]) -> ServeLoadResults:
+    """One level's results, summarized as the report summarizes them."""
+    settings = ServeLoadSettings(concurrency=(concurrency,), strategies=(strategy,), max_tokens=max_tokens)
+    return ServeLoadResults(settings=settings.model_dump(mode="json"),
+                            environment={"config": "x.yaml", "num_prompts": 1},
+                            command="specserve bench --mode serve-load", levels=[run], records=records).summarize()
+
+
 def test_forwards_per_iteration_follow_the_strategy():
     assert level_forwards(LevelShape("ar", 16), ROLES) == [Forward("target", 16, 1)]
     assert level_forwards(LevelShape("sd", 4, gamma=4), ROLES) == [Forward("draft", 4, 1, 4), Forward("target", 4, 5)]
@@ -111,9 +120,7 @@ def test_report_puts_the_limit_next_to_the_served_figure():
                    warmup_s=0.1, bare=bare)
     record = RequestRecord(label="sd/block/g4", concurrency=2, index=0, prompt_id="p", seed=0, ok=True, error=None,
                            sent_s=0.0, e2e_s=0.04, chunk_times_s=[0.01, 0.04], chunk_tokens=[2, 2], target_calls=2)
-    results = ServeLoadResults(settings=ServeLoadSettings(concurrency=(2,), strategies=("sd",), max_tokens=4)
-                               .model_dump(mode="json"), environment={"config": "x.yaml", "num_prompts": 1},
-                               command="specserve bench --mode serve-load", levels=[run], records=[record]).summarize()
+    results = _summarized("sd", 2, 4, run, [record])
     summary = results.summaries[0]
     assert summary.tokens_per_second == pytest.approx(100.0)
     assert summary.bare_limit_tokens_per_second == pytest.approx(400.0)
@@ -156,9 +163,7 @@ def test_a_levels_mean_block_is_drafted_tokens_per_target_call():
                              error=None, sent_s=0.0, e2e_s=0.5, chunk_times_s=[0.1], chunk_tokens=[8],
                              target_calls=calls, drafted_tokens=drafted)
                for i, (calls, drafted) in enumerate([(2, 11), (3, 14)])]
-    results = ServeLoadResults(settings=ServeLoadSettings(concurrency=(1,), strategies=("sd",), max_tokens=8)
-                               .model_dump(mode="json"), environment={"config": "x.yaml", "num_prompts": 1},
-                               command="specserve bench --mode serve-load", levels=[run], records=records).summarize()
+    results = _summarized("sd", 1, 8, run, records)
     assert results.summaries[0].mean_block == pytest.approx(25 / 5)
     assert results.summaries[0].block_efficiency == pytest.approx(16 / 5)
 
@@ -172,9 +177,7 @@ def test_report_puts_the_limit_with_the_prompt_next_to_the_served_figure():
                    bare=bare)
     record = RequestRecord(label="ar", concurrency=1, index=0, prompt_id="p", seed=0, ok=True, error=None,
                            sent_s=0.0, e2e_s=0.08, chunk_times_s=[0.04, 0.08], chunk_tokens=[2, 2], target_calls=4)
-    results = ServeLoadResults(settings=ServeLoadSettings(concurrency=(1,), strategies=("ar",), max_tokens=4)
-                               .model_dump(mode="json"), environment={"config": "x.yaml", "num_prompts": 1},
-                               command="specserve bench --mode serve-load", levels=[run], records=[record]).summarize()
+    results = _summarized("ar", 1, 4, run, [record])
     summary = results.summaries[0]
     assert summary.tokens_per_second == pytest.approx(50.0)
     assert summary.limit_with_prompt_tokens_per_second == pytest.approx(4 / 0.060)
