@@ -28,13 +28,29 @@ from cluster.config import GroupConfig, SpecServeArgs, parse_app_args
 
 logger = logging.getLogger(__name__)
 
+# Ray Serve gives a starting proxy 5 s to answer its readiness check and kills it after three
+# misses, so on a busy machine (a loaded CI runner, two cores starting Ray, Serve and models at
+# once) `serve.start` fails with ActorDiedError. A local Ray started here gives it longer; an
+# explicit setting in the environment wins.
+SERVE_PROXY_READY_TIMEOUT_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+SERVE_PROXY_READY_TIMEOUT_S = 30.0
+
+
+def set_slow_start_defaults(environ: Any = None) -> None:
+    """Default Ray Serve's proxy readiness timeout to :data:`SERVE_PROXY_READY_TIMEOUT_S` in
+    ``environ`` (``os.environ``) unless it is set; must run before a local Ray starts (its
+    processes inherit this environment)."""
+    environ = os.environ if environ is None else environ
+    environ.setdefault(SERVE_PROXY_READY_TIMEOUT_ENV, f"{SERVE_PROXY_READY_TIMEOUT_S:g}")
+
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, **init_kwargs: Any) -> None:
     """Start or join Ray unless it is already initialised.
 
     ``address`` (or the ``RAY_ADDRESS`` environment variable) joins an existing cluster;
     otherwise a local instance is started with ``num_cpus`` logical CPUs (default: this
-    machine's count, at least 4 so a whole model group fits) and no dashboard.
+    machine's count, at least 4 so a whole model group fits), no dashboard, and a longer
+    Serve proxy readiness timeout (:func:`set_slow_start_defaults`).
     """
     import ray
 
@@ -47,6 +63,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **init_kwa
         return
     cpus = num_cpus if num_cpus is not None else max(4, os.cpu_count() or 1)
     logger.info("starting a local Ray instance with %d CPUs", cpus)
+    set_slow_start_defaults()
     init_kwargs.setdefault("include_dashboard", False)
     ray.init(num_cpus=cpus, **init_kwargs)
 

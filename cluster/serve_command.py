@@ -9,7 +9,8 @@ and controller ``apply_config``; deployments sections, replicas and autoscaling 
   ``http_options`` / ``grpc_options``, the first specserve application's ``args.server``, and the
   defaults (127.0.0.1, 8000, 9000); the SpecServe gRPC servicer is always registered;
 - Ray is started locally unless ``RAY_ADDRESS`` names a cluster (:func:`cluster.bringup.init_ray`);
-- it waits until every application is RUNNING, prints the addresses, blocks until Ctrl-C (or
+- it waits until every application is RUNNING and every proxy HEALTHY (a proxy slow to start on
+  a busy machine is waited for, not a failure), prints the addresses, blocks until Ctrl-C (or
   SIGTERM), then shuts Serve down (and Ray, when it started it).
 
 - it logs a warning for every specserve application served without an API key
@@ -166,25 +167,34 @@ def parse_serve_config(document: dict[str, Any], where: str) -> Any:
 
 
 def wait_until_running(app_names: list[str], timeout_s: float = DEPLOY_TIMEOUT_S) -> None:
-    """Block until every application is RUNNING; raise RuntimeError with Serve's message if one fails."""
+    """Block until every application is RUNNING and every proxy HEALTHY (the addresses printed
+    after this answer); raise RuntimeError with Serve's message if an application fails."""
     from ray import serve
-    from ray.serve.schema import ApplicationStatus
+    from ray.serve.schema import ApplicationStatus, ProxyStatus
 
     deadline = time.monotonic() + timeout_s
     while True:
-        applications = serve.status().applications
-        statuses = {name: applications.get(name) for name in app_names}
+        status = serve.status()
+        statuses = {name: status.applications.get(name) for name in app_names}
         failed = {
-            name: _failure_message(status)
-            for name, status in statuses.items()
-            if status is not None and status.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
+            name: _failure_message(app_status)
+            for name, app_status in statuses.items()
+            if app_status is not None
+            and app_status.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
         }
         if failed:
             raise RuntimeError("deployment failed:\n" + "\n".join(f"  {name}: {text}" for name, text in failed.items()))
-        if all(status is not None and status.status == ApplicationStatus.RUNNING for status in statuses.values()):
+        apps_running = all(
+            app_status is not None and app_status.status == ApplicationStatus.RUNNING for app_status in statuses.values()
+        )
+        proxies_healthy = all(proxy == ProxyStatus.HEALTHY for proxy in status.proxies.values())
+        if apps_running and proxies_healthy:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"applications not running after {timeout_s:.0f}s: {statuses}")
+            raise RuntimeError(
+                f"not serving after {timeout_s:.0f}s: applications {statuses}, proxies {dict(status.proxies)}"
+                + ("" if proxies_healthy else f"; {_proxy_hint()}")
+            )
         time.sleep(POLL_INTERVAL_S)
 
 
@@ -198,17 +208,57 @@ def _failure_message(application_status: Any) -> str:
     return " | ".join(part for part in parts if part)
 
 
-def deploy(config_path: str, addresses: ServerAddresses, document: dict[str, Any]) -> list[str]:
-    """Start Serve with the given addresses and apply the config; returns the application names."""
+def _proxy_hint() -> str:
+    """Which setting gives a slow proxy longer to start, and its value now."""
+    from cluster.bringup import SERVE_PROXY_READY_TIMEOUT_ENV
+
+    timeout = os.environ.get(SERVE_PROXY_READY_TIMEOUT_ENV)
+    now = f"now {timeout} s" if timeout else "now Ray's default of 5 s"
+    return f"on a busy machine raise {SERVE_PROXY_READY_TIMEOUT_ENV} ({now}) in the environment of the Ray cluster"
+
+
+def proxy_start_failure(error: Exception) -> str:
+    """The message for a Serve start whose controller is gone after its proxies failed."""
+    first_line = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return f"Ray Serve's HTTP/gRPC proxy did not start ({type(error).__name__}: {first_line}); {_proxy_hint()}"
+
+
+def start_serve(schema: Any) -> None:
+    """``serve.start`` with the config's proxy options, patient with slow proxies.
+
+    ``serve.start`` gives up after 60 s waiting for its proxies, or when the controller kills a
+    proxy that missed its readiness checks (it starts another). On a starved machine that is
+    slowness, not failure: while the controller lives, the start goes on and
+    :func:`wait_until_running` waits for the proxies to be HEALTHY. Raises RuntimeError when
+    the controller itself is gone.
+    """
     from ray import serve
+    from ray.exceptions import RayError
+    from ray.serve.context import _get_global_client
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        serve.start(
+            proxy_location=schema.proxy_location,
+            http_options=schema.http_options.model_dump(),
+            grpc_options=schema.grpc_options.model_dump(),
+        )
+    except (TimeoutError, RayError) as error:
+        logger.warning("Ray Serve's proxies are not ready yet (%s: %s); still waiting for them",
+                       type(error).__name__, str(error).strip().splitlines()[0] if str(error).strip() else "")
+        try:
+            _get_global_client()
+        except RayServeException:
+            raise RuntimeError(proxy_start_failure(error)) from error
+
+
+def deploy(config_path: str, addresses: ServerAddresses, document: dict[str, Any]) -> list[str]:
+    """Start Serve with the given addresses and apply the config; returns the application names
+    once every application runs and every proxy is healthy."""
     from ray.serve.context import _get_global_client
 
     schema = parse_serve_config(document, config_path)
-    serve.start(
-        proxy_location=schema.proxy_location,
-        http_options=schema.http_options.model_dump(),
-        grpc_options=schema.grpc_options.model_dump(),
-    )
+    start_serve(schema)
     # The same controller call `serve run <config>` makes (it honours the deployments sections).
     _get_global_client().deploy_apps(schema)
     names = [app.name for app in schema.applications]

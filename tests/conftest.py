@@ -165,8 +165,11 @@ def ray_session():
     """The one Ray instance of the test session (local, no dashboard)."""
     import ray
 
+    from cluster.bringup import set_slow_start_defaults
+
     started_here = False
     if not ray.is_initialized():
+        set_slow_start_defaults()  # a loaded runner must not fail Serve's proxy start
         ray.init(
             num_cpus=RAY_TEST_NUM_CPUS,
             include_dashboard=False,
