@@ -62,7 +62,8 @@ from verifiers.machines import (
     Verified,
     bonus_guesses,
 )
-from verifiers.randomness import RowSources, categorical_together
+from verifiers.blocks import block_inputs, block_key, verified_row, verify_blocks
+from verifiers.randomness import categorical_together
 from verifiers.registry import get_verifier
 from verifiers.penalties import penalized_probs
 from verifiers.sampling import token_logprob
@@ -287,10 +288,7 @@ class _ScoreVerifyTask(_Task):
         # sampled with (same request sampling parameters and penalty contexts, same code).
         draft_after = [draft[:j] for draft in drafts for j in range(gamma)]
         draft_probs = session_rows(session, self.proposal.logits, draft_after)  # [K, gamma, V]
-        if self.spec.multi_draft:
-            self.inputs = (draft_tokens[None], draft_probs[None], target_probs[None])  # B = 1
-        else:
-            self.inputs = (draft_tokens, draft_probs, target_probs)  # K = 1 is the batch of 1
+        self.inputs = block_inputs(self.spec, draft_tokens, draft_probs, target_probs)
         self.verify_s = time.perf_counter() - started
         if self.batch_key is None:
             self.verify_alone()
@@ -299,38 +297,26 @@ class _ScoreVerifyTask(_Task):
     def batch_key(self) -> tuple[str, int] | None:
         """Requests whose blocks one verifier call takes together: a stateless single-draft rule
         (token, block) and the block length; None: verified alone (multi-draft and greedy rules)."""
-        if self.spec.multi_draft or self.spec.stateful or self.inputs is None:
+        if self.inputs is None:
             return None
-        return self.need.method, int(self.inputs[0].shape[-1])
+        return block_key(self.need.method, self.spec, self.inputs)
 
     def verify_alone(self) -> None:
         """Verify this block by itself on the request's verification stream."""
         started = time.perf_counter()
-        result = self.spec.verify(*self.inputs, generator=self.source, state=self.session.verify_state)
+        result = verify_blocks(self.spec, [self.inputs], [self.source], state=self.session.verify_state)
         self.verify_s += time.perf_counter() - started
         self.finish(result, 0)
 
     def finish(self, result: Any, row: int) -> None:
         """Take batch row ``row`` of the verifier's ``result``: commit the emitted tokens."""
         session = self.session
-        draft_tokens, _, target_probs = self.inputs
-        if self.spec.multi_draft:
-            draft_tokens, target_probs = draft_tokens[0], target_probs[0]  # [K, gamma], [K, gamma+1, V]
+        draft_tokens = self.proposal.tokens  # [K, gamma]
         session.verify_state = result.state
-        emitted = result.emitted(row)
-        chosen = 0 if result.draft_index is None else int(result.draft_index[row])
-        logprobs = None
-        if self.need.logprobs is not None:  # each emitted token under the target row at its position
-            logprobs = [token_logprob(target_probs[chosen, j], t, self.need.logprobs) for j, t in enumerate(emitted)]
+        self.result = verified_row(self.spec, self.inputs, result, row, self.need.logprobs)
         session.chain_start, session.chain_stride = session.base, draft_tokens.shape[-1]
         session.chains = draft_tokens.tolist()
-        session.context.extend(emitted)
-        self.result = Verified(
-            emitted=emitted,
-            num_accepted=int(result.num_accepted[row]),
-            draft_index=None if result.draft_index is None else int(result.draft_index[row]),
-            logprobs=logprobs,
-        )
+        session.context.extend(self.result.emitted)
         self.inputs = None
 
     def outcome(self) -> tuple[Any, Any]:
@@ -341,17 +327,13 @@ def verify_together(tasks: Sequence[_ScoreVerifyTask]) -> None:
     """ONE verifier call for the blocks of many requests with the same rule and block length
     (their :attr:`_ScoreVerifyTask.batch_key`): rows stacked ``[B, gamma]`` / ``[B, gamma, V]`` /
     ``[B, gamma+1, V]``, each row drawing from its own request's verification stream
-    (:class:`verifiers.randomness.RowSources`: the draws a call of batch 1 would make), so every
+    (:func:`verifiers.blocks.verify_blocks`: the draws a call of batch 1 would make), so every
     request gets the tokens it would get verified alone. The call's time is shared evenly."""
     if len(tasks) == 1:
         tasks[0].verify_alone()
         return
     started = time.perf_counter()
-    draft_tokens = torch.cat([task.inputs[0] for task in tasks])  # [B, gamma]
-    draft_probs = torch.cat([task.inputs[1] for task in tasks])  # [B, gamma, V]
-    target_probs = torch.cat([task.inputs[2] for task in tasks])  # [B, gamma+1, V]
-    result = tasks[0].spec.verify(draft_tokens, draft_probs, target_probs,
-                                  generator=RowSources([task.source for task in tasks]), state=None)
+    result = verify_blocks(tasks[0].spec, [task.inputs for task in tasks], [task.source for task in tasks])
     share = (time.perf_counter() - started) / len(tasks)
     for row, task in enumerate(tasks):
         task.verify_s += share

@@ -4,7 +4,9 @@
 Each model has its own committed context (the ``append`` tokens of a need are committed before
 the need is done, as on a serving worker), its own random streams and, for stateful
 verification rules, its own verifier state. The rows come from the one sampling path,
-:func:`verifiers.sampling.logits_to_probs`, exactly as on the serving workers.
+:func:`verifiers.sampling.logits_to_probs`, exactly as on the serving workers; a block's
+verification, from its rows on, is the serving engine's own (:mod:`verifiers.blocks`), and the
+draws of a Sample are the engine's batched draw (:func:`verifiers.randomness.categorical_together`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from verifiers.blocks import block_inputs, verified_row, verify_blocks
 from verifiers.machines import (
     DecodeMachine,
     Extend,
@@ -30,7 +33,7 @@ from verifiers.machines import (
     bonus_guesses,
 )
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
-from verifiers.randomness import RandomSource
+from verifiers.randomness import RandomSource, categorical_together
 from verifiers.registry import get_verifier
 from verifiers.sampling import token_logprob
 
@@ -118,7 +121,7 @@ class LocalExecutor:
             contexts = [context + tuple(draft) for draft in drafts]
             logits = torch.stack([self._logits(need.model, c) for c in contexts])  # [K, V]
             rows = self._rows(logits, contexts)  # [K, V]
-            tokens = source.categorical(rows)  # [K]
+            tokens = categorical_together([(source, rows)])[0]  # [K]
             if need.logprobs is not None:
                 logprobs.append(token_logprob(rows[0], int(tokens[0]), need.logprobs))
             for draft, token in zip(drafts, tokens.tolist()):
@@ -157,27 +160,15 @@ class LocalExecutor:
         target_probs = self._rows(target_logits, target_contexts).reshape(len(drafts), gamma + 1, -1)  # [K, gamma+1, V]
         draft_contexts = [context + tuple(draft[:i]) for draft in drafts for i in range(gamma)]
         draft_probs = self._rows(proposal.logits, draft_contexts)  # [K, gamma, V]
-        if spec.multi_draft:
-            batched = (draft_tokens[None], draft_probs[None], target_probs[None])  # B = 1
-        else:
-            batched = (draft_tokens, draft_probs, target_probs)  # K = 1 is the batch of 1
-        result = spec.verify(
-            *batched, generator=self._source(need.model, need.stream), state=self.verify_states.get(need.model)
-        )
+        # From the rows on, the serving engine's own steps (verifiers.blocks).
+        inputs = block_inputs(spec, draft_tokens, draft_probs, target_probs)
+        result = verify_blocks(spec, [inputs], [self._source(need.model, need.stream)],
+                               state=self.verify_states.get(need.model))
         self.verify_states[need.model] = result.state
-        emitted = result.emitted(0)
-        chosen = 0 if result.draft_index is None else int(result.draft_index[0])
-        logprobs = None if need.logprobs is None else [
-            token_logprob(target_probs[chosen, j], t, need.logprobs) for j, t in enumerate(emitted)
-        ]
-        self.contexts[need.model] = context + tuple(emitted)
+        verified = verified_row(spec, inputs, result, 0, need.logprobs)
+        self.contexts[need.model] = context + tuple(verified.emitted)
         self.model_calls[need.model] += 1
-        return Verified(
-            emitted=emitted,
-            num_accepted=int(result.num_accepted[0]),
-            draft_index=None if result.draft_index is None else int(result.draft_index[0]),
-            logprobs=logprobs,
-        )
+        return verified
 
     def _extend(self, need: Extend) -> MemberBlock:
         context = self.contexts[need.model]
