@@ -175,22 +175,31 @@ def test_eos_ends_the_request_unless_ignored(model_group, greedy_results):
             chunks = asyncio.run(_collect(coordinator, request))
             assert [t for chunk in chunks for t in chunk.token_ids] == expected
             assert chunks[-1].finish_reason == reason
+        # This coordinator releases its requests' sessions after their last chunks; killed
+        # before that, it would leave them open on the shared workers.
+        assert not any(_open_sessions_after_release(model_group))
     finally:
         ray.kill(coordinator)
 
 
-def test_sessions_are_released_after_requests(model_group, greedy_results):
+def _open_sessions_after_release(model_group, timeout_s: float = 20.0) -> list[int]:
+    """Every worker's open sessions, polled until none is left or ``timeout_s`` passes: a
+    finished request's sessions are released by its coordinator's next worker call, which
+    follows the request's last chunk."""
     import time
 
     import ray
 
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout_s
+    while True:
         counts = [ray.get(worker.num_sessions.remote()) for worker in model_group.workers.values()]
-        if not any(counts):
-            break
+        if not any(counts) or time.monotonic() > deadline:
+            return counts
         time.sleep(0.2)
-    assert not any(counts)
+
+
+def test_sessions_are_released_after_requests(model_group, greedy_results):
+    assert not any(_open_sessions_after_release(model_group))
 
 
 @pytest.mark.parametrize("speculation", [{"strategy": "sd", "method": "greedy_block", "gamma": 6},
