@@ -241,9 +241,14 @@ def median_prompt_tokens(tokenizer_path: str, prompt_texts: list[str]) -> int:
     return int(statistics.median(len(tokenizer(text)["input_ids"]) for text in prompt_texts))
 
 
+def context_midway(prompt_tokens: int, max_tokens: int) -> int:
+    """The cached context halfway through a completion: ``prompt_tokens + max_tokens // 2``."""
+    return prompt_tokens + max_tokens // 2
+
+
 def representative_context(tokenizer_path: str, prompt_texts: list[str], max_tokens: int) -> int:
     """Median prompt length in tokens (the target's tokenizer) + ``max_tokens // 2``."""
-    return median_prompt_tokens(tokenizer_path, prompt_texts) + max_tokens // 2
+    return context_midway(median_prompt_tokens(tokenizer_path, prompt_texts), max_tokens)
 
 
 def bare_limits(shapes: list[LevelShape], block_efficiencies: list[float | None], roles: dict[str, str],

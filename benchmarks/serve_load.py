@@ -58,7 +58,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from benchmarks.bare_limit import LevelShape, bare_limits, median_prompt_tokens
+from benchmarks.bare_limit import LevelShape, bare_limits, context_midway, median_prompt_tokens
 from benchmarks.prompts import PROMPTS_PATH, Prompt, load_prompts
 from benchmarks.serve_load_report import (
     LevelRun,
@@ -721,7 +721,7 @@ def add_bare_limits(results: ServeLoadResults, settings: ServeLoadSettings, grou
     paths = {m.name: m.path for m in group.models}
     tokenizer = group.tokenizer_path or paths[_first_role(roles, "target")]
     prompt_tokens = median_prompt_tokens(tokenizer, [p.text for p in prompts])
-    context = prompt_tokens + settings.max_tokens // 2  # benchmarks.bare_limit.representative_context
+    context = context_midway(prompt_tokens, settings.max_tokens)
     threads = max(m.torch_threads for m in group.models)
     logger.info("bare-model limit: %d levels at context %d, %d torch thread(s)", len(results.levels), context, threads)
     shapes = [level_shape(settings, run.strategy, run.concurrency, run.label, summary.mean_block)

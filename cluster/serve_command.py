@@ -217,10 +217,14 @@ def _proxy_hint() -> str:
     return f"on a busy machine raise {SERVE_PROXY_READY_TIMEOUT_ENV} ({now}) in the environment of the Ray cluster"
 
 
+def _first_line(error: Exception) -> str:
+    """The first non-blank line of ``error``'s message (Ray's run on for pages), else its type."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
 def proxy_start_failure(error: Exception) -> str:
     """The message for a Serve start whose controller is gone after its proxies failed."""
-    first_line = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    return f"Ray Serve's HTTP/gRPC proxy did not start ({type(error).__name__}: {first_line}); {_proxy_hint()}"
+    return f"Ray Serve's HTTP/gRPC proxy did not start ({type(error).__name__}: {_first_line(error)}); {_proxy_hint()}"
 
 
 def start_serve(schema: Any) -> None:
@@ -245,7 +249,7 @@ def start_serve(schema: Any) -> None:
         )
     except (TimeoutError, RayError) as error:
         logger.warning("Ray Serve's proxies are not ready yet (%s: %s); still waiting for them",
-                       type(error).__name__, str(error).strip().splitlines()[0] if str(error).strip() else "")
+                       type(error).__name__, _first_line(error))
         try:
             _get_global_client()
         except RayServeException:

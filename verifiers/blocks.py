@@ -54,9 +54,15 @@ def block_key(method: str, spec: Any, inputs: BlockInputs) -> tuple[str, int] | 
     """Blocks one :func:`verify_blocks` call may take together: a stateless single-draft rule and
     the block length; None: verified alone (multi-draft rules and stateful ones, whose state
     belongs to one request)."""
-    if spec.multi_draft or spec.stateful:
+    if not _shareable(spec):
         return None
     return method, int(inputs[0].shape[-1])
+
+
+def _shareable(spec: Any) -> bool:
+    """Whether blocks of several requests may share one call of ``spec``'s rule: single-draft
+    and stateless (a stateful rule's state belongs to one request)."""
+    return not (spec.multi_draft or spec.stateful)
 
 
 def verify_blocks(
@@ -69,7 +75,7 @@ def verify_blocks(
         raise ValueError(f"verify_blocks needs one source per block, got {len(blocks)} blocks, {len(sources)} sources")
     if len(blocks) == 1:
         return spec.verify(*blocks[0], generator=sources[0], state=state)
-    if spec.multi_draft or spec.stateful or state is not None:
+    if not _shareable(spec) or state is not None:
         raise ValueError("only stateless single-draft blocks are verified together")
     draft_tokens = torch.cat([block[0] for block in blocks])  # [B, gamma]
     draft_probs = torch.cat([block[1] for block in blocks])  # [B, gamma, V]
