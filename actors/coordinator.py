@@ -399,7 +399,8 @@ class Coordinator:
             max_new_tokens=sampling.max_tokens,
             context_budget=max_context - len(prompt_ids),
         )
-        row_sampling = RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, vocab_limit, penalties)
+        row_sampling = RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, vocab_limit, penalties,
+                                   precision=self.config.row_precision)
         opens = {
             model: OpenSession(tuple(prompt_ids), row_sampling, dict(seeds))
             for model, seeds in built.worker_seeds.items()

@@ -13,8 +13,9 @@ and takes that row's logits. Draws use the session's own random streams in the o
 machine's contract states, so a request's tokens do not depend on its neighbours. Verification
 runs here, next to the target rows (only tokens travel back); logits leave the device once per
 forward (one copy of the kept rows of every session), and rows are computed with the one
-sampling path (:func:`verifiers.sampling.logits_to_probs`) in float64 on the host, which is
-where the verifiers run.
+sampling path (:func:`verifiers.sampling.logits_to_probs`) on the host, which is where the
+verifiers run, in the request's precision (``RowSampling.precision``: float64, or float32 where
+``engine.sampling_precision`` settles so; draws and single-draft verification keep it).
 
 Prompt log-probabilities: a session opened with ``OpenSession.prompt_logits`` keeps the logits
 of every prompt position in the forward that feeds its prompt (:func:`keep_prompt_positions`),
@@ -79,11 +80,13 @@ DEFAULT_MAX_TOKENS_PER_STEP = 512
 MIN_PREFILL_SHARE = 0.25
 
 
-def session_rows(session: Session, logits: torch.Tensor, after: list[list[int]]) -> torch.Tensor:
+def session_rows(session: Session, logits: torch.Tensor, after: list[list[int]],
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """The one logits -> rows path of a worker: shared-vocabulary truncation, then the request's
     penalties (row ``i`` penalized with the generated tokens followed by ``after[i]``, the
     uncommitted tokens before its position) and temperature / top-k / top-p
-    (:func:`verifiers.penalties.penalized_probs`)."""
+    (:func:`verifiers.penalties.penalized_probs`), in ``dtype`` (default: the request's
+    ``RowSampling.precision``)."""
     sampling = session.sampling
     generated = None
     if sampling.penalties.active:
@@ -92,7 +95,15 @@ def session_rows(session: Session, logits: torch.Tensor, after: list[list[int]])
     return penalized_probs(
         shared_vocab(session, logits), temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
         penalties=sampling.penalties, prompt=session.context[: session.prompt_length], generated=generated,
+        dtype=dtype if dtype is not None else row_dtype(sampling.precision),
     )
+
+
+def row_dtype(precision: str) -> torch.dtype:
+    """``RowSampling.precision`` ("float64" / "float32") -> the torch dtype of the rows."""
+    if precision not in ("float64", "float32"):
+        raise ValueError(f"RowSampling.precision must be 'float64' or 'float32', got {precision!r}")
+    return getattr(torch, precision)
 
 
 def shared_vocab(session: Session, logits: torch.Tensor) -> torch.Tensor:
@@ -455,7 +466,10 @@ class _ExtendTask(_Task):
         else:
             self.next_logits = logits[0]  # [V]
         if len(self.tokens) < self.need.count:
-            row = session_rows(self.session, self.next_logits[None], [self.queued + self.tokens])  # [1, V]
+            # float64 whatever the precision: the ensemble's machine recomputes this member's rows
+            # on the coordinator in float64 to verify the proposal, and must see the rows drawn from.
+            row = session_rows(self.session, self.next_logits[None], [self.queued + self.tokens],
+                               dtype=torch.float64)  # [1, V]
             token = int(self.source.categorical(row)[0])
             self.tokens.append(token)
             self.token_logits.append(self.next_logits)

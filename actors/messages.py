@@ -25,7 +25,9 @@ class RowSampling:
     ``vocab_limit`` is the vocabulary shared by every model of the group: logits past it are
     dropped before ``verifiers.penalties.penalized_probs`` (models of one family may pad their
     embedding tables differently; the extra ids are never produced). ``penalties`` are applied
-    to every row with the tokens generated before that row's own position.
+    to every row with the tokens generated before that row's own position. ``precision``: what the
+    rows a worker draws from and verifies against are computed in (``engine.sampling_precision``
+    settled for the group; ``verifiers.sampling.ROW_DTYPES``).
     """
 
     temperature: float = 1.0
@@ -33,6 +35,7 @@ class RowSampling:
     top_p: float = 1.0
     vocab_limit: int | None = None
     penalties: Penalties = NO_PENALTIES
+    precision: str = "float64"
 
 
 @dataclass(frozen=True)

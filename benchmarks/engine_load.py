@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Force args.engine.burst_ms (solo bursts; 0 off; default: the YAML's).")
     parser.add_argument("--goodput", choices=("on", "off"), default=None,
                         help="Force args.engine.goodput_gamma (gamma auto weighs measured step costs; default: the YAML's).")
+    parser.add_argument("--sampling-precision", choices=("auto", "float32", "float64"), default=None,
+                        help="Force args.engine.sampling_precision (the rows' precision; default: the YAML's).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     group_args = load_app_args(args.config, None)
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_updates["pre_drafting"] = args.pre_drafting
     if args.burst_ms is not None:
         engine_updates["burst_ms"] = args.burst_ms
+    if args.sampling_precision is not None:
+        engine_updates["sampling_precision"] = args.sampling_precision
     if engine_updates:
         group_args = group_args.model_copy(update={"engine": group_args.engine.model_copy(update=engine_updates)})
     (case,) = serve_load_cases(ServeLoadSettings(strategies=(args.strategy,)), group_args.freeze().roles)

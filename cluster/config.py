@@ -320,6 +320,14 @@ class EngineArgs(_Frozen):
         "model worker already holds (an open request's context, or a finished request's parked slot) instead of "
         "computing them again; the output is unchanged (docs/engine.md).",
     )
+    sampling_precision: Literal["auto", "float32", "float64"] = Field(
+        "auto",
+        description="What the model workers compute the rows they draw tokens from and verify against in (the "
+        "one sampling path: penalties, temperature, top-k / top-p, draws, token and block verification). float64: "
+        "what the exactness proofs enumerate; float32: the law up to float32 rounding (bounded in the tests), the "
+        "precision a GPU computes fast; auto: float32 when a model worker has a GPU, else float64. The speculative "
+        "ensemble's rows and the multi-draft rules compute in float64 either way (docs/engine.md).",
+    )
     goodput_gamma: bool = Field(
         True,
         description="gamma \"auto\" also weighs the measured cost of a step at the current batch (draft and target "
@@ -494,6 +502,14 @@ class GroupConfig(LimitsArgs, EngineArgs, CoordinatorResourceArgs):
         if self.overlap != "auto":
             return bool(self.overlap)
         return all(model.num_gpus is not None and model.num_gpus >= 1 for model in self.models)
+
+    @property
+    def row_precision(self) -> str:
+        """``sampling_precision`` settled: "auto" is float32 when a worker has a GPU (``num_gpus`` None,
+        not settled yet, counts as none), else float64."""
+        if self.sampling_precision != "auto":
+            return self.sampling_precision
+        return "float32" if any(model.num_gpus for model in self.models) else "float64"
 
     def model(self, name: str) -> ModelSpec:
         for model in self.models:

@@ -47,7 +47,9 @@ class LocalExecutor:
     sources: model name -> {stream name: RandomSource} (a machine's ``streams()`` layout).
     vocab_limit: logits are truncated to this many entries (the shared vocabulary; None keeps
     them whole). Sampling parameters and penalties are the request's, identical for every model;
-    each row is penalized with the tokens generated before its own position.
+    each row is penalized with the tokens generated before its own position. ``dtype``: the rows'
+    precision (``verifiers.sampling.ROW_DTYPES``), as a worker's ``RowSampling.precision``; an
+    :class:`Extend`'s draws stay float64 as on the workers (the ensemble's rows are float64).
     """
 
     def __init__(
@@ -61,8 +63,10 @@ class LocalExecutor:
         top_p: float,
         vocab_limit: int | None = None,
         penalties: Penalties = NO_PENALTIES,
+        dtype: torch.dtype = torch.float64,
     ):
         self.model_fns = dict(model_fns)
+        self.dtype = dtype
         self.prompt = tuple(int(t) for t in prompt)
         self.penalties = penalties
         self.contexts = {name: self.prompt for name in self.model_fns}
@@ -100,10 +104,13 @@ class LocalExecutor:
         logits = torch.as_tensor(self.model_fns[model](context)).to(torch.float64)  # [V_model]
         return logits if self.vocab_limit is None else logits[: self.vocab_limit]
 
-    def _rows(self, logits: torch.Tensor, contexts: list[tuple[int, ...]]) -> torch.Tensor:
-        """``logits [..., V]``, row ``i`` after ``contexts[i]`` (full contexts) -> rows."""
+    def _rows(self, logits: torch.Tensor, contexts: list[tuple[int, ...]], dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+        """``logits [..., V]``, row ``i`` after ``contexts[i]`` (full contexts) -> rows in ``dtype``
+        (default: the executor's)."""
         generated = [context[len(self.prompt):] for context in contexts]
-        return penalized_probs(logits, **self.sampling, penalties=self.penalties, prompt=self.prompt, generated=generated)
+        return penalized_probs(logits, **self.sampling, penalties=self.penalties, prompt=self.prompt, generated=generated,
+                               dtype=dtype or self.dtype)
 
     def _source(self, model: str, stream: str) -> RandomSource:
         try:
@@ -179,7 +186,7 @@ class LocalExecutor:
         for _ in range(need.count):
             row_context = context + queued + tuple(tokens)
             logits = self._logits(need.model, row_context)  # [V]
-            row = self._rows(logits[None], [row_context])[0]  # [V]
+            row = self._rows(logits[None], [row_context], torch.float64)[0]  # [V]
             tokens.append(int(self._source(need.model, need.stream).categorical(row)))
             token_logits.append(logits)
         # One scoring call covers the queue and the first draw; each further draw is a call.

@@ -10,7 +10,7 @@ machines) goes through :func:`penalized_probs`, so the draft rows, the target ro
 verification agree position by position, and every strategy stays lossless with respect to the
 penalized target (or ensemble) law.
 
-Semantics (as in vLLM / transformers, applied in this order to float64 logits):
+Semantics (as in vLLM / transformers, applied in this order to the logits, in the rows' precision):
 
 1. ``repetition`` (``r``, 1 = off): the logit ``l`` of every token that occurs in the prompt or
    in the generated tokens becomes ``l / r`` if ``l > 0`` else ``l * r``;
@@ -49,21 +49,22 @@ NO_PENALTIES = Penalties()
 
 
 def penalize(
-    logits: torch.Tensor, penalties: Penalties, prompt: Sequence[int], generated: Sequence[Sequence[int]]
+    logits: torch.Tensor, penalties: Penalties, prompt: Sequence[int], generated: Sequence[Sequence[int]],
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """``logits [N, V]`` (row ``i`` after ``prompt + generated[i]``) -> penalized float64 logits
-    ``[N, V]`` (a copy). Ids at or past ``V`` (outside the shared vocabulary) are ignored."""
-    logits = logits.to(torch.float64).clone()  # [N, V]
+    """``logits [N, V]`` (row ``i`` after ``prompt + generated[i]``) -> penalized logits ``[N, V]``
+    in ``dtype`` (a copy). Ids at or past ``V`` (outside the shared vocabulary) are ignored."""
+    logits = logits.to(dtype).clone()  # [N, V]
     vocab = logits.shape[-1]
     if len(generated) != logits.shape[0]:
         raise ValueError(f"{len(generated)} generated contexts for {logits.shape[0]} rows")
-    counts = _row_counts(generated, vocab)  # [N, V]
+    counts = _row_counts(generated, vocab, dtype)  # [N, V]
     if penalties.repetition != 1.0:
-        seen = (counts > 0) | (_row_counts([prompt], vocab) > 0)  # [N, V]
+        seen = (counts > 0) | (_row_counts([prompt], vocab, dtype) > 0)  # [N, V]
         repeated = torch.where(logits > 0, logits / penalties.repetition, logits * penalties.repetition)
         logits = torch.where(seen, repeated, logits)
     if penalties.frequency or penalties.presence:
-        logits -= penalties.frequency * counts + penalties.presence * (counts > 0).to(torch.float64)
+        logits -= penalties.frequency * counts + penalties.presence * (counts > 0).to(dtype)
     for token, bias in penalties.logit_bias:
         if 0 <= token < vocab:
             logits[:, token] += bias
@@ -79,25 +80,26 @@ def penalized_probs(
     penalties: Penalties = NO_PENALTIES,
     prompt: Sequence[int] = (),
     generated: Sequence[Sequence[int]] | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """``logits [..., V]`` -> the rows sampled from: penalties (when active; ``generated``
-    holds one context per row of the flattened leading dimensions), then
+    """``logits [..., V]`` -> the rows sampled from, in ``dtype``: penalties (when active;
+    ``generated`` holds one context per row of the flattened leading dimensions), then
     :func:`verifiers.sampling.logits_to_probs`."""
     if penalties.active:
         shape = logits.shape
         if generated is None:
             raise ValueError("penalties need the generated context of every row")
-        logits = penalize(logits.reshape(-1, shape[-1]), penalties, prompt, generated).reshape(shape)
-    return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        logits = penalize(logits.reshape(-1, shape[-1]), penalties, prompt, generated, dtype).reshape(shape)
+    return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, dtype=dtype)
 
 
-def _row_counts(contexts: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
-    """Occurrences of each id ``< vocab`` in each context -> float64 ``[N, V]`` (one scatter for
-    all rows)."""
+def _row_counts(contexts: Sequence[Sequence[int]], vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Occurrences of each id ``< vocab`` in each context -> ``[N, V]`` in ``dtype`` (one scatter
+    for all rows)."""
     lengths = torch.tensor([len(tokens) for tokens in contexts], dtype=torch.int64)  # [N]
     ids = torch.tensor([token for tokens in contexts for token in tokens], dtype=torch.int64)  # [sum]
     rows = torch.repeat_interleave(torch.arange(len(contexts)), lengths)  # [sum]
     keep = (ids >= 0) & (ids < vocab)  # [sum]
-    counts = torch.zeros(len(contexts), vocab, dtype=torch.float64)  # [N, V]
-    counts.index_put_((rows[keep], ids[keep]), torch.ones(int(keep.sum()), dtype=torch.float64), accumulate=True)
+    counts = torch.zeros(len(contexts), vocab, dtype=dtype)  # [N, V]
+    counts.index_put_((rows[keep], ids[keep]), torch.ones(int(keep.sum()), dtype=dtype), accumulate=True)
     return counts

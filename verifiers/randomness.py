@@ -70,17 +70,22 @@ class TorchRandomSource:
 
 
 def _flat_rows(probs: torch.Tensor) -> torch.Tensor:
-    """``probs [..., V]`` -> float64 host rows ``[N, V]``."""
-    return probs.reshape(-1, probs.shape[-1]).to(torch.float64).cpu()
+    """``probs [..., V]`` -> host rows ``[N, V]``, float32 rows kept in float32 and any other
+    dtype in float64 (the rows' precision, :data:`verifiers.sampling.ROW_DTYPES`)."""
+    dtype = torch.float32 if probs.dtype == torch.float32 else torch.float64
+    return probs.reshape(-1, probs.shape[-1]).to(dtype).cpu()
 
 
 def _inverse_cdf(flat: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Rows ``flat [N, V]`` and one uniform per row ``[N, 1]`` -> int64 indices ``[N]``.
+    """Rows ``flat [N, V]`` and one uniform per row ``[N, 1]`` (float64) -> int64 indices ``[N]``.
 
     Inverse-CDF sampling: exact in float64, one code path for every caller, and independent of
-    torch.multinomial's internal algorithm. Each row's result depends on that row and its uniform
-    only (the cumulative sum runs along each row), so rows drawn in one call or in many agree."""
-    cdf = torch.cumsum(flat, dim=-1)  # [N, V]
+    torch.multinomial's internal algorithm. Float32 rows accumulate their CDF in float32 (the
+    law drawn is the rows' up to that rounding, ``tests/verifiers/test_precision.py``); the
+    search compares in float64, so a uniform never rounds onto a CDF step. Each row's result
+    depends on that row and its uniform only (the cumulative sum runs along each row), so rows
+    drawn in one call or in many agree."""
+    cdf = torch.cumsum(flat, dim=-1).to(torch.float64)  # [N, V]
     total = cdf[:, -1:]  # [N, 1]; 1 up to rounding
     index = torch.searchsorted(cdf, uniform * total, right=True)  # [N, 1]
     index = _skip_zero_mass(flat, index.clamp_(max=flat.shape[-1] - 1))
@@ -94,12 +99,13 @@ def categorical_together(draws: list[tuple[RandomSource, torch.Tensor]]) -> list
     With torch sources every source draws its own uniforms (the very draws its own call makes, in
     the same order), then ONE cumulative sum and search runs over all the rows: the per-row work
     of a decode step's sampling is done once for the step instead of once per request. Any other
-    source (the exact enumerator) is called as it is."""
+    source (the exact enumerator), or rows of another shape or precision than the first's, are
+    drawn one call each."""
     if not draws:
         return []
-    vocab = draws[0][1].shape[-1]
+    vocab, dtype = draws[0][1].shape[-1], draws[0][1].dtype
     if not all(isinstance(source, TorchRandomSource) and probs.dim() == 2 and probs.shape[-1] == vocab
-               for source, probs in draws):
+               and probs.dtype == dtype for source, probs in draws):
         return [source.categorical(probs) for source, probs in draws]
     counts = [probs.shape[0] for _, probs in draws]
     flat = torch.cat([_flat_rows(probs) for _, probs in draws])  # [sum k_i, V]

@@ -54,6 +54,7 @@ def speculative_generate(
     penalties: Penalties = NO_PENALTIES,
     adaptive: AdaptiveGammaSettings | None = None,
     pre_drafting: int = 0,
+    dtype: torch.dtype = torch.float64,
 ) -> tuple[list[int], dict]:
     """Speculative decoding with the verification rule ``method`` (see :mod:`verifiers.registry`).
 
@@ -72,7 +73,8 @@ def speculative_generate(
     tokens while the target verifies (:class:`verifiers.machines.PreDraft`; ``pre_drafted`` in
     the stats counts the iterations that verified such a block). The random streams then differ
     from the contract below (the drafting stream also serves the pre-drafts, in iteration order), the
-    law does not.
+    law does not. ``dtype``: the rows' precision (float64, or float32 as a GPU worker computes them;
+    ``tests/verifiers/test_precision.py``).
 
     Random-stream contract (the distributed coordinator reproduces this loop token for
     token, so it is part of the interface):
@@ -104,6 +106,7 @@ def speculative_generate(
         top_k=top_k,
         top_p=top_p,
         penalties=penalties,
+        dtype=dtype,
     )
     generated = run_machine(machine, executor)
     iterations = len(machine.accepted_lengths)
@@ -141,9 +144,11 @@ def autoregressive_generate(
     top_k: int = 0,
     top_p: float = 1.0,
     penalties: Penalties = NO_PENALTIES,
+    dtype: torch.dtype = torch.float64,
 ) -> tuple[list[int], dict]:
     """Plain autoregressive sampling from the target (the baseline every method must equal
     in law). Returns ``(tokens, stats)`` with ``stats["target_calls"] == max_new_tokens``.
+    ``dtype``: the rows' precision (as :func:`speculative_generate`).
 
     Random-stream contract: ``(sampling_source,) = split_sources(generator, 1)``, then ONE
     ``sampling_source.categorical(row)`` per token with ``row [V]`` =
@@ -161,6 +166,7 @@ def autoregressive_generate(
         top_k=top_k,
         top_p=top_p,
         penalties=penalties,
+        dtype=dtype,
     )
     generated = run_machine(machine, executor)
     return generated, {"target_calls": max_new_tokens}

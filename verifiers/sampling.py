@@ -10,7 +10,7 @@ Order of the transformation (documented contract):
 
 1. temperature ``T``: ``T = 0`` is greedy: a one-hot row at the argmax of the logits (ties go
    to the lowest index), and top-k / top-p are irrelevant (the argmax always survives them).
-   ``T > 0``: ``softmax(logits / T)`` in float64.
+   ``T > 0``: ``softmax(logits / T)``.
 2. top-k (``top_k > 0``): keep the tokens whose logit is >= the k-th largest logit (ties at
    the boundary are all kept, so the rule does not depend on a sort order), renormalise.
 3. top-p (``top_p < 1``) on the row left by top-k: keep token ``v`` iff the mass of the tokens
@@ -19,6 +19,12 @@ Order of the transformation (documented contract):
 
 ``-inf`` logits are tokens with probability zero; a row whose logits are all ``-inf`` (or any
 NaN / ``+inf``) is rejected. No epsilon is added anywhere.
+
+Precision is a parameter (``dtype``): float64 by default, which is what the exactness harness
+enumerates; float32 is what a worker on a GPU computes its rows in (``engine.sampling_precision``).
+The same functions run either way, and every later step (draws, verification) keeps the rows'
+precision (:data:`ROW_DTYPES`; ``tests/verifiers/test_precision.py`` bounds the float32 law
+against the float64 one by exact enumeration).
 """
 
 from __future__ import annotations
@@ -28,15 +34,22 @@ import torch
 from verifiers.randomness import RandomSource, as_random_source
 
 
+#: The precisions rows may be computed in: float64 (the default, and the exactness harness's) and
+#: float32 (a GPU worker's).
+ROW_DTYPES = (torch.float64, torch.float32)
+
+
 def logits_to_probs(
-    logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0
+    logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """``logits [..., V]`` -> float64 probability rows ``[..., V]`` (see the module docstring).
+    """``logits [..., V]`` -> probability rows ``[..., V]`` in ``dtype`` (one of
+    :data:`ROW_DTYPES`; see the module docstring).
 
     Does not modify ``logits``.
     """
     _check_sampling_args(temperature, top_k, top_p)
-    logits = _checked_logits(logits)  # [..., V] float64 (a copy)
+    logits = _checked_logits(logits, dtype)  # [..., V] in dtype (a copy)
     if temperature == 0:
         return _argmax_one_hot(logits)
     scaled = logits / float(temperature)  # [..., V]
@@ -75,12 +88,14 @@ def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p}")
 
 
-def _checked_logits(logits: torch.Tensor) -> torch.Tensor:
+def _checked_logits(logits: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    if dtype not in ROW_DTYPES:
+        raise ValueError(f"rows are computed in float64 or float32, got {dtype}")
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
-    logits = logits.to(torch.float64)
+    logits = logits.to(dtype)
     # One reduction covers the three bad cases: amax propagates NaN, is +inf if any entry
     # is, and is -inf only for a row that is -inf everywhere.
     if bool(torch.isfinite(logits.amax(dim=-1)).all()):
@@ -93,7 +108,7 @@ def _checked_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _argmax_one_hot(logits: torch.Tensor) -> torch.Tensor:
-    """One-hot float64 rows at the argmax; torch.argmax returns the first maximal index."""
+    """One-hot rows (the logits' dtype) at the argmax; torch.argmax returns the first maximal index."""
     winners = torch.argmax(logits, dim=-1, keepdim=True)  # [..., 1]
     return torch.zeros_like(logits).scatter_(-1, winners, 1.0)
 

@@ -13,7 +13,9 @@ Every rule has one signature, batched over a leading batch dim ``B``::
 and ``target_probs[b, gamma]`` the target's law after the whole block (the bonus row).
 Rows are the exact post-temperature / top-k / top-p rows of :func:`verifiers.sampling.logits_to_probs`.
 
-All arithmetic is float64; every random choice goes through the
+Arithmetic runs in the rows' precision: float64 (the exactness harness's), or float32 when both
+rows come in float32 (a GPU worker's, ``engine.sampling_precision``); every random choice goes
+through the
 :class:`~verifiers.randomness.RandomSource` (``generator`` may be a ``torch.Generator``), so
 :func:`verifiers.exact.exact_law` enumerates these very functions. Inputs are never modified.
 """
@@ -30,11 +32,16 @@ from verifiers.types import PAD_TOKEN, VerifyResult, validated_verify_inputs
 
 @dataclass(frozen=True)
 class _Block:
-    """Validated float64 views of one verification call's inputs."""
+    """Validated views of one verification call's inputs (float64, or float32 rows)."""
 
     draft_tokens: torch.Tensor  # [B, gamma] int64
-    draft_probs: torch.Tensor  # [B, gamma, V] float64
-    target_probs: torch.Tensor  # [B, gamma+1, V] float64
+    draft_probs: torch.Tensor  # [B, gamma, V] float64 or float32
+    target_probs: torch.Tensor  # [B, gamma+1, V] same dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The rows' precision, which every computation of the call keeps."""
+        return self.draft_probs.dtype
 
     @property
     def batch(self) -> int:
@@ -57,7 +64,8 @@ class _Block:
 def _validated_block(
     draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
 ) -> _Block:
-    return _Block(*validated_verify_inputs(draft_tokens, draft_probs, target_probs, lead_dims=("B",)))
+    return _Block(*validated_verify_inputs(draft_tokens, draft_probs, target_probs, lead_dims=("B",),
+                                           allow_float32=True))
 
 
 def _assemble(
@@ -108,7 +116,7 @@ def verify_token(
         num_accepted[rows[accepted_here]] += 1
         still_accepting[rows[~accepted_here]] = False
 
-    unit_weights = torch.zeros(block.batch, block.gamma + 1, dtype=torch.float64)  # log 1: Eq. (2)
+    unit_weights = torch.zeros(block.batch, block.gamma + 1, dtype=block.dtype)  # log 1: Eq. (2)
     last_rows = _correction_or_bonus_rows(block, _rows_at(block.target_probs, num_accepted), num_accepted, unit_weights)
     last_tokens = source.categorical(last_rows)  # [B]
     return VerifyResult(tokens=_assemble(block.draft_tokens, num_accepted, last_tokens), num_accepted=num_accepted)
@@ -146,12 +154,12 @@ def verify_block(
     source = as_random_source(generator)
     block = _validated_block(draft_tokens, draft_probs, target_probs)
     log_token_ratios = torch.log(block.target_token_probs()) - torch.log(block.draft_token_probs())  # [B, gamma]
-    log_p = torch.zeros(block.batch, block.gamma + 1, dtype=torch.float64)  # [B, gamma+1]; log p_0 = 0
+    log_p = torch.zeros(block.batch, block.gamma + 1, dtype=block.dtype)  # [B, gamma+1]; log p_0 = 0
     for i in range(1, block.gamma + 1):
         log_p[:, i] = torch.clamp(log_p[:, i - 1] + log_token_ratios[:, i - 1], max=0.0)
     p = torch.exp(log_p)  # [B, gamma+1], in [0, 1]
 
-    accept_probs = torch.empty(block.batch, block.gamma, dtype=torch.float64)  # [B, gamma]; h_1..h_gamma
+    accept_probs = torch.empty(block.batch, block.gamma, dtype=block.dtype)  # [B, gamma]; h_1..h_gamma
     if block.gamma > 0:
         accept_probs[:, -1] = p[:, block.gamma]
     for i in range(1, block.gamma):
@@ -271,10 +279,10 @@ def verify_greedy_block(
 
     log_token_ratios = _log_path_ratios(block, target_rows)  # [B, gamma]
     log_p_tilde = torch.cat(
-        [torch.zeros(block.batch, 1, dtype=torch.float64), torch.cumsum(log_token_ratios, dim=1)], dim=1
+        [torch.zeros(block.batch, 1, dtype=block.dtype), torch.cumsum(log_token_ratios, dim=1)], dim=1
     )  # [B, gamma+1]
 
-    accept_probs = torch.empty(block.batch, block.gamma, dtype=torch.float64)  # [B, gamma]
+    accept_probs = torch.empty(block.batch, block.gamma, dtype=block.dtype)  # [B, gamma]
     if block.gamma > 0:
         accept_probs[:, -1] = torch.exp(log_p_tilde[:, block.gamma]).clamp(max=1.0)
     for i in range(1, block.gamma):

@@ -51,9 +51,11 @@ def validated_verify_inputs(
     target_probs: torch.Tensor,
     *,
     lead_dims: tuple[str, ...],
+    allow_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check one verification call's inputs and return ``(draft_tokens int64, draft_probs
-    float64, target_probs float64)``.
+    """Check one verification call's inputs and return ``(draft_tokens int64, draft_probs,
+    target_probs)``, the rows in float64, or in float32 when ``allow_float32`` and both come in
+    float32 (a rule that computes in the rows' precision; :data:`verifiers.sampling.ROW_DTYPES`).
 
     ``lead_dims`` names the leading dims in front of ``gamma``: ``("B",)`` for the single-draft
     rules (``draft_tokens [B, gamma]``, ``draft_probs [B, gamma, V]``, ``target_probs
@@ -86,9 +88,11 @@ def validated_verify_inputs(
     draft_tokens = draft_tokens.to(torch.int64)
     if gamma > 0 and (bool((draft_tokens < 0).any()) or bool((draft_tokens >= vocab).any())):
         raise ValueError(f"draft_tokens must lie in [0, {vocab}), got {draft_tokens.tolist()}")
-    draft_probs = draft_probs.to(torch.float64)
+    rows_float32 = allow_float32 and draft_probs.dtype == torch.float32 and target_probs.dtype == torch.float32
+    dtype = torch.float32 if rows_float32 else torch.float64
+    draft_probs = draft_probs.to(dtype)
     if gamma > 0:
         token_probs = draft_probs.gather(-1, draft_tokens.unsqueeze(-1))  # [*lead, gamma, 1]
         if bool((token_probs <= 0).any()):
             raise ValueError("a draft token has zero probability under draft_probs (rows do not match the draws)")
-    return draft_tokens, draft_probs, target_probs.to(torch.float64)
+    return draft_tokens, draft_probs, target_probs.to(dtype)

@@ -140,13 +140,15 @@ class FunctionModelWorker(ModelWorker):
 
 
 def fake_group_config(overlap: bool = True, request_timeout_s: float = 600.0, goodput_gamma: bool = False,
-                      pre_drafting: int = 0, burst_ms: float | None = None, **defaults: Any) -> GroupConfig:
+                      pre_drafting: int = 0, burst_ms: float | None = None, sampling_precision: str = "auto",
+                      **defaults: Any) -> GroupConfig:
     """The GroupConfig of YAML args over the four fake models (validated and derived like any
     deployment's), without a tokenizer (token ids only); ``overlap``: two alternating cohorts
     (the default) or one; ``goodput_gamma``: gamma "auto" weighs measured step costs (off by
     default here, so seeded requests equal the reference loops token for token); ``pre_drafting``:
     engine.pre_drafting (candidate bonus tokens, 0 off); ``burst_ms``: engine.burst_ms (solo bursts; None: the
-    default); ``defaults``: the args' ``defaults`` over sd / token / gamma 3."""
+    default); ``sampling_precision``: engine.sampling_precision (auto: float64 here, no GPU); ``defaults``: the
+    args' ``defaults`` over sd / token / gamma 3."""
     roles = {"target": "target", "draft": "draft", "partner": "member", "partner2": "member"}
     args = parse_app_args({
         "models": {name: {"path": f"fake:{name}", "role": role} for name, role in roles.items()},
@@ -155,6 +157,6 @@ def fake_group_config(overlap: bool = True, request_timeout_s: float = 600.0, go
         "limits": {"max_concurrent_requests": 64, "max_queued_requests": 1024, "session_idle_timeout_s": 120.0,
                    "request_timeout_s": request_timeout_s},
         "engine": {"overlap": overlap, "goodput_gamma": goodput_gamma, "pre_drafting": pre_drafting,
-                   **({} if burst_ms is None else {"burst_ms": burst_ms})},
+                   "sampling_precision": sampling_precision, **({} if burst_ms is None else {"burst_ms": burst_ms})},
     })
     return args.freeze().model_copy(update={"tokenizer_path": None})

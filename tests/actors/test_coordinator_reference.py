@@ -119,6 +119,33 @@ def test_speculative_matches_reference(fake_group, strategy, method, num_drafts,
         assert final.bytes_moved > 0
 
 
+@pytest.fixture(scope="module")
+def float32_group(ray_session):
+    group = start_model_group(fake_group_config(sampling_precision="float32"), worker_cls=FunctionModelWorker)
+    yield group
+    group.shutdown()
+
+
+@pytest.mark.parametrize("strategy,method,num_drafts", [("ar", None, 1), ("sd", "token", 1), ("sd", "block", 1),
+                                                        ("sd", "greedy_block", 1), ("multi_draft", "spectr", 2)])
+def test_float32_rows_match_the_float32_reference(float32_group, strategy, method, num_drafts):
+    """engine.sampling_precision float32: the workers compute their rows in float32, and seeded
+    requests get the tokens of the reference loops run on float32 rows (whose law is the target's
+    up to float32 rounding, tests/verifiers/test_precision.py), token for token."""
+    speculation = {"strategy": strategy} if strategy == "ar" else {
+        "strategy": strategy, "method": method, "gamma": 3, "num_drafts": num_drafts}
+    requests = [_request(seed, speculation) for seed in SEEDS]
+    for seed, chunks in zip(SEEDS, run_requests(float32_group, requests)):
+        if strategy == "ar":
+            expected, _ = autoregressive_generate(M["target"], PROMPT, MAX_TOKENS, generator=_generator(seed),
+                                                  dtype=torch.float32)
+        else:
+            expected, _ = speculative_generate(M["draft"], M["target"], PROMPT, MAX_TOKENS, gamma=3, method=method,
+                                               num_drafts=num_drafts, generator=_generator(seed), dtype=torch.float32)
+        assert _tokens(chunks) == expected
+
+
+
 ADAPTIVE_CASES = [("sd", "block", 1), ("sd", "greedy_block", 1), ("multi_draft", "sequential_gbv", 2)]
 
 

@@ -193,6 +193,20 @@ def test_overlap_auto_is_on_only_when_every_worker_has_a_gpu():
         parse_app_args(_with(engine={"overlap": "sometimes"}))
 
 
+def test_sampling_precision_auto_is_float32_when_a_worker_has_a_gpu():
+    config = parse_app_args(BASE_ARGS).freeze()
+    assert config.sampling_precision == "auto" and config.row_precision == "float64"  # GPUs not settled: none
+    one_gpu = config.model_copy(update={"models": (config.models[0].model_copy(update={"num_gpus": 1.0}),
+                                                   *(m.model_copy(update={"num_gpus": 0.0}) for m in config.models[1:]))})
+    assert one_gpu.row_precision == "float32"
+    on_cpu = config.model_copy(update={"models": tuple(m.model_copy(update={"num_gpus": 0.0}) for m in config.models)})
+    assert on_cpu.row_precision == "float64"
+    for forced in ("float32", "float64"):
+        assert parse_app_args(_with(engine={"sampling_precision": forced})).freeze().row_precision == forced
+    with pytest.raises(ConfigError, match="engine.sampling_precision"):
+        parse_app_args(_with(engine={"sampling_precision": "float16"}))
+
+
 @pytest.mark.parametrize(
     "value,expected",
     [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5GiB", 3 * 2**29), (" 64 kib ", 64 * 1024),
