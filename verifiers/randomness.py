@@ -165,6 +165,8 @@ def bernoulli_rows(source: RandomSource, prob: torch.Tensor, rows: torch.Tensor)
 
 def as_random_source(generator: torch.Generator | RandomSource) -> RandomSource:
     """Accept either a ``torch.Generator`` (wrapped) or a ready :class:`RandomSource`."""
+    if isinstance(generator, (TorchRandomSource, RowSources)):  # the served sources: no protocol check
+        return generator
     if isinstance(generator, torch.Generator):
         return TorchRandomSource(generator)
     if isinstance(generator, RandomSource):

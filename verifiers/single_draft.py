@@ -154,22 +154,16 @@ def verify_block(
     source = as_random_source(generator)
     block = _validated_block(draft_tokens, draft_probs, target_probs)
     log_token_ratios = torch.log(block.target_token_probs()) - torch.log(block.draft_token_probs())  # [B, gamma]
-    log_p = torch.zeros(block.batch, block.gamma + 1, dtype=block.dtype)  # [B, gamma+1]; log p_0 = 0
-    for i in range(1, block.gamma + 1):
-        log_p[:, i] = torch.clamp(log_p[:, i - 1] + log_token_ratios[:, i - 1], max=0.0)
+    log_p = _log_capped_ratios(log_token_ratios)  # [B, gamma+1]; log p_0 = 0
     p = torch.exp(log_p)  # [B, gamma+1], in [0, 1]
 
-    accept_probs = torch.empty(block.batch, block.gamma, dtype=block.dtype)  # [B, gamma]; h_1..h_gamma
-    if block.gamma > 0:
-        accept_probs[:, -1] = p[:, block.gamma]
-    for i in range(1, block.gamma):
-        surplus = _scaled_difference(
-            log_p[:, i], block.target_probs[:, i], block.draft_probs[:, i]
-        ).clamp(min=0.0).sum(dim=-1)  # [B]: S_i
-        denominator = surplus + (1.0 - p[:, i])  # [B]
-        accept_probs[:, i - 1] = torch.where(
-            denominator > 0, surplus / torch.where(denominator > 0, denominator, 1.0), 1.0
-        ).clamp(max=1.0)
+    inner = slice(1, block.gamma)  # i = 1 .. gamma-1, all at once
+    surplus = _scaled_difference(
+        log_p[:, inner], block.target_probs[:, inner], block.draft_probs[:, inner]
+    ).clamp(min=0.0).sum(dim=-1)  # [B, gamma-1]: S_i
+    denominator = surplus + (1.0 - p[:, inner])  # [B, gamma-1]
+    sub_block_probs = torch.where(denominator > 0, surplus / torch.where(denominator > 0, denominator, 1.0), 1.0)
+    accept_probs = torch.cat([sub_block_probs.clamp(max=1.0), p[:, block.gamma:]], dim=1)  # [B, gamma]; h_1..h_gamma
 
     num_accepted = _longest_accepted(source, accept_probs)  # [B]
     last_rows = _correction_or_bonus_rows(block, _rows_at(block.target_probs, num_accepted), num_accepted, log_p)
@@ -320,6 +314,17 @@ def _scaled_difference(log_ratio: torch.Tensor, target_rows: torch.Tensor, draft
     return target_weight * target_rows - draft_weight * draft_rows
 
 
+def _log_capped_ratios(log_token_ratios: torch.Tensor) -> torch.Tensor:
+    """``log p_i`` for ``p_0 = 1``, ``p_i = min(1, p_{i-1} * ratio_i)`` (Alg. 2 line 4) from the
+    log ratios ``[B, gamma]`` -> ``[B, gamma+1]``. Unrolled, ``log p_i = S_i - max_{j <= i} S_j``
+    with ``S`` the prefix sums of the log ratios (``S_0 = 0``): one cumulative sum and one
+    cumulative max instead of a loop over positions (``-inf`` ratios stay ``-inf``; the max is
+    at least ``S_0 = 0``, so never ``-inf``)."""
+    zero = torch.zeros(log_token_ratios.shape[0], 1, dtype=log_token_ratios.dtype)  # [B, 1]
+    prefix = torch.cat([zero, torch.cumsum(log_token_ratios, dim=1)], dim=1)  # [B, gamma+1]: S
+    return prefix - torch.cummax(prefix, dim=1).values
+
+
 def _positive_part_rows(difference: torch.Tensor, fallback_rows: torch.Tensor) -> torch.Tensor:
     """``norm(max(difference, 0))`` per row ``[N, V]``; an empty row (no positive mass, which
     has probability 0 of being used in exact arithmetic) becomes ``fallback_rows``. No
@@ -357,11 +362,19 @@ def _rows_at(target_rows: torch.Tensor | list[torch.Tensor], positions: torch.Te
     return torch.stack([target_rows[int(position)][row] for row, position in enumerate(positions.tolist())])
 
 
+_FIRST_ROW = torch.zeros(1, dtype=torch.int64)  # the batch rows [0] of a one-block call
+
+
 def _longest_accepted(source: RandomSource, accept_probs: torch.Tensor) -> torch.Tensor:
     """``tau`` = the longest sub-block accepted when sub-block ``X^i`` is accepted
     independently with probability ``accept_probs[:, i-1]`` ``[B, gamma]``; 0 if none is.
     Decided from ``i = gamma`` down, one ``bernoulli`` per ``i`` over the undecided rows."""
     batch, gamma = accept_probs.shape
+    if batch == 1:  # one block (as served to one request): the same calls without the row bookkeeping
+        for i in range(gamma, 0, -1):
+            if bool(bernoulli_rows(source, accept_probs[:, i - 1], _FIRST_ROW)[0]):
+                return torch.full((1,), i, dtype=torch.int64)
+        return torch.zeros(1, dtype=torch.int64)
     num_accepted = torch.zeros(batch, dtype=torch.int64)  # [B]
     undecided = torch.ones(batch, dtype=torch.bool)  # [B]
     for i in range(gamma, 0, -1):
