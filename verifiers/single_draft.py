@@ -158,12 +158,11 @@ def verify_block(
     p = torch.exp(log_p)  # [B, gamma+1], in [0, 1]
 
     inner = slice(1, block.gamma)  # i = 1 .. gamma-1, all at once
-    surplus = _scaled_difference(
-        log_p[:, inner], block.target_probs[:, inner], block.draft_probs[:, inner]
-    ).clamp(min=0.0).sum(dim=-1)  # [B, gamma-1]: S_i
+    surplus = _surpluses(block, p)  # [B, gamma-1]: S_i
     denominator = surplus + (1.0 - p[:, inner])  # [B, gamma-1]
     sub_block_probs = torch.where(denominator > 0, surplus / torch.where(denominator > 0, denominator, 1.0), 1.0)
-    accept_probs = torch.cat([sub_block_probs.clamp(max=1.0), p[:, block.gamma:]], dim=1)  # [B, gamma]; h_1..h_gamma
+    last = p[:, block.gamma:] if block.gamma > 0 else p[:, :0]  # [B, 1]: h_gamma = p_gamma (none for an empty block)
+    accept_probs = torch.cat([sub_block_probs.clamp(max=1.0), last], dim=1)  # [B, gamma]; h_1..h_gamma
 
     num_accepted = _longest_accepted(source, accept_probs)  # [B]
     last_rows = _correction_or_bonus_rows(block, _rows_at(block.target_probs, num_accepted), num_accepted, log_p)
@@ -312,6 +311,17 @@ def _scaled_difference(log_ratio: torch.Tensor, target_rows: torch.Tensor, draft
     target_weight = torch.exp(torch.clamp(log_ratio, max=0.0)).unsqueeze(-1)  # [N, 1]
     draft_weight = torch.exp(torch.clamp(-log_ratio, max=0.0)).unsqueeze(-1)  # [N, 1]
     return target_weight * target_rows - draft_weight * draft_rows
+
+
+def _surpluses(block: _Block, p: torch.Tensor) -> torch.Tensor:
+    """``S_i = sum_x max(p_i target_i(x) - draft_i(x), 0)`` for ``i = 1 .. gamma-1`` -> ``[B, gamma-1]``
+    (Eq. (4); ``p [B, gamma+1]`` in [0, 1], so this is ``_scaled_difference``'s positive part with
+    its draft weight 1). Every position at once with ONE ``[B, gamma-1, V]`` temporary, the
+    subtraction and the clamp in place (more temporaries of that size cost more than a loop over
+    positions at large vocabularies, ``python -m benchmarks.verify_micro``)."""
+    inner = slice(1, block.gamma)
+    product = torch.mul(block.target_probs[:, inner], p[:, inner].unsqueeze(-1))  # [B, gamma-1, V]
+    return product.sub_(block.draft_probs[:, inner]).clamp_(min=0.0).sum(dim=-1)
 
 
 def _log_capped_ratios(log_token_ratios: torch.Tensor) -> torch.Tensor:
