@@ -372,29 +372,24 @@ def _rows_at(target_rows: torch.Tensor | list[torch.Tensor], positions: torch.Te
     return torch.stack([target_rows[int(position)][row] for row, position in enumerate(positions.tolist())])
 
 
-_FIRST_ROW = torch.zeros(1, dtype=torch.int64)  # the batch rows [0] of a one-block call
-
-
 def _longest_accepted(source: RandomSource, accept_probs: torch.Tensor) -> torch.Tensor:
     """``tau`` = the longest sub-block accepted when sub-block ``X^i`` is accepted
     independently with probability ``accept_probs[:, i-1]`` ``[B, gamma]``; 0 if none is.
-    Decided from ``i = gamma`` down, one ``bernoulli`` per ``i`` over the undecided rows."""
+    Decided from ``i = gamma`` down, one ``bernoulli`` per ``i`` over the undecided rows (kept
+    as a list: a few rows, no tensor bookkeeping per position)."""
     batch, gamma = accept_probs.shape
-    if batch == 1:  # one block (as served to one request): the same calls without the row bookkeeping
-        for i in range(gamma, 0, -1):
-            if bool(bernoulli_rows(source, accept_probs[:, i - 1], _FIRST_ROW)[0]):
-                return torch.full((1,), i, dtype=torch.int64)
-        return torch.zeros(1, dtype=torch.int64)
-    num_accepted = torch.zeros(batch, dtype=torch.int64)  # [B]
-    undecided = torch.ones(batch, dtype=torch.bool)  # [B]
+    num_accepted = [0] * batch
+    undecided = list(range(batch))
     for i in range(gamma, 0, -1):
-        rows = undecided.nonzero().squeeze(1)  # [A]
-        if rows.numel() == 0:
+        if not undecided:
             break
-        accepted_here = bernoulli_rows(source, accept_probs[rows, i - 1], rows)  # [A]
-        num_accepted[rows[accepted_here]] = i
-        undecided[rows[accepted_here]] = False
-    return num_accepted
+        rows = torch.tensor(undecided, dtype=torch.int64)  # [A]
+        accepted_here = bernoulli_rows(source, accept_probs[rows, i - 1], rows).tolist()  # [A]
+        for row, accepted in zip(undecided, accepted_here):
+            if accepted:
+                num_accepted[row] = i
+        undecided = [row for row, accepted in zip(undecided, accepted_here) if not accepted]
+    return torch.tensor(num_accepted, dtype=torch.int64)  # [B]
 
 
 def _correction_or_bonus_rows(

@@ -145,7 +145,6 @@ def test_float32_rows_match_the_float32_reference(float32_group, strategy, metho
         assert _tokens(chunks) == expected
 
 
-
 ADAPTIVE_CASES = [("sd", "block", 1), ("sd", "greedy_block", 1), ("multi_draft", "sequential_gbv", 2)]
 
 
