@@ -82,6 +82,24 @@ class SamplingParams(_Frozen):
     logit_bias: dict[int, float] = Field(
         default_factory=dict, description="Token id -> value added to its logit before sampling (OpenAI, -100..100)."
     )
+    min_p: float = Field(
+        0.0, description="Drop tokens whose probability (after temperature and top-k) is below min_p times the "
+        "row's largest, before top-p (vLLM's extension), in [0, 1]; 0 disables it.",
+    )
+    min_tokens: int = Field(
+        0, description="Generate at least this many tokens before an end-of-sequence token can be drawn or a stop "
+        "string can end the output (vLLM's extension), in [0, max_tokens].",
+    )
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the output text.")
+    spaces_between_special_tokens: bool = Field(
+        True, description="With skip_special_tokens false: a space between a special token and its neighbours."
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="Keep the stop string that ended the output at the end of the text."
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None, description="Keep only the prompt's last this many tokens (>= 1); None keeps it whole."
+    )
     logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS,
         description="Return each generated token's log-probability under the law it was sampled from, with this "
@@ -189,6 +207,9 @@ class GenerationChunk(_Frozen):
     )
     prompt_logprobs: list[TokenLogprob] | None = Field(
         None, description="The first chunk of a request with prompt_logprobs: one per prompt token after the first."
+    )
+    prompt_tokens: int | None = Field(
+        None, description="The request's prompt tokens (on every chunk of generated tokens; usage in every chunk)."
     )
     finished: bool = False
     finish_reason: FinishReason | None = None

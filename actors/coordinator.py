@@ -246,6 +246,12 @@ class Coordinator:
         # model.generate users would tokenize.
         return list(self.tokenizer(request.prompt)["input_ids"])
 
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids, cut to their last ``truncate_prompt_tokens`` when set."""
+        prompt_ids = self._tokenize(request)
+        keep = request.sampling.truncate_prompt_tokens
+        return prompt_ids if keep is None else prompt_ids[-keep:]
+
     def _plan(self, request: GenerationRequest) -> DecodingPlan:
         """The request's plan, resolved once against the deployment (raises InvalidRequestError)."""
         return resolve_plan(request.speculation, self.config.defaults, self.roles)
@@ -253,7 +259,7 @@ class Coordinator:
     async def _prepare(self, request: GenerationRequest, plan: DecodingPlan) -> tuple[list[int], int, int]:
         """Check everything about a request under its resolved plan; raises InvalidRequestError."""
         infos = await self.infos()
-        prompt_ids = self._tokenize(request)
+        prompt_ids = self._prompt_ids(request)
         if not prompt_ids:
             raise InvalidRequestError("prompt", "the prompt tokenizes to no tokens")
         vocab_limit = self.vocab_limit  # the tokenizer's real tokens; padded embedding rows are masked
@@ -390,6 +396,9 @@ class Coordinator:
             frequency=sampling.frequency_penalty,
             repetition=sampling.repetition_penalty,
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in sampling.logit_bias.items())),
+            min_tokens=sampling.min_tokens,
+            eos_ids=tuple(sorted(self.eos_token_ids)),
+            min_p=sampling.min_p,
         )
         built = build_machine(
             plan,
@@ -411,6 +420,10 @@ class Coordinator:
             stop=sampling.stop,
             eos_token_ids=self.eos_token_ids,
             ignore_eos=sampling.ignore_eos,
+            min_tokens=sampling.min_tokens,
+            skip_special_tokens=sampling.skip_special_tokens,
+            spaces_between_special_tokens=sampling.spaces_between_special_tokens,
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
         )
         return RequestState(
             request_id=request.request_id,

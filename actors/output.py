@@ -30,7 +30,11 @@ class OutputTracker:
     ``eos_token_ids`` end the request (the EOS token itself is not part of the output) unless
     ``ignore_eos``; ``max_tokens`` caps the number of output tokens; ``stop`` strings end the
     request with the text cut before the first match. ``tokenizer`` may be None (token ids
-    only, no text; stop strings then cannot be used).
+    only, no text; stop strings then cannot be used). ``min_tokens``: no stop string ends the
+    output before it has that many tokens (a match must end in the text of the tokens from the
+    ``min_tokens``-th on; the rows ban EOS before it). ``include_stop_str_in_output``: the text
+    keeps the stop string that ended it. ``skip_special_tokens`` / ``spaces_between_special_tokens``:
+    the tokenizer's decode options (vLLM's).
     """
 
     def __init__(
@@ -41,6 +45,10 @@ class OutputTracker:
         stop: list[str] | tuple[str, ...] = (),
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         ignore_eos: bool = False,
+        min_tokens: int = 0,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ):
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -48,6 +56,12 @@ class OutputTracker:
         self.max_tokens = max_tokens
         self.stop = [s for s in stop if s]
         self.eos_token_ids = frozenset() if ignore_eos else frozenset(eos_token_ids)
+        self.min_tokens = min_tokens
+        self.include_stop = include_stop_str_in_output
+        self._decode_options = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:  # only slow tokenizers read it; the default leaves it out
+            self._decode_options["spaces_between_special_tokens"] = False
+        self._stop_from = 0 if min_tokens <= 1 else None  # where a match must end past; None: not yet
         self.token_ids: list[int] = []
         self.sent_text = ""
         self.finish_reason: str | None = None
@@ -84,7 +98,7 @@ class OutputTracker:
         return self._text
 
     def _decode_ids(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(token_ids, clean_up_tokenization_spaces=False, **self._decode_options)
 
     def add(self, tokens: list[int]) -> OutputDelta:
         """Take accepted tokens (in order); return the new output and whether it finished."""
@@ -125,9 +139,22 @@ class OutputTracker:
         return self.sent_text
 
     def _stop_position(self, text: str) -> int | None:
-        positions = [text.find(s) for s in self.stop]
-        found = [p for p in positions if p >= 0]
-        return min(found) if found else None
+        """Where the output text ends when a stop string matches (after it with
+        ``include_stop_str_in_output``), or None. Before ``min_tokens`` tokens nothing matches;
+        from then on a match must end in the text of the ``min_tokens``-th token or later."""
+        if self._stop_from is None:
+            if len(self.token_ids) < self.min_tokens:
+                return None
+            self._stop_from = len(self._text_before_last_token())
+        matches = [(text.find(stop, max(0, self._stop_from - len(stop) + 1)), stop) for stop in self.stop]
+        found = [(start, stop) for start, stop in matches if start >= 0]
+        if not found:
+            return None
+        start, stop = min(found)
+        return start + len(stop) if self.include_stop else start
+
+    def _text_before_last_token(self) -> str:
+        return self._decode_ids(self.token_ids[:-1])
 
     def _new_text(self, text: str) -> str:
         if not self.finished:

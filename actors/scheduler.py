@@ -692,7 +692,8 @@ class Scheduler:
             return
         request.empty_iterations = 0
         request.chunks.put_nowait(GenerationChunk(request_id=request.request_id, token_ids=delta.token_ids,
-                                                  text=delta.text, logprobs=logprobs))
+                                                  text=delta.text, logprobs=logprobs,
+                                                  prompt_tokens=len(request.prompt_ids)))
 
     @staticmethod
     def _advance_prefill(request: RequestState, outcomes: list[ItemOutcome]) -> None:
@@ -766,6 +767,7 @@ class Scheduler:
                 token_ids=delta.token_ids,
                 text=delta.text,
                 logprobs=logprobs,
+                prompt_tokens=len(request.prompt_ids),
                 finished=True,
                 finish_reason=request.output.finish_reason or "length",
                 stats=request_stats(request),

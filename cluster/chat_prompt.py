@@ -30,13 +30,19 @@ MAX_TEMPLATE_ERROR_CHARS = 200
 _FALLBACK_ROLES = {"developer": "system"}
 
 
-def render_chat_prompt(messages: Sequence[Any]) -> str:
-    """The fallback chat format: ``"<role>: <content>\\n"`` per message, then ``"assistant:"``;
-    ``developer`` messages are rendered as ``system``.
+def render_chat_prompt(messages: Sequence[Any], add_generation_prompt: bool = True,
+                       continue_final_message: bool = False) -> str:
+    """The fallback chat format: ``"<role>: <content>\\n"`` per message, then ``"assistant:"``
+    (unless ``add_generation_prompt`` is false); ``developer`` messages are rendered as ``system``.
+    ``continue_final_message``: the last message is left open (no newline after it), so the
+    output continues it.
 
     Example: ``[{"role": "user", "content": "hi"}]`` becomes ``"user: hi\\nassistant:"``.
     """
-    return "".join(f"{_FALLBACK_ROLES.get(m.role, m.role)}: {m.content}\n" for m in messages) + "assistant:"
+    text = "".join(f"{_FALLBACK_ROLES.get(m.role, m.role)}: {m.content}\n" for m in messages)
+    if continue_final_message:
+        return text[:-1]
+    return text + "assistant:" if add_generation_prompt else text
 
 
 def check_template_kwargs(field: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -52,14 +58,19 @@ def has_chat_template(tokenizer: Any) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
-def chat_prompt(tokenizer: Any, messages: Sequence[Any], template_kwargs: Mapping[str, Any] | None = None) -> str | list[int]:
+def chat_prompt(tokenizer: Any, messages: Sequence[Any], template_kwargs: Mapping[str, Any] | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str | list[int]:
     """The prompt of ``messages`` (:class:`cluster.schemas.ChatMessage`): token ids from the
-    tokenizer's chat template, or the fallback text without one (see the module docstring)."""
+    tokenizer's chat template, or the fallback text without one (see the module docstring).
+    ``add_generation_prompt`` / ``continue_final_message``: the template's own arguments (the
+    assistant's turn opened after the conversation / the last message left open to be continued;
+    not both, checked with the request's fields)."""
     if not has_chat_template(tokenizer):
-        return render_chat_prompt(messages)
+        return render_chat_prompt(messages, add_generation_prompt, continue_final_message)
     conversation = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})} for m in messages]
     try:
-        encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+        encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                continue_final_message=continue_final_message, tokenize=True,
                                                 return_dict=True, **dict(template_kwargs or {}))
     except Exception as error:  # noqa: BLE001 - a template refusing the conversation is the client's error
         field = "chat_template_kwargs" if template_kwargs else "messages"

@@ -470,7 +470,8 @@ class ChoiceStream:
     """Renders the chunks of one choice of a streamed request (first-chunk role and echo
     prefix, log-probabilities with a running text offset) and accumulates its totals.
     ``include_usage``: the request's usage goes in a chunk of its own (:func:`usage_chunk`),
-    not on the final chunk."""
+    not on the final chunk. ``continuous_usage``: every chunk also carries this choice's usage
+    so far (vLLM's ``stream_options.continuous_usage_stats``)."""
 
     def __init__(
         self,
@@ -489,8 +490,11 @@ class ChoiceStream:
         echo_logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         generated_logprobs: bool = True,
+        continuous_usage: bool = False,
     ):
         self.request_id, self.model, self.created, self.chat = request_id, model, created, chat
+        self.continuous_usage = continuous_usage
+        self._prompt_tokens = 0
         self.index = index
         self.token_ids = token_ids
         self.single = single
@@ -512,8 +516,20 @@ class ChoiceStream:
         )
         if not self.generated_logprobs:  # the token texts were loaded for prompt_logprobs alone
             body["choices"][0]["logprobs"] = None
+        if self.continuous_usage:
+            body["usage"] = self._usage_so_far(chunk)
         self._first = False
         return body
+
+    def _usage_so_far(self, chunk: GenerationChunk) -> dict[str, int]:
+        """This choice's usage up to and including ``chunk``."""
+        if chunk.finished and chunk.stats is not None:
+            return usage_block(chunk.stats)
+        if chunk.prompt_tokens is not None:
+            self._prompt_tokens = chunk.prompt_tokens
+        completion = len(self.result.token_ids)
+        return {"prompt_tokens": self._prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self._prompt_tokens + completion}
 
 
 def usage_chunk(

@@ -133,6 +133,20 @@ def _check_sampling(sampling: SamplingParams) -> None:
         )
     if sampling.seed is not None:
         _int64("sampling.seed", sampling.seed)
+    _check_vllm_extensions(sampling)
+
+
+def _check_vllm_extensions(sampling: SamplingParams) -> None:
+    """``min_p`` in [0, 1], ``min_tokens`` in [0, max_tokens], ``truncate_prompt_tokens`` >= 1."""
+    if not (math.isfinite(sampling.min_p) and 0.0 <= sampling.min_p <= 1.0):
+        raise InvalidRequestError("sampling.min_p", f"must be a number in [0, 1] (got {shortened(sampling.min_p)})")
+    _int64("sampling.min_tokens", sampling.min_tokens)
+    if sampling.min_tokens > sampling.max_tokens:
+        raise InvalidRequestError(
+            "sampling.min_tokens", f"must be at most max_tokens ({sampling.max_tokens}), got {sampling.min_tokens}"
+        )
+    if sampling.truncate_prompt_tokens is not None:
+        _int64("sampling.truncate_prompt_tokens", sampling.truncate_prompt_tokens, low=1)
 
 
 def _check_penalties(sampling: SamplingParams) -> None:

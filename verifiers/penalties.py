@@ -1,5 +1,6 @@
-"""Repetition / presence / frequency penalties and logit bias: context-dependent changes of the
-logits that define the law a request samples from.
+"""The request's row transforms: repetition / presence / frequency penalties, logit bias,
+``min_tokens`` and ``min_p``: changes of the logits (and rows) that define the law a request
+samples from, most of them context-dependent.
 
 The penalized law at a position depends on the tokens generated *before that position*, so
 inside a speculative block every position has its own context: draft token ``j`` of draft ``k``
@@ -16,7 +17,12 @@ Semantics (as in vLLM / transformers, applied in this order to the logits, in th
    in the generated tokens becomes ``l / r`` if ``l > 0`` else ``l * r``;
 2. ``frequency`` and ``presence`` (OpenAI): ``l -= frequency * count + presence * (count > 0)``,
    ``count`` = occurrences among the generated tokens (not the prompt);
-3. ``logit_bias``: ``l += bias[token]``.
+3. ``logit_bias``: ``l += bias[token]``;
+4. ``min_tokens`` (vLLM): the end-of-sequence ids (``eos_ids``) get ``-inf`` in every row with
+   fewer than ``min_tokens`` generated tokens before it (so a row's ban depends on its position);
+5. ``min_p`` (vLLM), on the probability row after the temperature and top-k
+   (:func:`verifiers.sampling.logits_to_probs`): tokens with probability below
+   ``min_p * max probability`` are dropped, then top-p.
 
 ``-inf`` stays ``-inf`` (a token the model rules out stays out).
 """
@@ -33,16 +39,25 @@ from verifiers.sampling import logits_to_probs
 
 @dataclass(frozen=True)
 class Penalties:
-    """The request's penalties; the default changes nothing."""
+    """The request's row transforms (every maker of rows applies them); the default changes nothing."""
 
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # rows with fewer generated tokens before them cannot be an id of eos_ids
+    eos_ids: tuple[int, ...] = ()  # the ids min_tokens bans (the deployment's end-of-sequence ids)
+    min_p: float = 0.0  # drop tokens below min_p * the row's largest probability (0 disables it)
 
     @property
     def active(self) -> bool:
-        return self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0 or bool(self.logit_bias)
+        """Whether the logits change (then every row needs its generated context)."""
+        return (self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0 or bool(self.logit_bias)
+                or self.bans_eos)
+
+    @property
+    def bans_eos(self) -> bool:
+        return self.min_tokens > 0 and bool(self.eos_ids)
 
 
 NO_PENALTIES = Penalties()
@@ -68,7 +83,22 @@ def penalize(
     for token, bias in penalties.logit_bias:
         if 0 <= token < vocab:
             logits[:, token] += bias
+    if penalties.bans_eos:
+        _ban_eos_before_min_tokens(logits, penalties, generated)
     return logits
+
+
+def _ban_eos_before_min_tokens(logits: torch.Tensor, penalties: Penalties, generated: Sequence[Sequence[int]]) -> None:
+    """``logits [N, V]`` in place: ``-inf`` at the EOS ids of every row with fewer than
+    ``min_tokens`` generated tokens before it."""
+    vocab = logits.shape[-1]
+    eos = [token for token in penalties.eos_ids if 0 <= token < vocab]
+    early = torch.tensor([len(tokens) < penalties.min_tokens for tokens in generated], dtype=torch.bool)  # [N]
+    if not eos or not bool(early.any()):
+        return
+    banned = torch.zeros(vocab, dtype=torch.bool)  # [V]
+    banned[eos] = True
+    logits.masked_fill_(early[:, None] & banned[None, :], float("-inf"))
 
 
 def penalized_probs(
@@ -84,13 +114,13 @@ def penalized_probs(
 ) -> torch.Tensor:
     """``logits [..., V]`` -> the rows sampled from, in ``dtype``: penalties (when active;
     ``generated`` holds one context per row of the flattened leading dimensions), then
-    :func:`verifiers.sampling.logits_to_probs`."""
+    :func:`verifiers.sampling.logits_to_probs` (with the penalties' ``min_p``)."""
     if penalties.active:
         shape = logits.shape
         if generated is None:
             raise ValueError("penalties need the generated context of every row")
         logits = penalize(logits.reshape(-1, shape[-1]), penalties, prompt, generated, dtype).reshape(shape)
-    return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, dtype=dtype)
+    return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=penalties.min_p, dtype=dtype)
 
 
 def _row_counts(contexts: Sequence[Sequence[int]], vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

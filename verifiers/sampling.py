@@ -13,7 +13,9 @@ Order of the transformation (documented contract):
    ``T > 0``: ``softmax(logits / T)``.
 2. top-k (``top_k > 0``): keep the tokens whose logit is >= the k-th largest logit (ties at
    the boundary are all kept, so the rule does not depend on a sort order), renormalise.
-3. top-p (``top_p < 1``) on the row left by top-k: keep token ``v`` iff the mass of the tokens
+3. min-p (``min_p > 0``, vLLM's) on the row left by top-k: keep the tokens whose probability
+   is >= ``min_p`` times the row's largest, renormalise.
+4. top-p (``top_p < 1``) on the row left by min-p: keep token ``v`` iff the mass of the tokens
    strictly more probable than ``v`` is < ``top_p`` (the smallest nucleus reaching ``top_p``,
    plus any tokens tied with its least probable member), renormalise.
 
@@ -40,7 +42,7 @@ ROW_DTYPES = (torch.float64, torch.float32)
 
 
 def logits_to_probs(
-    logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+    logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """``logits [..., V]`` -> probability rows ``[..., V]`` in ``dtype`` (one of
@@ -48,7 +50,7 @@ def logits_to_probs(
 
     Does not modify ``logits``.
     """
-    _check_sampling_args(temperature, top_k, top_p)
+    _check_sampling_args(temperature, top_k, top_p, min_p)
     logits = _checked_logits(logits, dtype)  # [..., V] in dtype (a copy)
     if temperature == 0:
         return _argmax_one_hot(logits)
@@ -57,6 +59,10 @@ def logits_to_probs(
         kth_largest = torch.topk(scaled, top_k, dim=-1).values[..., -1:]  # [..., 1]
         scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)  # [..., V]
+    if min_p > 0.0:
+        floor = min_p * probs.amax(dim=-1, keepdim=True)  # [..., 1]
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if top_p < 1.0:
         probs = _nucleus(probs, float(top_p))
     return probs
@@ -73,7 +79,7 @@ def sample_token(probs: torch.Tensor, source: torch.Generator | RandomSource) ->
     return as_random_source(source).categorical(probs)
 
 
-def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
+def _check_sampling_args(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not (temperature >= 0 and temperature < float("inf")):
@@ -86,6 +92,10 @@ def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
         raise TypeError(f"top_p must be a number, got {type(top_p).__name__}")
     if not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p}")
+    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)):
+        raise TypeError(f"min_p must be a number, got {type(min_p).__name__}")
+    if not (0.0 <= min_p <= 1.0):
+        raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {min_p}")
 
 
 def _checked_logits(logits: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -73,3 +73,31 @@ def test_incremental_text_equals_decoding_everything(tokenizer, chunk):
     streamed = "".join(tracker.add(ids[i: i + chunk]).text for i in range(0, len(ids), chunk))
     streamed += tracker.finish("length").text
     assert streamed == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _run(tracker, ids):
+    emitted = ""
+    for token in ids:
+        delta = tracker.add([token])
+        emitted += delta.text
+        if delta.finish_reason:
+            break
+    return emitted
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer):
+    ids = _ids(tokenizer, "return value\n\nnext line")
+    tracker = OutputTracker(tokenizer, max_tokens=100, stop=["\n\nnext"], include_stop_str_in_output=True)
+    assert _run(tracker, ids) == "return value\n\nnext"
+    assert tracker.finish_reason == "stop"
+
+
+def test_no_stop_string_ends_the_output_before_min_tokens(tokenizer):
+    text = "a = 1\nb = 2\nc = 3\n"
+    ids = _ids(tokenizer, text)
+    first_line = len(_ids(tokenizer, "a = 1\n"))
+    plain = OutputTracker(tokenizer, max_tokens=100, stop=["\n"])
+    assert _run(plain, ids) == "a = 1"
+    late = OutputTracker(tokenizer, max_tokens=100, stop=["\n"], min_tokens=first_line + 1)
+    emitted = _run(late, ids)
+    assert late.finish_reason == "stop" and emitted == "a = 1\nb = 2"
