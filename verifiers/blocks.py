@@ -14,7 +14,7 @@ that serves:
    same block length), batch row ``b`` drawing from request ``b``'s own verification stream
    (:class:`verifiers.randomness.RowSources`), so a request gets the tokens a call of its block
    alone gives (block verification: Sun et al. 2024, Algorithm 2; token verification: Leviathan
-   et al. 2023, Algorithm 1; multi-draft rules: Sun et al. 2023, SpecTr);
+   et al. 2023, Algorithm 1; multi-draft rules: Sun et al. 2023, SpecTr, arXiv:2310.15141);
 3. :func:`verified_row`: batch row ``row`` of the rule's result as a
    :class:`verifiers.machines.Verified` (emitted tokens, accepted count, chosen draft, and each
    emitted token's log-probability under the target's row at its position when asked).

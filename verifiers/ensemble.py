@@ -1,7 +1,7 @@
 """Ensemble distributions over n models and their speculative verification.
 
 Paper: Fu et al., "Speculative Ensemble: Fast Large Language Model Ensemble via Speculation"
-(2025), paper file 001 (read the ``.clean.txt``). In the paper ``q`` is the proposer and ``p``
+(2025), arXiv:2502.01662. In the paper ``q`` is the proposer and ``p``
 the verifier; here the names are ``proposal_probs`` (the rows of the member that produced the
 tokens) and ``ensemble_probs`` (the law every generated token must follow).
 
@@ -146,7 +146,7 @@ def _checked_member_logits(member_logits: torch.Tensor, num_members: int) -> tor
 
 
 def weighted_ensemble_logits(member_logits: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
-    """Paper 001 Eq. 4 in log space: ``log(sum_i w_i softmax(l_i))``.
+    """Speculative Ensemble (arXiv:2502.01662) Eq. 4 in log space: ``log(sum_i w_i softmax(l_i))``.
 
     ``member_logits [n, ..., V]``, ``weights`` one per member -> ``[..., V]`` float64. Tokens no
     weighted member gives mass to are ``-inf``. Softmax of these logits at temperature 1 is the
@@ -162,7 +162,7 @@ def weighted_ensemble_logits(member_logits: torch.Tensor, weights: Sequence[floa
 def contrastive_ensemble_logits(
     expert_logits: torch.Tensor, amateur_logits: torch.Tensor, mu: float
 ) -> torch.Tensor:
-    """Paper 001 Eq. 5 logits: ``l_expert - mu * l_amateur`` without NaN or ``+inf``.
+    """Speculative Ensemble (arXiv:2502.01662) Eq. 5 logits: ``l_expert - mu * l_amateur`` without NaN or ``+inf``.
 
     ``expert_logits``, ``amateur_logits [..., V]`` -> ``[..., V]`` float64. A token with expert
     logit ``-inf`` stays ``-inf``; an amateur ``-inf`` (e.g. after top-k) is replaced by the
@@ -251,7 +251,7 @@ def verify_segment(
     method: VerifyMethod,
     generator: torch.Generator | RandomSource,
 ) -> SegmentVerdict:
-    """Verify a segment proposed by one member against the ensemble law (paper 001 Eq. 6).
+    """Verify a segment proposed by one member against the ensemble law (Speculative Ensemble, arXiv:2502.01662, Eq. 6).
 
     segment_tokens  [B, gamma] int64 -- the segment, all drawn by one member (its bonus token
                     first when the segment came from a scoring call, then its proposals);

@@ -555,7 +555,7 @@ class SegmentQueue:
 
 
 class SpeculativeEnsembleMachine(_EnsembleMachine):
-    """``se``: the alternate proposal framework (2 members) / n-model chain (paper 001, App. B.1
+    """``se``: the alternate proposal framework (2 members) / n-model chain (Speculative Ensemble (arXiv:2502.01662), App. B.1
     Alg. 1 and B.2 Alg. 2; the loop is stated in ``verifiers.reference_ensemble.ensemble_generate``).
 
     One iteration = one member call: the default proposer proposing into an empty queue, or the

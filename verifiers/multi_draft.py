@@ -1,8 +1,11 @@
 """Multi-draft verification rules: SpecTr K-SEQ, SpecTr-GBV, and sequential greedy block
 verification.
 
-Vocabulary: see :mod:`verifiers.types` (draft / accepted / recovered / bonus tokens). Paper
-file 004 (Lin et al., "SpecTr-GBV: Multi-Draft Block Verification") writes ``p`` for the draft
+Vocabulary: see :mod:`verifiers.types` (draft / accepted / recovered / bonus tokens). Papers:
+Lin et al., "SpecTr-GBV: Multi-Draft Block Verification Accelerating Speculative Decoding"
+(arXiv:2604.25925), cited below as SpecTr-GBV; Sun et al., "SpecTr: Fast Speculative Decoding via
+Optimal Transport" (arXiv:2310.15141); Sun et al., "Block Verification Accelerates Speculative
+Decoding" (arXiv:2403.10444), cited as Block Verification. SpecTr-GBV writes ``p`` for the draft
 and ``q`` for the target; here they are always ``draft_probs`` / ``target_probs``.
 
 Every rule has one signature, batched over a leading batch dim ``B``, with ``K`` i.i.d. drafts
@@ -22,23 +25,23 @@ the accepted prefix (the one whose cache the caller keeps).
 
 The rules:
 
-* :func:`verify_spectr` -- SpecTr K-SEQ (004 Sec. 3.2; Sun et al. 2023) applied position by
+* :func:`verify_spectr` -- SpecTr K-SEQ (SpecTr-GBV Sec. 3.2; SpecTr) applied position by
   position: the candidates at position ``i`` are the drafts whose first ``i`` tokens equal the
   accepted prefix; their tokens at ``i`` are i.i.d. draft samples given that prefix, and K-SEQ
   selects one of them or rejects all. Lossless; stateless.
-* :func:`verify_spectr_gbv` -- SpecTr-GBV exactly as published (004 Alg. 1 + Eq. (2)-(4),
+* :func:`verify_spectr_gbv` -- SpecTr-GBV exactly as published (SpecTr-GBV Alg. 1 + Eq. (2)-(4),
   distribution modification Alg. 2, loop Alg. 3). **Experimental: not lossless for K >= 2**
   (exact enumeration finds counterexamples, see ``docs/multi-draft.md``); for K = 1 it is
   greedy block verification and is lossless. Stateful.
 * :func:`verify_sequential_gbv` -- the lossless multi-draft variant derived in
-  ``docs/multi-draft.md``: greedy block verification (file 003, App. C, Alg. 4) of draft 1
+  ``docs/multi-draft.md``: greedy block verification (Block Verification, App. C, Alg. 4) of draft 1
   against the target, then of every later draft that still carries the accepted prefix against
   the law that greedy block verification leaves behind (its residual plus distribution
   modification, Alg. 5), and so on. For K = 1 it is greedy block verification. Stateful.
 
 State of the stateful rules: a tuple with one :class:`GreedyModificationState` (or None) per
 batch row. A greedy rule emits ``tau`` accepted tokens plus one token drawn from a residual and
-promises that the *next* tokens follow a modified target law (Alg. 5 of 003 / Alg. 2 of 004),
+promises that the *next* tokens follow a modified target law (Alg. 5 of Block Verification / Alg. 2 of SpecTr-GBV),
 not the raw target. That promise is the state: a stack of :class:`ModificationLevel` s, each
 "rows at these positions are ``norm(L(path, x) * relu(1 - draft(path, x)/L(path, x))^power)``
 where ``L`` is the law below this level and ``path`` starts where the level's block started".
@@ -175,7 +178,7 @@ def _kseq_excess(rho: float, linear: float, inverse: float, count: int) -> float
 
 
 def kseq_rho(draft_row: torch.Tensor, target_row: torch.Tensor, num_candidates: int) -> float:
-    """The K-SEQ scaling factor rho in [1, K] (004 Sec. 3.2; Sun et al. 2023, K-SEQ).
+    """The K-SEQ scaling factor rho in [1, K] (SpecTr-GBV Sec. 3.2; SpecTr K-SEQ, arXiv:2310.15141).
 
     rho is the smallest root of ``1 - (1 - beta(rho))^K = rho * beta(rho)`` with
     ``beta(rho) = sum_x min(draft(x), target(x) / rho)``. The left side is non-increasing and
@@ -248,7 +251,7 @@ def _kseq_rows(
     Each candidate x is accepted with ``min(1, target(x) / (rho * draft(x)))`` in turn, so the
     first acceptance outputs x with probability ``c * min(draft(x), target(x)/rho)`` where
     ``c = (1 - (1 - beta)^K) / beta`` (= rho at the root). The residual is written with ``c``
-    (not rho) -- ``norm(target - c * min(draft, target / rho))``, 004's formula at the root --
+    (not rho) -- ``norm(target - c * min(draft, target / rho))``, SpecTr-GBV's formula at the root --
     so that it is the exact complement for the rho actually used.
     """
     rho = kseq_rho(draft_row, target_row, num_candidates)
@@ -270,7 +273,7 @@ def verify_spectr(
     generator: torch.Generator | RandomSource,
     state: None = None,
 ) -> VerifyResult:
-    """SpecTr with K-SEQ draft selection (004 Sec. 3.2; Sun et al. 2023), position by position.
+    """SpecTr with K-SEQ draft selection (SpecTr-GBV Sec. 3.2; SpecTr, arXiv:2310.15141), position by position.
 
     At position ``i`` the candidates are the drafts whose first ``i`` tokens equal the accepted
     prefix (all K at ``i = 0``); given the prefix, their tokens at ``i`` are i.i.d. samples of
@@ -333,7 +336,7 @@ class ModificationLevel:
     of the levels below it (the raw target for the first level), ``D`` the draft, and the joint
     probabilities are taken along the path from the block where the level was created:
     ``L(path) = exp(log_target_prefix) * L(next call's tokens up to j)``, likewise ``D``.
-    ``power = 1`` is Alg. 5 of file 003; ``power = K`` is Alg. 2 of file 004.
+    ``power = 1`` is Alg. 5 of Block Verification; ``power = K`` is Alg. 2 of SpecTr-GBV.
     """
 
     log_target_prefix: float
@@ -468,7 +471,7 @@ def _uncovered_mass_power(
     below: torch.Tensor, drafted: torch.Tensor, log_joint_ratio: torch.Tensor, power: int
 ) -> torch.Tensor:
     """``L(path, x) * relu(1 - D(path, x) / L(path, x))^power`` up to a positive factor per row
-    (004 Alg. 2 with ``power = K``), formed in log space, ``[K, R, V]``."""
+    (SpecTr-GBV Alg. 2 with ``power = K``), formed in log space, ``[K, R, V]``."""
     positive = below > 0
     log_ratio = log_joint_ratio.unsqueeze(-1) + _safe_log(drafted) - torch.log(torch.where(positive, below, 1.0))
     uncovered = (-torch.expm1(log_ratio)).clamp(min=0.0)  # relu(1 - D/L)
@@ -525,7 +528,7 @@ def _outgoing_state(
 def _greedy_block_length(
     tokens: torch.Tensor, draft_rows: torch.Tensor, law_rows: torch.Tensor, source: RandomSource
 ) -> int:
-    """Accepted length of greedy block verification (file 003, App. C, Alg. 4) of the block
+    """Accepted length of greedy block verification (Block Verification, App. C, Alg. 4) of the block
     ``tokens [n]`` with draft rows ``[n, V]`` against the law rows ``[n+1, V]``.
 
     ``nu_i = L(X^i) / D(X^i)`` (log space); sub-block ``X^i`` (i < n) passes with
@@ -547,7 +550,7 @@ def _greedy_block_length(
 
 
 def _greedy_pass_probs(tokens: torch.Tensor, draft_rows: torch.Tensor, law_rows: torch.Tensor) -> list[float]:
-    """``[h_1, ..., h_{n-1}, min(1, nu_n)]`` of 003 Alg. 4. Both sums of ``h_i`` are scaled by
+    """``[h_1, ..., h_{n-1}, min(1, nu_n)]`` of Block Verification Alg. 4. Both sums of ``h_i`` are scaled by
     ``1 / max(1, nu_i)`` so that no joint ratio overflows."""
     length = tokens.shape[0]
     log_nu = torch.cumsum(_path_log_probs(law_rows, tokens) - _path_log_probs(draft_rows, tokens), 0)  # [n]
@@ -575,21 +578,21 @@ def verify_sequential_gbv(
 
     With ``L`` the current target law (raw target after the incoming ``state``) and an
     accepted prefix ``A`` (empty at first), for ``k = 1..K``: if draft k starts with ``A``, run
-    greedy block verification (003 Alg. 4) of its remaining tokens against ``L`` given ``A``.
+    greedy block verification (Block Verification Alg. 4) of its remaining tokens against ``L`` given ``A``.
     A full pass accepts the whole draft and the bonus token is drawn from ``L`` after it. A
     partial pass of ``t`` tokens extends ``A`` by them and replaces ``L`` by the law greedy block
-    verification leaves behind (003 Alg. 5: ``norm(relu(L(path) - D(path)))`` from draft k's
+    verification leaves behind (Block Verification Alg. 5: ``norm(relu(L(path) - D(path)))`` from draft k's
     starting point to the end of the block), which is what later drafts are verified against.
     After the last draft the recovered token is drawn from ``L`` after ``A``, and the levels of
     ``L`` that reach past the emitted tokens are returned as the state for the next call.
 
     Why it is exact: greedy block verification of a fresh draft against any law ``L`` outputs
-    an accepted block followed by a continuation law whose mixture is ``L`` (003 Lemma 6); a
+    an accepted block followed by a continuation law whose mixture is ``L`` (Block Verification Lemma 6); a
     later draft carrying the accepted prefix is, given everything seen so far, a fresh draft
     sample from that prefix (drafts are independent and only their first tokens were looked
     at), so the argument repeats; a draft that does not carry the prefix is skipped.
     For K = 1 this is exactly greedy block verification with distribution modification
-    (003 Alg. 4-6).
+    (Block Verification Alg. 4-6).
 
     Random stream: batch rows in order; per examined draft one ``bernoulli`` per sub-block
     tried, longest first, stopping at the first pass (sub-blocks that cannot pass are not
@@ -736,7 +739,7 @@ def _spectr_gbv_row(
 def _spectr_gbv_pass_probs(
     tokens: torch.Tensor, draft_rows: torch.Tensor, law_rows: torch.Tensor, num_drafts: int
 ) -> list[list[float]]:
-    """``h_{i,k}`` of 004 Eq. (2)-(3) for every draft k and sub-block length i = 1..gamma
+    """``h_{i,k}`` of SpecTr-GBV Eq. (2)-(3) for every draft k and sub-block length i = 1..gamma
     (joints from the block start), as K lists of gamma floats."""
     gamma = tokens.shape[-1]
     law_joint = torch.exp(torch.cumsum(_path_log_probs(law_rows, tokens), -1))  # [K, gamma]: q(x^i)

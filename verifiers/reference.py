@@ -23,7 +23,7 @@ from verifiers.registry import get_verifier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["autoregressive_generate", "ensemble_generate", "speculative_generate"]
+__all__ = ["autoregressive_generate", "ensemble_generate", "speculative_generate"]  # noqa: F822 (lazy, below)
 
 
 def __getattr__(name: str):

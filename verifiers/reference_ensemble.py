@@ -1,11 +1,11 @@
 """Reference ensemble loops: the standard ensemble and the speculative ensemble (SE).
 
-Paper: Fu et al., "Speculative Ensemble" (2025), paper file 001: Sec. 3.2 (verification against
-the ensemble law), Sec. 3.3 + App. B.1 Alg. 1 (alternate proposal framework), Sec. 3.4 + App.
-B.2 Alg. 2 (n models). Slow and obviously correct: every row is recomputed from the full
-context (no caches). The distributed coordinator must reproduce :func:`ensemble_generate`
-token for token (same seed, same streams, same calls in the same order) and the tests prove
-its law exact by enumeration.
+Paper: Fu et al., "Speculative Ensemble: Fast Large Language Model Ensemble via Speculation"
+(2025), arXiv:2502.01662: Sec. 3.2 (verification against the ensemble law), Sec. 3.3 + App. B.1
+Alg. 1 (alternate proposal framework), Sec. 3.4 + App. B.2 Alg. 2 (n models). Slow and obviously
+correct: every row is recomputed from the full context (no caches). The distributed coordinator
+must reproduce :func:`ensemble_generate` token for token (same seed, same streams, same calls in
+the same order) and the tests prove its law exact by enumeration.
 
 Both loops take ``model_fns``: one function per member mapping the full context (prompt
 included) as a tuple of token ids to logits ``[V_i]``. The vocabularies are truncated to the
@@ -111,7 +111,7 @@ def ensemble_generate(
     top_p: float = 1.0,
     penalties: Penalties = NO_PENALTIES,
 ) -> tuple[list[int], dict]:
-    """Speculative ensemble (paper 001): lossless sampling from the ensemble law.
+    """Speculative ensemble (arXiv:2502.01662): lossless sampling from the ensemble law.
 
     ``gammas[i]`` is member i's proposal length (>= 1). ``ensemble``: "weighted" (``weights``,
     default uniform) or "contrastive" (two members: ``model_fns[0]`` expert, ``model_fns[1]``

@@ -87,8 +87,8 @@ def verify_token(
     generator: torch.Generator | RandomSource,
     state: None = None,
 ) -> VerifyResult:
-    """Token verification (Leviathan et al. 2023, paper file 002; Alg. 1 of Sun et al.,
-    "Block Verification Accelerates Speculative Decoding", files 000/003).
+    """Token verification (Leviathan et al. 2023, arXiv:2211.17192; Alg. 1 of Sun et al.,
+    "Block Verification Accelerates Speculative Decoding", arXiv:2403.10444).
 
     Position by position, draft token ``X_i`` is accepted with probability
     ``min(1, target(X_i) / draft(X_i))``; at the first rejection a recovered token is drawn
@@ -130,7 +130,7 @@ def verify_block(
     generator: torch.Generator | RandomSource,
     state: None = None,
 ) -> VerifyResult:
-    """Block verification (Sun et al., ICLR 2025, files 000/003: Alg. 2 with Eq. (3), (4)).
+    """Block verification (Sun et al., ICLR 2025, arXiv:2403.10444: Alg. 2 with Eq. (3), (4)).
 
     With ``p_0 = 1`` and ``p_i = min(1, p_{i-1} * target(X_i) / draft(X_i))`` (Alg. 2 line 4),
     sub-block ``X^i`` is accepted with probability ``h_i`` (Eq. (4)):
@@ -173,7 +173,7 @@ def verify_block(
 @dataclass(frozen=True)
 class GreedyBlockState:
     """The distribution modification greedy block verification owes the next iteration
-    (Alg. 5 / Eq. (23) of files 000/003, composed over iterations as in Alg. 6 line 6).
+    (Alg. 5 / Eq. (23) of arXiv:2403.10444, composed over iterations as in Alg. 6 line 6).
 
     One "level" per earlier iteration whose modification still covers upcoming positions;
     levels are ordered oldest first and apply in that order (Alg. 6 modifies the already
@@ -237,7 +237,7 @@ def verify_greedy_block(
     generator: torch.Generator | RandomSource,
     state: GreedyBlockState | None = None,
 ) -> VerifyResult:
-    """Greedy block verification with distribution modification (Sun et al., file 003,
+    """Greedy block verification with distribution modification (Sun et al., Block Verification (arXiv:2403.10444),
     appendix C: Alg. 4, Alg. 5 / Eq. (23), loop of Alg. 6). Stateful.
 
     1. The target rows this call verifies against are the raw ``target_probs`` modified by
