@@ -217,6 +217,14 @@ LONG_GRPC = specserve_pb2.GenerateRequest(
 )
 
 
+def _wait_until_in_flight(http, count: int, timeout_s: float = 60.0) -> None:
+    """Poll the replica's status until ``count`` requests are admitted or queued."""
+    deadline = time.monotonic() + timeout_s
+    while len(http.get("/v1/status", headers=bearer(KEY)).json()["active_requests"]) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} requests in flight after {timeout_s} s"
+        time.sleep(0.05)
+
+
 def _crash_mid_request(http, stub, actor_id: str, actor_ids: list[str], node_ip: str) -> list[str]:
     """Start long requests on both protocols, kill ``actor_id`` while they run, and check what
     each client got: success, or a server error with a request id and nothing internal
@@ -245,7 +253,7 @@ def _crash_mid_request(http, stub, actor_id: str, actor_ids: list[str], node_ip:
             lines = streamed.iter_lines()
             first = next(line for line in lines if line)
             futures = [pool.submit(http_unary), pool.submit(grpc_unary), pool.submit(grpc_stream)]
-            time.sleep(0.5)  # the other three are decoding too
+            _wait_until_in_flight(http, 4)  # the other three are decoding too
             _crash(actor_id)
             rest = "\n".join(lines)
         # The HTTP stream was cut by the crash: it ends with an error event, then [DONE].

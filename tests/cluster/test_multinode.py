@@ -312,6 +312,19 @@ def _wait_until_served(group, since: float, reference: list[int], limit_s: float
     return {"attempts": attempts, "served_again_s": None, "same_greedy_tokens": False}
 
 
+def _sessions_once_released(group, within_s: float) -> dict[str, int]:
+    """Open sessions per worker, polled until none is left or ``within_s`` has passed."""
+    import ray
+
+    models = list(group.workers)
+    deadline = time.monotonic() + within_s
+    while True:
+        counts = dict(zip(models, ray.get([group.workers[name].num_sessions.remote() for name in models], timeout=30)))
+        if not any(counts.values()) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.2)
+
+
 def run_cluster(target: str, draft: str) -> dict:
     """Both ways of placing a group at once, on one cluster: ``direct`` (the actors' own
     ``resources=`` options, as ``specserve generate`` starts a group) and ``placement_group``
@@ -397,7 +410,7 @@ def run_cluster(target: str, draft: str) -> dict:
         late_refs = _outage_requests(groups, "late")
         outage.update(_settle(late_refs, OUTAGE_WATCH_S))
         outage_refs.update(late_refs)
-        for variant, group in groups.items():
+        for variant in groups:
             report["outage"][variant] = {
                 "during": {name.split("/", 1)[1]: r for name, r in outage.items() if name.startswith(variant + "/")},
                 "draft_state": draft_states[variant],
@@ -441,11 +454,8 @@ def run_cluster(target: str, draft: str) -> dict:
             report["outage"][variant]["unfinished_after_recovery"] = sum(r["outcome"] == "pending" for r in mine.values())
         # Sessions still open in the workers once every request has ended (they should all be
         # released at the coordinator's next idle flush; what remains waits for the idle timeout).
-        time.sleep(2.0)
         for variant, group in groups.items():
-            models = list(group.workers)
-            counts = ray.get([group.workers[name].num_sessions.remote() for name in models], timeout=30)
-            report["recovery"][variant]["sessions_left"] = dict(zip(models, counts))
+            report["recovery"][variant]["sessions_left"] = _sessions_once_released(group, within_s=10.0)
         for variant in groups:
             figures[variant] = {
                 "in_flight": {key: len(report["in_flight"][variant][key]) for key in ("ok", "retryable", "hung")},

@@ -1,8 +1,9 @@
 """The OpenAI API as clients really use it: prompt lists, ``n``, ``echo``, penalties,
 ``logit_bias``, ``logprobs``, and the fields answered 400.
 
-The first part needs no server: request parsing and mapping (cluster/schemas.py, cluster/generation_requests.py, cluster/responses.py) and the
-log-probability rendering, with GenerationChunk objects built by hand. The second drives the
+The first part needs no server: request parsing and mapping (cluster/schemas.py,
+cluster/generation_requests.py, cluster/responses.py) and the log-probability rendering, with
+GenerationChunk objects built by hand. The second drives the
 session's Serve application with the official ``openai`` client and with LangChain's OpenAI
 classes (``langchain-openai``), which send prompt lists, zero penalties and ``n`` by default.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import math
 
+import langchain_openai
+import openai
 import pytest
 
 from actors.api import GenerationChunk, InvalidRequestError, RequestStats, TokenLogprob
@@ -303,7 +306,6 @@ def test_several_choices_render_in_index_order_with_summed_usage_and_stats():
 
 # ------------------------------------------------------------------ served, with real clients
 
-openai = pytest.importorskip("openai")
 PROMPT = "class Counter(dict):\n"
 MAX_TOKENS = 4
 
@@ -484,7 +486,6 @@ def test_penalties_logit_bias_and_logprobs_are_served_or_named(client, serve_app
 
 # ------------------------------------------------------------------ LangChain (langchain-openai)
 
-langchain_openai = pytest.importorskip("langchain_openai")
 
 
 def test_langchain_completions_class_sends_prompt_lists_and_zero_penalties(serve_app, greedy):
