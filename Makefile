@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench protos clean
+.PHONY: install run test test-fast lint bench protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,13 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+# The verifiers and the pure code: no Ray, no servers (tests marked `ray` are left out).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not ray" -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 bench: $(STAMP)
 	$(BIN)/specserve bench --config deploy/default.yaml --out bench-out

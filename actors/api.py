@@ -119,7 +119,10 @@ class SpeculationParams(_Frozen):
     strategy: Strategy | None = Field(None, description="ar | sd | multi_draft | ensemble | se.")
     method: str | None = Field(
         None,
-        description="Verification rule: token | block | greedy_block (sd), token | block (se); spectr | sequential_gbv | spectr_gbv (multi_draft).",
+        description=(
+            "Verification rule: token | block | greedy_block (sd), token | block (se); "
+            "spectr | sequential_gbv | spectr_gbv (multi_draft)."
+        ),
     )
     gamma: GammaValue | None = Field(
         None,

@@ -228,7 +228,7 @@ class Coordinator:
             try:
                 worker_totals, failed = await self._worker_metrics()
                 exporter.export(self._snapshot(worker_totals, failed), self.metrics.recorder.take_pending())
-            except Exception:  # noqa: BLE001 - metrics must never stop the coordinator
+            except Exception:
                 logger.exception("exporting metrics to Ray failed")
 
     async def health(self) -> bool:

@@ -50,7 +50,7 @@ class SlotKVLayer(CacheLayerMixin):
     is_croppable = False
     is_initialized = True
 
-    def __init__(self, cache: SlotKVCache, layer_idx: int):  # noqa: D107 (no base init: keys are views)
+    def __init__(self, cache: SlotKVCache, layer_idx: int):
         self.cache = cache
         self.layer_idx = layer_idx
 

@@ -273,7 +273,7 @@ class Scheduler:
                 else:
                     await self._step(cohort)
                     self._count_duration(time.perf_counter() - started)
-            except Exception as error:  # noqa: BLE001 - a scheduler bug must not hang every request
+            except Exception as error:
                 logger.exception("scheduler step failed; failing the cohort's requests")
                 for request in list(cohort.running):
                     self._fail(request, f"internal error: {type(error).__name__}")
@@ -481,7 +481,7 @@ class Scheduler:
         try:
             request.last_needs = request.machine.needs()
             return True
-        except Exception as error:  # noqa: BLE001 - a machine error ends this request only
+        except Exception as error:
             logger.exception("request %s: strategy failed to plan its iteration", request.session_id)
             self._fail(request, f"{type(error).__name__}: {error}")
             return False
@@ -670,7 +670,7 @@ class Scheduler:
         verified_before = len(request.machine.accepted_lengths)
         try:
             tokens = request.machine.consume([o.value for o in outcomes])
-        except Exception as error:  # noqa: BLE001 - a machine error ends this request only
+        except Exception as error:
             logger.exception("request %s: strategy iteration failed", request.session_id)
             self._fail(request, f"{type(error).__name__}: {error}")
             return

@@ -184,8 +184,9 @@ def board_prior_weight(alpha: float) -> float:
 class AcceptanceBoard:
     """Per key (draft, target, rule, drafts per step): per draft position, the decayed counts of
     the group's recent blocks that reached it and of those rejected there; :meth:`acceptance` is
-    the ratio of accepted positions (reached, not rejected) to rejections over every position, the per-token acceptance rate (as :class:`verifiers.adaptive.AdaptiveGamma` estimates
-    one request's). Read when a request is admitted, so it is fixed before the request's first
+    the ratio of accepted positions (reached, not rejected) to rejections over every position, the
+    per-token acceptance rate (as :class:`verifiers.adaptive.AdaptiveGamma` estimates one
+    request's). Read when a request is admitted, so it is fixed before the request's first
     draft and depends on other requests only: the choice it informs stays lossless."""
 
     #: key -> (reached, rejected): per draft position i (0-based), the decayed count of blocks that

@@ -65,7 +65,7 @@ def _decode_run_ms(backend: SlotBackend, slots: list[int], context: int, steps: 
     times = []
     for step in range(steps):
         rows = [linear_row(slot, context + step, _tokens(generator, 1), context + step, [0]) for slot in slots]
-        times.append(_elapsed_ms(lambda: backend.forward(rows)))
+        times.append(_elapsed_ms(lambda rows=rows: backend.forward(rows)))
     return statistics.median(times)
 
 

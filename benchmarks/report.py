@@ -163,7 +163,8 @@ def render_markdown(results: BenchResults, plots: dict[str, str]) -> str:
         f"Prompts: {env.get('num_prompts')} ({env.get('prompt_kinds')}), {settings.max_tokens} tokens each, "
         f"temperature {settings.temperature}, {settings.repeats} pass(es), seeds from {settings.seed}; "
         f"warm-up excluded; cases interleaved per prompt in a seeded random order. "
-        f"Code: commit {env.get('git_commit', 'n/a')}. Machine: {env.get('cpu_count')} CPUs, torch {env.get('torch')}, transformers {env.get('transformers')}, "
+        f"Code: commit {env.get('git_commit', 'n/a')}. Machine: {env.get('cpu_count')} CPUs, "
+        f"torch {env.get('torch')}, transformers {env.get('transformers')}, "
         f"ray {env.get('ray')}; load average at start {env.get('load_average_start')}, at end "
         f"{env.get('load_average_end')}; wall time {_f(env.get('wall_time_s'), 0)} s.",
         "",

@@ -120,7 +120,7 @@ class _LocalMethod:
             values = (result,) if self._num_returns == 1 else tuple(result)
             for future, value in zip(futures, values):
                 future.set_result(value)
-        except Exception as error:  # delivered to whoever awaits the futures, as Ray would
+        except Exception as error:  # noqa: BLE001 - delivered to whoever awaits the futures, as Ray would
             for future in futures:
                 future.set_exception(error)
         return futures[0] if self._num_returns == 1 else futures

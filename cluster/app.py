@@ -642,7 +642,7 @@ class SpecServeIngress:
             specs, generations = grpc_service.to_generation_requests(
                 proto, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
             )
-        except Exception as error:  # noqa: BLE001 - counted, then answered by the caller
+        except Exception as error:
             self._count_if_invalid(error)
             raise
         texts = (await self._tokenizer_texts())[1] if grpc_service.wants_logprobs(generations[0]) else None

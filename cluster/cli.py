@@ -134,7 +134,8 @@ def _only_used_models(config, request):
         "strategy": plan.strategy, "method": plan.method, "num_drafts": plan.num_drafts, "ensemble": plan.ensemble,
         # an adaptive plan stays adaptive (its gamma is only the largest block)
         "gamma": "auto" if plan.adaptive is not None else plan.gamma,
-        "gamma_max": plan.adaptive.gamma_max if plan.adaptive is not None else request.speculation.gamma_max, "members": list(plan.members) or None,
+        "gamma_max": plan.adaptive.gamma_max if plan.adaptive is not None else request.speculation.gamma_max,
+        "members": list(plan.members) or None,
         "weights": list(plan.weights) if plan.weights else None, "mu": plan.mu, "gammas": list(plan.gammas) or None,
     })
     defaults = config.defaults.model_copy(update={"strategy": plan.strategy, "method": plan.method, "members": plan.members or None,

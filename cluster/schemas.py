@@ -32,7 +32,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from actors.api import (
     MAX_TOP_LOGPROBS,
-    GenerationRequest,
     InvalidRequestError,
     SpeculationParams,
 )

@@ -258,7 +258,8 @@ def render(results: dict) -> str:
         "",
         "## Members",
         "",
-        "| model | role | params | hidden x layers (MLP) | trained on | steps done / planned (stopped by) x batch x seq | training tokens | training time |",
+        "| model | role | params | hidden x layers (MLP) | trained on "
+        "| steps done / planned (stopped by) x batch x seq | training tokens | training time |",
         "|---|---|---:|---|---|---|---:|---:|",
     ]
     roles = {

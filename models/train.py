@@ -101,7 +101,8 @@ class ModelSpec(BaseModel):
 
 # Step counts were sized from the throughput measured before training (`--stage throughput`:
 # ~280 tokens/s for the 12M models, ~400 for the distilled draft, ~600 for partner2 on a
-# lightly loaded 2-core CPU, fp32; bf16 autocast roughly doubles that). The machine was shared with other jobs (load average up to ~17 on 2 cores), so
+# lightly loaded 2-core CPU, fp32; bf16 autocast roughly doubles that). The machine was shared
+# with other jobs (load average up to ~17 on 2 cores), so
 # every member also has a wall-clock cap; whichever ends first ends the run (recorded in
 # training_meta.json: `steps_completed`, `stopped_by`). On an oversubscribed machine one torch
 # thread is much faster than two (a 2-thread OpenMP team stalls at every op when one of its

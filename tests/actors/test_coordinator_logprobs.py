@@ -42,7 +42,7 @@ def _law_row(speculation: dict, sampling: dict, context: tuple[int, ...]) -> tor
 
 
 @pytest.mark.parametrize(("speculation", "sampling"), CASES, ids=[c[0]["strategy"] + str(i) for i, c in enumerate(CASES)])
-def test_logprobs_are_the_sampled_law(fake_group, speculation, sampling):
+def test_logprobs_are_the_sampled_law(fake_group, speculation, sampling):  # noqa: F811 (the imported fixture)
     def request(seed: int, logprobs: int | None) -> GenerationRequest:
         return GenerationRequest(request_id=f"lp-{seed}", prompt_ids=list(PROMPT), speculation=speculation,
                                  sampling={"max_tokens": 12, "seed": seed, "logprobs": logprobs, **sampling})

@@ -199,7 +199,7 @@ def test_counters_match_what_the_requests_returned(local_coordinator):
     snapshot = loop.run_until_complete(coordinator.metrics_snapshot())
     assert snapshot["identity"] == {"model_group": "fake", "replica": "replica-a"}
     families = _families(snapshot)
-    for name, speculation in SPECULATIONS.items():
+    for name in SPECULATIONS:
         chunks = [chunks for request, chunks in zip(requests, results) if request.request_id.startswith(name + "-")]
         stats = [c[-1].stats for c in chunks]
         labels = (stats[0].strategy, stats[0].method or "none")

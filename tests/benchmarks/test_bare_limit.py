@@ -96,7 +96,7 @@ def test_bare_limits_measure_the_embedded_models():
     shapes = [LevelShape("ar", 1), LevelShape("ar", 2), LevelShape("sd", 2, gamma=2)]
     records = bare_limits(shapes, [None, None, 1.5], {"target": "target", "draft": "draft"}, paths,
                           context=context, repeats=1)
-    for shape, record in zip(shapes, records):
+    for record in records:
         assert record["context"] == context and all(f["ms"] > 0 for f in record["forwards"])
         assert record["limit_tokens_per_second"] == pytest.approx(
             record["tokens_per_iteration"] / (record["iteration_ms"] / 1000.0))

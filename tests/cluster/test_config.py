@@ -51,7 +51,7 @@ def test_default_yaml_loads_and_freezes():
     assert config.model("target").path == str(REPO / "models" / "embedded" / "target")
     assert config.tokenizer_path == config.model("target").path
     assert config.defaults.strategy == "sd" and config.defaults.method == "block"
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         config.models[0].name = "other"  # frozen
 
 

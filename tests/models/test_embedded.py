@@ -124,7 +124,7 @@ def test_family_shares_one_tokenizer_and_vocab(family):
     assert len(set(digests.values())) == 1, digests
     vocab_sizes = {name: model.config.vocab_size for name, (model, _) in family.items()}
     assert set(vocab_sizes.values()) == {4096}, vocab_sizes
-    for name, (model, tokenizer) in family.items():
+    for model, tokenizer in family.values():
         assert len(tokenizer) == model.config.vocab_size
         assert tokenizer.eos_token == "<|endoftext|>"
         assert tokenizer.eos_token_id == model.config.eos_token_id
