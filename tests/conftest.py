@@ -180,3 +180,16 @@ def ray_session():
     yield ray
     if started_here:
         ray.shutdown()
+
+
+# Modules whose tests start servers or Ray in subprocesses (no ray_session fixture to see).
+_SERVER_MODULES = ("test_serve_command", "test_app_serve_command", "test_ray_cli", "test_multinode", "test_bringup")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that needs Ray or a server ``ray`` (``make test-fast`` leaves them out):
+    those whose fixtures reach ``ray_session``, and the modules that start their own."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+        if "ray_session" in getattr(item, "fixturenames", ()) or module in _SERVER_MODULES:
+            item.add_marker(pytest.mark.ray)
