@@ -23,7 +23,7 @@ test: $(STAMP)
 
 # The verifiers and the pure code: no Ray, no servers (tests marked `ray` are left out).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not ray" -q
+	$(BIN)/python -m pytest tests -m "not ray" -q -n 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -129,6 +129,7 @@ def test_serve_load_section_is_appended_once_then_replaced():
         splice("no markers", section, SERVE_LOAD_START, SERVE_LOAD_END)
 
 
+@pytest.mark.ray  # starts a server (and its own local Ray)
 @pytest.mark.timeout(300)
 def test_serve_load_end_to_end(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # the server starts its own local Ray
