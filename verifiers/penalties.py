@@ -24,6 +24,9 @@ Semantics (as in vLLM / transformers, applied in this order to the logits, in th
    (:func:`verifiers.sampling.logits_to_probs`): tokens with probability below
    ``min_p * max probability`` are dropped, then top-p.
 
+Before them, a structured-output constraint (``grammar``, :mod:`verifiers.grammar`) sets every
+token its grammar disallows after the row's generated tokens to ``-inf``.
+
 ``-inf`` stays ``-inf`` (a token the model rules out stays out).
 """
 
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verifiers.grammar import GrammarConstraint, mask_logits
 from verifiers.sampling import logits_to_probs
 
 
@@ -48,12 +52,13 @@ class Penalties:
     min_tokens: int = 0  # rows with fewer generated tokens before them cannot be an id of eos_ids
     eos_ids: tuple[int, ...] = ()  # the ids min_tokens bans (the deployment's end-of-sequence ids)
     min_p: float = 0.0  # drop tokens below min_p * the row's largest probability (0 disables it)
+    grammar: GrammarConstraint | None = None  # structured outputs: the mask applied first
 
     @property
     def active(self) -> bool:
         """Whether the logits change (then every row needs its generated context)."""
         return (self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0 or bool(self.logit_bias)
-                or self.bans_eos)
+                or self.bans_eos or self.grammar is not None)
 
     @property
     def bans_eos(self) -> bool:
@@ -73,6 +78,22 @@ def penalize(
     vocab = logits.shape[-1]
     if len(generated) != logits.shape[0]:
         raise ValueError(f"{len(generated)} generated contexts for {logits.shape[0]} rows")
+    if penalties.grammar is not None:
+        mask_logits(logits, penalties.grammar, generated)
+    if penalties.repetition != 1.0 or penalties.frequency or penalties.presence:
+        logits = _count_penalties(logits, penalties, prompt, generated)
+    for token, bias in penalties.logit_bias:
+        if 0 <= token < vocab:
+            logits[:, token] += bias
+    if penalties.bans_eos:
+        _ban_eos_before_min_tokens(logits, penalties, generated)
+    return logits
+
+
+def _count_penalties(logits: torch.Tensor, penalties: Penalties, prompt: Sequence[int],
+                     generated: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Repetition, frequency and presence on ``logits [N, V]`` (steps 1 and 2 of the module docstring)."""
+    vocab, dtype = logits.shape[-1], logits.dtype
     counts = _row_counts(generated, vocab, dtype)  # [N, V]
     if penalties.repetition != 1.0:
         seen = (counts > 0) | (_row_counts([prompt], vocab, dtype) > 0)  # [N, V]
@@ -80,11 +101,6 @@ def penalize(
         logits = torch.where(seen, repeated, logits)
     if penalties.frequency or penalties.presence:
         logits -= penalties.frequency * counts + penalties.presence * (counts > 0).to(dtype)
-    for token, bias in penalties.logit_bias:
-        if 0 <= token < vocab:
-            logits[:, token] += bias
-    if penalties.bans_eos:
-        _ban_eos_before_min_tokens(logits, penalties, generated)
     return logits
 
 
