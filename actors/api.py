@@ -7,7 +7,7 @@ plain data (picklable) so they travel through Ray unchanged.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
@@ -52,6 +52,17 @@ class InvalidRequestError(ValueError):
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StructuredOutput(_Frozen):
+    """A structured-output constraint (:mod:`verifiers.grammar`): every token is drawn from the
+    law restricted to what the grammar allows after the tokens before it."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"] = Field(
+        ..., description="json_schema (spec: a JSON schema object), json_object (any JSON object), regex (spec: "
+        "a regular expression), choice (spec: a list of strings), grammar (spec: a Lark grammar).")
+    spec: Any = Field(None, description="The schema, regex, choices or grammar (None for json_object).")
+    field: str = Field("structured_outputs", description="The request field it came from (named in errors).")
 
 
 class SamplingParams(_Frozen):
@@ -104,6 +115,9 @@ class SamplingParams(_Frozen):
         None, ge=0, le=MAX_TOP_LOGPROBS,
         description="Return each generated token's log-probability under the law it was sampled from, with this "
         "many most likely alternatives (0: the token alone); None: no log-probabilities.",
+    )
+    structured: StructuredOutput | None = Field(
+        None, description="Constrain the output to a JSON schema, regex, choice or grammar; None: unconstrained."
     )
     prompt_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS,

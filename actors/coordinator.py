@@ -50,6 +50,7 @@ from actors.prompt_scoring import law_models, prompt_log_rows, prompt_logprobs
 from actors.scheduler import RequestState, Scheduler
 from actors.strategies import MachineSampling, build_machine
 from actors.vocabulary import group_vocabulary, tokenizer_identity
+from verifiers.grammar import GrammarConstraint, GrammarError, compile_constraint
 from verifiers.penalties import Penalties
 
 logger = logging.getLogger(__name__)
@@ -285,7 +286,21 @@ class Coordinator:
         bad_bias = [t for t in sampling.logit_bias if not 0 <= t < vocab_limit]
         if bad_bias:
             raise InvalidRequestError("logit_bias", f"token ids must lie in [0, {vocab_limit}), got {bad_bias[:5]}")
+        self._grammar(sampling, request.request_id)
         return prompt_ids, vocab_limit, max_context
+
+    def _grammar(self, sampling, request_key: str) -> GrammarConstraint | None:
+        """The request's structured-output constraint over the group's tokenizer (cached per
+        grammar), or None; raises InvalidRequestError naming the field it came from."""
+        structured = sampling.structured
+        if structured is None:
+            return None
+        if self.config.tokenizer_path is None:
+            raise InvalidRequestError(structured.field, "structured outputs need a tokenizer; this deployment has none")
+        try:
+            return compile_constraint(structured.kind, structured.spec, self.config.tokenizer_path, request_key)
+        except GrammarError as error:
+            raise InvalidRequestError(structured.field, str(error)) from None
 
     def _context_name(self, max_context: int) -> str:
         """How a 400 names the context limit: ``max_model_len`` when that setting is the limit."""
@@ -399,6 +414,7 @@ class Coordinator:
             min_tokens=sampling.min_tokens,
             eos_ids=tuple(sorted(self.eos_token_ids)),
             min_p=sampling.min_p,
+            grammar=self._grammar(sampling, f"{request.request_id}/{uuid.uuid4().hex[:12]}"),
         )
         built = build_machine(
             plan,

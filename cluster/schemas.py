@@ -10,8 +10,9 @@ field of the merged request by :func:`cluster.validation.check_generation_reques
 
 OpenAI fields that are accepted only at their neutral value answer 400 naming the field
 otherwise: ``suffix`` (null), ``best_of`` (null or equal to ``n``), ``tools`` / ``functions``
-(null or empty), ``tool_choice`` / ``function_call`` (null or ``"none"``), ``response_format``
-(null or ``{"type": "text"}``). Penalties, ``logit_bias``, ``logprobs`` and prompt
+(null or empty), ``tool_choice`` / ``function_call`` (null or ``"none"``). ``response_format``
+(text, ``json_object``, ``json_schema``) and the ``structured_outputs`` extension (json, regex,
+choice, grammar) constrain the output (:mod:`verifiers.grammar`). Penalties, ``logit_bias``, ``logprobs`` and prompt
 log-probabilities (completions ``echo`` with ``logprobs``, ``prompt_logprobs``) map onto
 :class:`actors.api.SamplingParams`.
 
@@ -34,6 +35,7 @@ from actors.api import (
     MAX_TOP_LOGPROBS,
     InvalidRequestError,
     SpeculationParams,
+    StructuredOutput,
 )
 from cluster.chat_prompt import check_template_kwargs, render_chat_prompt
 from cluster.validation import INT64_MAX, shortened
@@ -154,6 +156,14 @@ class _GenerationFields(BaseModel):
     return_token_ids: bool | None = Field(
         False, description="Add the generated token ids to each choice as `token_ids` (extension)."
     )
+    response_format: Any = Field(
+        None, description='OpenAI: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name", "schema", "strict"}}.'
+    )
+    structured_outputs: Any = Field(
+        None, description='Extension (vLLM): exactly one of {"json": schema}, {"regex": str}, {"choice": [str]}, '
+        '{"grammar": Lark grammar}.'
+    )
 
     @field_validator("n")
     @classmethod
@@ -222,7 +232,87 @@ class _GenerationFields(BaseModel):
         prompt_logprobs = self.prompt_logprobs_count()
         if prompt_logprobs is not None:
             overrides["prompt_logprobs"] = prompt_logprobs
+        structured = self.structured()
+        if structured is not None:
+            overrides["structured"] = structured
         return overrides
+
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint of ``response_format`` / ``structured_outputs`` (at most one)."""
+        from_format = parse_response_format(self.response_format)
+        from_extension = parse_structured_outputs(self.structured_outputs)
+        if from_format is not None and from_extension is not None:
+            raise InvalidRequestError("structured_outputs", "conflicts with response_format; set only one")
+        return from_format or from_extension
+
+
+def parse_response_format(value: Any) -> StructuredOutput | None:
+    """OpenAI ``response_format`` -> the constraint (None for text); InvalidRequestError naming
+    the field otherwise. The grammar itself is checked later (cluster.validation)."""
+    field = "response_format"
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise InvalidRequestError(field, 'must be an object with a "type"')
+    kind = value["type"]
+    extra = sorted(set(value) - {"type", "json_schema"})
+    if extra:
+        raise InvalidRequestError(f"{field}.{extra[0]}", "unknown field")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(kind="json_object", field=field)
+    if kind != "json_schema":
+        raise InvalidRequestError(f"{field}.type", f'must be "text", "json_object" or "json_schema" (got {shortened(kind)})')
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequestError(f"{field}.json_schema", 'must be an object {"name", "schema", "strict"}')
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise InvalidRequestError(f"{field}.json_schema.{unknown[0]}", "unknown field")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise InvalidRequestError(f"{field}.json_schema.name", "must be a non-empty string")
+    if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
+        raise InvalidRequestError(f"{field}.json_schema.strict", "must be a boolean")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{field}.json_schema.schema", "must be a JSON schema object")
+    return StructuredOutput(kind="json_schema", spec=schema, field=f"{field}.json_schema.schema")
+
+
+#: ``structured_outputs`` keys -> constraint kinds.
+_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def parse_structured_outputs(value: Any) -> StructuredOutput | None:
+    """The ``structured_outputs`` extension (exactly one of json / regex / choice / grammar) ->
+    the constraint; InvalidRequestError naming the field otherwise."""
+    field = "structured_outputs"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(field, "must be an object with one of " + ", ".join(_STRUCTURED_KINDS))
+    unknown = sorted(set(value) - set(_STRUCTURED_KINDS))
+    if unknown:
+        raise InvalidRequestError(f"{field}.{unknown[0]}", "unknown field; one of " + ", ".join(_STRUCTURED_KINDS))
+    given = [key for key in _STRUCTURED_KINDS if value.get(key) is not None]
+    if len(given) != 1:
+        raise InvalidRequestError(field, "set exactly one of " + ", ".join(_STRUCTURED_KINDS))
+    key = given[0]
+    spec = value[key]
+    if key == "json" and isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            raise InvalidRequestError(f"{field}.json", "must be a JSON schema (an object or its JSON text)") from None
+    if key == "json" and not isinstance(spec, dict):
+        raise InvalidRequestError(f"{field}.json", "must be a JSON schema object")
+    if key in ("regex", "grammar") and (not isinstance(spec, str) or not spec):
+        raise InvalidRequestError(f"{field}.{key}", "must be a non-empty string")
+    if key == "choice" and (not isinstance(spec, list) or not spec
+                            or not all(isinstance(item, str) and item for item in spec)):
+        raise InvalidRequestError(f"{field}.choice", "must be a non-empty list of non-empty strings")
+    return StructuredOutput(kind=_STRUCTURED_KINDS[key], spec=spec, field=f"{field}.{key}")
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -384,7 +474,6 @@ class ChatCompletionRequest(_GenerationFields):
     functions: Any = Field(None, description="Function calling is not supported: only null or [] is accepted.")
     function_call: Any = Field(None, description='Only null or "none" is accepted.')
     parallel_tool_calls: bool | None = Field(None, description="Accepted; meaningless without tools.")
-    response_format: Any = Field(None, description='Only null or {"type": "text"} is accepted.')
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Variables of the model's chat template (vLLM's extension), e.g. {\"enable_thinking\": false}."
     )
@@ -411,13 +500,6 @@ class ChatCompletionRequest(_GenerationFields):
     def _no_tool_choice(cls, value: Any) -> None:
         if value is not None and not _neutral(value, ("none",)):
             raise ValueError('tool and function calling are not supported by this server; only "none" is accepted')
-        return None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value: Any) -> None:
-        if value is not None and value != {"type": "text"}:
-            raise ValueError('only {"type": "text"} is supported (no JSON mode or structured outputs)')
         return None
 
     def prompts(self) -> list[str | list[int]]:

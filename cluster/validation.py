@@ -102,8 +102,26 @@ def check_generation_request(request: GenerationRequest, max_prompt_chars: int) 
     _check_penalties(request.sampling)
     _check_logit_bias(request.sampling)
     _check_stop(request.sampling)
+    _check_structured(request.sampling)
     _check_speculation(request.speculation)
     return request
+
+
+def _check_structured(sampling: SamplingParams) -> None:
+    """The constraint's grammar alone (no tokenizer, no model work): invalid schemas, regexes and
+    grammars, unsupported keywords and grammars over the engine's limits answer 400 here."""
+    structured = sampling.structured
+    if structured is None:
+        return
+    from verifiers.grammar import GrammarError, compile_constraint
+
+    if sampling.min_tokens:
+        raise InvalidRequestError("min_tokens", "cannot be combined with a structured-output constraint (the grammar "
+                                  "decides where the output may end)")
+    try:
+        compile_constraint(structured.kind, structured.spec, None)
+    except GrammarError as error:
+        raise InvalidRequestError(structured.field, str(error)) from None
 
 
 def _check_prompt(request: GenerationRequest, max_prompt_chars: int) -> None:

@@ -131,21 +131,38 @@ def _limits():
     return llguidance.LLParserLimits(**GRAMMAR_LIMITS)
 
 
-def compile_constraint(kind: str, spec: object, vocabulary: str, request: str = "") -> GrammarConstraint:
-    """``kind`` ("json_schema", "json_object", "regex", "choice", "grammar") and its ``spec`` ->
-    a checked :class:`GrammarConstraint`; raises :class:`GrammarError` with the engine's message
-    for anything it refuses (no model work is spent on a bad constraint)."""
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def compile_constraint(kind: str, spec: object, vocabulary: str | None, request: str = "") -> GrammarConstraint:
+    """``kind`` (one of :data:`KINDS`) and its ``spec`` -> a checked :class:`GrammarConstraint`
+    over ``vocabulary`` (None: check the grammar alone, as the ingress does before any model
+    work); raises :class:`GrammarError` with the engine's message for anything it refuses."""
+    import json
+
+    try:
+        key = json.dumps(spec, sort_keys=True)
+    except (TypeError, ValueError):
+        raise GrammarError("must be JSON") from None
+    grammar = _checked_grammar(kind, key, vocabulary)
+    return GrammarConstraint(grammar, vocabulary or "", request)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_grammar(kind: str, spec_json: str, vocabulary: str | None) -> str:
+    import json
+
     from llguidance import LLMatcher
 
-    grammar = _engine_grammar(kind, spec)
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, engine_vocabulary(vocabulary),
-                                                                  limits=_limits())
+    grammar = _engine_grammar(kind, json.loads(spec_json))
+    tokenizer = engine_vocabulary(vocabulary) if vocabulary else None
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=_limits())
     if is_error:
         raise GrammarError(_first_line(messages[0] if messages else "invalid grammar"))
     unsupported = [m for m in messages if "unsupported" in m.lower() or "unknown" in m.lower()]
     if unsupported:
         raise GrammarError(_first_line(unsupported[0]))
-    return GrammarConstraint(grammar, vocabulary, request)
+    return grammar
 
 
 def _engine_grammar(kind: str, spec: object) -> str:

@@ -113,7 +113,13 @@ def test_unsupported_or_invalid_completion_fields_are_named(body, field):
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format.json_schema.schema"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "start: missing"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
@@ -438,7 +444,9 @@ def test_unsupported_completion_fields_are_400_naming_them(client, serve_app, kw
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
+                                                                                           "format": "nope"}}}},
+         "response_format.json_schema.schema"),
     ],
 )
 def test_unsupported_chat_fields_are_400_naming_them(client, serve_app, kwargs, param):

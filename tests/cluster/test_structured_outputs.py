@@ -1,0 +1,103 @@
+"""Structured outputs served: JSON schemas at 16 concurrent clients under ar, sd and se, the
+OpenAI client's ``parse`` helper with a pydantic model, LangChain's ``with_structured_output``
+(json_schema method), and bad constraints answered 400 naming the field before any model work.
+
+Every output of a JSON-schema request must parse and validate (``jsonschema``): the grammar mask
+makes anything else impossible, whatever the (random, tiny) models prefer.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "member", "tags"],
+    "additionalProperties": False,
+}
+CLIENTS = 16
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def client(serve_app):
+    return openai.OpenAI(base_url=f"{serve_app.http_url}/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+@pytest.mark.parametrize("strategy", ["ar", "sd", "se"])
+def test_every_json_schema_output_validates_at_16_clients(client, serve_app, strategy):
+    def one(index: int) -> tuple[str, str]:
+        response = client.chat.completions.create(
+            model=serve_app.model, messages=MESSAGES, max_tokens=96, temperature=1.0, seed=index,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}},
+            extra_body={"speculation": {"strategy": strategy}},
+        )
+        return response.choices[0].message.content, response.choices[0].finish_reason
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        outputs = list(pool.map(one, range(CLIENTS)))
+    for text, finish_reason in outputs:
+        assert finish_reason == "stop", (text, finish_reason)
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len({text for text, _ in outputs}) > 1  # sampled, not one forced string
+
+
+def test_choice_and_regex_constrain_completions(client, serve_app):
+    choice = client.completions.create(model=serve_app.model, prompt="Answer:", max_tokens=16, seed=3,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert choice.choices[0].text in ("yes", "no", "maybe")
+    digits = client.completions.create(model=serve_app.model, prompt="Number:", max_tokens=16, seed=4,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{2,4}"},
+                                                   "speculation": {"strategy": "sd", "method": "greedy_block"}})
+    text = digits.choices[0].text
+    assert text.isdigit() and 2 <= len(text) <= 4, text
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=6)
+    age: int = Field(ge=0, le=120)
+    member: bool
+
+
+def test_openai_parse_helper_with_a_pydantic_model(client, serve_app):
+    completion = client.chat.completions.parse(model=serve_app.model, messages=MESSAGES, max_tokens=64, seed=5,
+                                               response_format=Person)
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120
+
+
+def test_langchain_with_structured_output_json_schema(serve_app):
+    from langchain_openai import ChatOpenAI
+
+    model = ChatOpenAI(model=serve_app.model, base_url=f"{serve_app.http_url}/v1", api_key="unused", max_tokens=64,
+                       seed=6, max_retries=0, timeout=180)
+    person = model.with_structured_output(Person, method="json_schema").invoke("Describe a person.")
+    assert isinstance(person, Person) and len(person.name) <= 6
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"format": "nope",
+                                                                                       "type": "string"}}}},
+     "response_format.json_schema.schema"),
+    ({"extra_body": {"structured_outputs": {"regex": "(("}}}, "structured_outputs.regex"),
+    ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs.choice"),
+    ({"extra_body": {"structured_outputs": {"grammar": "start: undefined_rule"}}}, "structured_outputs.grammar"),
+])
+def test_bad_constraints_are_400_naming_the_field(client, serve_app, extra, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=4, **extra)
+    assert caught.value.body["param"] == param
