@@ -130,6 +130,20 @@ class SlotBackend:
         return cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
                    initial_slots=initial_slots, name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
 
+    def resize_slots(self, slots: int) -> None:
+        """Hold ``slots`` slots from now on (a new, empty cache): the worker that hosts several models
+        sizes their one KV budget once all of them are loaded (:mod:`actors.device_worker`)."""
+        from actors.kv_cache import SlotKVCache
+
+        if self.cache.allocated:
+            raise RuntimeError("resize_slots with sessions open")
+        self.cache = None  # the old storage is freed before the new one is allocated
+        self.max_slots = int(slots)
+        self.cache = SlotKVCache.from_config(self.model.config, capacity=self.capacity, max_slots=self.max_slots,
+                                             initial_slots=self.max_slots, dtype=self.model.dtype, device=self.device)
+        self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, self.device)
+                          if self.architecture.has_sliding_layers else None)
+
     def allocate(self) -> int:
         """A free cache slot for a new session."""
         return self.cache.allocate()

@@ -41,10 +41,23 @@ SCRATCH_COLUMNS = 288  # cache columns past the context per slot: K x gamma draf
 LINK_RETRY_S = 30.0  # a peer link that could not open: Ray calls, then try again after this long
 
 
-def _resolve(source: Any) -> Any:
+class Resolved:
+    """The return of a call already run in this process (a hosted peer's, :mod:`actors.device_worker`):
+    ``result()`` as a future's."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+def resolve_source(source: Any) -> Any:
     """A payload list, fetched if it is an ObjectRef; a :class:`FailedSource` if that fails."""
     import ray
 
+    if isinstance(source, Resolved):
+        return source.value
     if not isinstance(source, ray.ObjectRef):
         return source
     try:
@@ -63,6 +76,8 @@ def _fetch(refs: Sequence[Any]) -> list[Any]:
         return list(refs[0].result())
     if all(isinstance(ref, ray.ObjectRef) for ref in refs):
         return ray.get(list(refs))
+    if all(isinstance(ref, Resolved) for ref in refs):
+        return [ref.value for ref in refs]
     return [ref.result() for ref in refs]
 
 
@@ -93,14 +108,19 @@ class ModelWorker:
 
     def __init__(self, spec: Any, idle_timeout_s: float = 300.0, max_sessions: int = 64, prefix_caching: bool = True,
                  *, kv_cache_memory: int | float | None = None, max_model_len: int | None = None,
-                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP):
+                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, shared_kv_budget: bool = False):
         self.spec = spec
-        self.kv_cache_memory = kv_cache_memory
+        # shared_kv_budget: hosted with other models (actors.device_worker), whose worker sizes one
+        # budget for all of them once every model is loaded: one slot until then.
+        self.kv_cache_memory = None if shared_kv_budget else kv_cache_memory
+        self.shared_kv_budget = shared_kv_budget
         self.max_model_len = max_model_len
         self.device = self._pick_device()
         if self.device == "cpu":
             torch.set_num_threads(max(1, int(getattr(spec, "torch_threads", 1))))
         self.max_sessions = int(max_sessions)
+        if shared_kv_budget and worker_kv_cache_memory(kv_cache_memory, self.device) is not None:
+            self.max_sessions = 1
         self.engine = WorkerEngine(self._load_backend(), spec.name, idle_timeout_s, prefix_caching=prefix_caching,
                                    device=simulated_device(spec), max_tokens_per_step=max_tokens_per_step)
         self.tokenizer_identity = load_tokenizer_identity(spec.path)  # checked against the group's at start-up
@@ -135,7 +155,7 @@ class ModelWorker:
             spec.path, dtype=spec.dtype, revision=spec.revision, device=self.device, max_context=spec.max_context,
             max_slots=self.max_sessions, scratch_columns=SCRATCH_COLUMNS,
             max_model_len=self.max_model_len,
-            kv_cache_memory=worker_kv_cache_memory(self.kv_cache_memory, self.device),
+            kv_cache_memory=None if self.shared_kv_budget else worker_kv_cache_memory(self.kv_cache_memory, self.device),
         )
 
     @property
@@ -177,17 +197,20 @@ class ModelWorker:
         ``source_payloads`` are the payload lists of the calls this one's ScoreVerify items read,
         as ObjectRefs inside the list (so Ray does not fail the whole call when one source failed: a source
         that cannot be read fails only the items that read it) or as plain lists."""
-        return self.engine.run_step(items, releases, [_resolve(source) for source in source_payloads])
+        return self.engine.run_step(items, releases, [resolve_source(source) for source in source_payloads])
 
     def burst(
         self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),
         budget_s: float = 0.1, releases: Sequence[str] = (), pre_drafted: tuple[Any, int] | None = None,
+        local_peers: dict[str, ModelWorker] | None = None,
     ) -> Iterator[BurstRecord]:
         """Run one request's iterations here for up to ``budget_s`` seconds (:mod:`actors.bursts`):
         ``machine_blob`` is its pickled machine, ``peers`` the handles of the other models'
         workers it uses (called directly, one ``run_step`` call per iteration and model),
-        ``pre_drafted`` where its last PreDraft's chains are. A generator: call it with
-        ``.options(num_returns="streaming")``; one :class:`~actors.bursts.BurstRecord` per iteration."""
+        ``pre_drafted`` where its last PreDraft's chains are; ``local_peers``: the peers hosted in this
+        process (:mod:`actors.device_worker`), whose engines run their calls at once, here. A generator:
+        call it with ``.options(num_returns="streaming")``; one :class:`~actors.bursts.BurstRecord` per iteration."""
+        local_peers = local_peers or {}
         machine = pickle.loads(machine_blob)
         if releases:
             self.engine.run_step([], releases)
@@ -200,6 +223,9 @@ class ModelWorker:
             return self.engine.run_step(items, (), sources)
 
         def peer_submit(model: str, items: list[WorkItem]) -> tuple[Any, ...]:
+            if model in local_peers:
+                outcomes, payloads = local_peers[model].engine.run_step(items, (), ())
+                return Resolved(outcomes), Resolved(payloads)
             link = self._peer_link(peers[model]) if use_links else None
             if link is not None:
                 try:

@@ -45,6 +45,7 @@ import torch
 
 from actors.api import GenerationChunk, RequestStats, TokenLogprob
 from actors.bursts import BurstRecord, FrozenStepCosts, burstable
+from actors.device_worker import HostCall, host_of
 from actors.messages import UNAVAILABLE, CallTiming, ItemOutcome, OpenSession, Prefill, WorkItem
 from actors.metrics import RequestClock, SchedulerMetrics, plan_labels
 from actors.output import OutputTracker
@@ -159,6 +160,8 @@ class Scheduler:
         if cohorts not in (1, 2):
             raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
         self.workers = dict(workers)
+        #: model -> the id of the worker hosting it with others (actors.device_worker); None: its own worker
+        self.hosts: dict[str, str | None] = {name: host_of(handle) for name, handle in self.workers.items()}
         self.max_running = int(max_running)
         self.max_waiting = int(max_waiting)
         self.request_timeout_s = float(request_timeout_s)
@@ -376,6 +379,7 @@ class Scheduler:
                 per_request[id(entry.request)][entry.need_index] = outcome
             if entries:
                 reports.append(call_report(model, entries, outcomes))
+        lost |= self._co_hosted(lost)  # a worker that died took every model it hosted
         if not lost:
             self._observe_costs(cohort, placed, reports, time.perf_counter() - started)
         for request in list(self.running):  # every cohort: their sessions on a lost worker are gone too
@@ -388,6 +392,11 @@ class Scheduler:
         if mode != "any" and not lost:  # what a step of this mode yields at this batch
             self.mode_rates.observe(mode, len(cohort.running), _committed(cohort) - committed,
                                     time.perf_counter() - step_started)
+
+    def _co_hosted(self, models: set[str]) -> set[str]:
+        """The models hosted by the same workers as ``models`` (:mod:`actors.device_worker`)."""
+        hosts = {self.hosts[m] for m in models} - {None}
+        return {m for m, host in self.hosts.items() if host in hosts}
 
     # ------------------------------------------------------------------ solo bursts
     def _can_burst(self, cohort: Cohort) -> bool:
@@ -608,15 +617,24 @@ class Scheduler:
         return placed
 
     def _call_workers(self, placed: dict[str, list[list[_Placed]]]) -> dict[tuple[str, int], tuple[Any, list[_Placed]]]:
+        """Submit the step's calls: ``(model, phase) -> (outcomes ref, entries)``. Models with a worker
+        of their own get one call per phase; models hosted together (:mod:`actors.device_worker`) get
+        one call per host, their proposers first, when every proposal the host verifies this step is
+        its own (else one call per phase). Calls that others read go out first."""
         calls: dict[tuple[str, int], tuple[Any, list[_Placed]]] = {}
         payload_refs: dict[str, Any] = {}
+        hosts = self._hosted(placed)
+        whole = {host for host, models in hosts.items() if self._host_reads_only_itself(models, placed)}
         for model, (phase0, _) in placed.items():
-            if phase0:
+            if phase0 and self.hosts[model] is None:
                 outcomes_ref, payloads_ref = self._call(model, [e.item for e in phase0])
                 calls[(model, 0)] = (outcomes_ref, phase0)
                 payload_refs[model] = payloads_ref
+        for host, models in hosts.items():
+            phases = (0, 1) if host in whole else (0,)
+            self._call_host(models, [(m, p) for p in phases for m in models if placed[m][p]], placed, calls, payload_refs)
         for model, (_, phase1) in placed.items():
-            if not phase1:
+            if not phase1 or self.hosts[model] is not None:
                 continue
             source_models = sorted({e.item.proposal_source[0] for e in phase1 if e.item.proposal_source})
             sources = [payload_refs[name] for name in source_models]  # refs nested: see ModelWorker.run_step
@@ -627,10 +645,93 @@ class Scheduler:
             for position, entry in enumerate(phase1):
                 if isinstance(entry.item.need, PreDraft):  # the next step may verify one of its chains
                     entry.request.pre_drafted = (payloads_ref, position)
+        for host, models in hosts.items():
+            if host not in whole:
+                self._call_host(models, [(m, 1) for m in models if placed[m][1]], placed, calls, payload_refs)
         for model, ids in self.releases.items():
             if ids and not any(key[0] == model for key in calls):
                 calls[(model, 0)] = (self._call(model, [])[0], [])
         return calls
+
+    def _hosted(self, placed: dict[str, list[list[_Placed]]]) -> dict[str, list[str]]:
+        """host id -> its models with work this step (in the order of ``placed``)."""
+        hosts: dict[str, list[str]] = {}
+        for model, phases in placed.items():
+            host = self.hosts[model]
+            if host is not None and (phases[0] or phases[1]):
+                hosts.setdefault(host, []).append(model)
+        return hosts
+
+    def _host_reads_only_itself(self, models: list[str], placed: dict[str, list[list[_Placed]]]) -> bool:
+        """Whether every proposal the host's models verify this step comes from the same host."""
+        return all(self.hosts[e.item.proposal_source[0]] == self.hosts[models[0]]
+                   for m in models for e in placed[m][1] if e.item.proposal_source)
+
+    def _call_host(self, models: list[str], parts: list[tuple[str, int]], placed: dict[str, list[list[_Placed]]],
+                   calls: dict[tuple[str, int], tuple[Any, list[_Placed]]], payload_refs: dict[str, Any]) -> None:
+        """One :meth:`actors.device_worker.DeviceWorker.run_steps` call for ``parts`` (model, phase) of
+        one host, in that order: a verifier reads a proposer of the same call in the host's process;
+        only payloads read outside the call come back."""
+        if not parts:
+            return
+        host = self.hosts[parts[0][0]]
+        read_elsewhere = {e.item.proposal_source[0] for m, (_, phase1) in placed.items() for e in phase1
+                          if e.item.proposal_source and (m, 1) not in parts}
+        host_calls: list[HostCall] = []
+        external: list[Any] = []
+        local_index: dict[str, int] = {}
+        for model, phase in parts:
+            entries = placed[model][phase]
+            sources: list[tuple[str, int]] = []
+            index_of: dict[Any, int] = {}
+            items = [self._host_item(e, local_index, payload_refs, sources, external, index_of) for e in entries]
+            keep = (model in read_elsewhere if phase == 0
+                    else any(isinstance(e.item.need, PreDraft) for e in entries))
+            if phase == 0:
+                local_index[model] = len(host_calls)
+            host_calls.append(HostCall(model, tuple(items), tuple(sources), keep))
+        releases = {}
+        for model in self.hosts:
+            if self.hosts[model] == host and self.releases[model]:
+                releases[model], self.releases[model] = self.releases[model], []
+        refs = self.workers[parts[0][0]].host.run_steps.options(num_returns=2 * len(host_calls)).remote(
+            host_calls, source_payloads=external, releases=releases)
+        for position, (model, phase) in enumerate(parts):
+            entries = placed[model][phase]
+            outcomes_ref, payloads_ref = refs[2 * position], refs[2 * position + 1]
+            calls[(model, phase)] = (outcomes_ref, entries)
+            if phase == 0:
+                payload_refs[model] = payloads_ref
+            for index, entry in enumerate(entries):
+                if isinstance(entry.item.need, PreDraft):
+                    entry.request.pre_drafted = (payloads_ref, index)
+
+    @staticmethod
+    def _host_item(entry: _Placed, local_index: dict[str, int], payload_refs: dict[str, Any],
+                   sources: list[tuple[str, int]], external: list[Any], index_of: dict[Any, int]) -> WorkItem:
+        """``entry``'s item for a host call: its proposal source as an index into the call's
+        ``sources``, each ``("local", call)`` (a proposer of the same host call) or ``("arg", i)``
+        (``external[i]``: another worker's payloads, or an earlier step's pre-drafted chains)."""
+        item = entry.item
+        if entry.carried is not None:
+            key, position = id(entry.carried[0]), entry.carried[1]
+            if key not in index_of:
+                index_of[key] = len(sources)
+                sources.append(("arg", len(external)))
+                external.append(entry.carried[0])
+        elif item.proposal_source is not None:
+            key, position = item.proposal_source
+            if key not in index_of:
+                index_of[key] = len(sources)
+                if key in local_index:
+                    sources.append(("local", local_index[key]))
+                else:
+                    sources.append(("arg", len(external)))
+                    external.append(payload_refs[key])
+        else:
+            return item
+        return WorkItem(session_id=item.session_id, need=item.need, open=item.open,
+                        proposal_source=(index_of[key], position))
 
     @staticmethod
     def _phase1_item(entry: _Placed, index_of: dict[Any, int], sources: list[Any]) -> WorkItem:

@@ -507,7 +507,8 @@ class SpecServeIngress:
                 "replica_actor": ray.get_runtime_context().get_actor_id(),
                 "placement_group": self._placement_group_id,
                 "coordinator": self._coordinator._actor_id.hex(),
-                "workers": {name: handle._actor_id.hex() for name, handle in self._group.workers.items()},
+                "workers": {name: getattr(handle, "host", handle)._actor_id.hex()  # a hosted model: its host's
+                            for name, handle in self._group.workers.items()},
                 "sessions": dict(zip(names, sessions)),
                 **description,
             }

@@ -2,10 +2,12 @@
 
 * :func:`init_ray`: connect to the cluster named by ``RAY_ADDRESS`` when it is set, otherwise
   start a local Ray (no address needed) with the machine's CPU count.
-* :func:`start_model_group`: one ModelWorker actor per model of the configuration (each on its
-  own GPU when the cluster has GPUs and ``gpus_per_model`` is ``auto`` or set; in the given placement group's bundles when one is
-  passed: model i in bundle ``first_bundle + i``, see :func:`model_group_bundles`) and one
-  Coordinator over them. :meth:`ModelGroup.shutdown` kills them all.
+* :func:`start_model_group`: the group's workers and one Coordinator over them. Models placed on
+  one device (``resources.placement``, :mod:`cluster.placement`) share one worker actor (a
+  :class:`~actors.device_worker.DeviceWorker`), a model alone has a ModelWorker; each worker on
+  its own GPU when the cluster has GPUs and ``gpus_per_model`` is ``auto`` or set; in the given
+  placement group's bundles when one is passed: worker i in bundle ``first_bundle + i``, see
+  :func:`model_group_bundles`. :meth:`ModelGroup.shutdown` kills them all.
 
 Placement on nodes: a model's ``resources.per_model.<name>.resources`` and the coordinator's
 ``resources.coordinator_resources`` (custom Ray resources, e.g. ``{node_draft: 0.01}``) go into
@@ -18,13 +20,16 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from actors.coordinator import Coordinator
+from actors.device_worker import DeviceWorker, HostedModel
 from actors.metrics import COORDINATOR_NAMESPACE, GroupIdentity
 from actors.model_worker import ModelWorker
-from cluster.config import GroupConfig, SpecServeArgs, parse_app_args
+from cluster.config import ConfigError, GroupConfig, SpecServeArgs, parse_app_args
+from cluster.placement import configured_workers, describe_workers
 
 logger = logging.getLogger(__name__)
 
@@ -70,42 +75,105 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **init_kwa
 
 def as_group_config(args: SpecServeArgs | GroupConfig | dict[str, Any]) -> GroupConfig:
     """Accept the YAML ``args`` dict, the validated :class:`SpecServeArgs`, or a GroupConfig;
-    resolve ``gpus_per_model: auto`` against the connected Ray cluster."""
+    settle ``gpus_per_model: auto`` and ``resources.placement`` against the connected Ray cluster
+    (:func:`resolve_placement`)."""
     config = args if isinstance(args, GroupConfig) else parse_app_args(args).freeze()
-    return resolve_auto_gpus(config)
+    return resolve_placement(config)
+
+
+def cluster_gpus() -> int:
+    """The GPUs of the Ray cluster (0 when Ray is not initialised)."""
+    import ray
+
+    return int(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0
 
 
 def cluster_has_gpus() -> bool:
     """True when Ray is initialised and its cluster has at least one GPU."""
-    import ray
-
-    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+    return cluster_gpus() > 0
 
 
-def resolve_auto_gpus(config: GroupConfig) -> GroupConfig:
-    """Models with ``num_gpus=None`` ('auto') get one GPU each if the cluster has GPUs, else 0."""
+def resolve_auto_gpus(config: GroupConfig, gpus: int | None = None) -> GroupConfig:
+    """Models with ``num_gpus=None`` ('auto') get one GPU each if the cluster (``gpus``, default the
+    connected one's) has GPUs, else 0."""
     if all(model.num_gpus is not None for model in config.models):
         return config
-    gpus = 1.0 if cluster_has_gpus() else 0.0
+    per_model = 1.0 if (cluster_gpus() if gpus is None else gpus) > 0 else 0.0
     models = tuple(
-        model if model.num_gpus is not None else model.model_copy(update={"num_gpus": gpus}) for model in config.models
+        model if model.num_gpus is not None else model.model_copy(update={"num_gpus": per_model})
+        for model in config.models
     )
     return config.model_copy(update={"models": models})
 
 
+def resolve_placement(config: GroupConfig, gpus: int | None = None) -> GroupConfig:
+    """``config`` with its GPUs settled (:func:`resolve_auto_gpus`) and its workers settled from
+    ``resources.placement`` (:mod:`cluster.placement`) on a cluster of ``gpus`` GPUs (default: the
+    connected one's; none when Ray is not up). ``placement: auto`` follows :data:`cluster.placement.AUTO_RULE`
+    when every model's GPUs are ``auto``, else gives each model a worker."""
+    if config.workers is not None:
+        return config
+    gpus = cluster_gpus() if gpus is None else gpus
+    gpus_auto = all(model.num_gpus is None for model in config.models)
+    config = resolve_auto_gpus(config, gpus)
+    models = [(model.name, model.role) for model in config.models]
+    if config.placement == "auto" and not gpus_auto:
+        workers, rule = [[name] for name, _ in models], "placement auto: a worker per model (GPUs set by hand)"
+    else:
+        workers, rule = configured_workers(config.placement, models, gpus)
+    return config.model_copy(update={"workers": tuple(tuple(w) for w in workers), "placement_rule": rule})
+
+
+def check_cluster_gpus(config: GroupConfig, gpus: int | None = None) -> None:
+    """Raise :class:`ConfigError` when the settled workers of ``config`` ask for more GPUs than the
+    cluster (``gpus``, default the connected one's) has: their placement group would wait forever."""
+    gpus = cluster_gpus() if gpus is None else gpus
+    workers = [list(w) for w in config.workers]
+    needed = sum(worker_gpus(config, w) for w in workers)
+    if needed > gpus:
+        raise ConfigError(
+            f"resources: the model group needs {needed:g} GPUs ({describe_workers(workers, [worker_gpus(config, w) for w in workers])}) "
+            f"but the Ray cluster has {gpus}; set resources.gpus_per_model: auto (models then share workers when GPUs "
+            f"are short), or place models on fewer devices with resources.placement, or add GPUs"
+        )
+
+
+def worker_gpus(config: GroupConfig, models: Sequence[str]) -> float:
+    """GPUs of the worker hosting ``models``: the most any of them asks (they share its device)."""
+    return max(float(config.model(name).num_gpus or 0.0) for name in models)
+
+
+def worker_resources(config: GroupConfig, models: Sequence[str]) -> tuple[float, float, dict[str, float]]:
+    """(CPUs, GPUs, custom resources) of the worker hosting ``models``: their CPUs' sum, the most
+    GPUs any asks, and the union of their custom resources (the largest quantity of each)."""
+    specs = [config.model(name) for name in models]
+    custom: dict[str, float] = {}
+    for spec in specs:
+        for key, quantity in spec.resources.items():
+            custom[key] = max(custom.get(key, 0.0), quantity)
+    return sum(float(spec.num_cpus) for spec in specs), worker_gpus(config, models), custom
+
+
+def describe_placement(config: GroupConfig) -> str:
+    """The settled workers and the rule that chose them, as printed at start-up."""
+    workers = [list(w) for w in config.workers or [(m.name,) for m in config.models]]
+    return f"{describe_workers(workers, [worker_gpus(config, w) for w in workers])} ({config.placement_rule})"
+
+
 def model_group_bundles(args: SpecServeArgs | GroupConfig | dict[str, Any]) -> list[dict[str, float]]:
-    """One placement-group bundle per model worker, in the order :func:`start_model_group`
-    places them (its CPUs, GPUs and custom resources), then, only when the coordinator has
-    custom resources (``coordinator_resources``), one bundle for the coordinator holding them and
-    ``coordinator_cpus``. Without custom resources the coordinator needs no bundle of its own
-    (it goes in any bundle with room)."""
+    """One placement-group bundle per worker (:func:`resolve_placement`), in the order
+    :func:`start_model_group` places them (its CPUs, GPUs and custom resources), then, only when the
+    coordinator has custom resources (``coordinator_resources``), one bundle for the coordinator
+    holding them and ``coordinator_cpus``. Without custom resources the coordinator needs no bundle
+    of its own (it goes in any bundle with room)."""
     config = as_group_config(args)
     bundles = []
-    for model in config.models:
-        bundle = {"CPU": float(model.num_cpus)}
-        if model.num_gpus:
-            bundle["GPU"] = float(model.num_gpus)
-        bundle.update(model.resources)
+    for models in config.workers:
+        cpus, gpus, custom = worker_resources(config, models)
+        bundle = {"CPU": cpus}
+        if gpus:
+            bundle["GPU"] = gpus
+        bundle.update(custom)
         bundles.append(bundle)
     if config.coordinator_resources:
         bundle = {"CPU": float(config.coordinator_cpus)} if config.coordinator_cpus else {}
@@ -118,7 +186,7 @@ def coordinator_bundle_index(config: GroupConfig, first_bundle: int = 0) -> int:
     """Bundle of the coordinator in a placement group built from :func:`model_group_bundles`
     (whose first bundle is ``first_bundle``): its own bundle after the models' when it has
     custom resources, else -1 (any bundle with room)."""
-    return first_bundle + len(config.models) if config.coordinator_resources else -1
+    return first_bundle + len(config.workers or config.models) if config.coordinator_resources else -1
 
 
 @dataclass
@@ -128,12 +196,15 @@ class ModelGroup:
     config: GroupConfig
     workers: dict[str, Any]
     coordinator: Any
+    #: Every worker actor (a worker hosting several models is one actor; ``workers`` maps each
+    #: model to its handle, a :class:`~actors.device_worker.HostedModel` for a hosted one).
+    actors: list[Any] = field(default_factory=list)
 
     def shutdown(self) -> None:
         """Kill the coordinator and every worker (their sessions and KV caches go with them)."""
         import ray
 
-        for handle in [self.coordinator, *self.workers.values()]:
+        for handle in [self.coordinator, *(self.actors or self.workers.values())]:
             try:
                 ray.kill(handle, no_restart=True)
             except (ValueError, ray.exceptions.RayError) as error:
@@ -168,9 +239,11 @@ def start_model_group(
     wait: bool = True,
     identity: GroupIdentity | None = None,
 ) -> ModelGroup:
-    """Start one ModelWorker per model and a Coordinator over them.
+    """Start the group's workers (:func:`resolve_placement`: a ModelWorker for a model alone, a
+    :class:`~actors.device_worker.DeviceWorker` for models that share a device) and a Coordinator
+    over them (each model addressed by name).
 
-    ``placement_group``: reserve the workers in its bundles (model i in bundle
+    ``placement_group``: reserve the workers in its bundles (worker i in bundle
     ``first_bundle + i``; build the bundles with :func:`model_group_bundles`); the coordinator
     goes in any bundle, or in its own (:func:`coordinator_bundle_index`) when it has custom
     resources. Custom resources (``ModelSpec.resources``, ``GroupConfig.coordinator_resources``)
@@ -185,21 +258,33 @@ def start_model_group(
     import ray
 
     config = as_group_config(args)
+    check_cluster_gpus(config)
     workers: dict[str, Any] = {}
-    remote_worker = ray.remote(worker_cls)
-    for index, model in enumerate(config.models):
+    actors: list[Any] = []
+    logger.info("placement: %s", describe_placement(config))
+    for index, models in enumerate(config.workers):
+        cpus, gpus, custom = worker_resources(config, models)
         # A dead worker is restarted in place (same handle, empty sessions): the requests it held
         # fail as retryable, the next ones are served by the new process.
-        options: dict[str, Any] = {"num_cpus": model.num_cpus, "num_gpus": model.num_gpus,
-                                   "max_restarts": -1, "max_task_retries": 0}
-        if model.resources:
-            options["resources"] = dict(model.resources)
+        options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": -1, "max_task_retries": 0}
+        if custom:
+            options["resources"] = custom
         options.update(_scheduling(placement_group, first_bundle + index))
-        workers[model.name] = remote_worker.options(**options).remote(
-            model, config.session_idle_timeout_s, max_sessions=worker_sessions(config),
-            prefix_caching=config.prefix_caching, kv_cache_memory=config.kv_cache_memory,
-            max_model_len=config.max_model_len, max_tokens_per_step=config.max_tokens_per_step,
-        )
+        worker_args = dict(max_sessions=worker_sessions(config), prefix_caching=config.prefix_caching,
+                           kv_cache_memory=config.kv_cache_memory, max_model_len=config.max_model_len,
+                           max_tokens_per_step=config.max_tokens_per_step)
+        if len(models) == 1:
+            handle = ray.remote(worker_cls).options(**options).remote(
+                config.model(models[0]), config.session_idle_timeout_s, **worker_args)
+            workers[models[0]] = handle
+        else:
+            handle = ray.remote(DeviceWorker).options(**options).remote(
+                [config.model(name) for name in models], config.session_idle_timeout_s, worker_cls=worker_cls,
+                **worker_args)
+            for name in models:
+                workers[name] = HostedModel(handle, name, host_id=f"worker{index}")
+        actors.append(handle)
+    workers = {model.name: workers[model.name] for model in config.models}  # the args' order
     coordinator_options: dict[str, Any] = {"num_cpus": config.coordinator_cpus, "max_restarts": -1}
     if config.coordinator_resources:
         coordinator_options["resources"] = dict(config.coordinator_resources)
@@ -207,7 +292,7 @@ def start_model_group(
     if identity is not None:
         coordinator_options.update(name=identity.actor_name, namespace=COORDINATOR_NAMESPACE)
     coordinator = ray.remote(Coordinator).options(**coordinator_options).remote(workers, config, identity=identity)
-    group = ModelGroup(config=config, workers=workers, coordinator=coordinator)
+    group = ModelGroup(config=config, workers=workers, coordinator=coordinator, actors=actors)
     if wait:
         try:
             infos = ray.get([handle.info.remote() for handle in workers.values()])

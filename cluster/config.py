@@ -146,12 +146,28 @@ class CoordinatorResourceArgs(_Frozen):
     )
 
 
-class ResourcesArgs(CoordinatorResourceArgs):
+class PlacementArgs(_Frozen):
+    """Which models share a worker process (part of ``resources``; :mod:`cluster.placement`)."""
+
+    placement: Literal["auto", "separate"] | dict[str, Annotated[int, Field(ge=0)]] = Field(
+        "auto",
+        description="Models placed on devices: a mapping model -> device id (an int >= 0; every model placed), the "
+        "models given one id hosted by ONE worker process (one CUDA context on a GPU), each keeping its own KV cache "
+        "slots and sessions, their step's calls in one call; 'separate': a worker per model; 'auto': a worker per "
+        "model when the Ray cluster has a GPU for each, otherwise the draft shares its target's worker and every "
+        "other model has its own, workers dealt round-robin onto the GPUs when there are fewer (docs/serving.md, "
+        "'Placement'). The rule is printed at start-up.",
+    )
+
+
+class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
     """What each actor of a model group asks Ray for."""
 
     gpus_per_model: float | Literal["auto"] = Field(
         "auto",
-        description="GPUs per model worker; 'auto': one GPU per worker when the Ray cluster has GPUs, else none.",
+        description="GPUs per worker; 'auto': one GPU per worker when the Ray cluster has GPUs, else none (with "
+        "placement auto, models share workers when there are fewer GPUs than models). A group that asks for more "
+        "GPUs than the cluster has is refused at start-up.",
     )
     cpus_per_model: float = Field(
         0.25, ge=0.0, description="CPUs per model worker (small on CPU so a whole group fits on 2 cores)."
@@ -404,6 +420,12 @@ class SpecServeArgs(_Frozen):
         unknown = [name for name in self.resources.per_model if name not in self.models]
         if unknown:
             raise ValueError(f"resources.per_model: unknown models {unknown}; models are {list(self.models)}")
+        placement = self.resources.placement
+        if isinstance(placement, dict) and set(placement) != set(self.models):
+            unknown = sorted(set(placement) - set(self.models))
+            unplaced = sorted(set(self.models) - set(placement))
+            raise ValueError(f"resources.placement: every model needs a device id; unknown models {unknown}, "
+                             f"models without one {unplaced}")
         unknown = [name for name in self.engine.simulated_device if name not in self.models]
         if unknown:
             raise ValueError(f"engine.simulated_device: unknown models {unknown}; models are {list(self.models)}")
@@ -453,7 +475,7 @@ class SpecServeArgs(_Frozen):
             defaults=self.defaults,
             **self.limits.model_dump(),
             **self.engine.model_dump(),
-            **resources.model_dump(include=set(CoordinatorResourceArgs.model_fields)),
+            **resources.model_dump(include=set(CoordinatorResourceArgs.model_fields) | set(PlacementArgs.model_fields)),
         )
 
 
@@ -479,7 +501,7 @@ class ModelSpec(ModelArgs):
     )
 
 
-class GroupConfig(LimitsArgs, EngineArgs, CoordinatorResourceArgs):
+class GroupConfig(LimitsArgs, EngineArgs, CoordinatorResourceArgs, PlacementArgs):
     """A whole model group (workers + coordinator) as bring-up, the coordinator and the serving
     layer receive it. The limits, engine and coordinator-resource fields are the args' own
     (inherited); the rest is derived by :meth:`SpecServeArgs.freeze`."""
@@ -489,6 +511,9 @@ class GroupConfig(LimitsArgs, EngineArgs, CoordinatorResourceArgs):
         ..., description="Tokenizer to load (resolved); None: token ids only (no text, no stop strings)."
     )
     defaults: DecodingDefaults = Field(..., description="Default strategy settings (the args' defaults).")
+    workers: tuple[tuple[str, ...], ...] | None = Field(
+        None, description="The model names each worker hosts, settled at bring-up from placement (None: not yet).")
+    placement_rule: str = Field("", description="The rule that settled workers (printed at start-up).")
 
     @property
     def roles(self) -> dict[str, str]:
@@ -498,10 +523,12 @@ class GroupConfig(LimitsArgs, EngineArgs, CoordinatorResourceArgs):
     @property
     def uses_overlap(self) -> bool:
         """Whether the scheduler runs two cohorts: ``overlap``, with ``auto`` settled as on when
-        every worker has a GPU of its own (``num_gpus`` None, i.e. not settled yet, counts as none)."""
+        every model has a GPU of its own (``num_gpus`` None, i.e. not settled yet, counts as none; models
+        sharing a worker share its GPU)."""
         if self.overlap != "auto":
             return bool(self.overlap)
-        return all(model.num_gpus is not None and model.num_gpus >= 1 for model in self.models)
+        shared = self.workers is not None and any(len(models) > 1 for models in self.workers)
+        return not shared and all(model.num_gpus is not None and model.num_gpus >= 1 for model in self.models)
 
     @property
     def row_precision(self) -> str:

@@ -274,6 +274,23 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def placement_lines(document: dict[str, Any]) -> list[str]:
+    """For each specserve application: which models share a worker and the rule that chose it, on
+    the connected Ray cluster (:func:`cluster.bringup.resolve_placement`); :class:`ConfigError` when
+    one replica's workers ask for more GPUs than the cluster has (Serve would wait forever)."""
+    from cluster.bringup import check_cluster_gpus, describe_placement, resolve_placement
+
+    lines = []
+    for app in _specserve_apps(document):
+        config = resolve_placement(parse_app_args(app.get("args") or {}, f"{app['name']}.args").freeze())
+        try:
+            check_cluster_gpus(config)
+        except ConfigError as error:
+            raise ConfigError(f"application {app['name']!r}: {error}") from None
+        lines.append(f"placement of {app['name']}: {describe_placement(config)}")
+    return lines
+
+
 def run_serve(
     config_path: str,
     host: str | None = None,
@@ -301,6 +318,14 @@ def run_serve(
         return 2
 
     init_ray()
+    try:
+        for line in placement_lines(document):
+            print(line, flush=True)
+    except ConfigError as error:
+        logger.error("%s", error)
+        if started_ray:
+            ray.shutdown()
+        return 2
     # Ctrl-C and SIGTERM both stop the server (SIGINT is set explicitly: a shell that starts
     # the command in the background leaves SIGINT ignored, and Python keeps it that way).
     previous_handlers = {

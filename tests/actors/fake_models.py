@@ -84,6 +84,10 @@ class FunctionBackend:
     def free(self, slot: int) -> None:
         self.allocated.discard(slot)
 
+    def resize_slots(self, slots: int) -> None:
+        """Hold ``slots`` slots (as :meth:`actors.backends.SlotBackend.resize_slots`)."""
+        self.max_slots = int(slots)
+
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.max_slots) if slot not in self.allocated]
 
@@ -139,21 +143,26 @@ class FunctionModelWorker(ModelWorker):
         return self.backend.positions_computed
 
 
+#: resources.placement with the target and the draft on one worker, each member on its own.
+CO_LOCATED = {"target": 0, "draft": 0, "partner": 1, "partner2": 2}
+
+
 def fake_group_config(overlap: bool = True, request_timeout_s: float = 600.0, goodput_gamma: bool = False,
                       pre_drafting: int = 0, burst_ms: float | None = None, sampling_precision: str = "auto",
-                      **defaults: Any) -> GroupConfig:
+                      placement: Any = "separate", **defaults: Any) -> GroupConfig:
     """The GroupConfig of YAML args over the four fake models (validated and derived like any
     deployment's), without a tokenizer (token ids only); ``overlap``: two alternating cohorts
     (the default) or one; ``goodput_gamma``: gamma "auto" weighs measured step costs (off by
     default here, so seeded requests equal the reference loops token for token); ``pre_drafting``:
     engine.pre_drafting (candidate bonus tokens, 0 off); ``burst_ms``: engine.burst_ms (solo bursts; None: the
-    default); ``sampling_precision``: engine.sampling_precision (auto: float64 here, no GPU); ``defaults``: the
+    default); ``sampling_precision``: engine.sampling_precision (auto: float64 here, no GPU); ``placement``:
+    resources.placement (:data:`CO_LOCATED`: target and draft share a worker; default a worker per model); ``defaults``: the
     args' ``defaults`` over sd / token / gamma 3."""
     roles = {"target": "target", "draft": "draft", "partner": "member", "partner2": "member"}
     args = parse_app_args({
         "models": {name: {"path": f"fake:{name}", "role": role} for name, role in roles.items()},
         "defaults": {"strategy": "sd", "method": "token", "gamma": 3, **defaults},
-        "resources": {"gpus_per_model": 0, "cpus_per_model": 0.1},
+        "resources": {"gpus_per_model": 0, "cpus_per_model": 0.1, "placement": placement},
         "limits": {"max_concurrent_requests": 64, "max_queued_requests": 1024, "session_idle_timeout_s": 120.0,
                    "request_timeout_s": request_timeout_s},
         "engine": {"overlap": overlap, "goodput_gamma": goodput_gamma, "pre_drafting": pre_drafting,

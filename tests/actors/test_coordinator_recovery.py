@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from cluster.bringup import start_model_group
-from tests.actors.fake_models import FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import CO_LOCATED, FunctionModelWorker, fake_group_config
 from tests.actors.test_coordinator_reference import _request, _tokens, run_requests
 
 FORWARD_DELAY_S = 0.02  # per batched forward: 40 tokens of sd take ~0.5 s
@@ -116,6 +116,38 @@ def test_a_draft_killed_mid_burst_fails_the_request_retryably_and_the_next_burst
     (again,) = run_requests(slow_group, [request])
     assert _tokens(again) == _tokens(expected)
     assert ray.get(draft.engine_stats.remote())["peer_link_calls"] > 0  # the restarted draft's own link
+
+
+def test_a_co_located_worker_that_dies_takes_its_models_and_the_group_recovers(ray_session):
+    """Target and draft hosted by one worker (resources.placement): killing it fails every request
+    on either model retryably (sessions on both are gone), a bystander ensemble on the members'
+    own workers finishes, and after the restart the group serves the same tokens as before."""
+    group = start_model_group(fake_group_config(placement=CO_LOCATED), worker_cls=SlowFunctionModelWorker)
+    try:
+        assert group.workers["target"].host_id == group.workers["draft"].host_id
+        speculation = {"strategy": "sd", "method": "block", "gamma": 3}
+        requests = [_request(seed, speculation, max_tokens=40) for seed in range(4)]
+        requests.append(_request(8, {"strategy": "ar"}, max_tokens=40))
+        bystander = _request(50, {"strategy": "ensemble", "members": ["partner", "partner2"]}, max_tokens=40)
+        (before,) = run_requests(group, [requests[0]])
+
+        async def run_and_kill():
+            from tests.actors.test_coordinator_reference import _collect
+
+            tasks = [asyncio.create_task(_collect(group.coordinator, r)) for r in [*requests, bystander]]
+            await asyncio.sleep(0.3)
+            _kill(group.workers["draft"])  # the host of target and draft
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(run_and_kill())
+        finals = [chunks[-1] for chunks in results]
+        assert all(f.error is not None and f.retryable and "unavailable" in f.error for f in finals[:-1]), finals
+        assert finals[-1].error is None and len(_tokens(results[-1])) == 40
+        assert _serve_again(group, RECOVERY_LIMIT_S) < RECOVERY_LIMIT_S
+        (again,) = run_requests(group, [requests[0]])
+        assert _tokens(again) == _tokens(before)
+    finally:
+        group.shutdown()
 
 
 def test_a_request_past_its_timeout_ends_and_frees_its_sessions(ray_session):

@@ -15,7 +15,8 @@ from transformers import AutoConfig, LlamaConfig
 from actors.architectures import resolve_architecture
 from actors.kv_budget import context_limit, plan_kv_slots, slot_bytes
 from actors.model_worker import SCRATCH_COLUMNS
-from cluster.bringup import worker_sessions
+from actors.device_worker import shared_kv_slots
+from cluster.bringup import resolve_placement, worker_sessions
 from cluster.config import load_app_args, read_serve_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -63,6 +64,18 @@ def worker_plans(group) -> dict[str, tuple[int, int, int]]:
             device="cpu", kv_cache_memory=group.kv_cache_memory, default_slots=worker_sessions(group), sliding=sliding,
         )
         plans[spec.name] = (slots, per_slot, context)
+    return _shared(group, plans)
+
+
+def _shared(group, plans: dict[str, tuple[int, int, int]]) -> dict[str, tuple[int, int, int]]:
+    """With a byte budget, the models of one worker split it (actors/device_worker.py): each holds
+    the budget over the bytes of one slot in every model of the worker."""
+    if group.kv_cache_memory is None:
+        return plans
+    for models in resolve_placement(group, gpus=len(group.models)).workers:
+        if len(models) > 1:
+            slots = shared_kv_slots(group.kv_cache_memory, {m: plans[m][1] for m in models}, "+".join(models))
+            plans.update({m: (slots, *plans[m][1:]) for m in models})
     return plans
 
 
@@ -76,7 +89,8 @@ def test_every_deploy_example_starts_within_its_kv_budget(path):
             assert sum(slots * per_slot for slots, per_slot, _ in plans.values()) <= CPU_GROUP_BUDGET, plans
         else:  # a byte budget per worker: no worker holds more than it
             assert isinstance(group.kv_cache_memory, int), "examples give bytes (fractions depend on the GPU)"
-            assert all(slots * per_slot <= group.kv_cache_memory for slots, per_slot, _ in plans.values())
+            for models in resolve_placement(group, gpus=len(group.models)).workers:
+                assert sum(plans[m][0] * plans[m][1] for m in models) <= group.kv_cache_memory, (models, plans)
 
 
 def test_the_gpu_example_fits_an_80gb_gpu_per_worker():
@@ -96,6 +110,16 @@ def test_the_gpu_example_fits_an_80gb_gpu_per_worker():
             // config.num_hidden_layers
         assert slots >= group.max_concurrent_requests, (spec.name, slots)  # the slots do not cap the limit
         assert weights + slots * per_slot + gather <= GPU_BYTES - 10 * 10**9, (spec.name, weights, slots, per_slot)
+
+
+def test_the_one_gpu_example_holds_its_running_requests_in_one_budget_beside_both_models():
+    group = load_app_args(REPO / "deploy" / "one-gpu.example.yaml").freeze()
+    plans = worker_plans(group)
+    # a request: 1.04 GiB in the target + 0.26 GiB in the draft at 8,192 tokens; 40 GiB hold 30
+    assert plans["target"][0] == plans["draft"][0] == 30 >= group.max_concurrent_requests
+    weights = sum(PUBLISHED[spec.path][1] * 2 for spec in group.models)  # bf16
+    kv = sum(slots * per_slot for slots, per_slot, _ in plans.values())
+    assert weights + kv <= GPU_BYTES - 10 * 10**9, (weights, kv)
 
 
 def test_the_gpu_example_at_the_models_full_context_would_hold_two_slots():
