@@ -157,8 +157,8 @@ def test_run_steps_reads_another_workers_payloads_as_arguments():
     drafts = DeviceWorker([_spec("draft")], worker_cls=FunctionModelWorker)
     targets = DeviceWorker([_spec("target")], worker_cls=FunctionModelWorker)
     opened = OpenSession((1, 2, 3), RowSampling(), {"sample": 1, "verify": 2})
-    (draft_out, draft_payloads) = drafts.run_steps([HostCall("draft", (WorkItem("s", Sample("draft", (), 2, return_logits=True), open=opened),),
-                                                             keep_payloads=True)])
+    sample = WorkItem("s", Sample("draft", (), 2, return_logits=True), open=opened)
+    (draft_out, draft_payloads) = drafts.run_steps([HostCall("draft", (sample,), keep_payloads=True)])
     assert draft_payloads is not None
     verify = WorkItem("s", ScoreVerify("target", (), draft_need=0, method="block"), open=opened, proposal_source=(0, 0))
     (target_out, _) = targets.run_steps([HostCall("target", (verify,), (("arg", 0),))], source_payloads=[draft_payloads])
