@@ -19,6 +19,7 @@ FinishReason = Literal["stop", "length", "error"]
 MAX_GAMMA = 32
 MAX_DRAFTS = 8
 MAX_TOP_LOGPROBS = 20
+MAX_NGRAM = 16
 
 
 def check_gamma(value: object) -> int | str:
@@ -150,6 +151,16 @@ class SpeculationParams(_Frozen):
     mu: float | None = Field(None, ge=0.0, description="Contrastive strength: softmax(expert - mu * amateur).")
     gammas: list[int] | None = Field(None, description="Per-member proposal lengths (se).")
     members: list[str] | None = Field(None, description="Names of the ensemble members to use, in order.")
+    proposer: str | None = Field(
+        None, description='Who drafts for sd: "draft" (the deployment\'s draft model) or "ngram" (prompt lookup: '
+        "drafts copied from the prompt and the output, no model; plain steps where nothing matches).",
+    )
+    prompt_lookup_max: int | None = Field(
+        None, ge=1, le=MAX_NGRAM, description="Longest n-gram prompt lookup and prediction realignment look up."
+    )
+    prompt_lookup_min: int | None = Field(
+        None, ge=1, le=MAX_NGRAM, description="Shortest n-gram prompt lookup and prediction realignment look up."
+    )
 
 
 class GenerationRequest(_Frozen):
@@ -161,6 +172,10 @@ class GenerationRequest(_Frozen):
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling parameters.")
     speculation: SpeculationParams = Field(
         default_factory=SpeculationParams, description="Strategy overrides; unset fields use the deployment defaults."
+    )
+    prediction: str | list[int] | None = Field(
+        None, description="Predicted output (text or token ids): sd drafts it before its proposer (OpenAI's "
+        "predicted outputs; the output law is unchanged).",
     )
 
     @model_validator(mode="after")
@@ -198,6 +213,12 @@ class RequestStats(_Frozen):
     time_verify_s: float = 0.0
     time_coordination_s: float = 0.0
     bytes_moved: int = Field(0, description="Bytes of probability rows moved between actors.")
+    proposed_tokens: dict[str, int] = Field(
+        default_factory=dict, description='Tokens proposed by each model-free proposer ("prediction", "ngram").'
+    )
+    accepted_proposed: dict[str, int] = Field(
+        default_factory=dict, description="Of them, the tokens verification accepted."
+    )
 
 
 class TokenLogprob(_Frozen):

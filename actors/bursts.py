@@ -42,6 +42,7 @@ from typing import Any
 from actors.messages import UNAVAILABLE, FailedSource, ItemOutcome, WorkItem
 from verifiers.adaptive import StepCosts
 from verifiers.machines import (
+    MODEL_FREE,
     PRE_DRAFTED,
     AutoregressiveMachine,
     DecodeMachine,
@@ -227,6 +228,8 @@ def _local_item(session_id: str, need: Need, where: dict[int, tuple[int, int]], 
             payloads = FailedSource(type(error).__name__)
         sources.append(payloads)
         return WorkItem(session_id, need, proposal_source=(len(sources) - 1, position))
+    if isinstance(need, ScoreVerify) and need.draft_need == MODEL_FREE:  # the block travels in the need
+        return WorkItem(session_id, need)
     if isinstance(need, ScoreVerify):
         return WorkItem(session_id, need, proposal_source=where[need.draft_need])
     if not isinstance(need, Sample):

@@ -253,9 +253,23 @@ class Coordinator:
         keep = request.sampling.truncate_prompt_tokens
         return prompt_ids if keep is None else prompt_ids[-keep:]
 
+    def _prediction_ids(self, request: GenerationRequest, vocab_limit: int) -> tuple[int, ...]:
+        """The predicted output's token ids (text: tokenized without special tokens), () for none."""
+        prediction = request.prediction
+        if prediction is None:
+            return ()
+        if isinstance(prediction, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prediction", "a text prediction needs a tokenizer; this deployment has none")
+            return tuple(self.tokenizer(prediction, add_special_tokens=False)["input_ids"])
+        bad = [t for t in prediction if not 0 <= t < vocab_limit]
+        if bad:
+            raise InvalidRequestError("prediction", f"token ids must lie in [0, {vocab_limit}), got {bad[:5]}")
+        return tuple(prediction)
+
     def _plan(self, request: GenerationRequest) -> DecodingPlan:
         """The request's plan, resolved once against the deployment (raises InvalidRequestError)."""
-        return resolve_plan(request.speculation, self.config.defaults, self.roles)
+        return resolve_plan(request.speculation, self.config.defaults, self.roles, prediction=request.prediction is not None)
 
     async def _prepare(self, request: GenerationRequest, plan: DecodingPlan) -> tuple[list[int], int, int]:
         """Check everything about a request under its resolved plan; raises InvalidRequestError."""
@@ -287,6 +301,7 @@ class Coordinator:
         if bad_bias:
             raise InvalidRequestError("logit_bias", f"token ids must lie in [0, {vocab_limit}), got {bad_bias[:5]}")
         self._grammar(sampling, request.request_id)
+        self._prediction_ids(request, vocab_limit)
         return prompt_ids, vocab_limit, max_context
 
     def _grammar(self, sampling, request_key: str) -> GrammarConstraint | None:
@@ -419,7 +434,7 @@ class Coordinator:
         built = build_machine(
             plan,
             MachineSampling(sampling.temperature, sampling.top_k, sampling.top_p, penalties, tuple(prompt_ids),
-                            sampling.logprobs),
+                            sampling.logprobs, self._prediction_ids(request, vocab_limit) if plan.prediction else ()),
             seed=seed,
             max_new_tokens=sampling.max_tokens,
             context_budget=max_context - len(prompt_ids),

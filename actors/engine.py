@@ -52,6 +52,7 @@ from actors.prefix_cache import PrefixCache
 from actors.sessions import Session, SessionNotFoundError, SessionStore
 from actors.simulated_device import SimulatedDevice
 from verifiers.machines import (
+    MODEL_FREE,
     Extend,
     MemberBlock,
     NextLogits,
@@ -67,6 +68,7 @@ from verifiers.blocks import block_inputs, block_key, verified_row, verify_block
 from verifiers.randomness import categorical_together
 from verifiers.registry import get_verifier
 from verifiers.penalties import penalized_probs
+from verifiers.proposers import one_hot_rows
 from verifiers.sampling import token_logprob
 
 logger = logging.getLogger(__name__)
@@ -242,7 +244,7 @@ class _ScoreVerifyTask(_Task):
 
     def __init__(self, session: Session, pending: list[int], need: ScoreVerify, proposal: Sampled):
         super().__init__(session, pending)
-        if proposal is None or proposal.logits is None:
+        if proposal is None or (proposal.logits is None and need.draft_need != MODEL_FREE):
             raise ValueError("verification needs the proposal's logits")
         self.need, self.proposal = need, proposal
         self.spec = get_verifier(need.method)
@@ -295,10 +297,14 @@ class _ScoreVerifyTask(_Task):
         drafts = draft_tokens.tolist()
         target_after = [draft[:j] for draft in drafts for j in range(gamma + 1)]
         target_probs = session_rows(session, torch.cat([first, chained], dim=1), target_after)  # [K, gamma+1, V]
-        # The draft's rows, recomputed bit for bit from its logits by the same transform it
-        # sampled with (same request sampling parameters and penalty contexts, same code).
-        draft_after = [draft[:j] for draft in drafts for j in range(gamma)]
-        draft_probs = session_rows(session, self.proposal.logits, draft_after)  # [K, gamma, V]
+        if self.proposal.logits is None:  # a model-free proposal: one-hot rows
+            draft_probs = one_hot_rows(draft_tokens.to(target_probs.device), target_probs.shape[-1],
+                                       target_probs.dtype)  # [K, gamma, V]
+        else:
+            # The draft's rows, recomputed bit for bit from its logits by the same transform it
+            # sampled with (same request sampling parameters and penalty contexts, same code).
+            draft_after = [draft[:j] for draft in drafts for j in range(gamma)]
+            draft_probs = session_rows(session, self.proposal.logits, draft_after)  # [K, gamma, V]
         self.inputs = block_inputs(self.spec, draft_tokens, draft_probs, target_probs)
         self.verify_s = time.perf_counter() - started
         if self.batch_key is None:
@@ -729,6 +735,8 @@ class WorkerEngine:
             if need.count < 1 or need.num_drafts < 1:
                 raise ValueError(f"count and num_drafts must be >= 1, got {need.count}, {need.num_drafts}")
             return _SampleTask(session, pending, need)
+        if isinstance(need, ScoreVerify) and need.draft_need == MODEL_FREE:
+            return _ScoreVerifyTask(session, pending, need, Sampled(tokens=torch.tensor([need.proposed], dtype=torch.int64)))
         if isinstance(need, ScoreVerify):
             source_call, source_item = item.proposal_source
             source = source_payloads[source_call]

@@ -18,12 +18,22 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import get_args
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.api import MAX_DRAFTS, MAX_GAMMA, EnsembleKind, GammaValue, InvalidRequestError, SpeculationParams, Strategy
+from actors.api import (
+    MAX_DRAFTS,
+    MAX_GAMMA,
+    MAX_NGRAM,
+    EnsembleKind,
+    GammaValue,
+    InvalidRequestError,
+    SpeculationParams,
+    Strategy,
+)
 from verifiers.adaptive import AdaptiveGammaSettings
+from verifiers.proposers import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, MODEL_FREE_METHODS
 from verifiers.registry import MethodName
 
 ModelRole = str  # "target" | "draft" | "member"
@@ -45,6 +55,8 @@ assert {m for methods in STRATEGY_METHODS.values() for m in methods} == set(get_
 ENSEMBLE_STRATEGIES: frozenset[str] = frozenset({"ensemble", "se"})
 
 WEIGHT_SUM_TOLERANCE = 1e-6
+#: Who drafts for sd: the deployment's draft model, or prompt lookup (no model).
+SdProposer = Literal["draft", "ngram"]
 
 
 class DecodingDefaults(BaseModel):
@@ -81,6 +93,15 @@ class DecodingDefaults(BaseModel):
     )
     mu: float = Field(0.1, ge=0.0, description="Contrastive strength: softmax(expert - mu * amateur).")
     gammas: tuple[int, ...] | None = Field(None, description="Per-member proposal lengths (se). Unset: gamma for each.")
+    proposer: SdProposer = Field(
+        "draft", description='Who drafts for sd: "draft" (the draft model) or "ngram" (prompt lookup, no model).'
+    )
+    prompt_lookup_max: int = Field(
+        DEFAULT_NGRAM_MAX, ge=1, le=MAX_NGRAM, description="Longest n-gram of prompt lookup and prediction realignment."
+    )
+    prompt_lookup_min: int = Field(
+        DEFAULT_NGRAM_MIN, ge=1, le=MAX_NGRAM, description="Shortest n-gram of prompt lookup and prediction realignment."
+    )
 
 
 @dataclass(frozen=True)
@@ -91,7 +112,9 @@ class DecodingPlan:
     alone for ar). members / weights / gammas: ensemble members in order (ensemble, se);
     ``gammas[i]`` is member i's proposal length (se); for contrastive, members[0] is the expert
     and members[1] the amateur. adaptive: set when gamma is "auto" (sd, multi_draft); ``gamma``
-    is then the largest block it may draft.
+    is then the largest block it may draft. proposer / ngram: sd's drafter ("draft": ``draft``;
+    "ngram": prompt lookup, ``draft`` None) and the n-gram sizes of its lookups and of a
+    prediction's realignment (``(max, min)``); ``prediction``: the request brought one (sd only).
     """
 
     strategy: str
@@ -106,6 +129,9 @@ class DecodingPlan:
     mu: float
     gammas: tuple[int, ...]
     adaptive: AdaptiveGammaSettings | None = None
+    proposer: str = "draft"
+    ngram: tuple[int, int] = (DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN)
+    prediction: bool = False
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -220,17 +246,52 @@ def _role_model(models: Mapping[str, ModelRole], role: str, strategy: str) -> st
     return names[0]
 
 
+def _resolve_proposer(speculation: SpeculationParams, defaults: DecodingDefaults,
+                      strategy: str) -> tuple[str, tuple[int, int]]:
+    """sd's proposer and n-gram sizes ``(max, min)``; a proposer named for another strategy is refused."""
+    proposer = _pick(speculation.proposer, defaults.proposer)
+    if proposer not in get_args(SdProposer):
+        raise InvalidRequestError("speculation.proposer", f'expected "draft" or "ngram", got {proposer!r}')
+    if speculation.proposer == "ngram" and strategy != "sd":
+        raise InvalidRequestError("speculation.proposer", f'"ngram" drafts for sd, not for strategy {strategy!r}')
+    largest = _pick(speculation.prompt_lookup_max, defaults.prompt_lookup_max)
+    smallest = _pick(speculation.prompt_lookup_min, defaults.prompt_lookup_min)
+    if smallest > largest:
+        field = "speculation.prompt_lookup_min" if speculation.prompt_lookup_min is not None else "speculation.prompt_lookup_max"
+        raise InvalidRequestError(field, f"prompt_lookup_min ({smallest}) must be at most prompt_lookup_max ({largest})")
+    return (proposer if strategy == "sd" else "draft"), (largest, smallest)
+
+
+def _model_free_method(method: str | None, requested: str | None) -> str | None:
+    """sd with a model-free proposal: the deployment's rule unless it is one a one-hot draft
+    cannot take (greedy block: then block); a request naming such a rule is refused."""
+    if method in MODEL_FREE_METHODS:
+        return method
+    if requested is not None:
+        raise InvalidRequestError(
+            "speculation.method", f"predictions and prompt lookup are verified with {' or '.join(MODEL_FREE_METHODS)}, "
+            f"not {requested!r}"
+        )
+    return "block"
+
+
 def resolve_plan(
-    speculation: SpeculationParams, defaults: DecodingDefaults, models: Mapping[str, ModelRole]
+    speculation: SpeculationParams, defaults: DecodingDefaults, models: Mapping[str, ModelRole],
+    prediction: bool = False,
 ) -> DecodingPlan:
     """Apply ``defaults`` to the unset fields of ``speculation`` and check the result against
-    the deployment's ``models`` (name -> role). Raises InvalidRequestError naming the field."""
+    the deployment's ``models`` (name -> role). ``prediction``: the request has a predicted
+    output (sd drafts it first). Raises InvalidRequestError naming the field."""
     strategy = _pick(speculation.strategy, defaults.strategy)
     if strategy not in STRATEGY_METHODS:
         raise InvalidRequestError(
             "speculation.strategy", f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGY_METHODS)}"
         )
     method = _check_method(strategy, speculation.method, defaults.method, defaults.strategy)
+    proposer, ngram = _resolve_proposer(speculation, defaults, strategy)
+    prediction = prediction and strategy == "sd"
+    if prediction or proposer == "ngram":
+        method = _model_free_method(method, speculation.method)
     gamma, adaptive = _resolve_gamma(speculation, defaults)
     num_drafts = _check_range("speculation.num_drafts", _pick(speculation.num_drafts, defaults.num_drafts), 1, MAX_DRAFTS)
     mu = float(_pick(speculation.mu, defaults.mu))
@@ -241,8 +302,10 @@ def resolve_plan(
     gammas: tuple[int, ...] = ()
     if strategy not in ENSEMBLE_STRATEGIES:
         target = _role_model(models, "target", strategy)
-        if strategy != "ar":
+        if strategy == "multi_draft" or (strategy == "sd" and proposer == "draft" and not prediction):
             draft = _role_model(models, "draft", strategy)
+        elif strategy == "sd" and proposer == "draft":  # a prediction first, then the draft model if there is one
+            draft = next((name for name, role in models.items() if role == "draft"), None)
     else:
         ensemble = _pick(speculation.ensemble, defaults.ensemble)
         if ensemble not in get_args(EnsembleKind):
@@ -269,4 +332,7 @@ def resolve_plan(
         mu=mu,
         gammas=gammas,
         adaptive=adaptive if strategy in ("sd", "multi_draft") else None,
+        proposer=proposer,
+        ngram=ngram,
+        prediction=prediction,
     )

@@ -55,6 +55,7 @@ from verifiers.adaptive import StepCosts, best_block
 from verifiers.machines import (
     AR_TOKENS_PER_ITERATION,
     PLAIN_PROBE_EVERY,
+    MODEL_FREE,
     PRE_DRAFTED,
     DecodeMachine,
     Extend,
@@ -592,7 +593,7 @@ class Scheduler:
         and everything on a model no one waits for)."""
         verifying = {need.model for _, needs in work for need in needs if isinstance(need, ScoreVerify)}
         sources = {needs[need.draft_need].model for _, needs in work for need in needs
-                   if isinstance(need, ScoreVerify) and need.draft_need != PRE_DRAFTED}
+                   if isinstance(need, ScoreVerify) and need.draft_need >= 0}
         placed: dict[str, list[list[_Placed]]] = {name: [[], []] for name in self.workers}
         for request, needs in work:
             positions: dict[int, tuple[str, int, int]] = {}
@@ -607,7 +608,7 @@ class Scheduler:
                     carried = request.pre_drafted  # the previous step's PreDraft: see _call_workers
                     if carried is None:
                         raise RuntimeError("a pre-drafted block to verify, but no PreDraft ran")
-                elif isinstance(need, ScoreVerify):
+                elif isinstance(need, ScoreVerify) and need.draft_need != MODEL_FREE:
                     source = positions[need.draft_need]
                 item = WorkItem(session_id=request.session_id, need=need, open=open_spec,
                                 proposal_source=None if source is None else (source[0], source[2]))
@@ -961,4 +962,14 @@ def request_stats(request: RequestState) -> RequestStats:
         time_verify_s=stats.time_verify_s,
         time_coordination_s=max(0.0, elapsed - work),
         bytes_moved=stats.bytes_moved,
+        **proposer_counts(request.machine),
     )
+
+
+def proposer_counts(machine: Any) -> dict[str, dict[str, int]]:
+    """``proposed_tokens`` / ``accepted_proposed`` of the machine's model-free proposers, by name."""
+    proposers = getattr(machine, "proposers", ())
+    return {
+        "proposed_tokens": {p.name: n for p, n in zip(proposers, machine.proposed_tokens)} if proposers else {},
+        "accepted_proposed": {p.name: n for p, n in zip(proposers, machine.accepted_proposed)} if proposers else {},
+    }

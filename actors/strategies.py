@@ -36,6 +36,7 @@ from verifiers.machines import (
     SpeculativeMachine,
 )
 from verifiers.penalties import NO_PENALTIES, Penalties
+from verifiers.proposers import PredictionProposer, PromptLookupProposer, Proposer
 from verifiers.randomness import TorchRandomSource, stream_seeds
 
 
@@ -49,6 +50,7 @@ class MachineSampling:
     penalties: Penalties = NO_PENALTIES
     prompt: tuple[int, ...] = ()
     logprobs: int | None = None
+    prediction: tuple[int, ...] = ()  # the request's predicted output (sd drafts it first when the plan says so)
 
 
 @dataclass
@@ -68,10 +70,22 @@ def _ar(plan: DecodingPlan, sampling: MachineSampling, seed: int, max_new_tokens
     return BuiltMachine(machine, _layout(machine, stream_seeds(seed, 1)))
 
 
+def model_free_proposers(plan: DecodingPlan, sampling: MachineSampling) -> list[Proposer]:
+    """sd's model-free proposers, in the order they are asked: the prediction, then prompt lookup."""
+    largest, smallest = plan.ngram
+    proposers: list[Proposer] = []
+    if plan.prediction and sampling.prediction:
+        proposers.append(PredictionProposer(sampling.prediction, ngram_max=largest, ngram_min=smallest))
+    if plan.proposer == "ngram":
+        proposers.append(PromptLookupProposer(sampling.prompt, ngram_max=largest, ngram_min=smallest))
+    return proposers
+
+
 def _speculative(plan: DecodingPlan, sampling: MachineSampling, seed: int, max_new_tokens: int, budget: int) -> BuiltMachine:
     machine = SpeculativeMachine(
         plan.draft, plan.target, method=plan.method, gamma=plan.gamma, num_drafts=plan.num_drafts,
         max_new_tokens=max_new_tokens, context_budget=budget, logprobs=sampling.logprobs, adaptive=plan.adaptive,
+        proposers=model_free_proposers(plan, sampling),
     )
     return BuiltMachine(machine, _layout(machine, stream_seeds(seed, 2)))
 

@@ -441,7 +441,8 @@ class SpecServeIngress:
     async def _chat_prompt(self, body: ChatCompletionRequest) -> str | list[int]:
         """The conversation's prompt through the model's chat template (:mod:`cluster.chat_prompt`)."""
         tokenizer = (await self._tokenizer_texts())[0] if self._config.tokenizer_path is not None else None
-        return await asyncio.to_thread(chat_prompt, tokenizer, body.messages, body.chat_template_kwargs)
+        return await asyncio.to_thread(chat_prompt, tokenizer, body.messages, body.chat_template_kwargs,
+                                       body.add_generation_prompt, body.continue_final_message)
 
     async def _echo_prefixes(self, body: CompletionRequest | ChatCompletionRequest, specs: list[ChoiceSpec]) -> list[str]:
         """Each choice's echoed prompt text (``echo``; token-id prompts are decoded), else ""."""
@@ -591,7 +592,8 @@ class SpecServeIngress:
         renderers = [
             ChoiceStream(request_id, self._model_name, created, chat, index=spec.index, prefix=prefix,
                          counts_prompt=spec.sample_index == 0, token_ids=token_ids, logprobs=texts,
-                         single=len(specs) == 1, include_usage=body.include_usage, **rendering)
+                         single=len(specs) == 1, include_usage=body.include_usage,
+                         continuous_usage=body.continuous_usage, **rendering)
             for spec, prefix in zip(specs, prefixes)
         ]
         events = self._sse_events(streams, firsts, renderers, request_id, created, chat, body.include_usage, started)

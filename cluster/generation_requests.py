@@ -44,6 +44,7 @@ def build_generation_request(
     speculation: SpeculationParams | dict[str, Any] | None,
     field_names: dict[str, str] | None = None,
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+    prediction: str | list[int] | None = None,
 ) -> GenerationRequest:
     """Merge deployment sampling defaults with the request's overrides into a GenerationRequest
     and check every field (:func:`cluster.validation.check_generation_request`).
@@ -59,6 +60,8 @@ def build_generation_request(
         "sampling": sampling,
         "speculation": speculation or {},
     }
+    if prediction is not None:
+        fields["prediction"] = prediction
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     else:
@@ -162,6 +165,7 @@ def to_generation_requests(
                     speculation=body.speculation,
                     field_names=field_names,
                     max_prompt_chars=max_prompt_chars,
+                    prediction=body.predicted_text,
                 )
             except InvalidRequestError as error:
                 if len(prompts) > 1 and error.field == "prompt":

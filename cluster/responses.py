@@ -234,15 +234,32 @@ def invalid_request_body(error: InvalidRequestError) -> dict:
     return error_body(f"{error.field}: {error.message}", param, code="invalid_value")
 
 
-def usage_block(stats: RequestStats | None) -> dict[str, int]:
-    """OpenAI ``usage`` from the request's stats."""
+def usage_block(stats: RequestStats | None) -> dict[str, Any]:
+    """OpenAI ``usage`` from the request's stats (with ``completion_tokens_details`` when a
+    prediction drafted: :func:`prediction_details`)."""
     prompt_tokens = stats.prompt_tokens if stats else 0
     completion_tokens = stats.completion_tokens if stats else 0
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    details = prediction_details([stats] if stats else [])
+    if details is not None:
+        usage["completion_tokens_details"] = details
+    return usage
+
+
+def prediction_details(stats: Sequence[RequestStats]) -> dict[str, int] | None:
+    """OpenAI's ``completion_tokens_details`` of predicted outputs: the predicted tokens verification
+    accepted (``accepted_prediction_tokens``) and rejected (``rejected_prediction_tokens``); None
+    when no choice had a prediction drafted."""
+    used = [s for s in stats if "prediction" in s.proposed_tokens]
+    if not used:
+        return None
+    accepted = sum(s.accepted_proposed["prediction"] for s in used)
+    return {"accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": sum(s.proposed_tokens["prediction"] for s in used) - accepted}
 
 
 def speculation_block(stats: RequestStats | None) -> dict[str, Any] | None:
@@ -300,8 +317,12 @@ def total_usage(results: CompletionAccumulator | Sequence[CompletionAccumulator]
     results = _results(results)
     prompt_tokens = sum(r.stats.prompt_tokens for r in results if r.stats is not None and r.counts_prompt)
     completion_tokens = sum(r.stats.completion_tokens for r in results if r.stats is not None)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    details = prediction_details([r.stats for r in results if r.stats is not None])
+    if details is not None:
+        usage["completion_tokens_details"] = details
+    return usage
 
 
 def merged_speculation(

@@ -17,9 +17,17 @@ log-probabilities (completions ``echo`` with ``logprobs``, ``prompt_logprobs``) 
 :class:`actors.api.SamplingParams`.
 
 Extensions to the OpenAI schema: ``return_token_ids``; ``top_k``, ``ignore_eos``,
-``repetition_penalty`` (sampling); ``prompt_logprobs`` (completions per choice, chat per
-response and not streamed) and ``chat_template_kwargs`` (chat), as vLLM has them; and ``speculation`` (an object with the
+``repetition_penalty``, ``min_p``, ``min_tokens`` (sampling), ``skip_special_tokens``,
+``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``
+(output), ``stream_options.continuous_usage_stats``; ``prompt_logprobs`` (completions per choice, chat per
+response and not streamed), ``chat_template_kwargs``, ``add_generation_prompt`` and
+``continue_final_message`` (chat), as vLLM has them; and ``speculation`` (an object with the
 fields of :class:`actors.api.SpeculationParams`; unset fields take the deployment's defaults).
+
+OpenAI fields without a meaning here are accepted and ignored (:data:`IGNORED_OPENAI_FIELDS`:
+``store``, ``metadata``, ``service_tier``, ``reasoning_effort``, ``user``); ``modalities`` is
+accepted as ``["text"]`` only; ``prediction`` (predicted outputs) is the draft of the request.
+Any other field is refused as unknown.
 """
 
 from __future__ import annotations
@@ -45,15 +53,24 @@ from cluster.validation import INT64_MAX, shortened
 MAX_CHOICES = 64
 
 # Sampling fields a request may set; unset ones fall back to the deployment's defaults.
+#: vLLM's sampling extensions, copied as they are.
+VLLM_SAMPLING_FIELDS: tuple[str, ...] = (
+    "min_p", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "truncate_prompt_tokens",
+)
 SAMPLING_FIELDS: tuple[str, ...] = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs",
+    *VLLM_SAMPLING_FIELDS,
 )
 # The scalar ones that are copied as they are.
 _PLAIN_SAMPLING_FIELDS: tuple[str, ...] = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-    "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", *VLLM_SAMPLING_FIELDS,
 )
+#: OpenAI fields accepted and ignored: they have no meaning for this server (no stored
+#: completions, no service tiers, no reasoning models).
+IGNORED_OPENAI_FIELDS: tuple[str, ...] = ("store", "metadata", "service_tier", "reasoning_effort", "user")
 
 ChatRole = Literal["system", "developer", "user", "assistant"]
 
@@ -120,6 +137,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(
         False, description="Send a last chunk with empty choices and the request's usage before [DONE]."
     )
+    continuous_usage_stats: bool = Field(
+        False, description="Every chunk also carries its choice's usage so far (vLLM's extension)."
+    )
+
+
+class Prediction(BaseModel):
+    """OpenAI ``prediction``: the expected output (an edited file, a template), used as the draft."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Any = Field(..., description='Only "content".')
+    content: Any = Field(..., description='The predicted text, or a list of text parts ({"type": "text", "text": ...}).')
+
+    @field_validator("type")
+    @classmethod
+    def _content_type(cls, value: Any) -> str:
+        if value != "content":
+            raise ValueError(f'only "content" predictions are supported (got {shortened(value)})')
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, value: Any) -> str:
+        return _text_content(value)
 
 
 class _GenerationFields(BaseModel):
@@ -150,6 +191,30 @@ class _GenerationFields(BaseModel):
         None, description="Token id (as a string) -> bias in [-100, 100] added to its logit."
     )
     user: str | None = Field(None, description="End-user id (accepted and logged, not used).")
+    min_p: float | None = Field(
+        None, description="Drop tokens below min_p times the most likely one's probability, in [0, 1] (vLLM's extension)."
+    )
+    min_tokens: int | None = Field(
+        None, description="Generate at least this many tokens before EOS or a stop string ends the output, in "
+        "[0, max_tokens] (vLLM's extension)."
+    )
+    skip_special_tokens: bool | None = Field(None, description="Leave special tokens out of the text (default true).")
+    spaces_between_special_tokens: bool | None = Field(
+        None, description="With skip_special_tokens false: spaces around special tokens (default true)."
+    )
+    include_stop_str_in_output: bool | None = Field(
+        None, description="Keep the stop string that ended the output in the text (default false)."
+    )
+    truncate_prompt_tokens: int | None = Field(None, description="Keep only the prompt's last this many tokens (>= 1).")
+    store: bool | None = Field(None, description="Accepted and ignored: completions are not stored.")
+    metadata: dict[str, str] | None = Field(None, description="Accepted and ignored (belongs with store).")
+    service_tier: str | None = Field(None, description="Accepted and ignored: one tier.")
+    reasoning_effort: str | None = Field(None, description="Accepted and ignored: the models do not reason.")
+    modalities: list[str] | None = Field(None, description='Output modalities: only ["text"].')
+    prediction: Prediction | None = Field(
+        None, description='Predicted output {"type": "content", "content": ...}: its tokens are the draft, verified '
+        "by the request's rule (output unchanged); usage reports accepted / rejected prediction tokens."
+    )
     speculation: SpeculationParams | None = Field(
         None, description="Decoding strategy overrides (extension); unset fields use the deployment defaults."
     )
@@ -174,6 +239,13 @@ class _GenerationFields(BaseModel):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[int, float] | None:
         return None if value is None else _pydantic_check(parse_token_id_keys, value)
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and value != ["text"]:
+            raise ValueError(f'only ["text"] is supported (got {shortened(value)})')
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -200,6 +272,15 @@ class _GenerationFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (``stream_options.continuous_usage_stats``, with ``include_usage`` as vLLM)."""
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
+
+    @property
+    def predicted_text(self) -> str | None:
+        return None if self.prediction is None else self.prediction.content
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, in order."""
@@ -438,18 +519,23 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _text(cls, value: Any) -> str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list):
-            parts = []
-            for part in value:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                        and set(part) <= {"type", "text"}):
-                    raise ValueError('must be a string or a list of text parts {"type": "text", "text": "..."}; '
-                                     "only text is supported")
-                parts.append(part["text"])
-            return "".join(parts)
-        raise ValueError('must be a string or a list of text parts {"type": "text", "text": "..."}')
+        return _text_content(value)
+
+
+def _text_content(value: Any) -> str:
+    """A message's (or prediction's) content: a string, or text parts joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                    and set(part) <= {"type", "text"}):
+                raise ValueError('must be a string or a list of text parts {"type": "text", "text": "..."}; '
+                                 "only text is supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError('must be a string or a list of text parts {"type": "text", "text": "..."}')
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -476,6 +562,13 @@ class ChatCompletionRequest(_GenerationFields):
     parallel_tool_calls: bool | None = Field(None, description="Accepted; meaningless without tools.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Variables of the model's chat template (vLLM's extension), e.g. {\"enable_thinking\": false}."
+    )
+    add_generation_prompt: bool = Field(
+        True, description="Open the assistant's turn after the conversation (the chat template's own argument; vLLM's)."
+    )
+    continue_final_message: bool = Field(
+        False, description="Leave the last (assistant) message open so the output continues it; needs "
+        "add_generation_prompt false (vLLM's extension)."
     )
 
     @field_validator("chat_template_kwargs")
@@ -521,6 +614,11 @@ class ChatCompletionRequest(_GenerationFields):
             raise InvalidRequestError("top_logprobs", "needs logprobs: true")
         if self.prompt_logprobs is not None and self.streaming:  # as vLLM: a response-level field
             raise InvalidRequestError("prompt_logprobs", "not available with stream: true")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise InvalidRequestError("continue_final_message", "needs add_generation_prompt: false")
+            if self.messages[-1].role != "assistant":
+                raise InvalidRequestError("continue_final_message", "the last message must be the assistant's")
         if self.max_completion_tokens is not None and self.max_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise InvalidRequestError("max_completion_tokens", "conflicts with max_tokens; set only one")
@@ -597,7 +695,9 @@ __all__ = [
     "ChatMessage",
     "ChatRole",
     "CompletionRequest",
+    "IGNORED_OPENAI_FIELDS",
     "MAX_CHOICES",
+    "Prediction",
     "SAMPLING_FIELDS",
     "StreamOptions",
     "check_n",

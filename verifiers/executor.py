@@ -23,6 +23,7 @@ from verifiers.machines import (
     MemberBlock,
     Need,
     NextLogits,
+    MODEL_FREE,
     PRE_DRAFTED,
     PreDraft,
     PreDrafted,
@@ -33,6 +34,7 @@ from verifiers.machines import (
     bonus_guesses,
 )
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
+from verifiers.proposers import one_hot_rows
 from verifiers.randomness import RandomSource, categorical_together
 from verifiers.registry import get_verifier
 from verifiers.sampling import token_logprob
@@ -85,8 +87,7 @@ class LocalExecutor:
             if isinstance(need, Sample):
                 results.append(self._sample(need))
             elif isinstance(need, ScoreVerify):
-                proposal = self.pre_drafted.chain(need.chain) if need.draft_need == PRE_DRAFTED else results[need.draft_need]
-                results.append(self._score_verify(need, proposal))
+                results.append(self._score_verify(need, self._proposal(need, results)))
             elif isinstance(need, PreDraft):
                 block = need.block if need.block is not None else tuple(results[need.block_from].tokens[0].tolist())
                 self.pre_drafted = self._pre_draft(need, block)
@@ -99,6 +100,14 @@ class LocalExecutor:
             else:
                 raise TypeError(f"unknown need {need!r}")
         return results
+
+    def _proposal(self, need: ScoreVerify, results: list[object]) -> Sampled:
+        """The block ``need`` verifies: model-free (logits None), pre-drafted, or an earlier need's."""
+        if need.draft_need == MODEL_FREE:
+            return Sampled(tokens=torch.tensor([need.proposed], dtype=torch.int64))
+        if need.draft_need == PRE_DRAFTED:
+            return self.pre_drafted.chain(need.chain)
+        return results[need.draft_need]
 
     def _logits(self, model: str, context: tuple[int, ...]) -> torch.Tensor:
         logits = torch.as_tensor(self.model_fns[model](context)).to(torch.float64)  # [V_model]
@@ -165,8 +174,11 @@ class LocalExecutor:
         target_contexts = [context + tuple(draft[:i]) for draft in drafts for i in range(gamma + 1)]
         target_logits = torch.stack([self._logits(need.model, c) for c in target_contexts])  # [K*(gamma+1), V]
         target_probs = self._rows(target_logits, target_contexts).reshape(len(drafts), gamma + 1, -1)  # [K, gamma+1, V]
-        draft_contexts = [context + tuple(draft[:i]) for draft in drafts for i in range(gamma)]
-        draft_probs = self._rows(proposal.logits, draft_contexts)  # [K, gamma, V]
+        if proposal.logits is None:  # model-free: one-hot rows
+            draft_probs = one_hot_rows(draft_tokens, target_probs.shape[-1], target_probs.dtype)  # [K, gamma, V]
+        else:
+            draft_contexts = [context + tuple(draft[:i]) for draft in drafts for i in range(gamma)]
+            draft_probs = self._rows(proposal.logits, draft_contexts)  # [K, gamma, V]
         # From the rows on, the serving engine's own steps (verifiers.blocks).
         inputs = block_inputs(spec, draft_tokens, draft_probs, target_probs)
         result = verify_blocks(spec, [inputs], [self._source(need.model, need.stream)],

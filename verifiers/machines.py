@@ -37,6 +37,7 @@ import torch
 from verifiers.adaptive import AdaptiveGamma, AdaptiveGammaSettings, StepCosts
 from verifiers.ensemble import default_proposer, make_ensemble, next_scorer, verify_segment
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
+from verifiers.proposers import MODEL_FREE_METHODS, Proposer
 from verifiers.randomness import RandomSource
 from verifiers.sampling import token_logprob
 from verifiers.registry import get_verifier
@@ -84,10 +85,14 @@ class ScoreVerify:
     stream: str = "verify"
     logprobs: int | None = None  # report each emitted token's log-probability under the target row
     chain: int = 0  # with draft_need PRE_DRAFTED: the chain of the previous iteration's PreDraft to verify
+    proposed: tuple[int, ...] | None = None  # with draft_need MODEL_FREE: the block (one-hot draft rows)
 
 
 #: ``ScoreVerify.draft_need`` of a block drafted in the previous iteration (:class:`PreDraft`).
 PRE_DRAFTED = -1
+#: ``ScoreVerify.draft_need`` of a model-free proposal (``ScoreVerify.proposed``; the draft rows
+#: are one-hot, :func:`verifiers.proposers.one_hot_rows`).
+MODEL_FREE = -2
 
 
 @dataclass(frozen=True)
@@ -310,17 +315,32 @@ class SpeculativeMachine(DecodeMachine):
     chain verified was drawn from the draft's law after the committed context (the bonus
     included) with randomness independent of the verification; which chain is used depends on
     the bonus token and the draft's rows only, and the next block's length is chosen before it
-    is drafted (``tests/verifiers/test_pre_drafting.py``: exact enumeration)."""
+    is drafted (``tests/verifiers/test_pre_drafting.py``: exact enumeration).
 
-    def __init__(self, draft: str, target: str, *, method: str, gamma: int, num_drafts: int,
+    ``proposers`` (single draft, token / block rules): model-free proposers
+    (:mod:`verifiers.proposers`) asked in order before each block; the first that proposes
+    anything gives the block (``len <= gamma``), verified with one-hot draft rows
+    (``ScoreVerify(draft_need=MODEL_FREE)``); when none does, the draft model drafts
+    (``draft`` None: a plain step). ``proposed_tokens`` / ``accepted_proposed`` count the
+    model-free tokens verified and accepted, per proposer. Lossless like any draft: every
+    proposal is a function of the committed tokens (``tests/verifiers/test_proposers.py``)."""
+
+    def __init__(self, draft: str | None, target: str, *, method: str, gamma: int, num_drafts: int,
                  max_new_tokens: int, context_budget: int | None = None, logprobs: int | None = None,
-                 adaptive: AdaptiveGammaSettings | None = None, pre_drafting: int = 0):
+                 adaptive: AdaptiveGammaSettings | None = None, pre_drafting: int = 0,
+                 proposers: Sequence[Proposer] = ()):
         super().__init__(max_new_tokens, context_budget, logprobs)
         if pre_drafting < 0:
             raise ValueError(f"pre_drafting must be >= 0 (candidate bonus tokens), got {pre_drafting}")
         rule = get_verifier(method)
         if not rule.multi_draft and num_drafts != 1:
             raise ValueError(f"method {method!r} is single-draft; num_drafts must be 1, got {num_drafts}")
+        if proposers and method not in MODEL_FREE_METHODS:
+            raise ValueError(f"model-free proposals are verified with {' or '.join(MODEL_FREE_METHODS)}, not {method!r}")
+        self.proposers = list(proposers)
+        self.proposed_tokens = [0] * len(self.proposers)
+        self.accepted_proposed = [0] * len(self.proposers)
+        self.proposer_used: int | None = None  # the proposer of this iteration's block (None: a model or plain)
         self.draft, self.target = draft, target
         self.method, self.gamma, self.num_drafts = method, gamma, num_drafts
         self.chooser = AdaptiveGamma(adaptive) if adaptive is not None else None
@@ -328,17 +348,19 @@ class SpeculativeMachine(DecodeMachine):
         # the emitted tokens; the next block must cover them (gamma >= pending + 1).
         self.stateful = rule.stateful
         self.pending_positions = 0
-        self.unsent = _Unsent([draft, target], self.committed)
+        self.unsent = _Unsent([name for name in (draft, target) if name is not None], self.committed)
         self.draft_indices: list[int] = []
         self.draft_lengths: list[int] = []  # the block drafted at each iteration (0: a plain step)
         self.step_costs: Callable[[], StepCosts | None] | None = None
-        self.pre_drafting = pre_drafting if num_drafts == 1 else 0
+        self.pre_drafting = pre_drafting if num_drafts == 1 and draft is not None else 0
         self.carried: list[int] | None = None  # the pre-drafted chain this iteration verifies
         self.carried_chain = 0
         self.pre_draft_count = 0  # tokens per chain of this iteration's PreDraft (0: none)
         self.pre_drafted_iterations = 0  # iterations that verified a pre-drafted chain
 
     def streams(self) -> dict[str, dict[str, int]]:
+        if self.draft is None:
+            return {self.target: {"verify": 1}}
         return {self.draft: {"sample": 0}, self.target: {"verify": 1}}
 
     def next_gamma(self) -> int:
@@ -383,6 +405,12 @@ class SpeculativeMachine(DecodeMachine):
                                              method=self.method, logprobs=self.logprobs, chain=self.carried_chain)]
             return needs + self._pre_draft(tuple(self.carried), None)
         gamma = self.next_gamma()
+        self.proposer_used = None
+        model_free = self._model_free_block(gamma)
+        if model_free is not None:
+            return model_free
+        if self.draft is None:  # no proposal and no draft model: a plain step
+            gamma = 0
         self.draft_lengths.append(gamma)
         if gamma == 0:  # a plain step: the target samples on its own stream
             self.pre_draft_count = 0
@@ -394,6 +422,21 @@ class SpeculativeMachine(DecodeMachine):
             ScoreVerify(self.target, self.unsent.take(self.target), draft_need=0, method=self.method,
                         logprobs=self.logprobs),
         ] + self._pre_draft(None, 0)
+
+    def _model_free_block(self, gamma: int) -> list[Need] | None:
+        """The first model-free proposal of at most ``gamma`` tokens as this iteration's needs
+        (None: no proposer proposes, or a plain step was chosen)."""
+        if gamma == 0:
+            return None
+        for index, proposer in enumerate(self.proposers):
+            block = proposer.propose(self.committed, gamma)
+            if block:
+                self.proposer_used = index
+                self.pre_draft_count = 0
+                self.draft_lengths.append(len(block))
+                return [ScoreVerify(self.target, self.unsent.take(self.target), draft_need=MODEL_FREE,
+                                    method=self.method, logprobs=self.logprobs, proposed=tuple(block))]
+        return None
 
     def _pre_draft(self, block: tuple[int, ...] | None, block_from: int | None) -> list[Need]:
         """This iteration's :class:`PreDraft` (none when off, or when no next block is worth drafting)."""
@@ -427,6 +470,9 @@ class SpeculativeMachine(DecodeMachine):
         verified = next(result for result in results if isinstance(result, Verified))
         pre_drafted = results[-1] if self.pre_draft_count else None
         self.accepted_lengths.append(verified.num_accepted)
+        if self.proposer_used is not None:
+            self.proposed_tokens[self.proposer_used] += self.draft_lengths[-1]
+            self.accepted_proposed[self.proposer_used] += verified.num_accepted
         gamma, emitted = self.draft_lengths[-1], verified.num_accepted + 1
         if self.chooser is not None:
             self.chooser.observe(gamma, verified.num_accepted)

@@ -18,6 +18,7 @@ from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.executor import LocalExecutor, layout_sources, run_machine
 from verifiers.machines import AutoregressiveMachine, SpeculativeMachine
 from verifiers.penalties import NO_PENALTIES, Penalties
+from verifiers.proposers import Proposer
 from verifiers.randomness import RandomSource, split_sources
 from verifiers.registry import get_verifier
 
@@ -39,7 +40,7 @@ ModelFn = Callable[[tuple[int, ...]], torch.Tensor]
 
 
 def speculative_generate(
-    draft_fn: ModelFn,
+    draft_fn: ModelFn | None,
     target_fn: ModelFn,
     prompt: Sequence[int],
     max_new_tokens: int,
@@ -55,6 +56,7 @@ def speculative_generate(
     adaptive: AdaptiveGammaSettings | None = None,
     pre_drafting: int = 0,
     dtype: torch.dtype = torch.float64,
+    proposers: Sequence[Proposer] = (),
 ) -> tuple[list[int], dict]:
     """Speculative decoding with the verification rule ``method`` (see :mod:`verifiers.registry`).
 
@@ -71,7 +73,9 @@ def speculative_generate(
     from the accepted lengths so far (:mod:`verifiers.adaptive`; ``gamma`` is then unused).
     ``pre_drafting`` (K > 0): the draft drafts the next block after each of K candidate bonus
     tokens while the target verifies (:class:`verifiers.machines.PreDraft`; ``pre_drafted`` in
-    the stats counts the iterations that verified such a block). The random streams then differ
+    the stats counts the iterations that verified such a block). ``proposers``: model-free
+    proposers asked before each block (:mod:`verifiers.proposers`; ``draft_fn`` None: a plain
+    step where none proposes; ``proposed`` / ``accepted_proposed`` in the stats, per proposer). The random streams then differ
     from the contract below (the drafting stream also serves the pre-drafts, in iteration order), the
     law does not. ``dtype``: the rows' precision (float64, or float32 as a GPU worker computes them;
     ``tests/verifiers/test_precision.py``).
@@ -95,11 +99,12 @@ def speculative_generate(
     _check_loop_args(max_new_tokens, gamma, num_drafts, get_verifier(method).multi_draft, method)
     draft_source, verify_source = split_sources(generator, 2)
     machine = SpeculativeMachine(
-        "draft", "target", method=method, gamma=gamma, num_drafts=num_drafts, max_new_tokens=max_new_tokens,
-        adaptive=adaptive, pre_drafting=pre_drafting,
+        None if draft_fn is None else "draft", "target", method=method, gamma=gamma, num_drafts=num_drafts,
+        max_new_tokens=max_new_tokens, adaptive=adaptive, pre_drafting=pre_drafting, proposers=proposers,
     )
+    model_fns = {"target": target_fn} if draft_fn is None else {"draft": draft_fn, "target": target_fn}
     executor = LocalExecutor(
-        {"draft": draft_fn, "target": target_fn},
+        model_fns,
         prompt,
         layout_sources(machine.streams(), [draft_source, verify_source]),
         temperature=temperature,
@@ -118,6 +123,8 @@ def speculative_generate(
         "draft_index": list(machine.draft_indices),
         "iterations": iterations,
         "pre_drafted": machine.pre_drafted_iterations,
+        "proposed": list(machine.proposed_tokens),
+        "accepted_proposed": list(machine.accepted_proposed),
     }
     logger.debug("speculative_generate(%s): %s", method, stats)
     return generated[:max_new_tokens], stats

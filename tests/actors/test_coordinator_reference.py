@@ -488,3 +488,53 @@ def test_greedy_rules_run_to_the_context_end(fake_group, speculation):
     requests = [_request(seed, speculation, max_tokens=max_tokens) for seed in range(6)]
     for chunks in run_requests(fake_group, requests):
         assert len(_tokens(chunks)) == max_tokens
+
+
+# ------------------------------------------------------------------ model-free proposers
+
+PREDICTION = [4, 0, 5, 2, 2, 1, 3, 0, 5, 4, 1, 2]  # followed by the fake target in part only
+PROPOSER_CASES = [
+    ({"strategy": "sd", "proposer": "ngram", "method": "token", "gamma": 3, "prompt_lookup_min": 1}, False),
+    ({"strategy": "sd", "proposer": "ngram", "method": "block", "gamma": 3, "prompt_lookup_min": 1}, False),
+    ({"strategy": "sd", "method": "block", "gamma": 3, "prompt_lookup_min": 1}, True),  # then the draft model
+    ({"strategy": "sd", "proposer": "ngram", "method": "token", "gamma": 4, "prompt_lookup_min": 1}, True),
+]
+
+
+def _proposer_reference(speculation: dict, with_prediction: bool, seed: int, max_tokens: int = MAX_TOKENS):
+    from verifiers.proposers import PredictionProposer, PromptLookupProposer
+
+    sizes = {"ngram_max": 4, "ngram_min": speculation.get("prompt_lookup_min", 2)}
+    proposers = [PredictionProposer(PREDICTION, **sizes)] if with_prediction else []
+    if speculation.get("proposer") == "ngram":
+        proposers.append(PromptLookupProposer(PROMPT, **sizes))
+    draft = None if speculation.get("proposer") == "ngram" else M["draft"]
+    return speculative_generate(draft, M["target"], PROMPT, max_tokens, gamma=speculation["gamma"],
+                                method=speculation["method"], generator=_generator(seed), proposers=proposers)
+
+
+@pytest.mark.parametrize("speculation,with_prediction", PROPOSER_CASES,
+                         ids=["ngram-token", "ngram-block", "prediction-draft", "prediction-ngram"])
+def test_model_free_proposers_match_the_reference(fake_group, speculation, with_prediction):
+    """Predictions and prompt lookup through the batched workers (one-hot blocks in the ScoreVerify
+    need): token for token the reference loop (tests/verifiers/test_proposers.py: exact by
+    enumeration), with the same counts of proposed and accepted tokens."""
+    requests = [_request(seed, speculation).model_copy(update={"prediction": PREDICTION if with_prediction else None})
+                for seed in SEEDS]
+    for seed, chunks in zip(SEEDS, run_requests(fake_group, requests)):
+        expected, stats = _proposer_reference(speculation, with_prediction, seed)
+        assert _tokens(chunks) == expected
+        final = chunks[-1].stats
+        assert final.accepted_lengths == stats["accepted"]
+        assert list(final.proposed_tokens.values()) == stats["proposed"]
+        assert list(final.accepted_proposed.values()) == stats["accepted_proposed"]
+        assert sum(stats["proposed"]) > 0
+
+
+def test_prompt_lookup_law_through_coordinator(fake_group):
+    """Chi-square of 3-token sequences sampled through the coordinator with prompt lookup (no
+    draft model) against the exact target law; significance 1e-3."""
+    length, count = 3, 600
+    speculation = {"strategy": "sd", "proposer": "ngram", "method": "block", "gamma": 2, "prompt_lookup_min": 1}
+    samples = _sample_sequences(fake_group, speculation, count, length)
+    assert chi_square_pvalue(samples, target_law(M["target"], PROMPT, length)) > CHI_SQUARE_SIGNIFICANCE
