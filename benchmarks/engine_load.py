@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from actors import backends
+from actors.model import backends
 from actors.api import GenerationRequest, SamplingParams
 from benchmarks.prompts import load_prompts
 from benchmarks.runners import LocalRunner

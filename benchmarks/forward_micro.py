@@ -1,6 +1,6 @@
 """Micro-benchmark of one batched forward of an embedded model (not a test; the target by default).
 
-Times :meth:`actors.backends.SlotBackend.forward` for decode rows (``rows x 1`` token), the
+Times :meth:`actors.model.backends.SlotBackend.forward` for decode rows (``rows x 1`` token), the
 shape of verifying gamma 4 (``rows x 5``) and one prefill, with the rows' slots in a run (the
 keys/values are read in place) and spread out (every other slot: gathered into the reused
 buffer); next to transformers' own ``DynamicCache`` forward of the same shape (no masks,
@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from actors.backends import SlotBackend
-from actors.batch import linear_row, reads_in_place
+from actors.model.backends import SlotBackend
+from actors.model.batch import linear_row, reads_in_place
 from benchmarks.bare_limit import dynamic_cache_forward
 from models import embedded_model_path
 

@@ -8,7 +8,7 @@ proposal in the coordinator and passing the value) with proposals of the sizes `
 moves (float64 probability rows, 4096-token vocabulary, gamma 2 / 4 / 8); and a burst's hop, a
 worker calling another for a draft payload, with torch's pickling and with the engine's
 (:mod:`verifiers.wire`), and over the direct link bursts use between workers of one node
-(:mod:`actors.peer_link`). Medians of
+(:mod:`actors.worker.peer_link`). Medians of
 ``--repeats`` calls, logged (stderr). Starts its own local Ray instance.
 """
 
@@ -54,14 +54,14 @@ def _actors():
             return self.payload(True)
 
         def peer_link_address(self):
-            from actors.peer_link import PeerLinkServer
+            from actors.worker.peer_link import PeerLinkServer
 
             self.link_server = PeerLinkServer(self.payload_items, ray.get_runtime_context().get_node_id())
             return self.link_server.address
 
         def call_peer_link_ms(self, peer, repeats: int) -> float:
-            """The same hop over a direct link to ``peer`` (actors/peer_link.py), sending one item."""
-            from actors.peer_link import PeerLink
+            """The same hop over a direct link to ``peer`` (actors/worker/peer_link.py), sending one item."""
+            from actors.worker.peer_link import PeerLink
 
             link = PeerLink(ray.get(peer.peer_link_address.remote()))
             times = []
@@ -143,7 +143,7 @@ def measure(repeats: int = 200) -> dict[str, float]:
             label = ("worker -> worker call returning a 4-token draft payload (64 KB float32), "
                      + ("engine types, tensors as numpy" if as_sampled else "torch tensors"))
             results[label] = ray.get(target.call_peer_ms.remote(draft, as_sampled, repeats))
-        label = "worker -> worker over the direct peer link (actors/peer_link.py), the same payload"
+        label = "worker -> worker over the direct peer link (actors/worker/peer_link.py), the same payload"
         results[label] = ray.get(target.call_peer_link_ms.remote(draft, repeats))
         return results
     finally:

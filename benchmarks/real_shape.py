@@ -11,7 +11,7 @@ what this measures. Sections (medians of ``--repeats``, one torch thread, cases 
 1. **KV memory:** bytes per token and per slot, the slots ``--kv-cache-memory`` holds at
    ``max_model_len`` = the model's 32,768, and the worker's resident memory after loading.
 2. **Grouped attention:** the target's forward with the grouped keys/values read in place
-   (``actors.grouped_attention``) against transformers' sdpa, which repeats them per layer.
+   (``actors.model.grouped_attention``) against transformers' sdpa, which repeats them per layer.
 3. **Verification at V = 151,936:** one block-verification call (gamma 4, float64 rows) next to
    the target forward that scored the block.
 4. **The engine alone** (no Ray, no HTTP; the production Coordinator and ModelWorkers in this
@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from actors.api import GenerationRequest, RequestStats, SamplingParams
-from actors.backends import SlotBackend
-from actors.batch import linear_row
-from actors.grouped_attention import GROUPED_SDPA
+from actors.model.backends import SlotBackend
+from actors.model.batch import linear_row
+from actors.model.grouped_attention import GROUPED_SDPA
 from benchmarks.runners import LocalRunner
 from benchmarks.verify_micro import make_inputs
 from cluster.config import parse_app_args

@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.plan import ENSEMBLE_STRATEGIES
+from actors.coordination.plan import ENSEMBLE_STRATEGIES
 from benchmarks.analysis import (
     AdaptiveComparison,
     CaseSummary,

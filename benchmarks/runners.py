@@ -175,8 +175,8 @@ class LocalRunner:
     mode = "local"
 
     def __init__(self, group_args: Any, *, temperature: float):
-        from actors.coordinator import Coordinator
-        from actors.model_worker import ModelWorker
+        from actors.coordination.coordinator import Coordinator
+        from actors.worker.model_worker import ModelWorker
 
         config = group_args.freeze()
         self.temperature = temperature

@@ -18,11 +18,11 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.api import GammaValue, SpeculationParams, Strategy
-from actors.plan import STRATEGY_METHODS
+from actors.coordination.plan import STRATEGY_METHODS
 
 Mode = Literal["ray", "local", "hf"]
 MODES: tuple[Mode, ...] = ("ray", "local", "hf")
-#: The rules the coordinator accepts per strategy (``actors.plan.STRATEGY_METHODS``).
+#: The rules the coordinator accepts per strategy (``actors.coordination.plan.STRATEGY_METHODS``).
 SINGLE_DRAFT_METHODS: tuple[str, ...] = STRATEGY_METHODS["sd"]
 MULTI_DRAFT_METHODS: tuple[str, ...] = STRATEGY_METHODS["multi_draft"]
 SE_METHODS: tuple[str, ...] = STRATEGY_METHODS["se"]

@@ -46,8 +46,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
-from actors.metrics import GroupIdentity
-from actors.scheduler import OverloadedError
+from actors.coordination.metrics import GroupIdentity
+from actors.coordination.scheduler import OverloadedError
 from actors.tokenizer import load_tokenizer
 from cluster import grpc_service
 from cluster.metrics import CONTENT_TYPE, CoordinatorDirectory, render

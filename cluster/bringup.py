@@ -4,7 +4,7 @@
   start a local Ray (no address needed) with the machine's CPU count.
 * :func:`start_model_group`: the group's workers and one Coordinator over them. Models placed on
   one device (``resources.placement``, :mod:`cluster.placement`) share one worker actor (a
-  :class:`~actors.device_worker.DeviceWorker`), a model alone has a ModelWorker; each worker on
+  :class:`~actors.worker.device_worker.DeviceWorker`), a model alone has a ModelWorker; each worker on
   its own GPU when the cluster has GPUs and ``gpus_per_model`` is ``auto`` or set; in the given
   placement group's bundles when one is passed: worker i in bundle ``first_bundle + i``, see
   :func:`model_group_bundles`. :meth:`ModelGroup.shutdown` kills them all.
@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.coordinator import Coordinator
-from actors.device_worker import DeviceWorker, HostedModel
-from actors.metrics import COORDINATOR_NAMESPACE, GroupIdentity
-from actors.model_worker import ModelWorker
+from actors.coordination.coordinator import Coordinator
+from actors.worker.device_worker import DeviceWorker, HostedModel
+from actors.coordination.metrics import COORDINATOR_NAMESPACE, GroupIdentity
+from actors.worker.model_worker import ModelWorker
 from cluster.config import ConfigError, GroupConfig, SpecServeArgs, parse_app_args
 from cluster.placement import configured_workers, describe_workers
 
@@ -197,7 +197,7 @@ class ModelGroup:
     workers: dict[str, Any]
     coordinator: Any
     #: Every worker actor (a worker hosting several models is one actor; ``workers`` maps each
-    #: model to its handle, a :class:`~actors.device_worker.HostedModel` for a hosted one).
+    #: model to its handle, a :class:`~actors.worker.device_worker.HostedModel` for a hosted one).
     actors: list[Any] = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -226,7 +226,7 @@ def _scheduling(placement_group: Any, bundle_index: int) -> dict[str, Any]:
 def worker_sessions(config: GroupConfig) -> int:
     """KV cache slots per worker when no KV budget sizes them (CPU, ``engine.kv_cache_memory``
     unset): every running request, plus as many again whose sessions are released at the next
-    step, plus a margin (:mod:`actors.kv_budget` sizes them otherwise)."""
+    step, plus a margin (:mod:`actors.model.kv_budget` sizes them otherwise)."""
     return 2 * config.max_concurrent_requests + 4
 
 
@@ -240,7 +240,7 @@ def start_model_group(
     identity: GroupIdentity | None = None,
 ) -> ModelGroup:
     """Start the group's workers (:func:`resolve_placement`: a ModelWorker for a model alone, a
-    :class:`~actors.device_worker.DeviceWorker` for models that share a device) and a Coordinator
+    :class:`~actors.worker.device_worker.DeviceWorker` for models that share a device) and a Coordinator
     over them (each model addressed by name).
 
     ``placement_group``: reserve the workers in its bundles (worker i in bundle
@@ -252,7 +252,7 @@ def start_model_group(
     ``worker_cls`` lets tests substitute a worker with the same interface.
     ``identity``: the group's metric labels (served model name, owning replica); when given, the
     coordinator is a named actor (``identity.actor_name`` in namespace
-    :data:`actors.metrics.COORDINATOR_NAMESPACE`) so ``GET /metrics`` finds every group of an
+    :data:`actors.coordination.metrics.COORDINATOR_NAMESPACE`) so ``GET /metrics`` finds every group of an
     application.
     """
     import ray

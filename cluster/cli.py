@@ -126,7 +126,7 @@ def _build_request(args: argparse.Namespace):
 def _only_used_models(config, request):
     """The group restricted to the models this request's plan uses (faster start-up), with the
     request's speculation fully resolved so the smaller group decodes exactly the same plan."""
-    from actors.plan import resolve_plan
+    from actors.coordination.plan import resolve_plan
 
     plan = resolve_plan(request.speculation, config.defaults, config.roles)
     models = tuple(model for model in config.models if model.name in plan.models)

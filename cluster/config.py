@@ -19,7 +19,7 @@ those frozen models (or models inheriting them), never copies of their fields.
 :meth:`SpecServeArgs.freeze` is the one place that derives what bring-up, the coordinator and
 the serving layer need from them, as a :class:`GroupConfig`:
 
-* ``defaults``: the args' own :class:`actors.plan.DecodingDefaults` (what ``resolve_plan`` takes);
+* ``defaults``: the args' own :class:`actors.coordination.plan.DecodingDefaults` (what ``resolve_plan`` takes);
 * ``models``: one :class:`ModelSpec` per worker: the model's :class:`ModelArgs` (``path``
   resolved) plus its actor's CPUs, GPUs (``None``: ``auto``, settled at bring-up), torch
   threads and custom resources, from ``resources`` (group values, then ``per_model``);
@@ -59,7 +59,7 @@ from pydantic import (
 )
 
 from actors.api import InvalidRequestError, SpeculationParams
-from actors.plan import ENSEMBLE_STRATEGIES, DecodingDefaults, resolve_plan
+from actors.coordination.plan import ENSEMBLE_STRATEGIES, DecodingDefaults, resolve_plan
 
 ModelRole = Literal["target", "draft", "member"]
 DType = Literal["float32", "float16", "bfloat16"]
@@ -254,7 +254,7 @@ _MEMORY_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_memory(value: Any) -> int | float:
-    """``engine.kv_cache_memory`` (``actors.kv_budget``): bytes (int) or a GPU fraction (float in (0, 1]).
+    """``engine.kv_cache_memory`` (``actors.model.kv_budget``): bytes (int) or a GPU fraction (float in (0, 1]).
 
     Accepts an int (bytes, >= 1), a float in (0, 1] (a fraction) or a string: a size with a unit
     (``"4GiB"``, ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``; KiB/MiB/GiB/TiB are powers of 1024,

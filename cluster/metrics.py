@@ -1,9 +1,9 @@
 """``GET /metrics``: every model group of an application in the Prometheus text format.
 
 Each ingress replica owns one model group, whose coordinator is a named Ray actor
-(``actors.metrics.GroupIdentity.actor_name`` in namespace ``specserve``). A scrape that lands on
+(``actors.coordination.metrics.GroupIdentity.actor_name`` in namespace ``specserve``). A scrape that lands on
 any replica lists the named coordinators of its application (``ray.util.list_named_actors``),
-asks each for a snapshot (:meth:`actors.coordinator.Coordinator.metrics_snapshot`) concurrently,
+asks each for a snapshot (:meth:`actors.coordination.coordinator.Coordinator.metrics_snapshot`) concurrently,
 each within :data:`SCRAPE_TIMEOUT_S`, and renders them together, every sample labelled with the
 replica that owns its group. A coordinator that is dead or does not answer in time is skipped and
 counted in ``specserve_scrape_coordinators{state="failed"}``; the scrape never waits longer than
@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from actors.metrics import (
+from actors.coordination.metrics import (
     COORDINATOR_NAMESPACE,
     COUNTER,
     GAUGE,
@@ -39,7 +39,7 @@ from actors.metrics import (
 logger = logging.getLogger(__name__)
 
 #: Seconds a scrape waits for all coordinators together (each one answers within
-#: ``actors.coordinator.WORKER_METRICS_TIMEOUT_S`` plus its own work).
+#: ``actors.coordination.coordinator.WORKER_METRICS_TIMEOUT_S`` plus its own work).
 SCRAPE_TIMEOUT_S = 3.0
 #: Content type of the Prometheus text format (version 0.0.4).
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -139,7 +139,7 @@ def _family(spec: MetricSpec, labels: list[str]) -> Metric:
 
 class SnapshotCollector(Collector):
     """A ``prometheus_client`` collector over coordinator snapshots: every family of
-    :data:`actors.metrics.METRICS` (empty ones too), each sample labelled with its group's
+    :data:`actors.coordination.metrics.METRICS` (empty ones too), each sample labelled with its group's
     ``model_group`` and ``replica``, plus :data:`SCRAPE_COORDINATORS`."""
 
     def __init__(self, model_group: str, snapshots: Iterable[dict[str, Any]], failed: int = 0):

@@ -3,7 +3,7 @@
 ``resources.placement`` in the YAML:
 
 * a mapping ``model -> device id`` (an int): the models given one id are hosted by ONE worker
-  actor (:class:`actors.device_worker.DeviceWorker`: one process, one CUDA context on a GPU),
+  actor (:class:`actors.worker.device_worker.DeviceWorker`: one process, one CUDA context on a GPU),
   each model keeping its own backend, KV cache slots and sessions; models with ids of their
   own get a worker each;
 * ``separate``: a worker per model (each on its own GPU when the cluster has GPUs);

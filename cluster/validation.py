@@ -19,7 +19,7 @@ through but the decoding code cannot take:
   does not use them.
 
 Whether the strategy, method, members, weights sum and block lengths fit the deployment is
-checked next by :func:`actors.plan.resolve_plan` (also before any work), and the prompt's
+checked next by :func:`actors.coordination.plan.resolve_plan` (also before any work), and the prompt's
 token ids and length against the models' vocabulary and context by the coordinator before it
 opens any session. Every failure raises :class:`actors.api.InvalidRequestError` naming the
 field with its ``GenerationRequest`` path (``sampling.temperature``); the protocols rename it

@@ -156,7 +156,7 @@ def best_block(alpha: float, gamma_max: int, costs: StepCosts, *, allow_plain: b
     """The block in ``[0, gamma_max]`` (0: a plain step, only when ``allow_plain``) with the most
     expected tokens per second of the step at ``costs``; ties go to the shorter block.
     ``tokens_by_block[g - 1]``: the tokens an iteration drafting ``g`` emits, when measured
-    (:meth:`actors.step_costs.AcceptanceBoard.expected_tokens`); else the geometric expectation
+    (:meth:`actors.coordination.step_costs.AcceptanceBoard.expected_tokens`); else the geometric expectation
     at ``alpha``."""
     best, best_rate = (0, costs.plain_rate()) if allow_plain else (1, -1.0)
     longest = min(gamma_max, len(costs.verify_s), len(tokens_by_block) if tokens_by_block else gamma_max)

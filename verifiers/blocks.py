@@ -1,6 +1,6 @@
 """The one implementation of a :class:`verifiers.machines.ScoreVerify`'s verification, driven
 by both executors of needs: the reference (:class:`verifiers.executor.LocalExecutor`, rows
-recomputed from full contexts) and the serving engine (:mod:`actors.engine`, rows from cached
+recomputed from full contexts) and the serving engine (:mod:`actors.worker.engine`, rows from cached
 forwards, many requests' blocks in one verifier call).
 
 Each executor computes a block's rows its own way; from the rows on, the steps are these

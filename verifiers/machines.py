@@ -8,7 +8,7 @@ never touches a KV cache; who executes the needs is up to the driver:
 * the reference loops (:mod:`verifiers.reference`, :mod:`verifiers.reference_ensemble`)
   execute them with :class:`verifiers.executor.LocalExecutor`, recomputing every row from the
   full context (slow, obviously correct; the exactness tests enumerate their output law);
-* the serving engine (``actors.scheduler``) gathers the needs of every request in flight and
+* the serving engine (``actors.coordination.scheduler``) gathers the needs of every request in flight and
   runs them as one batched call per model worker per scheduler step (each running request
   makes one iteration per step).
 

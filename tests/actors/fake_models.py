@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from actors.backends import FORWARD_OVERHEAD_TOKENS
-from actors.model_worker import ModelWorker
+from actors.model.backends import FORWARD_OVERHEAD_TOKENS
+from actors.worker.model_worker import ModelWorker
 from cluster.config import GroupConfig, parse_app_args
 from tests.verifiers.tiny_models import TinyModel, model_pair
 
@@ -49,7 +49,7 @@ class PoisonError(RuntimeError):
 
 
 class FunctionBackend:
-    """The :class:`actors.backends.SlotBackend` interface over a function of the context.
+    """The :class:`actors.model.backends.SlotBackend` interface over a function of the context.
 
     Each slot remembers, per storage column, the token written there and its position. A new
     token's logits are the function of the tokens it can see -- the slot's prefix columns and
@@ -85,7 +85,7 @@ class FunctionBackend:
         self.allocated.discard(slot)
 
     def resize_slots(self, slots: int) -> None:
-        """Hold ``slots`` slots (as :meth:`actors.backends.SlotBackend.resize_slots`)."""
+        """Hold ``slots`` slots (as :meth:`actors.model.backends.SlotBackend.resize_slots`)."""
         self.max_slots = int(slots)
 
     def free_slots(self) -> list[int]:

@@ -60,7 +60,7 @@ class _InfoHandle:
 
 def test_coordinator_refuses_a_group_without_one_vocabulary():
     """Bring-up awaits the coordinator's infos before serving: there the group is refused."""
-    from actors.coordinator import Coordinator
+    from actors.coordination.coordinator import Coordinator
     from tests.actors.fake_models import fake_group_config
 
     config = fake_group_config()

@@ -192,7 +192,7 @@ def test_serve_load_end_to_end(tmp_path, monkeypatch):
 
 def _metrics_text(forward: float, step: float, replica: str = "r1") -> str:
     """A ``/metrics`` text as the server renders it (cluster.metrics), one group with two workers."""
-    from actors.metrics import GroupIdentity, SchedulerMetrics, group_snapshot
+    from actors.coordination.metrics import GroupIdentity, SchedulerMetrics, group_snapshot
     from cluster.metrics import ScrapeResult, render
 
     workers = {"target": {"forward_seconds_total": forward, "step_seconds_total": step, "steps": 3,

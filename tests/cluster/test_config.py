@@ -10,7 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from actors.api import InvalidRequestError, SpeculationParams
-from actors.plan import resolve_plan
+from actors.coordination.plan import resolve_plan
 from cluster.bringup import model_group_bundles
 from cluster.config import ConfigError, GroupConfig, load_app_args, parse_app_args
 

@@ -1,5 +1,5 @@
 """Every deploy/*.yaml starts within its stated KV cache budget: for each model worker, the
-bytes of one slot (actors/kv_budget.py, from the model's config: the embedded ones read from
+bytes of one slot (actors/model/kv_budget.py, from the model's config: the embedded ones read from
 disk, the hub ones from their published configs written below, nothing downloaded), the slots it
 holds and what they cost. The GPU example fits an 80 GB GPU next to its bf16 weights; the CPU
 examples keep today's slot count (2 x max_concurrent_requests + 4) within 2 GiB a group."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaConfig
 
-from actors.architectures import resolve_architecture
-from actors.kv_budget import context_limit, plan_kv_slots, slot_bytes
-from actors.model_worker import SCRATCH_COLUMNS
-from actors.device_worker import shared_kv_slots
+from actors.model.architectures import resolve_architecture
+from actors.model.kv_budget import context_limit, plan_kv_slots, slot_bytes
+from actors.worker.model_worker import SCRATCH_COLUMNS
+from actors.worker.device_worker import shared_kv_slots
 from cluster.bringup import resolve_placement, worker_sessions
 from cluster.config import load_app_args, read_serve_config
 
@@ -68,7 +68,7 @@ def worker_plans(group) -> dict[str, tuple[int, int, int]]:
 
 
 def _shared(group, plans: dict[str, tuple[int, int, int]]) -> dict[str, tuple[int, int, int]]:
-    """With a byte budget, the models of one worker split it (actors/device_worker.py): each holds
+    """With a byte budget, the models of one worker split it (actors/worker/device_worker.py): each holds
     the budget over the bytes of one slot in every model of the worker."""
     if group.kv_cache_memory is None:
         return plans

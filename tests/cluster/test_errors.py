@@ -28,9 +28,9 @@ INTERNALS = re.compile(
 
 RAY_STYLE_FAILURE = (
     "\x1b[36mray::ModelWorker.score()\x1b[39m (pid=4242, ip=10.1.2.3, actor_id=5a3b1c9d8e7f60514233aabbccddeeff01000000, "
-    "repr=<actors.model_worker.ModelWorker object at 0x7f00>)\n"
+    "repr=<actors.worker.model_worker.ModelWorker object at 0x7f00>)\n"
     "Traceback (most recent call last):\n"
-    '  File "/work/actors/model_worker.py", line 120, in score\n'
+    '  File "/work/actors/worker/model_worker.py", line 120, in score\n'
     "    raise ValueError('temperature must be finite')\n"
     "ValueError: temperature must be finite"
 )
@@ -93,7 +93,7 @@ def test_clean_text():
 def test_limits_map_to_429_and_504_naming_the_limit():
     import grpc
 
-    from actors.scheduler import OverloadedError
+    from actors.coordination.scheduler import OverloadedError
     from cluster.errors import RequestTimedOut, client_error
 
     busy = client_error(OverloadedError("server busy: 16 running (limit max_concurrent_requests=16)"), "req-1")

@@ -12,7 +12,7 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.metrics import COUNTER, GAUGE, METRICS, GroupIdentity, RequestClock, SchedulerMetrics, group_snapshot
+from actors.coordination.metrics import COUNTER, GAUGE, METRICS, GroupIdentity, RequestClock, SchedulerMetrics, group_snapshot
 from cluster import metrics as cluster_metrics
 from cluster.metrics import SCRAPE_COORDINATORS, CoordinatorDirectory, ScrapeResult, render
 

@@ -1,0 +1,468 @@
+"""Coordinator: the async Ray actor that decodes requests on a group of ModelWorkers.
+
+``Coordinator.generate(request)`` is an async generator method: callers stream it with
+``coordinator.generate.options(num_returns="streaming").remote(request)`` and get one
+:class:`actors.api.GenerationChunk` per batch of accepted tokens; the last chunk has
+``finished=True``, ``finish_reason`` and ``stats``. An invalid request raises
+:class:`actors.api.InvalidRequestError` (field + message) before any model work, so the
+serving layer can answer 400; a failure during decoding (e.g. a worker error) ends the stream
+with a chunk whose ``error`` is set (``finish_reason="error"``). Either way every session the
+request opened is released on every worker, and other requests are unaffected.
+
+Requests are decoded together by the step scheduler (:mod:`actors.coordination.scheduler`): each request
+is a state machine (:mod:`verifiers.machines`, built by :mod:`actors.coordination.strategies`), and every
+step each model worker gets one call with the work of every request in flight. A request
+beyond ``max_concurrent_requests`` (at most the KV cache slots of the group's smallest worker,
+:func:`running_limit`) waits its turn; beyond ``max_queued_requests`` more it is
+refused with :class:`actors.coordination.scheduler.OverloadedError` (429 / RESOURCE_EXHAUSTED). A client
+that goes away leaves at the next step. The coordinator itself holds no decoding math.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, TokenLogprob
+from actors.messages import OpenSession, RowSampling, WorkerInfo
+from actors.coordination.metrics import (
+    NO_METHOD,
+    RAY_EXPORT_PERIOD_S,
+    GroupIdentity,
+    MetricsRecorder,
+    RayMetricsExporter,
+    RequestClock,
+    SchedulerMetrics,
+    group_snapshot,
+    plan_labels,
+)
+from actors.coordination.output import OutputTracker
+from actors.coordination.plan import DecodingPlan, resolve_plan
+from actors.tokenizer import load_tokenizer
+from actors.coordination.prompt_scoring import law_models, prompt_log_rows, prompt_logprobs
+from actors.coordination.scheduler import RequestState, Scheduler
+from actors.coordination.strategies import MachineSampling, build_machine
+from actors.vocabulary import group_vocabulary, tokenizer_identity
+from verifiers.grammar import GrammarConstraint, GrammarError, compile_constraint
+from verifiers.penalties import Penalties
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a metrics snapshot waits for each worker's counters (a busy worker answers after its
+#: current step); a worker that does not answer in time is left out and counted as failed.
+WORKER_METRICS_TIMEOUT_S = 2.0
+DEFAULT_MODEL_GROUP = "specserve"
+
+
+def _inside_ray_actor() -> bool:
+    """True when this code runs in a Ray actor (where ``ray.util.metrics`` export works)."""
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001 - no Ray here: nothing to export to
+        return False
+
+
+def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
+    """Consecutive chunks of one request as one (tokens and text in order; the last one's
+    finish, stats and error). Under load a client's stream then costs one message per read,
+    not one per scheduler step."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    logprobs = None if last.logprobs is None and chunks[0].logprobs is None else [
+        entry for c in chunks for entry in (c.logprobs or [])
+    ]
+    return last.model_copy(
+        update={"token_ids": [t for c in chunks for t in c.token_ids], "text": "".join(c.text for c in chunks),
+                "logprobs": logprobs}
+    )
+
+
+def running_limit(max_concurrent: int, infos: dict[str, WorkerInfo]) -> int:
+    """Requests run at once: ``limits.max_concurrent_requests``, at most the KV cache slots of the
+    group's smallest worker (one slot per request on each worker; :mod:`actors.model.kv_budget`), so a
+    request waits for a free slot instead of failing for lack of one."""
+    slots = [info.kv_slots for info in infos.values() if info.kv_slots is not None]
+    return min([int(max_concurrent), *slots])
+
+
+class Coordinator:
+    """Decodes requests with one strategy each over the workers of one model group.
+
+    Use as an async Ray actor: ``ray.remote(Coordinator).options(...).remote(workers, config)``.
+
+    workers: model name -> ModelWorker actor handle.
+    config:  a :class:`cluster.config.GroupConfig` (roles, defaults, tokenizer path, limits);
+             ``tokenizer_path=None`` runs on token ids only (no text, no stop strings).
+    eos_token_ids: overrides the tokenizer's EOS id(s).
+    identity: the group's metric labels (served model name, owning replica).
+    export_to_ray: copy the metrics into ``ray.util.metrics`` every few seconds (default: when
+    running as a Ray actor).
+    """
+
+    def __init__(self, workers: dict[str, Any], config: Any, eos_token_ids: list[int] | None = None,
+                 identity: GroupIdentity | None = None, export_to_ray: bool | None = None):
+        self.workers = dict(workers)
+        self.config = config
+        self.roles = dict(config.roles)
+        missing = sorted(set(self.roles) - set(self.workers))
+        if missing:
+            raise ValueError(f"no worker for models {missing}")
+        self.tokenizer = self._load_tokenizer(config.tokenizer_path)
+        if eos_token_ids is not None:
+            self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        elif self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids = frozenset([int(self.tokenizer.eos_token_id)])
+        else:
+            self.eos_token_ids = frozenset()
+        self.identity = identity if identity is not None else GroupIdentity(DEFAULT_MODEL_GROUP)
+        self.export_to_ray = _inside_ray_actor() if export_to_ray is None else export_to_ray
+        self.metrics = SchedulerMetrics(MetricsRecorder(keep_pending=self.export_to_ray))
+        self.scheduler = Scheduler(
+            self.workers,
+            max_running=config.max_concurrent_requests,
+            max_waiting=config.max_queued_requests,
+            cohorts=2 if config.uses_overlap else 1,
+            request_timeout_s=config.request_timeout_s,
+            metrics=self.metrics,
+            goodput=config.goodput_gamma,
+            pre_drafting=config.pre_drafting,
+            max_tokens_per_step=config.max_tokens_per_step,
+            burst_s=config.burst_ms / 1e3,
+        )
+        self.worker_infos: dict[str, WorkerInfo] | None = None
+        self.vocab_limit: int | None = None  # the group's real tokens (actors.vocabulary), set with the infos
+        self._export_task: asyncio.Task | None = None
+
+    @staticmethod
+    def _load_tokenizer(path: str | None):
+        return None if path is None else load_tokenizer(path)
+
+    # ------------------------------------------------------------------ info
+    async def infos(self) -> dict[str, WorkerInfo]:
+        """Every worker's :class:`WorkerInfo` (fetched once)."""
+        if self.worker_infos is None:
+            names = list(self.workers)
+            results = await asyncio.gather(*(self.workers[name].info.remote() for name in names))
+            infos = dict(zip(names, results))
+            # One vocabulary for the group, or refuse (VocabularyMismatchError): bring-up asks for
+            # the infos before it serves, so a mismatched group never starts.
+            self.vocab_limit = group_vocabulary(
+                {name: info.vocab_size for name, info in infos.items()},
+                {name: info.tokenizer for name, info in infos.items()},
+                tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None,
+            )
+            self.scheduler.max_running = running_limit(self.config.max_concurrent_requests, infos)
+            self.worker_infos = infos
+        return self.worker_infos
+
+    async def describe(self) -> dict[str, Any]:
+        """Models (name, role, vocabulary, context, device), defaults and limits of the group."""
+        infos = await self.infos()
+        return {
+            "models": {name: {"role": info.role, "vocab_size": info.vocab_size, "max_context": info.max_context,
+                              "device": info.device, "gpu_ids": list(info.gpu_ids)} for name, info in infos.items()},
+            "defaults": self.config.defaults.model_dump(),
+            "max_concurrent_requests": self.config.max_concurrent_requests,
+            "max_running": self.scheduler.max_running,
+            "kv_slots": {name: info.kv_slots for name, info in infos.items()},
+            "active_requests": sorted(self.scheduler.active_session_ids()),
+        }
+
+    async def engine_stats(self) -> dict[str, Any]:
+        """Scheduler counters: steps, solo bursts, running and waiting requests, recent batch sizes."""
+        return {
+            "steps": self.scheduler.steps,
+            "bursts": self.scheduler.bursts,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "batch_sizes": list(self.scheduler.batch_sizes),
+            "step_seconds": list(self.scheduler.step_seconds),
+        }
+
+    # ------------------------------------------------------------------ metrics
+    async def metrics_snapshot(self) -> dict[str, Any]:
+        """The group's metrics now (:func:`actors.coordination.metrics.group_snapshot`): the recorded
+        families, running / waiting requests and every worker's cumulative counters (workers that
+        do not answer within :data:`WORKER_METRICS_TIMEOUT_S` are left out and counted)."""
+        self._ensure_export()
+        worker_totals, failed = await self._worker_metrics()
+        return self._snapshot(worker_totals, failed)
+
+    def _snapshot(self, worker_totals: dict[str, dict[str, float]], failed: int) -> dict[str, Any]:
+        return group_snapshot(self.identity, self.metrics.recorder, len(self.scheduler.running),
+                              len(self.scheduler.waiting), worker_totals, failed)
+
+    async def _worker_metrics(self) -> tuple[dict[str, dict[str, float]], int]:
+        """Each worker's ``metrics()`` (name -> totals) and how many did not answer in time."""
+        names = list(self.workers)
+
+        async def one(name: str) -> dict[str, float]:
+            return await asyncio.wait_for(self.workers[name].metrics.remote(), timeout=WORKER_METRICS_TIMEOUT_S)
+
+        results = await asyncio.gather(*(one(name) for name in names), return_exceptions=True)
+        totals = {name: result for name, result in zip(names, results) if isinstance(result, dict)}
+        for name, result in zip(names, results):
+            if not isinstance(result, dict):
+                logger.warning("metrics of worker %s unavailable: %s", name, type(result).__name__)
+        return totals, len(names) - len(totals)
+
+    def _ensure_export(self) -> None:
+        """Start the periodic copy into ``ray.util.metrics`` (once, in the running event loop)."""
+        if not self.export_to_ray or (self._export_task is not None and not self._export_task.done()):
+            return
+        self._export_task = asyncio.get_running_loop().create_task(self._export_forever())
+
+    async def _export_forever(self) -> None:
+        exporter = RayMetricsExporter(self.identity)
+        while True:
+            await asyncio.sleep(RAY_EXPORT_PERIOD_S)
+            try:
+                worker_totals, failed = await self._worker_metrics()
+                exporter.export(self._snapshot(worker_totals, failed), self.metrics.recorder.take_pending())
+            except Exception:
+                logger.exception("exporting metrics to Ray failed")
+
+    async def health(self) -> bool:
+        """True when every worker answers."""
+        await asyncio.gather(*(worker.num_sessions.remote() for worker in self.workers.values()))
+        return True
+
+    # ------------------------------------------------------------------ validation
+    def _tokenize(self, request: GenerationRequest) -> list[int]:
+        if request.prompt_ids is not None:
+            return [int(t) for t in request.prompt_ids]
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this deployment has no tokenizer; send prompt_ids")
+        # The tokenizer's own convention (e.g. a BOS token for models trained with one), as
+        # model.generate users would tokenize.
+        return list(self.tokenizer(request.prompt)["input_ids"])
+
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids, cut to their last ``truncate_prompt_tokens`` when set."""
+        prompt_ids = self._tokenize(request)
+        keep = request.sampling.truncate_prompt_tokens
+        return prompt_ids if keep is None else prompt_ids[-keep:]
+
+    def _prediction_ids(self, request: GenerationRequest, vocab_limit: int) -> tuple[int, ...]:
+        """The predicted output's token ids (text: tokenized without special tokens), () for none."""
+        prediction = request.prediction
+        if prediction is None:
+            return ()
+        if isinstance(prediction, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prediction", "a text prediction needs a tokenizer; this deployment has none")
+            return tuple(self.tokenizer(prediction, add_special_tokens=False)["input_ids"])
+        bad = [t for t in prediction if not 0 <= t < vocab_limit]
+        if bad:
+            raise InvalidRequestError("prediction", f"token ids must lie in [0, {vocab_limit}), got {bad[:5]}")
+        return tuple(prediction)
+
+    def _plan(self, request: GenerationRequest) -> DecodingPlan:
+        """The request's plan, resolved once against the deployment (raises InvalidRequestError)."""
+        return resolve_plan(request.speculation, self.config.defaults, self.roles, prediction=request.prediction is not None)
+
+    async def _prepare(self, request: GenerationRequest, plan: DecodingPlan) -> tuple[list[int], int, int]:
+        """Check everything about a request under its resolved plan; raises InvalidRequestError."""
+        infos = await self.infos()
+        prompt_ids = self._prompt_ids(request)
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "the prompt tokenizes to no tokens")
+        vocab_limit = self.vocab_limit  # the tokenizer's real tokens; padded embedding rows are masked
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_limit]
+        if bad:
+            raise InvalidRequestError("prompt_ids", f"token ids must lie in [0, {vocab_limit}), got {bad[:5]}")
+        # Each worker reports the context a request may use there (engine.max_model_len when set).
+        max_context = min(infos[name].max_context for name in plan.models)
+        limit = self._context_name(max_context)
+        if len(prompt_ids) >= max_context:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {len(prompt_ids)} tokens; the {limit} is {max_context}"
+            )
+        sampling = request.sampling
+        if len(prompt_ids) + sampling.max_tokens > max_context:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the {limit} "
+                f"({max_context}); at most {max_context - len(prompt_ids)}",
+            )
+        if sampling.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer; this deployment has none")
+        bad_bias = [t for t in sampling.logit_bias if not 0 <= t < vocab_limit]
+        if bad_bias:
+            raise InvalidRequestError("logit_bias", f"token ids must lie in [0, {vocab_limit}), got {bad_bias[:5]}")
+        self._grammar(sampling, request.request_id)
+        self._prediction_ids(request, vocab_limit)
+        return prompt_ids, vocab_limit, max_context
+
+    def _grammar(self, sampling, request_key: str) -> GrammarConstraint | None:
+        """The request's structured-output constraint over the group's tokenizer (cached per
+        grammar), or None; raises InvalidRequestError naming the field it came from."""
+        structured = sampling.structured
+        if structured is None:
+            return None
+        if self.config.tokenizer_path is None:
+            raise InvalidRequestError(structured.field, "structured outputs need a tokenizer; this deployment has none")
+        try:
+            return compile_constraint(structured.kind, structured.spec, self.config.tokenizer_path, request_key)
+        except GrammarError as error:
+            raise InvalidRequestError(structured.field, str(error)) from None
+
+    def _context_name(self, max_context: int) -> str:
+        """How a 400 names the context limit: ``max_model_len`` when that setting is the limit."""
+        max_model_len = getattr(self.config, "max_model_len", None)
+        return "max_model_len" if max_model_len == max_context else "model context"
+
+    async def validate(self, request: GenerationRequest | dict) -> dict[str, Any]:
+        """Check a request without running it: the resolved plan and the prompt length, or
+        InvalidRequestError naming the field."""
+        request = self._parse(request)
+        plan = self._plan(request)
+        prompt_ids, vocab_limit, max_context = await self._prepare(request, plan)
+        return {"plan": vars(plan), "prompt_tokens": len(prompt_ids), "max_context": max_context}
+
+    @staticmethod
+    def _parse(request: GenerationRequest | dict) -> GenerationRequest:
+        if isinstance(request, GenerationRequest):
+            return request
+        try:
+            return GenerationRequest.model_validate(request)
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = ".".join(str(part) for part in first["loc"]) or "request"
+            raise InvalidRequestError(field, f"{first['msg']} (got {first.get('input')!r})") from None
+
+    # ------------------------------------------------------------------ decoding
+    async def generate(self, request: GenerationRequest | dict) -> AsyncIterator[GenerationChunk]:
+        """Stream the request's output (see the module docstring)."""
+        self._ensure_export()
+        plan: DecodingPlan | None = None
+        try:
+            request = self._parse(request)
+            plan = self._plan(request)
+            prompt_ids, vocab_limit, max_context = await self._prepare(request, plan)
+        except InvalidRequestError:
+            self.metrics.refused(plan_labels(plan), "invalid")
+            raise
+        prompt_entries = None
+        if request.sampling.prompt_logprobs is not None:
+            if request.sampling.max_tokens == 0:  # the prompt alone: no decoding
+                yield await self._score_prompt_only(request, plan, prompt_ids, vocab_limit)
+                return
+            prompt_entries = await self._score_prompt(request, plan, prompt_ids, vocab_limit)
+        state = self._request_state(request, plan, prompt_ids, vocab_limit, max_context)
+        self.scheduler.submit(state)  # OverloadedError when the waiting line is full
+        try:
+            while True:
+                chunks = [await state.chunks.get()]
+                while not state.chunks.empty():  # the consumer fell behind: one chunk for all of them
+                    chunks.append(state.chunks.get_nowait())
+                chunk = merge_chunks(chunks)
+                if prompt_entries is not None:  # the first chunk carries the prompt's
+                    chunk = chunk.model_copy(update={"prompt_token_ids": prompt_ids, "prompt_logprobs": prompt_entries})
+                    prompt_entries = None
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            self.scheduler.cancel(state)  # no-op when finished; else it leaves at the next step
+
+    async def _score_prompt_only(
+        self, request: GenerationRequest, plan: DecodingPlan, prompt_ids: list[int], vocab_limit: int
+    ) -> GenerationChunk:
+        """A ``max_tokens: 0`` request: the prompt's log-probabilities alone, never seen by the
+        scheduler, so counted here as it counts a request: admitted at once with its prompt
+        tokens, ended ``length`` (``cancelled`` / ``error`` when it does not finish)."""
+        labels, clock, submitted = plan_labels(plan), RequestClock(), time.perf_counter()
+        self.metrics.admitted(labels, clock, len(prompt_ids), 0.0)
+        try:
+            entries = await self._score_prompt(request, plan, prompt_ids, vocab_limit)
+        except BaseException as error:  # the client went away (cancelled) or the scoring failed
+            status = "cancelled" if isinstance(error, asyncio.CancelledError) else "error"
+            self.metrics.ended(labels, clock, status, time.perf_counter(), submitted)
+            raise
+        self.metrics.ended(labels, clock, "length", time.perf_counter(), submitted)
+        stats = RequestStats(strategy=plan.strategy, method=plan.method, prompt_tokens=len(prompt_ids))
+        return GenerationChunk(request_id=request.request_id, prompt_token_ids=prompt_ids, prompt_logprobs=entries,
+                               finished=True, finish_reason="length", stats=stats)
+
+    async def _score_prompt(
+        self, request: GenerationRequest, plan: DecodingPlan, prompt_ids: list[int], vocab_limit: int
+    ) -> list[TokenLogprob]:
+        """The prompt's log-probabilities under the request's raw law (:mod:`actors.coordination.prompt_scoring`):
+        every law model scores the prompt in one forward, concurrently."""
+        models = law_models(plan)
+        session_id = f"{request.request_id}/prompt-{uuid.uuid4().hex[:12]}"
+        logits = await asyncio.gather(
+            *(self.workers[name].prompt_logits.remote(session_id, prompt_ids, vocab_limit) for name in models)
+        )
+        rows = prompt_log_rows(plan, dict(zip(models, logits)))  # [P-1, V]
+        return prompt_logprobs(rows, prompt_ids, request.sampling.prompt_logprobs)
+
+    def count_invalid(self) -> None:
+        """A request the ingress refused as invalid (400) before it reached here."""
+        self.metrics.refused((NO_METHOD, NO_METHOD), "invalid")
+
+    async def generate_all(self, request: GenerationRequest | dict) -> list[GenerationChunk]:
+        """Non-streaming convenience: every chunk of :meth:`generate` in a list."""
+        return [chunk async for chunk in self.generate(request)]
+
+    def _request_state(
+        self, request: GenerationRequest, plan: DecodingPlan, prompt_ids: list[int], vocab_limit: int, max_context: int
+    ) -> RequestState:
+        sampling = request.sampling
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+        penalties = Penalties(
+            presence=sampling.presence_penalty,
+            frequency=sampling.frequency_penalty,
+            repetition=sampling.repetition_penalty,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in sampling.logit_bias.items())),
+            min_tokens=sampling.min_tokens,
+            eos_ids=tuple(sorted(self.eos_token_ids)),
+            min_p=sampling.min_p,
+            grammar=self._grammar(sampling, f"{request.request_id}/{uuid.uuid4().hex[:12]}"),
+        )
+        built = build_machine(
+            plan,
+            MachineSampling(sampling.temperature, sampling.top_k, sampling.top_p, penalties, tuple(prompt_ids),
+                            sampling.logprobs, self._prediction_ids(request, vocab_limit) if plan.prediction else ()),
+            seed=seed,
+            max_new_tokens=sampling.max_tokens,
+            context_budget=max_context - len(prompt_ids),
+        )
+        row_sampling = RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, vocab_limit, penalties,
+                                   precision=self.config.row_precision)
+        opens = {
+            model: OpenSession(tuple(prompt_ids), row_sampling, dict(seeds))
+            for model, seeds in built.worker_seeds.items()
+        }
+        output = OutputTracker(
+            self.tokenizer,
+            max_tokens=sampling.max_tokens,
+            stop=sampling.stop,
+            eos_token_ids=self.eos_token_ids,
+            ignore_eos=sampling.ignore_eos,
+            min_tokens=sampling.min_tokens,
+            skip_special_tokens=sampling.skip_special_tokens,
+            spaces_between_special_tokens=sampling.spaces_between_special_tokens,
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
+        )
+        return RequestState(
+            request_id=request.request_id,
+            session_id=f"{request.request_id}/{uuid.uuid4().hex[:12]}",
+            plan=plan,
+            machine=built.machine,
+            output=output,
+            prompt_ids=prompt_ids,
+            opens=opens,
+            vocab_limit=vocab_limit,
+        )

@@ -1,0 +1,975 @@
+"""The step scheduler: every request in flight advances by one machine iteration per step, and each
+model worker gets ONE call per step carrying the work of every request.
+
+A step (:meth:`Scheduler._step`):
+
+1. admit waiting requests up to ``max_running`` (continuous batching: requests join and leave
+   between steps; the waiting line is bounded, a full one is refused with
+   :class:`OverloadedError`);
+2. ask each running request's machine for its needs (:mod:`verifiers.machines`);
+3. group the needs by model into one :class:`~actors.messages.WorkItem` list per worker and
+   call each worker once (``run_step.options(num_returns=2)``). A ScoreVerify reads the proposal of
+   a Sample on another worker: the proposing worker's call goes first and its payload ref is
+   an argument of the verifying worker's call, so Ray runs the two back to back and the
+   proposals' logits travel worker to worker, never through here. A model with nothing to
+   propose for others gets all its items in that second call;
+   A request whose prompt is longer than ``max_tokens_per_step`` is admitted in a prefill
+   phase first: each step it sends a :class:`~actors.messages.Prefill` item to every model it
+   uses (the first opens the session), and each worker feeds the next chunk of the prompt with
+   what its step budget leaves after the running requests' rows; once every worker holds the
+   whole prompt but its last token, the request's machine makes its first iteration (chunked
+   prefill: running streams keep producing tokens while a long prompt arrives; the tokens are
+   the same, no random draw happens during the prefill);
+4. hand each request its results; its machine returns the tokens made final, which go through
+   the request's :class:`~actors.coordination.output.OutputTracker` (EOS, stop strings, max_tokens) and out
+   as a chunk on the request's queue.
+
+Finished, failed and cancelled requests leave between steps; their sessions are released in the
+next call to each worker (a cancelled request never cancels a Ray task, so no actor waits for a
+call that will not come). A worker call that fails ends only the requests that had work in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import pickle
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from actors.api import GenerationChunk, RequestStats, TokenLogprob
+from actors.worker.bursts import BurstRecord, FrozenStepCosts, burstable
+from actors.worker.device_worker import HostCall, host_of
+from actors.messages import UNAVAILABLE, CallTiming, ItemOutcome, OpenSession, Prefill, WorkItem
+from actors.coordination.metrics import RequestClock, SchedulerMetrics, plan_labels
+from actors.coordination.output import OutputTracker
+from actors.coordination.plan import ENSEMBLE_STRATEGIES, DecodingPlan
+from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
+from verifiers.adaptive import StepCosts, best_block
+from verifiers.machines import (
+    AR_TOKENS_PER_ITERATION,
+    PLAIN_PROBE_EVERY,
+    MODEL_FREE,
+    PRE_DRAFTED,
+    DecodeMachine,
+    Extend,
+    NextLogits,
+    PreDraft,
+    Sample,
+    ScoreVerify,
+    SpeculativeMachine,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_EMPTY_ITERATIONS = 64  # a machine that makes no progress this many iterations in a row is a bug
+
+
+class OverloadedError(RuntimeError):
+    """The scheduler's waiting line is full; retry later (HTTP 429 / RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.message,))
+
+
+@dataclass
+class StatsRecorder:
+    """Per-request counters, turned into ``actors.api.RequestStats`` at the end."""
+
+    model_calls: dict[str, int] = field(default_factory=dict)
+    time_draft_s: float = 0.0
+    time_target_s: float = 0.0
+    time_verify_s: float = 0.0
+    bytes_moved: int = 0
+
+    def count(self, model: str, timing: CallTiming) -> None:
+        self.model_calls[model] = self.model_calls.get(model, 0) + timing.forward_calls
+
+
+@dataclass
+class RequestState:
+    """One request inside the scheduler."""
+
+    request_id: str
+    session_id: str
+    plan: DecodingPlan
+    machine: DecodeMachine
+    output: OutputTracker
+    prompt_ids: list[int]
+    opens: dict[str, OpenSession]  # model -> how to open its session (removed once opened)
+    vocab_limit: int
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stats: StatsRecorder = field(default_factory=StatsRecorder)
+    opened: set[str] = field(default_factory=set)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float = 0.0
+    empty_iterations: int = 0
+    last_needs: list = field(default_factory=list)
+    pre_drafted: tuple[Any, int] | None = None  # (payloads of the call, index) of the last PreDraft
+    cancelled: bool = False
+    finished: bool = False
+    prefilling: set[str] = field(default_factory=set)  # models whose session does not hold the prompt yet
+    clock: RequestClock = field(default_factory=RequestClock)
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        """The request's metric labels: (strategy, method)."""
+        return plan_labels(self.plan)
+
+
+@dataclass
+class _Placed:
+    """A need of a request placed in a worker call."""
+
+    request: RequestState
+    need_index: int
+    item: WorkItem
+    carried: tuple[Any, int] | None = None  # a ScoreVerify of a pre-drafted block: where the block is
+
+
+@dataclass
+class Cohort:
+    """Requests that step together. With two cohorts, each runs its own step loop: while the
+    target verifies one cohort, the draft already proposes for the other (Ray runs each worker's
+    calls in order, so the two loops interleave on every worker without changing any request's
+    own calls or draws)."""
+
+    index: int
+    running: list[RequestState] = field(default_factory=list)
+    mode: str = "any"  # the step mode last decided for the whole cohort (StepCosts.mode)
+    mode_steps: int = 0  # steps in a row in that mode (the other is probed after PLAIN_PROBE_EVERY)
+
+
+class Scheduler:
+    """Runs the step loops over the workers of one model group (inside the coordinator's event
+    loop). ``cohorts``: 1 (every running request in every step) or 2 (two alternating cohorts
+    that keep the draft and the target busy at the same time)."""
+
+    def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int, cohorts: int = 1,
+                 request_timeout_s: float = 600.0, metrics: SchedulerMetrics | None = None, goodput: bool = True,
+                 pre_drafting: int = 0, max_tokens_per_step: int | None = None, burst_s: float = 0.0):
+        if cohorts not in (1, 2):
+            raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
+        self.workers = dict(workers)
+        #: model -> the id of the worker hosting it with others (actors.worker.device_worker); None: its own worker
+        self.hosts: dict[str, str | None] = {name: host_of(handle) for name, handle in self.workers.items()}
+        self.max_running = int(max_running)
+        self.max_waiting = int(max_waiting)
+        self.request_timeout_s = float(request_timeout_s)
+        self.waiting: deque[RequestState] = deque()
+        self.cohorts = [Cohort(i) for i in range(cohorts)]
+        self.releases: dict[str, list[str]] = {name: [] for name in self.workers}
+        self.steps = 0
+        self.batch_sizes: deque[int] = deque(maxlen=256)
+        self.step_seconds: deque[float] = deque(maxlen=256)
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        self._wakeup: asyncio.Condition | None = None
+        self._loop_tasks: list[asyncio.Task] = []
+        self._notify_tasks: set[asyncio.Task] = set()
+        self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
+        self.acceptance_board = AcceptanceBoard()
+        self.mode_rates = ModeRates()
+        self.goodput = goodput
+        self.pre_drafting = int(pre_drafting)
+        #: Prompts longer than this are prefilled in chunks before their first decoding step
+        #: (the workers' step budget, ``engine.max_tokens_per_step``); None: never.
+        self.max_tokens_per_step = max_tokens_per_step
+        #: Solo bursts (``engine.burst_ms``, :mod:`actors.worker.bursts`): with one request running and
+        #: none waiting, its target's worker runs its iterations for up to this long per call; 0: off.
+        self.burst_s = float(burst_s)
+        self.bursts = 0
+        self._batch_now = 1
+        self._step_mode = "any"  # the cohort now stepping: what its gamma-auto requests do (StepCosts.mode)
+        self._step_block = 0  # and with mode speculative, the block they all draft (StepCosts.block)
+
+    @property
+    def running(self) -> list[RequestState]:
+        """Every running request, all cohorts."""
+        return [request for cohort in self.cohorts for request in cohort.running]
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request: RequestState) -> None:
+        """Queue a request (raises OverloadedError when the waiting line is full)."""
+        running = len(self.running)
+        if len(self.waiting) >= self.max_waiting and running >= self.max_running:
+            self.metrics.refused(request.labels, "rejected")
+            raise OverloadedError(
+                f"server busy: {running} requests running (limit max_concurrent_requests="
+                f"{self.max_running}) and {len(self.waiting)} waiting (limit max_queued_requests={self.max_waiting})"
+            )
+        self.waiting.append(request)
+        self._ensure_loops()
+        self._notify()
+
+    def cancel(self, request: RequestState) -> None:
+        """The client went away: the request leaves at the next step boundary."""
+        if not request.finished:
+            request.cancelled = True
+            self.metrics.ended(request.labels, request.clock, "cancelled", time.perf_counter(), request.submitted,
+                               admitted=bool(request.started))
+            logger.info("request %s cancelled", request.session_id)
+            self._notify()
+
+    def active_session_ids(self) -> list[str]:
+        return [r.session_id for r in self.running] + [r.session_id for r in self.waiting]
+
+    # ------------------------------------------------------------------ loops
+    def _ensure_loops(self) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Condition()
+        loop = asyncio.get_running_loop()
+        self._loop_tasks = [
+            task if task is not None and not task.done() else loop.create_task(self._run(cohort))
+            for cohort, task in zip(self.cohorts, self._loop_tasks or [None] * len(self.cohorts))
+        ]
+
+    async def close(self) -> None:
+        """Stop the step loops (the coordinator's event loop is about to end)."""
+        tasks = [*self._loop_tasks, *self._notify_tasks]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loop_tasks = []
+        self._notify_tasks.clear()
+
+    def _notify(self) -> None:
+        if self._wakeup is None:
+            return
+
+        async def notify() -> None:
+            async with self._wakeup:
+                self._wakeup.notify_all()
+
+        # Kept until done: the loop holds only weak references to tasks, and close() cancels
+        # the ones still pending.
+        task = asyncio.get_running_loop().create_task(notify())
+        self._notify_tasks.add(task)
+        task.add_done_callback(self._notify_tasks.discard)
+
+    async def _run(self, cohort: Cohort) -> None:
+        while True:
+            self._expire(cohort)
+            self._drop_left(cohort)
+            self._admit(cohort)
+            if not cohort.running:
+                await self._flush_releases()
+                async with self._wakeup:
+                    if not (self.waiting and len(self.running) < self.max_running):
+                        try:  # a submit, a cancel or a finished request wakes it; waiting ones can expire
+                            await asyncio.wait_for(self._wakeup.wait(), timeout=self.request_timeout_s / 4)
+                        except asyncio.TimeoutError:
+                            pass
+                continue
+            started = time.perf_counter()
+            try:
+                if self._can_burst(cohort):
+                    await self._burst(cohort.running[0])
+                else:
+                    await self._step(cohort)
+                    self._count_duration(time.perf_counter() - started)
+            except Exception as error:
+                logger.exception("scheduler step failed; failing the cohort's requests")
+                for request in list(cohort.running):
+                    self._fail(request, f"internal error: {type(error).__name__}")
+            # Let the streams' readers run between steps: in-process workers answer at once, and a
+            # loop that never yields would hold every chunk until it idles.
+            await asyncio.sleep(0)
+
+    def _expire(self, cohort: Cohort) -> None:
+        """End the requests (running in this cohort, or waiting) older than the request timeout."""
+        now = time.perf_counter()
+        message = f"the request ran past limits.request_timeout_s={self.request_timeout_s:g} s"
+        for request in [*cohort.running, *self.waiting]:
+            if not request.finished and now - request.submitted > self.request_timeout_s:
+                self._fail(request, message, timed_out=True)
+        for request in [r for r in self.waiting if r.finished]:
+            self.waiting.remove(request)
+
+    def _drop_left(self, cohort: Cohort) -> None:
+        """Remove finished and cancelled requests; queue their sessions for release."""
+        left = [r for r in cohort.running if r.finished or r.cancelled]
+        for request in left:
+            cohort.running.remove(request)
+            self._release(request)
+        if left and self.waiting:
+            self._notify()  # an idle cohort may admit now
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+
+    def _release(self, request: RequestState) -> None:
+        for model in request.opened:
+            self.releases[model].append(request.session_id)
+        request.opened = set()
+
+    def _admit(self, cohort: Cohort) -> None:
+        """Start waiting requests in ``cohort`` while the total is under ``max_running`` and the
+        cohort is not the larger one (the cohorts stay balanced)."""
+        while self.waiting and len(self.running) < self.max_running:
+            if len(cohort.running) > min(len(c.running) for c in self.cohorts):
+                return
+            request = self.waiting.popleft()
+            request.started = time.perf_counter()
+            if self.goodput and getattr(request.machine, "chooser", None) is not None:
+                request.machine.step_costs = functools.partial(self.step_costs, request.machine)
+                self._start_from_group_acceptance(request)
+            if isinstance(request.machine, SpeculativeMachine) and request.machine.num_drafts == 1:
+                request.machine.pre_drafting = self.pre_drafting
+            if self.max_tokens_per_step is not None and len(request.prompt_ids) > self.max_tokens_per_step:
+                request.prefilling = set(request.opens)
+            cohort.running.append(request)
+            self.metrics.admitted(request.labels, request.clock, len(request.prompt_ids),
+                                  request.started - request.submitted)
+
+    def _start_from_group_acceptance(self, request: RequestState) -> None:
+        """A gamma-auto request starts from the acceptance its pair met recently
+        (:class:`actors.coordination.step_costs.AcceptanceBoard`), when there is one, instead of the fixed prior."""
+        chooser = request.machine.chooser
+        alpha = self.acceptance_board.acceptance(_board_key(request))
+        if alpha is not None:
+            chooser.settings = dataclasses.replace(chooser.settings, prior_acceptance=alpha,
+                                                   prior_weight=board_prior_weight(alpha))
+
+    async def _flush_releases(self) -> None:
+        calls = [self._call(model, []) for model, ids in self.releases.items() if ids]
+        for outcomes_ref, _ in calls:
+            try:
+                await outcomes_ref
+            except Exception as error:  # noqa: BLE001 - a dead worker has nothing left to free
+                logger.warning("releasing sessions failed: %s", error)
+
+    # ------------------------------------------------------------------ one step
+    async def _step(self, cohort: Cohort) -> None:
+        step_started = time.perf_counter()
+        # Read by the machines' needs() below, before any await (the other cohort may step meanwhile).
+        self._batch_now = len(cohort.running)
+        self._step_mode = mode = self._cohort_mode(cohort)
+        self._step_block = self._cohort_block(cohort) if mode == "speculative" else 0
+        for request in list(cohort.running):
+            if request.prefilling:
+                request.last_needs = [Prefill(model) for model in sorted(request.prefilling)]
+                continue
+            if not self._plan_iteration(request):
+                cohort.running.remove(request)
+                self._release(request)
+        if not cohort.running:
+            return
+        placed = self._place([(request, request.last_needs) for request in cohort.running])
+        self._count_step(len(cohort.running))
+        per_request: dict[int, dict[int, ItemOutcome]] = {id(r): {} for r in cohort.running}
+        lost: set[str] = set()
+        reports: list[CallReport] = []
+        started = time.perf_counter()
+        for (model, _), (ref, entries) in self._call_workers(placed).items():
+            try:
+                outcomes = await ref
+            except Exception as error:  # noqa: BLE001 - the worker call failed: its requests fail
+                logger.error("worker %s call failed (%s); its sessions are lost", model, type(error).__name__)
+                lost.add(model)
+                outcomes = [ItemOutcome(error=UNAVAILABLE.format(model=model))] * len(entries)
+            for entry, outcome in zip(entries, outcomes):
+                per_request[id(entry.request)][entry.need_index] = outcome
+            if entries:
+                reports.append(call_report(model, entries, outcomes))
+        lost |= self._co_hosted(lost)  # a worker that died took every model it hosted
+        if not lost:
+            self._observe_costs(cohort, placed, reports, time.perf_counter() - started)
+        for request in list(self.running):  # every cohort: their sessions on a lost worker are gone too
+            if lost & request.opened:  # its sessions died with the worker, whatever this step did
+                self._fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
+        committed = _committed(cohort) if mode != "any" else 0
+        for request in list(cohort.running):
+            outcomes = per_request[id(request)]
+            self._advance(request, [outcomes[i] for i in range(len(request.last_needs))])
+        if mode != "any" and not lost:  # what a step of this mode yields at this batch
+            self.mode_rates.observe(mode, len(cohort.running), _committed(cohort) - committed,
+                                    time.perf_counter() - step_started)
+
+    def _co_hosted(self, models: set[str]) -> set[str]:
+        """The models hosted by the same workers as ``models`` (:mod:`actors.worker.device_worker`)."""
+        hosts = {self.hosts[m] for m in models} - {None}
+        return {m for m, host in self.hosts.items() if host in hosts}
+
+    # ------------------------------------------------------------------ solo bursts
+    def _can_burst(self, cohort: Cohort) -> bool:
+        """One request running (in every cohort), none waiting, every session open and no prompt
+        being prefilled, and a machine whose iterations a burst can run (:func:`actors.worker.bursts.burstable`)."""
+        if self.burst_s <= 0 or len(cohort.running) != 1 or self.waiting or len(self.running) != 1:
+            return False
+        request = cohort.running[0]
+        return (not request.opens and not request.prefilling and not request.cancelled and not request.finished
+                and burstable(request.machine))
+
+    async def _burst(self, request: RequestState) -> None:
+        """Run ``request``'s iterations in its target's worker for up to ``burst_s`` (:mod:`actors.worker.bursts`);
+        each streamed iteration is replayed through the request's own machine as a step of its own."""
+        machine = request.machine
+        target = machine.target
+        live_costs = getattr(machine, "step_costs", None)
+        self._batch_now, self._step_mode, self._step_block = 1, "any", 0  # a step of this request alone
+        if live_costs is not None:  # the worker's copy and the replay read the same costs
+            machine.step_costs = FrozenStepCosts(live_costs())
+        try:
+            blob = pickle.dumps(machine)
+            peers = {name: self.workers[name] for name in machine.streams() if name != target}
+            releases, self.releases[target] = self.releases[target], []
+            self.bursts += 1
+            stream = self.workers[target].burst.options(num_returns="streaming").remote(
+                blob, request.session_id, peers, tuple(request.output.eos_token_ids), self.burst_s, releases,
+                request.pre_drafted)
+            try:
+                async for ref in stream:
+                    record = await ref
+                    if request.finished or request.cancelled:
+                        break  # the worker stops within its budget; the session is released next call
+                    self._replay(request, record)
+            except Exception as error:  # noqa: BLE001 - the burst failed: this request only
+                self._burst_failed(request, target, error)
+        finally:
+            if live_costs is not None:
+                machine.step_costs = live_costs
+
+    def _burst_failed(self, request: RequestState, target: str, error: Exception) -> None:
+        """A burst that raised: an exception of the burst's own code ends the request as an
+        internal error; anything else (the worker died) as a lost worker call, retryable."""
+        from ray.exceptions import RayTaskError
+
+        if isinstance(error, RayTaskError) or not _is_ray_error(error):
+            logger.error("request %s: the burst on %s failed: %s", request.session_id, target, error)
+            self._fail(request, f"internal error: {type(error).__name__}")
+            return
+        logger.error("worker %s burst failed (%s); its sessions are lost", target, type(error).__name__)
+        self._fail(request, UNAVAILABLE.format(model=target), retryable=True)
+
+    def _replay(self, request: RequestState, record: BurstRecord) -> None:
+        """One iteration of a burst, as a step of one request: the request's machine must ask for
+        exactly the needs the worker's copy executed; then their outcomes go the usual way."""
+        self._count_step(1)
+        self._count_duration(record.wall_s)
+        if not self._plan_iteration(request):
+            return
+        if tuple(request.last_needs) != record.needs:
+            logger.error("request %s: a burst ran %s where the machine asks for %s", request.session_id,
+                         record.needs, request.last_needs)
+            self._fail(request, "internal error: a burst's iteration differs from the request's")
+            return
+        if any(isinstance(need, PreDraft) for need in request.last_needs):
+            request.pre_drafted = record.pre_drafted  # the next iteration may verify one of its chains
+        elif all(outcome.error is None for outcome in record.outcomes):  # like steps: not with a PreDraft
+            self._observe_iteration_costs(request, record)
+        self._advance(request, list(record.outcomes))
+
+    def _observe_iteration_costs(self, request: RequestState, record: BurstRecord) -> None:
+        """Feed a burst's iteration to the cost model as a step of one request (one call per model)."""
+        entries = [_Placed(request, i, WorkItem(request.session_id, need)) for i, need in enumerate(record.needs)]
+        reports = [call_report(model, [e for e in entries if e.item.need.model == model],
+                               [o for e, o in zip(entries, record.outcomes) if e.item.need.model == model])
+                   for model in dict.fromkeys(need.model for need in record.needs)]
+        speculative = any(isinstance(need, ScoreVerify) for need in record.needs)
+        self.cost_model.observe_step(1, reports, record.wall_s, speculative=speculative)
+
+    def _count_step(self, batch: int) -> None:
+        self.steps += 1
+        self.batch_sizes.append(batch)
+        self.metrics.step(batch)
+
+    def _count_duration(self, seconds: float) -> None:
+        self.step_seconds.append(seconds)
+        self.metrics.step_duration(seconds)
+
+    def _plan_iteration(self, request: RequestState) -> bool:
+        """``request.last_needs`` from its machine; False (the request failed) when it raises."""
+        try:
+            request.last_needs = request.machine.needs()
+            return True
+        except Exception as error:
+            logger.exception("request %s: strategy failed to plan its iteration", request.session_id)
+            self._fail(request, f"{type(error).__name__}: {error}")
+            return False
+
+    def _observe_costs(self, cohort: Cohort, placed: dict[str, list[list[_Placed]]], reports: list[CallReport],
+                       wall_s: float) -> None:
+        """Feed the step's timings to the cost model (steps of sampling / verification needs only:
+        ensemble steps have other shapes)."""
+        needs = [entry.item.need for phases in placed.values() for phase in phases for entry in phase]
+        if not needs or not all(isinstance(need, (Sample, ScoreVerify)) for need in needs):
+            return
+        speculative = any(isinstance(need, ScoreVerify) for need in needs)
+        self.cost_model.observe_step(len(cohort.running), reports, wall_s, speculative=speculative)
+
+    def step_costs(self, machine: Any) -> StepCosts | None:
+        """The measured costs of a step of the cohort now stepping, for ``machine``'s models, with
+        the step mode decided for the cohort (:meth:`_cohort_mode`)."""
+        costs = self.cost_model.costs(machine.draft, machine.target, batch=self._batch_now,
+                                      gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+        if costs is None:
+            return None
+        block = self._step_block if self._step_mode == "speculative" else 0
+        return dataclasses.replace(costs, mode=self._step_mode, block=min(block, machine.chooser.settings.gamma_max))
+
+    def _cohort_mode(self, cohort: Cohort) -> str:
+        """Plain or speculative for every gamma-auto request of a step of two or more requests,
+        decided once (a step whose requests split pays the draft's forwards AND the plain
+        forwards): speculative when a fixed block drafts anyway; else the mode whose whole steps
+        measured more tokens per second at this batch (:class:`actors.coordination.step_costs.ModeRates`), the
+        other probed after ``PLAIN_PROBE_EVERY`` steps in a row; before both are measured, what
+        the cost model and the pair's recent acceptance favour. ``any``: alone, or nothing
+        measured yet; each request weighs the costs itself."""
+        stepping, autos = self._cohort_autos(cohort)
+        if len(stepping) < 2 or not autos:
+            return "any"
+        if any(isinstance(r.machine, SpeculativeMachine) and r.machine.chooser is None for r in stepping):
+            return "speculative"
+        mode = self._faster_mode(autos, len(stepping))
+        if mode is None:
+            return "any"
+        if mode == cohort.mode and cohort.mode_steps >= PLAIN_PROBE_EVERY:  # probe the other mode once
+            mode = "plain" if mode == "speculative" else "speculative"
+        cohort.mode_steps = cohort.mode_steps + 1 if mode == cohort.mode else 1
+        cohort.mode = mode
+        return mode
+
+    def _cohort_block(self, cohort: Cohort) -> int:
+        """The block every gamma-auto request of a speculative step drafts: the one with the most
+        expected tokens per second at the pair's recent acceptance and the measured costs (a
+        step's draft call runs as many forwards as its longest block, its verifying forward is
+        padded to its longest row); 0 (each chooses) while nothing is measured."""
+        stepping, autos = self._cohort_autos(cohort)
+        costs = self._pair_costs(autos, len(stepping)) if len(autos) >= 2 else None
+        if costs is None:
+            return 0
+        return best_block(self._group_acceptance(autos), len(costs.verify_s), costs, allow_plain=False,
+                          tokens_by_block=self._group_tokens_by_block(autos, len(costs.verify_s)))
+
+    def _faster_mode(self, autos: list[RequestState], batch: int) -> str | None:
+        """The mode whose steps of ``batch`` requests measured faster; the unmeasured one while
+        only one is; None while neither is and the cost model has nothing."""
+        plain, speculative = self.mode_rates.rate("plain", batch), self.mode_rates.rate("speculative", batch)
+        if plain is not None and speculative is not None:
+            return "plain" if plain > speculative else "speculative"
+        if plain is not None or speculative is not None:
+            return "speculative" if plain is not None else "plain"
+        costs = self._pair_costs(autos, batch)
+        if costs is None:
+            return None
+        tokens_by_block = self._group_tokens_by_block(autos, len(costs.verify_s))
+        block = best_block(self._group_acceptance(autos), len(costs.verify_s), costs, tokens_by_block=tokens_by_block)
+        return "speculative" if block > 0 else "plain"
+
+    @staticmethod
+    def _cohort_autos(cohort: Cohort) -> tuple[list[RequestState], list[RequestState]]:
+        """The cohort's requests that step (not prefilling), and those of them choosing their
+        blocks by measured costs (gamma auto with ``goodput_gamma``)."""
+        stepping = [request for request in cohort.running if not request.prefilling]
+        return stepping, [r for r in stepping if getattr(r.machine, "step_costs", None) is not None]
+
+    def _pair_costs(self, autos: list[RequestState], batch: int) -> StepCosts | None:
+        """The measured costs of a step of ``batch`` requests for the first gamma-auto request's pair."""
+        machine = autos[0].machine
+        return self.cost_model.costs(machine.draft, machine.target, batch=batch,
+                                     gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+
+    def _group_acceptance(self, autos: list[RequestState]) -> float:
+        """The pair's recent per-token acceptance (the board), else the requests' own mean."""
+        alpha = self.acceptance_board.acceptance(_board_key(autos[0]))
+        return alpha if alpha is not None else sum(r.machine.chooser.acceptance for r in autos) / len(autos)
+
+    def _group_tokens_by_block(self, autos: list[RequestState], gamma_max: int) -> tuple[float, ...] | None:
+        """The tokens an iteration of the pair emits by block, measured over the group's recent
+        verifications (:meth:`actors.coordination.step_costs.AcceptanceBoard.expected_tokens`); None before."""
+        return self.acceptance_board.expected_tokens(_board_key(autos[0]), gamma_max)
+
+    def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
+        """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers
+        and everything on a model no one waits for)."""
+        verifying = {need.model for _, needs in work for need in needs if isinstance(need, ScoreVerify)}
+        sources = {needs[need.draft_need].model for _, needs in work for need in needs
+                   if isinstance(need, ScoreVerify) and need.draft_need >= 0}
+        placed: dict[str, list[list[_Placed]]] = {name: [[], []] for name in self.workers}
+        for request, needs in work:
+            positions: dict[int, tuple[str, int, int]] = {}
+            for index, need in enumerate(needs):
+                phase = 1 if (isinstance(need, (ScoreVerify, PreDraft))
+                              or (need.model in verifying and need.model not in sources)) else 0
+                open_spec = request.opens.pop(need.model, None)
+                if open_spec is not None:
+                    request.opened.add(need.model)
+                source, carried = None, None
+                if isinstance(need, ScoreVerify) and need.draft_need == PRE_DRAFTED:
+                    carried = request.pre_drafted  # the previous step's PreDraft: see _call_workers
+                    if carried is None:
+                        raise RuntimeError("a pre-drafted block to verify, but no PreDraft ran")
+                elif isinstance(need, ScoreVerify) and need.draft_need != MODEL_FREE:
+                    source = positions[need.draft_need]
+                item = WorkItem(session_id=request.session_id, need=need, open=open_spec,
+                                proposal_source=None if source is None else (source[0], source[2]))
+                slot_list = placed[need.model][phase]
+                positions[index] = (need.model, phase, len(slot_list))
+                slot_list.append(_Placed(request, index, item, carried))
+        return placed
+
+    def _call_workers(self, placed: dict[str, list[list[_Placed]]]) -> dict[tuple[str, int], tuple[Any, list[_Placed]]]:
+        """Submit the step's calls: ``(model, phase) -> (outcomes ref, entries)``. Models with a worker
+        of their own get one call per phase; models hosted together (:mod:`actors.worker.device_worker`) get
+        one call per host, their proposers first, when every proposal the host verifies this step is
+        its own (else one call per phase). Calls that others read go out first."""
+        calls: dict[tuple[str, int], tuple[Any, list[_Placed]]] = {}
+        payload_refs: dict[str, Any] = {}
+        hosts = self._hosted(placed)
+        whole = {host for host, models in hosts.items() if self._host_reads_only_itself(models, placed)}
+        for model, (phase0, _) in placed.items():
+            if phase0 and self.hosts[model] is None:
+                outcomes_ref, payloads_ref = self._call(model, [e.item for e in phase0])
+                calls[(model, 0)] = (outcomes_ref, phase0)
+                payload_refs[model] = payloads_ref
+        for host, models in hosts.items():
+            phases = (0, 1) if host in whole else (0,)
+            self._call_host(models, [(m, p) for p in phases for m in models if placed[m][p]], placed, calls, payload_refs)
+        for model, (_, phase1) in placed.items():
+            if not phase1 or self.hosts[model] is not None:
+                continue
+            source_models = sorted({e.item.proposal_source[0] for e in phase1 if e.item.proposal_source})
+            sources = [payload_refs[name] for name in source_models]  # refs nested: see ModelWorker.run_step
+            index_of: dict[Any, int] = {name: i for i, name in enumerate(source_models)}
+            items = [self._phase1_item(e, index_of, sources) for e in phase1]
+            outcomes_ref, payloads_ref = self._call(model, items, sources)
+            calls[(model, 1)] = (outcomes_ref, phase1)
+            for position, entry in enumerate(phase1):
+                if isinstance(entry.item.need, PreDraft):  # the next step may verify one of its chains
+                    entry.request.pre_drafted = (payloads_ref, position)
+        for host, models in hosts.items():
+            if host not in whole:
+                self._call_host(models, [(m, 1) for m in models if placed[m][1]], placed, calls, payload_refs)
+        for model, ids in self.releases.items():
+            if ids and not any(key[0] == model for key in calls):
+                calls[(model, 0)] = (self._call(model, [])[0], [])
+        return calls
+
+    def _hosted(self, placed: dict[str, list[list[_Placed]]]) -> dict[str, list[str]]:
+        """host id -> its models with work this step (in the order of ``placed``)."""
+        hosts: dict[str, list[str]] = {}
+        for model, phases in placed.items():
+            host = self.hosts[model]
+            if host is not None and (phases[0] or phases[1]):
+                hosts.setdefault(host, []).append(model)
+        return hosts
+
+    def _host_reads_only_itself(self, models: list[str], placed: dict[str, list[list[_Placed]]]) -> bool:
+        """Whether every proposal the host's models verify this step comes from the same host."""
+        return all(self.hosts[e.item.proposal_source[0]] == self.hosts[models[0]]
+                   for m in models for e in placed[m][1] if e.item.proposal_source)
+
+    def _call_host(self, models: list[str], parts: list[tuple[str, int]], placed: dict[str, list[list[_Placed]]],
+                   calls: dict[tuple[str, int], tuple[Any, list[_Placed]]], payload_refs: dict[str, Any]) -> None:
+        """One :meth:`actors.worker.device_worker.DeviceWorker.run_steps` call for ``parts`` (model, phase) of
+        one host, in that order: a verifier reads a proposer of the same call in the host's process;
+        only payloads read outside the call come back."""
+        if not parts:
+            return
+        host = self.hosts[parts[0][0]]
+        read_elsewhere = {e.item.proposal_source[0] for m, (_, phase1) in placed.items() for e in phase1
+                          if e.item.proposal_source and (m, 1) not in parts}
+        host_calls: list[HostCall] = []
+        external: list[Any] = []
+        local_index: dict[str, int] = {}
+        for model, phase in parts:
+            entries = placed[model][phase]
+            sources: list[tuple[str, int]] = []
+            index_of: dict[Any, int] = {}
+            items = [self._host_item(e, local_index, payload_refs, sources, external, index_of) for e in entries]
+            keep = (model in read_elsewhere if phase == 0
+                    else any(isinstance(e.item.need, PreDraft) for e in entries))
+            if phase == 0:
+                local_index[model] = len(host_calls)
+            host_calls.append(HostCall(model, tuple(items), tuple(sources), keep))
+        releases = {}
+        for model in self.hosts:
+            if self.hosts[model] == host and self.releases[model]:
+                releases[model], self.releases[model] = self.releases[model], []
+        refs = self.workers[parts[0][0]].host.run_steps.options(num_returns=2 * len(host_calls)).remote(
+            host_calls, source_payloads=external, releases=releases)
+        for position, (model, phase) in enumerate(parts):
+            entries = placed[model][phase]
+            outcomes_ref, payloads_ref = refs[2 * position], refs[2 * position + 1]
+            calls[(model, phase)] = (outcomes_ref, entries)
+            if phase == 0:
+                payload_refs[model] = payloads_ref
+            for index, entry in enumerate(entries):
+                if isinstance(entry.item.need, PreDraft):
+                    entry.request.pre_drafted = (payloads_ref, index)
+
+    @staticmethod
+    def _host_item(entry: _Placed, local_index: dict[str, int], payload_refs: dict[str, Any],
+                   sources: list[tuple[str, int]], external: list[Any], index_of: dict[Any, int]) -> WorkItem:
+        """``entry``'s item for a host call: its proposal source as an index into the call's
+        ``sources``, each ``("local", call)`` (a proposer of the same host call) or ``("arg", i)``
+        (``external[i]``: another worker's payloads, or an earlier step's pre-drafted chains)."""
+        item = entry.item
+        if entry.carried is not None:
+            key, position = id(entry.carried[0]), entry.carried[1]
+            if key not in index_of:
+                index_of[key] = len(sources)
+                sources.append(("arg", len(external)))
+                external.append(entry.carried[0])
+        elif item.proposal_source is not None:
+            key, position = item.proposal_source
+            if key not in index_of:
+                index_of[key] = len(sources)
+                if key in local_index:
+                    sources.append(("local", local_index[key]))
+                else:
+                    sources.append(("arg", len(external)))
+                    external.append(payload_refs[key])
+        else:
+            return item
+        return WorkItem(session_id=item.session_id, need=item.need, open=item.open,
+                        proposal_source=(index_of[key], position))
+
+    @staticmethod
+    def _phase1_item(entry: _Placed, index_of: dict[Any, int], sources: list[Any]) -> WorkItem:
+        """``entry``'s item with its proposal source as an index into ``sources``: a model of this
+        step's phase 0, or the payloads of an earlier call holding a pre-drafted block (added to
+        ``sources`` once per call)."""
+        item = entry.item
+        if entry.carried is not None:
+            payloads_ref, position = entry.carried
+            if id(payloads_ref) not in index_of:
+                index_of[id(payloads_ref)] = len(sources)
+                sources.append(payloads_ref)
+            source = (index_of[id(payloads_ref)], position)
+        elif item.proposal_source is not None:
+            source = (index_of[item.proposal_source[0]], item.proposal_source[1])
+        else:
+            return item
+        return WorkItem(session_id=item.session_id, need=item.need, open=item.open, proposal_source=source)
+
+    def _call(self, model: str, items: list[WorkItem], sources: list[Any] = ()) -> tuple[Any, Any]:
+        releases, self.releases[model] = self.releases[model], []
+        call = self.workers[model].run_step.options(num_returns=2)
+        return call.remote(items, source_payloads=list(sources), releases=releases)
+
+    # ------------------------------------------------------------------ results
+    def _advance(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:
+        if request.cancelled or request.finished:
+            return
+        failed = [o for o in outcomes if o.error is not None]
+        if failed:
+            self._fail(request, failed[0].error, retryable=any(o.retryable for o in failed))
+            return
+        if request.prefilling:
+            self._advance_prefill(request, outcomes)
+            return
+        logged = len(request.machine.token_logprobs)
+        verified_before = len(request.machine.accepted_lengths)
+        try:
+            tokens = request.machine.consume([o.value for o in outcomes])
+        except Exception as error:
+            logger.exception("request %s: strategy iteration failed", request.session_id)
+            self._fail(request, f"{type(error).__name__}: {error}")
+            return
+        self._record(request, outcomes)
+        self._record_verifications(request, verified_before)
+        delta = request.output.add(tokens)
+        if delta.token_ids:
+            self.metrics.tokens(request.labels, request.clock, len(delta.token_ids), time.perf_counter(),
+                                request.submitted)
+        logprobs = self._chunk_logprobs(request, logged, len(delta.token_ids))
+        if request.output.finished or request.machine.done:
+            self._finish(request, delta, logprobs)
+            return
+        if not delta.token_ids:
+            request.empty_iterations = request.empty_iterations + 1 if not tokens else 0
+            if request.empty_iterations > MAX_EMPTY_ITERATIONS:
+                self._fail(request, f"strategy {request.plan.strategy} made no progress in "
+                                    f"{MAX_EMPTY_ITERATIONS} iterations")
+            return
+        request.empty_iterations = 0
+        request.chunks.put_nowait(GenerationChunk(request_id=request.request_id, token_ids=delta.token_ids,
+                                                  text=delta.text, logprobs=logprobs,
+                                                  prompt_tokens=len(request.prompt_ids)))
+
+    @staticmethod
+    def _advance_prefill(request: RequestState, outcomes: list[ItemOutcome]) -> None:
+        """A prefill step's results: the models whose session now holds the whole prompt (but
+        its last token, which the machine's first need feeds) leave ``prefilling``. Their time
+        counts as the model's; the chunks are not decoding calls (``model_calls``)."""
+        for need, outcome in zip(request.last_needs, outcomes):
+            if need.model == request.plan.target:
+                request.stats.time_target_s += outcome.timing.forward_s
+            else:
+                request.stats.time_draft_s += outcome.timing.forward_s
+            if outcome.value.remaining == 0:
+                request.prefilling.discard(need.model)
+
+    @staticmethod
+    def _chunk_logprobs(request: RequestState, start: int, count: int) -> list[TokenLogprob] | None:
+        """The log-probabilities of the chunk's tokens (the output keeps a prefix of the step's
+        tokens: EOS, a stop string or max_tokens can cut it)."""
+        if request.machine.logprobs is None:
+            return None
+        entries = request.machine.token_logprobs[start: start + count]
+        return [TokenLogprob(token_id=t, logprob=lp, top=list(top)) for t, lp, top in entries]
+
+    def _record(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:
+        stats, plan = request.stats, request.plan
+        for outcome in outcomes:
+            stats.time_verify_s += outcome.timing.verify_s
+        for need, outcome in zip(request.last_needs, outcomes):
+            stats.count(need.model, outcome.timing)
+            if isinstance(need, Sample) and need.model != plan.target:  # a draft (plain steps sample on the target)
+                stats.time_draft_s += outcome.timing.forward_s
+                if need.return_logits:
+                    stats.bytes_moved += need.count * need.num_drafts * request.vocab_limit * 4
+            elif isinstance(need, PreDraft):
+                stats.time_draft_s += outcome.timing.forward_s
+                stats.bytes_moved += need.count * need.guesses * request.vocab_limit * 4
+            elif isinstance(need, Extend) and not need.queued:
+                stats.time_draft_s += outcome.timing.forward_s
+                stats.bytes_moved += _nbytes(outcome.value)
+            else:
+                stats.time_target_s += outcome.timing.forward_s
+                if isinstance(need, (Extend, NextLogits)):
+                    stats.bytes_moved += _nbytes(outcome.value)
+
+    def _record_verifications(self, request: RequestState, first_new: int) -> None:
+        """The speculation counters of the verifications this step made (``accepted_lengths``
+        entries from ``first_new`` on): sd / multi_draft one per step, K drafts of the Sample
+        need's ``count`` tokens; se one per verified segment (its length in draft tokens)."""
+        machine = request.machine
+        accepted = machine.accepted_lengths[first_new:]
+        if not accepted:
+            return
+        if request.plan.strategy == "se":
+            lengths = machine.segment_lengths[first_new:]
+            for length, count in zip(lengths, accepted):
+                self.metrics.verified(request.labels, 1, length, count)
+            return
+        sample = next((need for need in request.last_needs if isinstance(need, Sample)), None)
+        drafts = 1 if sample is None else sample.num_drafts
+        for count in accepted:  # a pre-drafted block (no Sample this step) is draft_lengths[-1] long
+            self.metrics.verified(request.labels, drafts, drafts * machine.draft_lengths[-1], count)
+            self.acceptance_board.observe(_board_key(request), machine.draft_lengths[-1], count)
+
+    def _finish(self, request: RequestState, delta: Any, logprobs: list[TokenLogprob] | None = None) -> None:
+        request.finished = True
+        self.metrics.ended(request.labels, request.clock, request.output.finish_reason or "length",
+                           time.perf_counter(), request.submitted)
+        request.chunks.put_nowait(
+            GenerationChunk(
+                request_id=request.request_id,
+                token_ids=delta.token_ids,
+                text=delta.text,
+                logprobs=logprobs,
+                prompt_tokens=len(request.prompt_ids),
+                finished=True,
+                finish_reason=request.output.finish_reason or "length",
+                stats=request_stats(request),
+            )
+        )
+
+    def _fail(self, request: RequestState, message: str, retryable: bool = False, timed_out: bool = False) -> None:
+        if request.finished:
+            return
+        request.finished = True
+        status = "timed_out" if timed_out else "unavailable" if retryable else "error"
+        self.metrics.ended(request.labels, request.clock, status, time.perf_counter(), request.submitted,
+                           admitted=bool(request.started))
+        logger.error("request %s failed: %s", request.session_id, message)
+        request.chunks.put_nowait(
+            GenerationChunk(
+                request_id=request.request_id,
+                finished=True,
+                finish_reason="error",
+                error=message,
+                retryable=retryable,
+                timed_out=timed_out,
+                stats=request_stats(request),
+            )
+        )
+
+
+def call_report(model: str, entries: list[_Placed], outcomes: list[ItemOutcome]) -> CallReport:
+    """What one worker call of a step ran (for :class:`actors.coordination.step_costs.StepCostModel`)."""
+    timings = [outcome.timing for outcome in outcomes if outcome.timing is not None]
+    forwards = [timing.forward_calls for timing in timings]
+    # Steps that prefill a prompt are left out; items with different forward counts give the
+    # call's mean tokens per forward.
+    uniform = len(timings) == len(entries) and min(forwards, default=0) > 0 and all(
+        entry.item.open is None for entry in entries)
+    return CallReport(model=model, tokens_fed=sum(timing.tokens_fed for timing in timings),
+                      forwards=max(forwards, default=0), forward_s=max((t.forward_s for t in timings), default=0.0),
+                      uniform=uniform, call_s=max((t.call_s for t in timings), default=0.0))
+
+
+def _committed(cohort: Cohort) -> int:
+    """Tokens the cohort's requests have committed so far."""
+    return sum(len(request.machine.committed) for request in cohort.running)
+
+
+def _board_key(request: RequestState) -> tuple:
+    """A speculative request's key in the acceptance board: its pair, rule and drafts per step."""
+    plan = request.plan
+    return plan.draft, plan.target, plan.method, plan.num_drafts
+
+
+def _is_ray_error(error: Exception) -> bool:
+    """Whether ``error`` is Ray's (an actor that died, an object lost), not the called code's."""
+    from ray.exceptions import RayError
+
+    return isinstance(error, RayError)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    tensors = [getattr(value, name, None) for name in ("queued_logits", "token_logits")]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def request_stats(request: RequestState) -> RequestStats:
+    """The request's :class:`RequestStats` so far."""
+    stats, plan, output = request.stats, request.plan, request.output
+    completion = len(output.token_ids)
+    if plan.strategy in ENSEMBLE_STRATEGIES:
+        target_calls = max(stats.model_calls.values(), default=0)
+    else:
+        target_calls = stats.model_calls.get(plan.target, 0)
+    elapsed = time.perf_counter() - (request.started or request.submitted)
+    work = stats.time_draft_s + stats.time_target_s + stats.time_verify_s
+    return RequestStats(
+        strategy=plan.strategy,
+        method=plan.method,
+        prompt_tokens=len(request.prompt_ids),
+        completion_tokens=completion,
+        target_calls=target_calls,
+        model_calls=dict(stats.model_calls),
+        accepted_lengths=list(request.machine.accepted_lengths),
+        draft_lengths=list(getattr(request.machine, "draft_lengths", ())),
+        pre_drafted=getattr(request.machine, "pre_drafted_iterations", 0),
+        block_efficiency=completion / target_calls if target_calls else 0.0,
+        tokens_per_second=completion / elapsed if elapsed > 0 else 0.0,
+        time_draft_s=stats.time_draft_s,
+        time_target_s=stats.time_target_s,
+        time_verify_s=stats.time_verify_s,
+        time_coordination_s=max(0.0, elapsed - work),
+        bytes_moved=stats.bytes_moved,
+        **proposer_counts(request.machine),
+    )
+
+
+def proposer_counts(machine: Any) -> dict[str, dict[str, int]]:
+    """``proposed_tokens`` / ``accepted_proposed`` of the machine's model-free proposers, by name."""
+    proposers = getattr(machine, "proposers", ())
+    return {
+        "proposed_tokens": {p.name: n for p, n in zip(proposers, machine.proposed_tokens)} if proposers else {},
+        "accepted_proposed": {p.name: n for p, n in zip(proposers, machine.accepted_proposed)} if proposers else {},
+    }

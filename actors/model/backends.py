@@ -1,0 +1,213 @@
+"""Batched forward passes over slot KV caches, behind one small interface.
+
+A backend owns the model and its :class:`actors.model.kv_cache.SlotKVCache`: it hands out cache
+slots (``allocate`` / ``free``), moves cache entries inside a slot (``copy_columns``: keeping an
+accepted draft) and runs ONE forward over the new tokens of many sessions (``forward`` over
+:class:`actors.model.batch.RowWork` rows), returning logits only for the positions each row keeps.
+The worker engine (:mod:`actors.worker.engine`) is written once against this interface;
+:class:`SlotBackend` is the production implementation (a transformers causal LM loaded with
+``from_pretrained``), and the tests plug in a backend whose logits are an exact function of the
+tokens each position can see, which is what makes the distributed coordinator's output law
+computable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from actors.model.architectures import UnsupportedModelError, apply_head, resolve_architecture
+from actors.model.batch import RowWork, build_batch, reads_in_place
+from actors.model.grouped_attention import use_grouped_attention
+from actors.model.layer_masks import ColumnPositions, layer_masks
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONTEXT = 2048
+
+#: What one more forward costs, in padded token positions (how the engine splits a step's rows
+#: into forwards: :func:`actors.worker.engine.forward_groups`). CPU: measured on the embedded target,
+#: one thread (a forward's fixed cost ~4.5 ms; a padded position 0.3-0.9 ms). CUDA: kernel
+#: launches dominate small forwards and a padded position is nearly free; a guess, unmeasured.
+FORWARD_OVERHEAD_TOKENS = {"cpu": 8, "cuda": 512}
+
+
+class SlotBackend:
+    """A transformers causal LM (``from_pretrained``) over a SlotKVCache, served exactly or refused.
+
+    Each session owns a cache slot (:meth:`allocate` / :meth:`free`); :meth:`forward` runs the
+    new tokens of many sessions (:class:`~actors.model.batch.RowWork` rows) in ONE model forward and
+    computes logits only for the positions each row keeps. The model's config is resolved to an
+    :class:`~actors.model.architectures.Architecture` first (refused with
+    :class:`~actors.model.architectures.UnsupportedModelError` when the engine cannot reproduce its
+    law): its layers get their own masks (sliding windows from the keys' positions,
+    :mod:`actors.model.layer_masks`), it runs under the attention implementation its law needs (eager,
+    with an additive float mask, where the model soft-caps attention scores) and its logits go
+    through the model's own head (logit scaling, soft-capping: :func:`~actors.model.architectures.apply_head`).
+    GQA models read their grouped keys/values in place (:mod:`actors.model.grouped_attention`).
+
+    Slots hold ``max_context`` (capped by ``max_model_len``) plus ``scratch_columns`` columns; there
+    are as many as ``kv_cache_memory`` holds (:mod:`actors.model.kv_budget`), ``max_slots`` when it is None.
+    """
+
+    def __init__(
+        self, model: Any, device: str, max_context: int | None = None, *, max_slots: int = 64,
+        scratch_columns: int = 64, initial_slots: int | None = None, name: str | None = None,
+        max_model_len: int | None = None, kv_cache_memory: int | float | None = None,
+    ):
+        from actors.model.kv_budget import context_limit, plan_kv_slots
+        from actors.model.kv_cache import SlotKVCache
+
+        name = name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        self.architecture = resolve_architecture(model.config, name)  # UnsupportedModelError: refused
+        attn = getattr(model.config, "_attn_implementation", None)
+        if attn != self.architecture.attn_implementation:
+            raise UnsupportedModelError(
+                name, f"attn_implementation={attn!r}; this architecture is served with "
+                      f"{self.architecture.attn_implementation!r} (load it with SlotBackend.load)")
+        if scratch_columns < 0:
+            raise ValueError(f"scratch_columns must be >= 0, got {scratch_columns}")
+        # GQA models read their grouped keys/values in place (no per-layer repeat; same law).
+        self.grouped_attention = use_grouped_attention(model)
+        self.model = model
+        self.device = device
+        self.vocab_size = int(model.config.vocab_size)
+        # The context a request may use here: max_model_len, at most the model's own.
+        self.max_context = context_limit(int(max_context or _config_context(model.config)), max_model_len, name)
+        self.capacity = self.max_context + scratch_columns  # columns per slot
+        # Slots: as many as the KV budget holds (actors.model.kv_budget); max_slots when there is none.
+        self.max_slots, self.slot_bytes = plan_kv_slots(
+            model.config, model=name, max_model_len=self.max_context, capacity=self.capacity, dtype=model.dtype,
+            device=device, kv_cache_memory=kv_cache_memory, default_slots=max_slots,
+            sliding=self.architecture.has_sliding_layers,
+        )
+        self.forward_overhead_tokens = FORWARD_OVERHEAD_TOKENS.get(torch.device(device).type, FORWARD_OVERHEAD_TOKENS["cuda"])
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        # By default every slot is allocated up front: growing a large cache under load stalls a
+        # step (measured: 1.9 s to grow the embedded target from 4 to 32 slots mid-request), and
+        # the worker's memory is then known at start-up.
+        self.cache = SlotKVCache.from_config(
+            model.config, capacity=self.capacity, max_slots=self.max_slots, initial_slots=initial_slots or self.max_slots,
+            dtype=model.dtype,
+            device=device,
+        )
+        # Sliding-window layers mask by key position, which a column does not tell (chains).
+        self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, device)
+                          if self.architecture.has_sliding_layers else None)
+
+    @classmethod
+    def load(
+        cls, path: str, *, dtype: str | None = "float32", revision: str | None = None, device: str = "cpu",
+        max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64, initial_slots: int | None = None,
+        max_model_len: int | None = None, kv_cache_memory: int | float | None = None,
+    ) -> SlotBackend:
+        """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub).
+        ``dtype`` None: the checkpoint's own on a GPU, float32 on CPU (:func:`actors.model.kv_budget.resolve_dtype`);
+        ``max_model_len`` / ``kv_cache_memory``: the context and the KV budget (:mod:`actors.model.kv_budget`)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from actors.model.kv_budget import resolve_dtype
+
+        local = os.path.isdir(path)
+        config = AutoConfig.from_pretrained(path, revision=revision, local_files_only=local)
+        architecture = resolve_architecture(config, path)  # refused before any weight is read
+        dtype = resolve_dtype(dtype, device, config)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=getattr(torch, dtype),
+            revision=revision,
+            local_files_only=local,
+            attn_implementation=architecture.attn_implementation,
+        )
+        model.to(device).eval()
+        logger.info("loaded %s (%s, %s, %s) on %s", path, type(model).__name__, dtype,
+                    architecture.attn_implementation, device)
+        return cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
+                   initial_slots=initial_slots, name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
+
+    def resize_slots(self, slots: int) -> None:
+        """Hold ``slots`` slots from now on (a new, empty cache): the worker that hosts several models
+        sizes their one KV budget once all of them are loaded (:mod:`actors.worker.device_worker`)."""
+        from actors.model.kv_cache import SlotKVCache
+
+        if self.cache.allocated:
+            raise RuntimeError("resize_slots with sessions open")
+        self.cache = None  # the old storage is freed before the new one is allocated
+        self.max_slots = int(slots)
+        self.cache = SlotKVCache.from_config(self.model.config, capacity=self.capacity, max_slots=self.max_slots,
+                                             initial_slots=self.max_slots, dtype=self.model.dtype, device=self.device)
+        self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, self.device)
+                          if self.architecture.has_sliding_layers else None)
+
+    def allocate(self) -> int:
+        """A free cache slot for a new session."""
+        return self.cache.allocate()
+
+    def free(self, slot: int) -> None:
+        """Give ``slot`` back."""
+        self.cache.free(slot)
+
+    def free_slots(self) -> list[int]:
+        """Slots not handed out (their stale keys/values intact), lowest first."""
+        return self.cache.free_slots()
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy every layer's keys/values of columns ``[0, length)`` from one slot to another."""
+        self.cache.copy_prefix(src_slot, dst_slot, length)
+        if self.positions is not None:
+            self.positions.copy_prefix(src_slot, dst_slot, length)
+
+    def copy_columns(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy every layer's keys/values in ``slot`` from columns ``src`` to columns ``dst``."""
+        self.cache.copy_columns(slot, src, dst)
+        if self.positions is not None:
+            self.positions.copy_columns(slot, src, dst)
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[RowWork]) -> list[torch.Tensor]:
+        """One model forward over ``rows`` -> per row float32 logits ``[len(row.keep), V]`` on
+        ``self.device``, in ``row.keep`` order. Every row's new keys/values land in its slot."""
+        if not rows:
+            return []
+        for row in rows:
+            if not self.cache.is_allocated(row.slot):
+                raise ValueError(f"RowWork.slot {row.slot} is not allocated")
+        batch = build_batch(rows, capacity=self.capacity, device=self.device, in_place=reads_in_place(rows))
+        key_positions = None
+        if self.positions is not None:
+            self.positions.record(batch.slots, batch.write_columns, batch.position_ids)
+            key_positions = self.positions.key_positions(batch.slots, batch.kv_length)  # [B, T_kv]
+        attention_mask = layer_masks(self.architecture, batch.attention_mask, batch.position_ids, key_positions,
+                                     self.model.dtype)  # [B, 1, L, T_kv], or one per layer type
+        self.cache.bind(batch.slots, batch.write_columns, batch.kv_length, batch.first_slot)
+        try:
+            output = self.decoder(
+                input_ids=batch.input_ids,  # [B, L]
+                position_ids=batch.position_ids,  # [B, L]
+                attention_mask=attention_mask,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        finally:
+            self.cache.unbind()
+        hidden = output.last_hidden_state  # [B, L, hidden]
+        kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.keep_index)  # [N_keep, hidden]
+        logits = apply_head(self.architecture, self.lm_head(kept)).float()  # [N_keep, V]: the model's own head
+        per_row: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
+        for index, row_logits in zip(batch.row_order, logits.split(batch.keep_counts)):
+            per_row[index] = row_logits  # [len(keep), V]
+        return per_row
+
+
+def _config_context(config: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    logger.warning("model config names no context length; assuming %d", DEFAULT_MAX_CONTEXT)
+    return DEFAULT_MAX_CONTEXT

@@ -1,0 +1,323 @@
+"""ModelWorker: one causal LM (draft, target or ensemble member) in its own Ray actor.
+
+A thin Ray face over a :class:`actors.worker.engine.WorkerEngine`: the scheduler calls :meth:`run_step`
+once per step with the work of every request in flight on this model, and the engine runs it
+as batched forwards over the sessions' KV cache slots (:mod:`actors.worker.sessions`,
+:mod:`actors.model.kv_cache`). Call it with ``.options(num_returns=2)``: the first return (outcomes:
+tokens, small results, timings, errors) goes to the scheduler, the second (payloads: the
+proposals' logits) is passed as an ObjectRef straight to the worker that verifies them, so
+probability rows never pass through the coordinator.
+
+Random streams: each session owns the streams the request's layout assigns to this worker
+(``verifiers.randomness.stream_seeds``), e.g. ``{"sample": seed0}`` on the draft and
+``{"verify": seed1}`` on the target for speculative decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from actors.model.backends import SlotBackend
+from actors.worker.bursts import BurstRecord, run_burst
+from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
+from actors.model.kv_budget import worker_kv_cache_memory
+from actors.messages import FailedSource, ItemOutcome, WorkerInfo, WorkItem
+from actors.worker.peer_link import LinkCall, PeerLink, PeerLinkAddress, PeerLinkError, PeerLinkServer
+from actors.model.simulated_device import SimulatedDevice
+from actors.vocabulary import load_tokenizer_identity
+
+logger = logging.getLogger(__name__)
+
+REAPER_PERIOD_S = 5.0
+SCRATCH_COLUMNS = 288  # cache columns past the context per slot: K x gamma drafts, queued segments
+LINK_RETRY_S = 30.0  # a peer link that could not open: Ray calls, then try again after this long
+
+
+class Resolved:
+    """The return of a call already run in this process (a hosted peer's, :mod:`actors.worker.device_worker`):
+    ``result()`` as a future's."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+def resolve_source(source: Any) -> Any:
+    """A payload list, fetched if it is an ObjectRef; a :class:`FailedSource` if that fails."""
+    import ray
+
+    if isinstance(source, Resolved):
+        return source.value
+    if not isinstance(source, ray.ObjectRef):
+        return source
+    try:
+        return ray.get(source)
+    except Exception as error:  # noqa: BLE001 - reported to the items that read it
+        return FailedSource(f"{type(error).__name__}")
+
+
+def _fetch(refs: Sequence[Any]) -> list[Any]:
+    """The values of a peer call's returns: Ray ObjectRefs (one ``ray.get``), a call on a
+    :class:`~actors.worker.peer_link.PeerLink`, or resolved futures of an in-process handle
+    (``benchmarks.runners.LocalActorHandle``)."""
+    import ray
+
+    if len(refs) == 1 and isinstance(refs[0], LinkCall):
+        return list(refs[0].result())
+    if all(isinstance(ref, ray.ObjectRef) for ref in refs):
+        return ray.get(list(refs))
+    if all(isinstance(ref, Resolved) for ref in refs):
+        return [ref.value for ref in refs]
+    return [ref.result() for ref in refs]
+
+
+def simulated_device(spec: Any) -> SimulatedDevice | None:
+    """The worker's simulated device (``engine.simulated_device``; benchmarks only), or None."""
+    args = getattr(spec, "simulated_device", None)
+    if args is None:
+        return None
+    logger.warning("model %s runs on a SIMULATED device: every forward lasts at least %.3g ms + %.3g ms per token "
+                   "(engine.simulated_device; for benchmarks only)", spec.name, args.fixed_ms, args.per_token_ms)
+    return SimulatedDevice(args.fixed_ms, args.per_token_ms)
+
+
+class ModelWorker:
+    """Hosts one model; use as a Ray actor: ``ray.remote(ModelWorker).options(...).remote(spec)``.
+
+    ``spec`` is a :class:`cluster.config.ModelSpec` (name, path, role, dtype, revision,
+    max_context, num_gpus, torch_threads). On a GPU the worker uses the GPU Ray assigned it;
+    on CPU it caps torch to ``spec.torch_threads`` threads. The KV cache holds one slot per open
+    session: as many as ``kv_cache_memory`` holds (bytes, or on a GPU a fraction of the memory
+    free after the weights; unset: 0.9 on a GPU), ``max_sessions`` when there is no budget (CPU,
+    unset); each slot holds ``max_model_len`` tokens (default: the model's context) plus scratch
+    columns (:mod:`actors.model.kv_budget`). ``prefix_caching`` lets a new session copy the longest
+    prefix of its prompt the worker already holds (:mod:`actors.worker.prefix_cache`).
+    ``max_tokens_per_step``: the tokens one step feeds at most, prompts' prefill chunks
+    included (:mod:`actors.worker.engine`, chunked prefill).
+    """
+
+    def __init__(self, spec: Any, idle_timeout_s: float = 300.0, max_sessions: int = 64, prefix_caching: bool = True,
+                 *, kv_cache_memory: int | float | None = None, max_model_len: int | None = None,
+                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, shared_kv_budget: bool = False):
+        self.spec = spec
+        # shared_kv_budget: hosted with other models (actors.worker.device_worker), whose worker sizes one
+        # budget for all of them once every model is loaded: one slot until then.
+        self.kv_cache_memory = None if shared_kv_budget else kv_cache_memory
+        self.shared_kv_budget = shared_kv_budget
+        self.max_model_len = max_model_len
+        self.device = self._pick_device()
+        if self.device == "cpu":
+            torch.set_num_threads(max(1, int(getattr(spec, "torch_threads", 1))))
+        self.max_sessions = int(max_sessions)
+        if shared_kv_budget and worker_kv_cache_memory(kv_cache_memory, self.device) is not None:
+            self.max_sessions = 1
+        self.engine = WorkerEngine(self._load_backend(), spec.name, idle_timeout_s, prefix_caching=prefix_caching,
+                                   device=simulated_device(spec), max_tokens_per_step=max_tokens_per_step)
+        self.tokenizer_identity = load_tokenizer_identity(spec.path)  # checked against the group's at start-up
+        self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
+        self._reaper.start()
+        self._link_server: PeerLinkServer | None = None  # started when a peer first asks for it
+        self._links: dict[str, PeerLink | None] = {}  # peer actor id -> link (None: another node, Ray calls)
+        self._link_retry_at: dict[str, float] = {}  # peer actor id -> when to try opening a link again
+        self._links_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ set-up
+    def _pick_device(self) -> str:
+        gpu_ids = self._gpu_ids()
+        if gpu_ids and torch.cuda.is_available():
+            return "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to the GPU it assigned this actor
+        if gpu_ids:
+            logger.warning("Ray assigned GPUs %s but torch sees no CUDA device; using CPU", gpu_ids)
+        return "cpu"
+
+    @staticmethod
+    def _gpu_ids() -> tuple[Any, ...]:
+        try:
+            import ray
+
+            return tuple(ray.get_gpu_ids()) if ray.is_initialized() else ()
+        except RuntimeError:
+            return ()
+
+    def _load_backend(self) -> Any:
+        spec = self.spec  # dtype None: the checkpoint's on a GPU, float32 on CPU
+        return SlotBackend.load(
+            spec.path, dtype=spec.dtype, revision=spec.revision, device=self.device, max_context=spec.max_context,
+            max_slots=self.max_sessions, scratch_columns=SCRATCH_COLUMNS,
+            max_model_len=self.max_model_len,
+            kv_cache_memory=None if self.shared_kv_budget else worker_kv_cache_memory(self.kv_cache_memory, self.device),
+        )
+
+    @property
+    def backend(self) -> Any:
+        return self.engine.backend
+
+    @staticmethod
+    def _node_id() -> str:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                return ray.get_runtime_context().get_node_id()
+        except RuntimeError:
+            pass
+        return ""
+
+    def info(self) -> WorkerInfo:
+        """Name, role, vocabulary, context length, KV cache slots and placement of this worker."""
+        node_id = self._node_id()
+        return WorkerInfo(
+            name=self.spec.name,
+            role=self.spec.role,
+            vocab_size=self.backend.vocab_size,
+            max_context=self.backend.max_context,
+            device=self.device,
+            kv_slots=int(self.backend.max_slots),
+            gpu_ids=self._gpu_ids(),
+            node_id=node_id,
+            pid=os.getpid(),
+            tokenizer=self.tokenizer_identity,
+        )
+
+    # ------------------------------------------------------------------ the step
+    def run_step(
+        self, items: Sequence[WorkItem], source_payloads: Sequence[Any] = (), releases: Sequence[str] = ()
+    ) -> tuple[list[ItemOutcome], list[Any]]:
+        """Run this worker's call of one scheduler step (:meth:`actors.worker.engine.WorkerEngine.run_step`).
+        ``source_payloads`` are the payload lists of the calls this one's ScoreVerify items read,
+        as ObjectRefs inside the list (so Ray does not fail the whole call when one source failed: a source
+        that cannot be read fails only the items that read it) or as plain lists."""
+        return self.engine.run_step(items, releases, [resolve_source(source) for source in source_payloads])
+
+    def burst(
+        self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),
+        budget_s: float = 0.1, releases: Sequence[str] = (), pre_drafted: tuple[Any, int] | None = None,
+        local_peers: dict[str, ModelWorker] | None = None,
+    ) -> Iterator[BurstRecord]:
+        """Run one request's iterations here for up to ``budget_s`` seconds (:mod:`actors.worker.bursts`):
+        ``machine_blob`` is its pickled machine, ``peers`` the handles of the other models'
+        workers it uses (called directly, one ``run_step`` call per iteration and model),
+        ``pre_drafted`` where its last PreDraft's chains are; ``local_peers``: the peers hosted in this
+        process (:mod:`actors.worker.device_worker`), whose engines run their calls at once, here. A generator:
+        call it with ``.options(num_returns="streaming")``; one :class:`~actors.worker.bursts.BurstRecord` per iteration."""
+        local_peers = local_peers or {}
+        machine = pickle.loads(machine_blob)
+        if releases:
+            self.engine.run_step([], releases)
+        link_calls: list[LinkCall] = []
+        # With pre-drafting an iteration's Sample and PreDraft on the draft must run in the order
+        # sent, which only Ray's per-caller order gives (the link's thread would not wait): all Ray.
+        use_links = not getattr(machine, "pre_drafting", 0)
+
+        def local_step(items: list[WorkItem], sources: list[Any]) -> tuple[list[ItemOutcome], list[Any]]:
+            return self.engine.run_step(items, (), sources)
+
+        def peer_submit(model: str, items: list[WorkItem]) -> tuple[Any, ...]:
+            if model in local_peers:
+                outcomes, payloads = local_peers[model].engine.run_step(items, (), ())
+                return Resolved(outcomes), Resolved(payloads)
+            link = self._peer_link(peers[model]) if use_links else None
+            if link is not None:
+                try:
+                    link_calls.append(link.submit(items))
+                    return (link_calls[-1],)
+                except PeerLinkError:
+                    link.close()  # broken: the next burst opens a new one
+            return tuple(peers[model].run_step.options(num_returns=2).remote(items, source_payloads=[], releases=[]))
+
+        try:
+            yield from run_burst(machine, session_id, self.spec.name, local_step, peer_submit, _fetch,
+                                 eos_token_ids=eos_token_ids, budget_s=budget_s, pre_drafted=pre_drafted)
+        finally:
+            for call in link_calls:
+                if not call.done:  # closed early with a call in flight: its reply is not wanted
+                    call.link.close()
+
+    # ------------------------------------------------------------------ peer links
+    def peer_link_address(self) -> PeerLinkAddress:
+        """Where a burst on another worker of this node can call :meth:`run_step` directly
+        (:mod:`actors.worker.peer_link`); the listener starts on the first request."""
+        with self._links_lock:
+            if self._link_server is None:
+                self._link_server = PeerLinkServer(
+                    lambda items: self.engine.run_step(items, (), ()), self._node_id())
+            return self._link_server.address
+
+    def _peer_link(self, handle: Any) -> PeerLink | None:
+        """The link to the worker behind Ray actor ``handle``: opened on first use when it runs on
+        this node (and again after it broke: a restarted worker listens anew); None (use Ray calls)
+        elsewhere, for in-process handles, and for ``LINK_RETRY_S`` after it could not open."""
+        import ray
+
+        if not isinstance(handle, ray.actor.ActorHandle):
+            return None
+        key = handle._actor_id.hex()
+        with self._links_lock:
+            link = self._links.get(key)
+            if key in self._links and (link is None or not link.broken):
+                return link
+            if time.monotonic() < self._link_retry_at.get(key, 0.0):
+                return None
+        link, permanent = None, True
+        try:
+            address = ray.get(handle.peer_link_address.remote(), timeout=LINK_RETRY_S)
+            if address.node_id and address.node_id == self._node_id():
+                link = PeerLink(address)
+        except Exception as error:  # noqa: BLE001 - Ray calls for now; try again later
+            permanent = False
+            logger.warning("%s: no direct link to a peer worker (%s); bursts call it through Ray for %.0f s",
+                           self.spec.name, type(error).__name__, LINK_RETRY_S)
+        with self._links_lock:
+            if permanent:
+                self._links[key] = link  # a link, or None for a peer on another node
+            else:
+                self._links.pop(key, None)
+                self._link_retry_at[key] = time.monotonic() + LINK_RETRY_S
+        return link
+
+    # ------------------------------------------------------------------ sessions
+    def prompt_logits(self, session_id: str, prompt_ids: list[int], vocab_limit: int | None = None) -> Any:
+        """Raw logits ``[P - 1, V]`` of every prompt position but the last
+        (:meth:`actors.worker.engine.WorkerEngine.prompt_logits`)."""
+        return self.engine.prompt_logits(session_id, prompt_ids, vocab_limit)
+
+    def release(self, session_id: str) -> bool:
+        """Free a session; True if it existed."""
+        return self.engine.sessions.release(session_id)
+
+    def num_sessions(self) -> int:
+        return len(self.engine.sessions)
+
+    def engine_stats(self) -> dict[str, Any]:
+        """Steps run, open sessions, the recent rows per forward (batch sizes) and the calls other
+        workers' bursts made over this worker's peer link (:mod:`actors.worker.peer_link`)."""
+        rows = list(self.engine.rows_per_forward)
+        link_calls = self._link_server.calls if self._link_server is not None else 0
+        return {"steps": self.engine.steps, "sessions": len(self.engine.sessions), "rows_per_forward": rows,
+                "peer_link_calls": link_calls}
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative since this worker started: seconds in forward passes and in step calls,
+        steps and forward passes; and the open sessions now (:meth:`WorkerEngine.metrics`)."""
+        return self.engine.metrics()
+
+    # ------------------------------------------------------------------ idle sessions
+    def reap_idle_sessions(self) -> list[str]:
+        """Free sessions idle for longer than the idle timeout; returns their ids."""
+        return self.engine.sessions.reap_idle()
+
+    def _reap_forever(self) -> None:
+        period = min(REAPER_PERIOD_S, self.engine.sessions.idle_timeout_s / 2)
+        while True:
+            time.sleep(period)
+            self.reap_idle_sessions()

@@ -1,0 +1,279 @@
+"""The measured step costs behind gamma "auto"'s goodput choice (actors/coordination/step_costs.py), and the
+choice served: plain steps and blocks chosen from the costs through the real Coordinator and
+Scheduler (in-process workers over the fake models), greedy output equal to the target's and the
+sampled law the target's (chi-square)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from actors.api import GenerationRequest
+from actors.coordination.coordinator import Coordinator
+from actors.coordination.step_costs import (
+    BOARD_MIN_VERIFICATIONS,
+    BOARD_PRIOR_RANGE,
+    BOARD_PRIOR_VERIFICATIONS,
+    AcceptanceBoard,
+    CallReport,
+    CostTable,
+    ModeRates,
+    StepCostModel,
+)
+from benchmarks.runners import LocalActorHandle
+from verifiers.adaptive import expected_tokens
+from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
+from tests.verifiers.test_adaptive import LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN
+from tests.verifiers.tiny_models import chi_square_pvalue, target_law
+from verifiers.machines import PLAIN_PROBE_EVERY
+from verifiers.reference import autoregressive_generate
+
+PROMPT = (1, 2, 3)
+CHI_SQUARE_SIGNIFICANCE = 1e-3
+
+
+# ------------------------------------------------------------------------- the tables
+def test_cost_table_interpolates_between_measured_counts_and_scales_outside():
+    table = CostTable()
+    assert table.estimate(4) is None
+    table.observe(16, 0.016)
+    table.observe(80, 0.035)
+    assert table.estimate(16) == pytest.approx(0.016)
+    assert table.estimate(48) == pytest.approx(0.016 + (0.035 - 0.016) * (48 - 16) / (80 - 16))
+    assert table.estimate(1) == pytest.approx(0.016 * (1 + 8) / (16 + 8))  # below: a fixed cost of 8 positions
+    assert table.estimate(160) > table.estimate(80)
+
+
+def test_cost_table_keeps_a_running_mean_per_bucket():
+    table = CostTable()
+    table.observe(5, 0.010)
+    table.observe(5, 0.020)
+    assert 0.010 < table.estimate(5) < 0.020
+
+
+def _report(model: str, tokens: int, forwards: int, seconds: float, uniform: bool = True) -> CallReport:
+    return CallReport(model=model, tokens_fed=tokens, forwards=forwards, forward_s=seconds, uniform=uniform)
+
+
+def test_model_gives_no_costs_until_both_models_and_a_speculative_step_are_measured():
+    model = StepCostModel(plain_tokens=4)
+    assert model.costs("draft", "target", batch=1, gamma_max=4) is None
+    model.observe_step(1, [_report("draft", 4, 4, 0.004)], 0.0, speculative=False)
+    assert model.costs("draft", "target", batch=1, gamma_max=4) is None
+    model.observe_step(1, [_report("draft", 4, 4, 0.004), _report("target", 5, 1, 0.008)], 0.015, speculative=True)
+    costs = model.costs("draft", "target", batch=1, gamma_max=4)
+    assert costs.draft_s == pytest.approx(0.001)
+    assert costs.verify_s[3] == pytest.approx(0.008)  # gamma 4: 5 tokens, as measured
+    assert costs.overhead_s == pytest.approx(0.003)  # the step's wall time minus its forwards
+    assert costs.plain_overhead_s == pytest.approx(0.0)  # as measured (the first step)
+    assert costs.plain_tokens == 4
+
+
+def test_a_calls_own_work_is_charged_to_its_forwards_not_to_the_step():
+    """A draft call of 4 forwards (4 ms) that spent 6 ms in the worker (sampling after each
+    forward) and a verifying call of 8 ms forward, 10 ms in all (verification): their host work
+    scales with the block, so it is charged per forward; the step's overhead is what no call
+    covers (hops, the scheduler)."""
+    model = StepCostModel(plain_tokens=4)
+    draft = CallReport(model="draft", tokens_fed=4, forwards=4, forward_s=0.004, uniform=True, call_s=0.006)
+    target = CallReport(model="target", tokens_fed=5, forwards=1, forward_s=0.008, uniform=True, call_s=0.010)
+    model.observe_step(1, [draft, target], 0.019, speculative=True)
+    costs = model.costs("draft", "target", batch=1, gamma_max=4)
+    assert costs.draft_s == pytest.approx(0.0015)
+    assert costs.verify_s[3] == pytest.approx(0.010)
+    assert costs.overhead_s == pytest.approx(0.003)
+
+
+def test_plain_overhead_defaults_to_half_the_speculative_one():
+    model = StepCostModel(plain_tokens=4)
+    model.observe_step(1, [_report("draft", 4, 4, 0.004), _report("target", 5, 1, 0.008)], 0.015, speculative=True)
+    assert model.costs("draft", "target", batch=1, gamma_max=4).plain_overhead_s == pytest.approx(0.0015)
+
+
+def test_prefill_calls_do_not_enter_the_forward_tables():
+    model = StepCostModel(plain_tokens=4)
+    model.observe_step(1, [_report("target", 130, 1, 0.05, uniform=False)], 0.06, speculative=False)
+    assert "target" not in model.forwards
+
+
+# ------------------------------------------------------------------- the choice, served
+class _ScheduledCosts:
+    """A stand-in for the measured costs (timings of fake models are meaningless): a schedule of
+    plain-favoured, long-block and short-block costs by the number of steps seen."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def costs(self, draft, target, *, batch, gamma_max, num_drafts=1):
+        self.calls += 1
+        return (LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN)[self.calls % 3]
+
+    def observe_step(self, *args, **kwargs):
+        pass
+
+
+def _coordinator(goodput: bool) -> Coordinator:
+    config = fake_group_config(overlap=False, goodput_gamma=goodput)
+    workers = {m.name: LocalActorHandle(FunctionModelWorker(m, config.session_idle_timeout_s)) for m in config.models}
+    coordinator = Coordinator(workers, config, export_to_ray=False)
+    coordinator.scheduler.cost_model = _ScheduledCosts()
+    return coordinator
+
+
+def _run(coordinator: Coordinator, requests: list[GenerationRequest]) -> list[list]:
+    async def collect(request):
+        return [chunk async for chunk in coordinator.generate(request)]
+
+    async def run_all():
+        try:
+            return await asyncio.gather(*(collect(r) for r in requests))
+        finally:
+            await coordinator.scheduler.close()
+
+    return asyncio.run(run_all())
+
+
+def _request(seed: int, method: str, *, temperature: float, max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"req-{seed}", prompt_ids=list(PROMPT),
+        sampling={"max_tokens": max_tokens, "seed": seed, "temperature": temperature},
+        speculation={"strategy": "sd", "method": method, "gamma": "auto", "gamma_max": 3},
+    )
+
+
+def _tokens(chunks) -> list[int]:
+    assert chunks[-1].finished and chunks[-1].error is None, chunks[-1]
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
+@pytest.mark.parametrize("method", ["block", "greedy_block"])
+def test_costs_choose_plain_steps_and_blocks_and_greedy_output_is_the_targets(method):
+    coordinator = _coordinator(goodput=True)
+    results = _run(coordinator, [_request(seed, method, temperature=0.0, max_tokens=24) for seed in range(4)])
+    expected, _ = autoregressive_generate(FAKE_MODELS["target"], PROMPT, 24, temperature=0.0,
+                                          generator=torch.Generator().manual_seed(0))
+    blocks = set()
+    for chunks in results:
+        assert _tokens(chunks) == expected
+        blocks.update(chunks[-1].stats.draft_lengths)
+    assert 0 in blocks and max(blocks) >= 2, blocks
+
+
+def test_goodput_off_ignores_the_costs():
+    coordinator = _coordinator(goodput=False)
+    for chunks in _run(coordinator, [_request(seed, "block", temperature=1.0, max_tokens=12) for seed in range(3)]):
+        assert 0 not in chunks[-1].stats.draft_lengths
+    assert coordinator.scheduler.cost_model.calls == 0
+
+
+def test_sampled_law_with_costs_choosing_plain_steps_and_blocks():
+    """Chi-square of 3-token sequences against the target's exact law (vocab 6), the blocks chosen
+    by the costs (plain steps included) through the real scheduler and workers."""
+    length, count = 3, 600
+    coordinator = _coordinator(goodput=True)
+    results = _run(coordinator, [_request(2000 + seed, "block", temperature=1.0, max_tokens=length)
+                                 for seed in range(count)])
+    samples = [tuple(_tokens(chunks)) for chunks in results]
+    assert any(0 in chunks[-1].stats.draft_lengths for chunks in results)
+    assert chi_square_pvalue(samples, target_law(FAKE_MODELS["target"], PROMPT, length)) > CHI_SQUARE_SIGNIFICANCE
+
+
+def test_more_tokens_never_look_cheaper():
+    table = CostTable()
+    table.observe(3, 0.034)  # a noisy bucket
+    table.observe(5, 0.027)
+    assert table.estimate(5) == pytest.approx(0.034)
+    assert table.estimate(4) == pytest.approx(0.034)
+
+
+def test_the_acceptance_board_learns_a_pairs_rate():
+    board = AcceptanceBoard()
+    key = ("draft", "target", "block", 1)
+    for _ in range(BOARD_MIN_VERIFICATIONS - 1):
+        board.observe(key, 4, 3)  # 3 accepted, then a rejection: rate 3/4
+    assert board.acceptance(key) is None  # too few verifications yet
+    board.observe(key, 4, 3)
+    assert board.acceptance(key) == pytest.approx(0.75)
+    for _ in range(200):
+        board.observe(key, 4, 4)  # every block accepted in full
+    assert board.acceptance(key) == BOARD_PRIOR_RANGE[1]
+    assert board.acceptance(("draft", "target", "token", 1)) is None
+
+
+def test_the_board_measures_what_blocks_yield_where_requests_differ():
+    """Half the requests accept every draft, half none: a block of g emits 1 + g/2 tokens on
+    average. The pooled rate is 8/9 and the geometric formula at it overstates every block (5.9
+    tokens at g = 8 instead of 5); the board's position-by-position estimate does not."""
+    board = AcceptanceBoard()
+    key = ("draft", "target", "block", 1)
+    assert board.expected_tokens(key, 8) is None
+    for _ in range(100):
+        board.observe(key, 8, 8)
+        board.observe(key, 8, 0)
+    alpha = board.acceptance(key)
+    assert alpha == pytest.approx(8 / 9, abs=0.01)
+    measured = board.expected_tokens(key, 8)
+    for gamma in range(1, 9):
+        assert measured[gamma - 1] == pytest.approx(1 + gamma / 2, rel=0.02)
+        assert expected_tokens(alpha, gamma) > 1.15 * measured[gamma - 1]  # the formula overstates by 15-26%
+    # Positions never judged take the pooled rate: blocks of 2 only, asked up to 4.
+    short = AcceptanceBoard()
+    for _ in range(50):
+        short.observe(key, 2, 2)
+        short.observe(key, 2, 1)
+    survival_2 = short.expected_tokens(key, 2)[1] - short.expected_tokens(key, 2)[0]
+    rate = short.acceptance(key)
+    tokens = short.expected_tokens(key, 4)
+    assert tokens[2] - tokens[1] == pytest.approx(survival_2 * rate)
+    assert tokens[3] - tokens[2] == pytest.approx(survival_2 * rate * rate)
+
+
+def test_a_new_auto_request_starts_from_the_groups_acceptance():
+    """With goodput on, requests admitted after the pair was verified often enough start from the
+    board's rate (fixed at admission, before their first draft); the first ones from the settings' prior."""
+    coordinator = _coordinator(goodput=True)
+    first = _run(coordinator, [_request(seed, "block", temperature=1.0, max_tokens=24) for seed in range(8)])
+    assert all(chunks[-1].error is None for chunks in first)
+    board = coordinator.scheduler.acceptance_board
+    alpha = board.acceptance(("draft", "target", "block", 1))
+    assert alpha is not None
+    state = coordinator._request_state(_request(99, "block", temperature=1.0, max_tokens=12),
+                                       coordinator._plan(_request(99, "block", temperature=1.0, max_tokens=12)),
+                                       list(PROMPT), 6, 64)
+    assert state.machine.chooser.settings.prior_acceptance != alpha
+    coordinator.scheduler._start_from_group_acceptance(state)
+    assert state.machine.chooser.settings.prior_acceptance == pytest.approx(alpha)
+    # ... counted as BOARD_PRIOR_VERIFICATIONS verifications at that rate, next to its own counts.
+    assert state.machine.chooser.settings.prior_weight == pytest.approx(BOARD_PRIOR_VERIFICATIONS / (1.0 - alpha))
+
+
+def test_mode_rates_read_the_nearest_measured_batch():
+    rates = ModeRates()
+    assert rates.rate("plain", 16) is None
+    rates.observe("plain", 16, 64, 0.1)  # 640 tok/s
+    rates.observe("speculative", 4, 30, 0.1)
+    assert rates.rate("plain", 16) == pytest.approx(640.0)
+    assert rates.rate("plain", 2) == pytest.approx(640.0)  # the only measured bucket
+    rates.observe("plain", 16, 32, 0.1)  # a running mean
+    assert rates.rate("plain", 16) == pytest.approx(640.0 + 0.2 * (320.0 - 640.0))
+    assert rates.rate("speculative", 3) == pytest.approx(300.0)
+
+
+def test_a_cohort_steps_in_the_faster_mode_and_probes_the_other():
+    coordinator = _coordinator(goodput=True)
+    scheduler = coordinator.scheduler
+    requests = [coordinator._request_state(_request(seed, "block", temperature=1.0, max_tokens=12),
+                                           coordinator._plan(_request(seed, "block", temperature=1.0, max_tokens=12)),
+                                           list(PROMPT), 6, 64) for seed in range(3)]
+    cohort = scheduler.cohorts[0]
+    for request in requests:
+        request.machine.step_costs = lambda: None
+        cohort.running.append(request)
+    scheduler.mode_rates.observe("plain", 3, 12, 0.1)  # 120 tok/s
+    scheduler.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
+    modes = [scheduler._cohort_mode(cohort) for _ in range(2 * (PLAIN_PROBE_EVERY + 1))]
+    assert modes.count("plain") == 2 and modes.count("speculative") == 2 * PLAIN_PROBE_EVERY
+    assert modes[PLAIN_PROBE_EVERY] == "plain"  # the probe after PLAIN_PROBE_EVERY speculative steps
+    assert scheduler._cohort_mode(type(cohort)(index=9, running=cohort.running[:1])) == "any"  # alone

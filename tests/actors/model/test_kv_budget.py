@@ -1,0 +1,128 @@
+"""KV cache slots from a memory budget (actors/model/kv_budget.py): what a slot costs equals what the
+cache allocates, how many slots a budget holds, the start-up refusal naming the numbers,
+max_model_len, the default dtype, a real worker sized by its budget, and the running limit the
+coordinator derives from the workers' slot counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig
+
+from actors.coordination.coordinator import running_limit
+from actors.model.kv_budget import (
+    DEFAULT_GPU_FRACTION,
+    KVCacheBudgetError,
+    budget_bytes,
+    context_limit,
+    plan_kv_slots,
+    resolve_dtype,
+    slot_bytes,
+    worker_kv_cache_memory,
+)
+from actors.model.kv_cache import SlotKVCache
+from actors.messages import WorkerInfo
+from actors.worker.model_worker import SCRATCH_COLUMNS, ModelWorker
+from cluster.config import ModelSpec
+
+CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                     intermediate_size=128, vocab_size=300, max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_bytes_equal_the_allocated_storage(dtype):
+    slots, capacity = 3, 40
+    cache = SlotKVCache.from_config(CONFIG, capacity=capacity, max_slots=slots, initial_slots=slots, dtype=dtype)
+    allocated = cache.storage.numel() * cache.storage.element_size()  # [2, layers, S, H, capacity + 1, D]
+    assert SlotKVCache.slot_bytes(CONFIG, capacity, dtype) * slots == allocated
+    # 3 layers x 2 x 2 kv heads x 16 head dim x 41 columns x bytes
+    assert slot_bytes(CONFIG, capacity, dtype) == 3 * 2 * 2 * 16 * 41 * dtype.itemsize
+
+
+def test_sliding_models_also_pay_for_column_positions():
+    config = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                           intermediate_size=128, vocab_size=300, sliding_window=16)
+    assert slot_bytes(config, 40, torch.float32, sliding=True) == SlotKVCache.slot_bytes(config, 40, torch.float32) + 41 * 8
+
+
+def test_a_byte_budget_holds_whole_slots():
+    per_slot = slot_bytes(CONFIG, 100, torch.float32)
+    slots, bytes_per_slot = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32,
+                                          device="cpu", kv_cache_memory=int(3.5 * per_slot), default_slots=99)
+    assert (slots, bytes_per_slot) == (3, per_slot)
+
+
+def test_no_budget_keeps_the_given_slot_count():
+    slots, _ = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32, device="cpu",
+                             kv_cache_memory=None, default_slots=36)
+    assert slots == 36
+    assert worker_kv_cache_memory(None, "cpu") is None
+    assert worker_kv_cache_memory(None, "cuda") == DEFAULT_GPU_FRACTION
+    assert worker_kv_cache_memory(1 << 30, "cuda") == 1 << 30
+
+
+def test_a_budget_below_one_slot_is_refused_naming_the_numbers():
+    per_slot = slot_bytes(CONFIG, 100, torch.float32)
+    with pytest.raises(KVCacheBudgetError) as error:
+        plan_kv_slots(CONFIG, model="tiny-llama", max_model_len=80, capacity=100, dtype=torch.float32, device="cpu",
+                      kv_cache_memory=per_slot - 1, default_slots=4)
+    message = str(error.value)
+    for part in ("'tiny-llama'", f"{per_slot - 1} bytes", f"{per_slot} bytes", "max_model_len=80",
+                 "engine.kv_cache_memory", "3 layers x 2 x 2 kv heads x 16 head dim x 101 columns x 4 bytes"):
+        assert part in message, (part, message)
+
+
+def test_a_fraction_needs_a_gpu():
+    with pytest.raises(KVCacheBudgetError, match="fraction of GPU memory.*'m'.*cpu"):
+        budget_bytes(0.5, "cpu", "m")
+    assert budget_bytes(12345, "cpu", "m") == 12345
+    assert budget_bytes(None, "cpu", "m") is None
+
+
+def test_max_model_len_caps_the_context_and_never_exceeds_the_model():
+    assert context_limit(4096, None, "m") == 4096
+    assert context_limit(4096, 1024, "m") == 1024
+    with pytest.raises(KVCacheBudgetError, match=r"max_model_len=8192 exceeds the context of model 'm' \(4096\)"):
+        context_limit(4096, 8192, "m")
+
+
+def test_default_dtype_is_the_checkpoint_on_gpu_and_float32_on_cpu():
+    bf16 = LlamaConfig(dtype="bfloat16")
+    assert resolve_dtype(None, "cpu", bf16) == "float32"
+    assert resolve_dtype(None, "cuda", bf16) == "bfloat16"
+    assert resolve_dtype(None, "cuda", LlamaConfig(dtype=torch.float16)) == "float16"
+    assert resolve_dtype(None, "cuda", LlamaConfig()) == "float32"  # the config names none
+    assert resolve_dtype("float32", "cuda", bf16) == "float32"  # an explicit dtype wins
+
+
+def test_running_limit_is_the_smallest_worker_slot_count():
+    def info(name, slots):
+        return WorkerInfo(name, "target", 300, 128, "cpu", kv_slots=slots)
+
+    assert running_limit(16, {"a": info("a", 40), "b": info("b", 7)}) == 7
+    assert running_limit(16, {"a": info("a", 40), "b": info("b", None)}) == 16
+    assert running_limit(4, {"a": info("a", 40)}) == 4
+
+
+def _spec(path) -> ModelSpec:
+    return ModelSpec(name="target", path=str(path), role="target", num_gpus=0, num_cpus=0.25, torch_threads=1,
+                     resources={})
+
+
+def test_a_worker_holds_what_its_budget_fits(tiny_checkpoints):
+    threads = torch.get_num_threads()
+    try:
+        probe = ModelWorker(_spec(tiny_checkpoints["target"]), max_sessions=1, max_model_len=100)
+        per_slot = probe.backend.slot_bytes
+        assert probe.backend.max_context == 100 and probe.backend.capacity == 100 + SCRATCH_COLUMNS
+        worker = ModelWorker(_spec(tiny_checkpoints["target"]), max_sessions=64, max_model_len=100,
+                             kv_cache_memory=5 * per_slot + per_slot // 2)
+        cache = worker.backend.cache
+        assert worker.backend.max_slots == cache.num_slots == 5
+        assert cache.storage.numel() * cache.storage.element_size() == 5 * per_slot
+        info = worker.info()
+        assert (info.kv_slots, info.max_context) == (5, 100)
+        with pytest.raises(KVCacheBudgetError, match="max_model_len=100"):
+            ModelWorker(_spec(tiny_checkpoints["target"]), max_model_len=100, kv_cache_memory=per_slot - 1)
+    finally:
+        torch.set_num_threads(threads)

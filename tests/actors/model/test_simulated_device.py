@@ -1,0 +1,107 @@
+"""The simulated device (engine.simulated_device, benchmarks only): every forward lasts as long
+as the cost model says (a fake clock checks the waits), the worker's forward time reports it, and
+it changes no token of any strategy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.api import GenerationRequest
+from actors.coordination.coordinator import Coordinator
+from actors.model.simulated_device import SimulatedDevice
+from benchmarks.runners import LocalActorHandle
+from cluster.config import ConfigError, SimulatedDeviceArgs, parse_app_args
+from tests.actors.fake_models import FunctionModelWorker, fake_group_config
+
+PROMPT = (1, 2, 3)
+
+
+class FakeClock:
+    """Time moves only when the device sleeps, or when a test moves it (the real forward)."""
+
+    def __init__(self):
+        self.time = 100.0
+        self.sleeps: list[float] = []
+
+    def now(self) -> float:
+        return self.time
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.time += seconds
+
+
+@pytest.mark.parametrize(("tokens", "real_ms", "expected_wait_ms"), [(1, 0.0, 40.1), (5, 10.0, 30.5), (9, 60.0, None)])
+def test_a_forward_lasts_what_the_cost_model_says(tokens, real_ms, expected_wait_ms):
+    clock = FakeClock()
+    device = SimulatedDevice(fixed_ms=40.0, per_token_ms=0.1, clock=clock)
+    started = clock.now()
+    clock.time += real_ms / 1000  # the real forward
+    device.finish(started, tokens)
+    if expected_wait_ms is None:  # the real forward took longer than the model: no wait
+        assert clock.sleeps == []
+    else:
+        assert clock.sleeps == [pytest.approx(expected_wait_ms / 1000)]
+        assert clock.now() - started == pytest.approx(device.forward_seconds(tokens))
+
+
+def test_bad_cost_models_are_refused_naming_the_field():
+    args = {"models": {"target": {"path": "embedded:target", "role": "target"}}, "defaults": {"strategy": "ar"}}
+    with pytest.raises(ConfigError, match="per_token_ms"):
+        parse_app_args(args | {"engine": {"simulated_device": {"target": {"fixed_ms": 1, "per_token_ms": -1}}}})
+    with pytest.raises(ConfigError, match="engine.simulated_device: unknown models \\['draft'\\]"):
+        parse_app_args(args | {"engine": {"simulated_device": {"draft": {"fixed_ms": 1, "per_token_ms": 0}}}})
+    frozen = parse_app_args(args | {"engine": {"simulated_device": {"target": {"fixed_ms": 4, "per_token_ms": 0.02}}}})
+    assert frozen.freeze().models[0].simulated_device.fixed_ms == 4
+
+
+def _coordinator(simulated: bool) -> Coordinator:
+    config = fake_group_config(overlap=False)
+    if simulated:
+        costs = {"fixed_ms": 2.0, "per_token_ms": 0.05}
+        models = tuple(m.model_copy(update={"simulated_device": SimulatedDeviceArgs(**costs)}) for m in config.models)
+        config = config.model_copy(update={"models": models})
+    workers = {m.name: LocalActorHandle(FunctionModelWorker(m, config.session_idle_timeout_s)) for m in config.models}
+    return Coordinator(workers, config, export_to_ray=False)
+
+
+SPECULATIONS = [
+    {"strategy": "ar"},
+    {"strategy": "sd", "method": "token", "gamma": 3},
+    {"strategy": "sd", "method": "block", "gamma": 3},
+    {"strategy": "sd", "method": "greedy_block", "gamma": 2},
+    {"strategy": "multi_draft", "method": "spectr", "gamma": 2, "num_drafts": 2},
+    {"strategy": "ensemble", "ensemble": "weighted", "members": ["target", "partner"], "weights": [0.5, 0.5]},
+    {"strategy": "se", "method": "block", "ensemble": "weighted", "members": ["target", "partner"],
+     "weights": [0.5, 0.5], "gammas": [1, 2]},
+]
+
+
+def _run(coordinator: Coordinator) -> list[list]:
+    requests = [GenerationRequest(request_id=f"r{i}", prompt_ids=list(PROMPT), speculation=speculation,
+                                  sampling={"max_tokens": 8, "seed": i, "temperature": 1.0})
+                for i, speculation in enumerate(SPECULATIONS)]
+
+    async def collect(request):
+        return [chunk async for chunk in coordinator.generate(request)]
+
+    async def run_all():
+        try:
+            return await asyncio.gather(*(collect(r) for r in requests))
+        finally:
+            await coordinator.scheduler.close()
+
+    return asyncio.run(run_all())
+
+
+def test_the_simulated_device_changes_no_token_and_reports_its_time():
+    plain, simulated = _run(_coordinator(False)), _run(_coordinator(True))
+    for speculation, real, modelled in zip(SPECULATIONS, plain, simulated):
+        assert modelled[-1].error is None, modelled[-1].error
+        tokens = [[t for chunk in chunks for t in chunk.token_ids] for chunks in (real, modelled)]
+        assert tokens[0] == tokens[1] and len(tokens[0]) == 8, speculation
+        # every forward lasted at least the fixed 2 ms: the time split reports the modelled device
+        stats = modelled[-1].stats
+        assert stats.target_calls > 0 and stats.time_draft_s + stats.time_target_s >= 0.002 * stats.target_calls

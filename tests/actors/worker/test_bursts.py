@@ -1,0 +1,347 @@
+"""Solo bursts (actors/worker/bursts.py): a lone request's iterations run in its target's worker, and
+change no token.
+
+Through real Ray actors on the deterministic fake workers (tests/actors/fake_models.py): one
+request at a time, so every step after the first is a burst, equals the reference loop token for
+token for every burstable strategy and rule; gamma "auto" with measured (frozen) step costs keeps
+the target's law (chi-square); a request cancelled mid-burst leaves no session behind. In
+process: the burst loop stops where it must (done, EOS, a failed iteration, its time budget), a
+peer that cannot be reached fails its needs as retryable, and the scheduler refuses a replay
+whose needs differ from the worker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+
+import pytest
+import torch
+
+from actors.api import GenerationRequest
+from actors.worker.bursts import BurstRecord, FrozenStepCosts, burstable, finish_needs, run_burst, submit_peer_calls
+from actors.messages import CallTiming, ItemOutcome
+from actors.coordination.plan import DecodingDefaults
+from cluster.bringup import start_model_group
+from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
+from tests.verifiers.tiny_models import chi_square_pvalue, target_law
+from verifiers.adaptive import AdaptiveGammaSettings, StepCosts
+from verifiers.machines import AutoregressiveMachine, Sample, Sampled, ScoreVerify, SpeculativeMachine, Verified
+from verifiers.reference import autoregressive_generate, speculative_generate
+
+PROMPT = (1, 2, 3)
+MAX_TOKENS = 14
+CHI_SQUARE_SIGNIFICANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def burst_group(ray_session):
+    group = start_model_group(fake_group_config(overlap=False, burst_ms=5_000), worker_cls=FunctionModelWorker)
+    yield group
+    group.shutdown()
+
+
+def _request(seed: int, speculation: dict, max_tokens: int = MAX_TOKENS) -> GenerationRequest:
+    return GenerationRequest(request_id=f"burst-{seed}", prompt_ids=list(PROMPT),
+                             sampling={"max_tokens": max_tokens, "seed": seed, "temperature": 1.0},
+                             speculation=speculation)
+
+
+async def _collect(coordinator, request: GenerationRequest) -> list:
+    return [await ref async for ref in coordinator.generate.options(num_returns="streaming").remote(request)]
+
+
+def _run_one_at_a_time(group, requests: list[GenerationRequest]) -> list[list]:
+    async def run() -> list[list]:
+        return [await _collect(group.coordinator, request) for request in requests]
+
+    return asyncio.run(run())
+
+
+def _tokens(chunks) -> list[int]:
+    assert chunks[-1].finished and chunks[-1].error is None, chunks[-1]
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
+def _bursts(group) -> int:
+    import ray
+
+    return ray.get(group.coordinator.engine_stats.remote())["bursts"]
+
+
+def test_ar_in_bursts_equals_the_reference(burst_group):
+    before = _bursts(burst_group)
+    seeds = (0, 1, 2)
+    results = _run_one_at_a_time(burst_group, [_request(seed, {"strategy": "ar"}) for seed in seeds])
+    assert _bursts(burst_group) >= before + len(seeds)  # every request's iterations after its first
+    for seed, chunks in zip(seeds, results):
+        expected, _ = autoregressive_generate(FAKE_MODELS["target"], PROMPT, MAX_TOKENS,
+                                              generator=torch.Generator().manual_seed(seed))
+        assert _tokens(chunks) == expected
+        assert chunks[-1].stats.target_calls == MAX_TOKENS
+
+
+def test_pre_drafting_in_bursts_equals_the_reference(ray_session):
+    """The PreDraft runs on the draft's worker while the target verifies, and the next iteration
+    verifies its chain, inside a burst: the reference loop's tokens, with chains really reused."""
+    group = start_model_group(fake_group_config(overlap=False, pre_drafting=2, burst_ms=5_000),
+                              worker_cls=FunctionModelWorker)
+    try:
+        seeds = (0, 1, 2, 3)
+        speculation = {"strategy": "sd", "method": "block", "gamma": 2}
+        results = _run_one_at_a_time(group, [_request(seed, speculation, max_tokens=20) for seed in seeds])
+        assert _bursts(group) >= len(seeds)
+        import ray
+
+        # Sample and PreDraft must run on the draft in the order sent: Ray calls, not the peer link.
+        assert ray.get(group.workers["draft"].engine_stats.remote())["peer_link_calls"] == 0
+    finally:
+        group.shutdown()
+    reused = 0
+    for seed, chunks in zip(seeds, results):
+        expected, stats = speculative_generate(FAKE_MODELS["draft"], FAKE_MODELS["target"], PROMPT, 20, gamma=2,
+                                               method="block", generator=torch.Generator().manual_seed(seed),
+                                               pre_drafting=2)
+        assert _tokens(chunks) == expected
+        assert chunks[-1].stats.pre_drafted == stats["pre_drafted"]
+        reused += stats["pre_drafted"]
+    assert reused > 0
+
+
+@pytest.mark.parametrize("strategy,method,num_drafts,gamma", [
+    ("sd", "token", 1, 3),
+    ("sd", "block", 1, 3),
+    ("sd", "greedy_block", 1, 3),
+    ("sd", "block", 1, "auto"),
+    ("multi_draft", "spectr", 2, 3),
+    ("multi_draft", "sequential_gbv", 2, 2),
+])
+def test_speculation_in_bursts_equals_the_reference(burst_group, strategy, method, num_drafts, gamma):
+    speculation = {"strategy": strategy, "method": method, "num_drafts": num_drafts, "gamma": gamma}
+    adaptive = None
+    if gamma == "auto":
+        speculation["gamma_max"] = 5
+        adaptive = AdaptiveGammaSettings(gamma_max=5, draft_cost_ratio=DecodingDefaults().draft_cost_ratio)
+    before = _bursts(burst_group)
+    seeds = (0, 1, 2)
+    results = _run_one_at_a_time(burst_group, [_request(seed, speculation) for seed in seeds])
+    assert _bursts(burst_group) >= before + len(seeds)
+    for seed, chunks in zip(seeds, results):
+        expected, stats = speculative_generate(
+            FAKE_MODELS["draft"], FAKE_MODELS["target"], PROMPT, MAX_TOKENS, gamma=3 if gamma == "auto" else gamma,
+            method=method, num_drafts=num_drafts, generator=torch.Generator().manual_seed(seed), adaptive=adaptive)
+        assert _tokens(chunks) == expected
+        assert chunks[-1].stats.accepted_lengths == stats["accepted"]
+        assert chunks[-1].stats.target_calls == stats["target_calls"]
+
+
+def test_bursts_call_the_draft_over_the_peer_link_and_keep_its_tokens(burst_group):
+    """Workers of one node: a burst's draft calls go over the direct link (actors/worker/peer_link.py),
+    not Ray calls, and the tokens stay the reference's."""
+    import ray
+
+    draft = burst_group.workers["draft"]
+    before = ray.get(draft.engine_stats.remote())["peer_link_calls"]
+    speculation = {"strategy": "sd", "method": "block", "num_drafts": 1, "gamma": 3}
+    (chunks,) = _run_one_at_a_time(burst_group, [_request(5, speculation)])
+    expected, stats = speculative_generate(FAKE_MODELS["draft"], FAKE_MODELS["target"], PROMPT, MAX_TOKENS, gamma=3,
+                                           method="block", num_drafts=1, generator=torch.Generator().manual_seed(5))
+    assert _tokens(chunks) == expected
+    calls = ray.get(draft.engine_stats.remote())["peer_link_calls"] - before
+    # one draft call per iteration over the link: every iteration but the first, which the
+    # scheduler runs as a step (the request is still being prefilled then)
+    assert calls == stats["target_calls"] - 1
+
+
+def test_goodput_auto_in_bursts_keeps_the_target_law(ray_session):
+    """gamma auto weighing measured step costs (frozen per burst; plain steps allowed): 300
+    sequences of 3 tokens, one request at a time, fit the target's law."""
+    group = start_model_group(fake_group_config(overlap=False, goodput_gamma=True, burst_ms=5_000),
+                              worker_cls=FunctionModelWorker)
+    try:
+        length, count = 3, 300
+        requests = [_request(seed, {"strategy": "sd", "method": "block", "gamma": "auto"}, max_tokens=length)
+                    for seed in range(count)]
+        sequences = [tuple(_tokens(chunks)) for chunks in _run_one_at_a_time(group, requests)]
+        assert _bursts(group) > 0
+    finally:
+        group.shutdown()
+    assert chi_square_pvalue(sequences, target_law(FAKE_MODELS["target"], PROMPT, length)) > CHI_SQUARE_SIGNIFICANCE
+
+
+def test_a_request_cancelled_mid_burst_leaves_no_session(burst_group):
+    import ray
+
+    async def read_one_chunk_then_leave() -> None:
+        stream = burst_group.coordinator.generate.options(num_returns="streaming").remote(
+            _request(5, {"strategy": "sd", "method": "block", "gamma": 3}, max_tokens=50))
+        async for ref in stream:
+            await ref
+            break
+        ray.cancel(stream)  # what the ingress does when its client goes away
+
+    asyncio.run(read_one_chunk_then_leave())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        sessions = ray.get([worker.num_sessions.remote() for worker in burst_group.workers.values()])
+        if not any(sessions) and not ray.get(burst_group.coordinator.describe.remote())["active_requests"]:
+            break
+        time.sleep(0.2)
+    assert not any(sessions), sessions
+    # The group still serves.
+    assert _tokens(_run_one_at_a_time(burst_group, [_request(6, {"strategy": "ar"})])[0])
+
+
+# ------------------------------------------------------------------------------ in process
+def _ar_step(tokens_per_call: list[list[int]]):
+    """A local step that answers each Sample with the next list of tokens."""
+    calls = iter(tokens_per_call)
+
+    def local_step(items, sources):
+        (item,) = items
+        assert isinstance(item.need, Sample)
+        tokens = next(calls)
+        assert len(tokens) == item.need.count
+        return [ItemOutcome(value=Sampled(torch.tensor([tokens])), timing=CallTiming(forward_calls=len(tokens)))], [None]
+
+    return local_step
+
+
+def _no_peer(model, items):
+    raise AssertionError("ar makes no call to another worker")
+
+
+def _fetch(refs):
+    return list(refs)
+
+
+def test_a_burst_stops_when_the_machine_is_done():
+    machine = AutoregressiveMachine("target", max_new_tokens=10, tokens_per_iteration=4)
+    records = list(run_burst(machine, "s", "target", _ar_step([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6]]), _no_peer, _fetch,
+                             budget_s=60))
+    assert [len(record.outcomes[0].value.tokens[0]) for record in records] == [4, 4, 2]
+    assert machine.done
+
+
+def test_a_burst_stops_after_an_eos_token():
+    machine = AutoregressiveMachine("target", max_new_tokens=40, tokens_per_iteration=4)
+    records = list(run_burst(machine, "s", "target", _ar_step([[1, 2, 3, 4], [1, 9, 3, 4], [1, 2, 3, 4]]), _no_peer,
+                             _fetch, eos_token_ids=(9,), budget_s=60))
+    assert len(records) == 2
+
+
+def test_a_burst_stops_at_its_time_budget():
+    machine = AutoregressiveMachine("target", max_new_tokens=400, tokens_per_iteration=4)
+    inner = _ar_step([[1, 2, 3, 4]] * 100)
+
+    def slow_step(items, sources):
+        time.sleep(0.02)
+        return inner(items, sources)
+
+    records = list(run_burst(machine, "s", "target", slow_step, _no_peer, _fetch, budget_s=0.05))
+    assert 2 <= len(records) <= 4
+
+
+def test_a_burst_stops_after_a_failed_iteration():
+    machine = AutoregressiveMachine("target", max_new_tokens=40, tokens_per_iteration=4)
+
+    def failing_step(items, sources):
+        return [ItemOutcome(error="RuntimeError: boom")], [None]
+
+    records = list(run_burst(machine, "s", "target", failing_step, _no_peer, _fetch, budget_s=60))
+    assert len(records) == 1 and records[0].outcomes[0].error == "RuntimeError: boom"
+
+
+def test_an_unreachable_draft_fails_its_iteration_as_retryable():
+    machine = SpeculativeMachine("draft", "target", method="block", gamma=3, num_drafts=1, max_new_tokens=20)
+    needs = machine.needs()
+
+    def dead_peer(model, items):
+        return "outcomes ref", "payloads ref"
+
+    def fetch(refs):
+        raise RuntimeError("the actor died")
+
+    def local_step(items, sources):
+        (item,) = items
+        assert isinstance(item.need, ScoreVerify) and item.proposal_source == (0, 0)
+        assert isinstance(sources[0][0], ItemOutcome) and sources[0][0].error is not None
+        return [ItemOutcome(error="RuntimeError: the proposal failed")], [None]
+
+    calls = submit_peer_calls(needs, "s", "target", dead_peer)
+    outcomes, pre_drafted = finish_needs(needs, calls, "s", "target", local_step, fetch)
+    assert pre_drafted is None
+    assert outcomes[0].retryable and "draft" in outcomes[0].error
+    assert outcomes[1].error is not None
+
+
+def test_the_next_iterations_draft_call_goes_out_before_the_record_and_none_after_the_last():
+    """The draft drafts the next block while the current record is streamed: its call is submitted
+    before the record reaches the consumer; the last iteration submits nothing further."""
+    machine = SpeculativeMachine("draft", "target", method="block", gamma=2, num_drafts=1, max_new_tokens=9)
+    events: list[str] = []
+
+    def draft_peer(model, items):
+        (item,) = items
+        assert model == "draft" and isinstance(item.need, Sample)
+        events.append("draft call")
+        sampled = Sampled(torch.tensor([[7] * item.need.count]), torch.zeros(1, item.need.count, 11))
+        return [ItemOutcome(value=sampled)], [sampled]
+
+    def local_step(items, sources):
+        (item,) = items
+        assert isinstance(item.need, ScoreVerify)
+        return [ItemOutcome(value=Verified(emitted=[7, 7, 5], num_accepted=2))], [None]
+
+    for record in run_burst(machine, "s", "target", local_step, draft_peer, _fetch, budget_s=60):
+        events.append(f"record of {len(record.outcomes[1].value.emitted)} tokens")
+    assert machine.done
+    assert events == ["draft call", "draft call", "record of 3 tokens", "draft call", "record of 3 tokens",
+                      "record of 3 tokens"]
+
+
+def test_ar_sd_and_multi_draft_burst_the_ensembles_do_not():
+    from verifiers.machines import EnsembleMachine
+    from verifiers.randomness import TorchRandomSource
+
+    assert burstable(AutoregressiveMachine("target", max_new_tokens=4))
+    assert burstable(SpeculativeMachine("draft", "target", method="block", gamma=3, num_drafts=1, max_new_tokens=4,
+                                        pre_drafting=2))
+    ensemble = EnsembleMachine(["target", "partner"], ensemble="weighted", weights=None, mu=0.1, temperature=1.0,
+                               top_k=0, top_p=1.0, own_source=TorchRandomSource(torch.Generator()), max_new_tokens=4)
+    assert not burstable(ensemble)
+
+
+def test_frozen_step_costs_pickle_with_the_machine():
+    machine = SpeculativeMachine("draft", "target", method="block", gamma=3, num_drafts=1, max_new_tokens=4,
+                                 adaptive=AdaptiveGammaSettings(gamma_max=8))
+    costs = StepCosts(draft_s=0.001, verify_s=(0.01,) * 8, overhead_s=0.002, plain_s=0.008, plain_overhead_s=0.001,
+                      plain_tokens=4)
+    machine.step_costs = FrozenStepCosts(costs)
+    copy = pickle.loads(pickle.dumps(machine))
+    assert copy.step_costs() == costs
+    assert copy.needs() == machine.needs()
+
+
+def _ar_plan():
+    from actors.coordination.plan import DecodingPlan
+
+    return DecodingPlan(strategy="ar", method=None, target="target", draft=None, gamma=1, num_drafts=1, ensemble=None,
+                        members=(), weights=None, mu=0.0, gammas=())
+
+
+def test_the_scheduler_refuses_a_replay_that_differs():
+    from actors.coordination.output import OutputTracker
+    from actors.coordination.scheduler import RequestState, Scheduler
+
+    scheduler = Scheduler({"target": None}, max_running=1, max_waiting=1)
+    machine = AutoregressiveMachine("target", max_new_tokens=8, tokens_per_iteration=4)
+    request = RequestState(request_id="r", session_id="r/1", plan=_ar_plan(),
+                           machine=machine, output=OutputTracker(None, max_tokens=8), prompt_ids=[1], opens={},
+                           vocab_limit=6)
+    wrong = BurstRecord(needs=(Sample("target", (), 2),), outcomes=(ItemOutcome(value=Sampled(torch.tensor([[1, 2]]))),),
+                        wall_s=0.01)
+    scheduler._replay(request, wrong)
+    chunk = request.chunks.get_nowait()
+    assert chunk.finished and "differs" in chunk.error
