@@ -4,7 +4,7 @@
 * :mod:`verifiers.single_draft` -- token, block and greedy block verification;
 * :mod:`verifiers.registry` -- ``get_verifier(name) -> VerifierSpec``;
 * :mod:`verifiers.reference` -- ``speculative_generate`` and friends, the executable spec;
-* :mod:`verifiers.randomness` / :mod:`verifiers.exact` -- random sources and exact laws.
+* :mod:`verifiers.randomness` / :mod:`verifiers.reference.exact` -- random sources and exact laws.
 
 See docs/verifiers.md.
 """

@@ -1,5 +1,5 @@
 """The one implementation of a :class:`verifiers.machines.ScoreVerify`'s verification, driven
-by both executors of needs: the reference (:class:`verifiers.executor.LocalExecutor`, rows
+by both executors of needs: the reference (:class:`verifiers.reference.executor.LocalExecutor`, rows
 recomputed from full contexts) and the serving engine (:mod:`actors.worker.engine`, rows from cached
 forwards, many requests' blocks in one verifier call).
 

@@ -5,8 +5,8 @@ list of :data:`Need` values), and it consumes what they returned (:meth:`consume
 aligned with the needs), returning the tokens that became final. It never calls a model and
 never touches a KV cache; who executes the needs is up to the driver:
 
-* the reference loops (:mod:`verifiers.reference`, :mod:`verifiers.reference_ensemble`)
-  execute them with :class:`verifiers.executor.LocalExecutor`, recomputing every row from the
+* the reference loops (:mod:`verifiers.reference`, :mod:`verifiers.reference.ensemble`)
+  execute them with :class:`verifiers.reference.executor.LocalExecutor`, recomputing every row from the
   full context (slow, obviously correct; the exactness tests enumerate their output law);
 * the serving engine (``actors.coordination.scheduler``) gathers the needs of every request in flight and
   runs them as one batched call per model worker per scheduler step (each running request
@@ -602,7 +602,7 @@ class SegmentQueue:
 
 class SpeculativeEnsembleMachine(_EnsembleMachine):
     """``se``: the alternate proposal framework (2 members) / n-model chain (Speculative Ensemble (arXiv:2502.01662), App. B.1
-    Alg. 1 and B.2 Alg. 2; the loop is stated in ``verifiers.reference_ensemble.ensemble_generate``).
+    Alg. 1 and B.2 Alg. 2; the loop is stated in ``verifiers.reference.ensemble.ensemble_generate``).
 
     One iteration = one member call: the default proposer proposing into an empty queue, or the
     member with the least coverage scoring the queue, drawing its bonus token and proposing

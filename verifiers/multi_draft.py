@@ -50,7 +50,7 @@ tokens (using the next call's ``draft_probs``); the caller only passes the value
 
 All arithmetic is float64, products of ratios are formed in log space, no epsilon is added
 anywhere; every random choice goes through the :class:`~verifiers.randomness.RandomSource`
-(``generator`` may be a ``torch.Generator``), so :func:`verifiers.exact.exact_law` enumerates
+(``generator`` may be a ``torch.Generator``), so :func:`verifiers.reference.exact.exact_law` enumerates
 these very functions. Inputs are never modified.
 """
 

@@ -4,7 +4,7 @@ Verification rules and decode loops never call ``torch.rand`` or ``torch.multino
 themselves: they ask a source for a Bernoulli draw (accept / reject) or a categorical draw
 (a token). In production the source wraps an explicit ``torch.Generator``
 (:class:`TorchRandomSource`); in the exactness tests it is an enumerating source
-(:mod:`verifiers.exact`) that follows every branch with its probability, so the exact
+(:mod:`verifiers.reference.exact`) that follows every branch with its probability, so the exact
 output law of the *same code* that serves requests can be computed in float64.
 
 Contract (both implementations honour it):

@@ -17,7 +17,7 @@ Arithmetic runs in the rows' precision: float64 (the exactness harness's), or fl
 rows come in float32 (a GPU worker's, ``engine.sampling_precision``); every random choice goes
 through the
 :class:`~verifiers.randomness.RandomSource` (``generator`` may be a ``torch.Generator``), so
-:func:`verifiers.exact.exact_law` enumerates these very functions. Inputs are never modified.
+:func:`verifiers.reference.exact.exact_law` enumerates these very functions. Inputs are never modified.
 """
 
 from __future__ import annotations

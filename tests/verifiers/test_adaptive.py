@@ -15,8 +15,8 @@ import torch
 
 from tests.verifiers.tiny_models import model_pair, target_law
 from verifiers.adaptive import AdaptiveGamma, AdaptiveGammaSettings, StepCosts, best_block, best_gamma, expected_tokens
-from verifiers.exact import exact_law, total_variation
-from verifiers.executor import LocalExecutor, layout_sources, run_machine
+from verifiers.reference.exact import exact_law, total_variation
+from verifiers.reference.executor import LocalExecutor, layout_sources, run_machine
 from verifiers.machines import SpeculativeMachine
 from verifiers.randomness import split_sources
 from verifiers.reference import speculative_generate

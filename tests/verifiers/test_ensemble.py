@@ -1,6 +1,6 @@
 """Ensemble functions and the speculative ensemble (paper 001), proved by enumeration.
 
-Exactness: ``exact_law`` runs :func:`verifiers.reference_ensemble.ensemble_generate` itself on
+Exactness: ``exact_law`` runs :func:`verifiers.reference.ensemble.ensemble_generate` itself on
 every branch of its random choices and compares the law of the generated tokens with
 ``sequence_law`` of the ensemble rows (TV < 1e-9). The tiny models are context dependent
 (:class:`tests.verifiers.tiny_models.TinyModel`), so misaligned rows would show. Sizes are
@@ -26,9 +26,9 @@ from verifiers.ensemble import (
     verify_segment,
     weighted_ensemble_logits,
 )
-from verifiers.exact import exact_law, sequence_law, total_variation
+from verifiers.reference.exact import exact_law, sequence_law, total_variation
 from verifiers.randomness import split_sources
-from verifiers.reference_ensemble import (
+from verifiers.reference.ensemble import (
     ensemble_autoregressive_generate,
     ensemble_generate,
     ensemble_next_token_probs,

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from tests.verifiers.tiny_models import TinyModel, model_pair
-from verifiers import executor as executor_module
+from verifiers.reference import executor as executor_module
 from verifiers import grammar as grammar_module
-from verifiers.exact import exact_law, sequence_law, total_variation
+from verifiers.reference.exact import exact_law, sequence_law, total_variation
 from verifiers.grammar import GrammarError, allowed_tokens, compile_constraint, register_vocabulary
 from verifiers.penalties import Penalties, penalized_probs
 from verifiers.reference import autoregressive_generate, speculative_generate
-from verifiers.reference_ensemble import ensemble_autoregressive_generate, ensemble_generate, ensemble_next_token_probs
+from verifiers.reference.ensemble import ensemble_autoregressive_generate, ensemble_generate, ensemble_next_token_probs
 from verifiers.sampling import logits_to_probs
 
 EXACT_TOLERANCE = 1e-9

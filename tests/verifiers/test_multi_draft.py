@@ -28,7 +28,7 @@ from tests.verifiers.tiny_models import (
     speculative_law,
     target_law,
 )
-from verifiers.exact import exact_law, total_variation
+from verifiers.reference.exact import exact_law, total_variation
 from verifiers.multi_draft import (
     EXPERIMENTAL_METHODS,
     GreedyModificationState,

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.verifiers.tiny_models import model_pair
-from verifiers import executor as executor_module
-from verifiers.exact import exact_law, sequence_law, total_variation
+from verifiers.reference import executor as executor_module
+from verifiers.reference.exact import exact_law, sequence_law, total_variation
 from verifiers.penalties import NO_PENALTIES, Penalties, penalize, penalized_probs
 from verifiers.reference import autoregressive_generate, speculative_generate
-from verifiers.reference_ensemble import ensemble_autoregressive_generate, ensemble_generate, ensemble_next_token_probs
+from verifiers.reference.ensemble import ensemble_autoregressive_generate, ensemble_generate, ensemble_next_token_probs
 from tests.verifiers.tiny_models import TinyModel
 
 PROMPT = (1, 0)

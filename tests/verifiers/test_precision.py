@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.verifiers.tiny_models import model_pair, target_law
-from verifiers.exact import exact_law, total_variation
+from verifiers.reference.exact import exact_law, total_variation
 from verifiers.penalties import Penalties, penalized_probs
 from verifiers.randomness import TorchRandomSource, categorical_together
 from verifiers.reference import speculative_generate

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from verifiers.exact import exact_law, total_variation
+from verifiers.reference.exact import exact_law, total_variation
 from verifiers.randomness import RowSources, TorchRandomSource, categorical_together
 from verifiers.single_draft import verify_block, verify_token
 

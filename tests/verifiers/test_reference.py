@@ -18,8 +18,9 @@ from tests.verifiers.tiny_models import (
     speculative_law,
     target_law,
 )
-from verifiers import executor, reference
-from verifiers.exact import exact_law, total_variation
+from verifiers.reference import executor
+from verifiers.reference import loops as reference
+from verifiers.reference.exact import exact_law, total_variation
 from verifiers.reference import autoregressive_generate, speculative_generate
 from verifiers.registry import VerifierSpec
 from verifiers.single_draft import verify_greedy_block
@@ -183,7 +184,7 @@ def test_eq23_read_as_conditionals_is_not_lossless_on_context_dependent_models(m
 
 def test_reference_re_exports_the_ensemble_loop():
     from verifiers.reference import ensemble_generate
-    from verifiers.reference_ensemble import ensemble_generate as original
+    from verifiers.reference.ensemble import ensemble_generate as original
 
     assert ensemble_generate is original
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from verifiers.exact import exact_law
+from verifiers.reference.exact import exact_law
 from verifiers.sampling import logits_to_probs, sample_token
 
 INF = float("inf")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.verifiers.tiny_models import expected_value_law, model_pair
-from verifiers.exact import exact_law, sequence_law
+from verifiers.reference.exact import exact_law, sequence_law
 from verifiers.registry import (
     UnknownVerifierError,
     VerifierSpec,

@@ -22,7 +22,7 @@ Two instances:
 
 The laws are computed here with exact fractions straight from the paper's formulas (nothing from
 ``verifiers.multi_draft`` is used for them), then compared separately with the law of
-``verifiers.multi_draft.verify_spectr_gbv`` enumerated exactly (``verifiers.exact``, float64).
+``verifiers.multi_draft.verify_spectr_gbv`` enumerated exactly (``verifiers.reference.exact``, float64).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from math import factorial
 import pytest
 import torch
 
-from verifiers.exact import exact_law
+from verifiers.reference.exact import exact_law
 from verifiers.multi_draft import verify_spectr_gbv
 
 Law = tuple[Fraction, ...]

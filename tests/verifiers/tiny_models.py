@@ -12,7 +12,7 @@ Helpers:
 * :func:`target_law` -- the exact law of ``length`` tokens sampled from the target after
   :func:`verifiers.sampling.logits_to_probs` (what every lossless method must reproduce);
 * :func:`speculative_law` -- the exact law of :func:`verifiers.reference.speculative_generate`
-  by enumerating its random choices (:func:`verifiers.exact.exact_law`);
+  by enumerating its random choices (:func:`verifiers.reference.exact.exact_law`);
 * :func:`chi_square_pvalue` -- goodness of fit of sampled sequences against an exact law.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
-from verifiers.exact import exact_law, sequence_law
+from verifiers.reference.exact import exact_law, sequence_law
 from verifiers.reference import speculative_generate
 from verifiers.sampling import logits_to_probs
 

@@ -18,10 +18,10 @@ from tests.actors.fake_models import FAKE_MODELS, POISON_PROMPT, VOCAB, Function
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from actors.coordination.plan import DecodingDefaults
 from verifiers.adaptive import AdaptiveGammaSettings
-from verifiers.exact import sequence_law
+from verifiers.reference.exact import sequence_law
 from verifiers.penalties import Penalties, penalized_probs
 from verifiers.reference import autoregressive_generate, speculative_generate
-from verifiers.reference_ensemble import (
+from verifiers.reference.ensemble import (
     ensemble_autoregressive_generate,
     ensemble_generate,
     ensemble_next_token_probs,

@@ -3,7 +3,7 @@
 The distributed coordinator and the tests are checked against these loops, token for token
 (same seed, same random streams) and in law (exact enumeration). Each loop drives the same
 state machine the serving engine drives (:mod:`verifiers.machines`), with an executor that
-recomputes every row from the full context (:class:`verifiers.executor.LocalExecutor`): no
+recomputes every row from the full context (:class:`verifiers.reference.executor.LocalExecutor`): no
 caches, no batching tricks.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from verifiers.adaptive import AdaptiveGammaSettings
-from verifiers.executor import LocalExecutor, layout_sources, run_machine
+from verifiers.reference.executor import LocalExecutor, layout_sources, run_machine
 from verifiers.machines import AutoregressiveMachine, SpeculativeMachine
 from verifiers.penalties import NO_PENALTIES, Penalties
 from verifiers.proposers import Proposer
@@ -24,17 +24,8 @@ from verifiers.registry import get_verifier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["autoregressive_generate", "ensemble_generate", "speculative_generate"]  # noqa: F822 (lazy, below)
+__all__ = ["autoregressive_generate", "speculative_generate"]
 
-
-def __getattr__(name: str):
-    """Re-export ``ensemble_generate`` from :mod:`verifiers.reference_ensemble` lazily (no
-    import cycle, and this module works while that one is absent)."""
-    if name == "ensemble_generate":
-        from verifiers.reference_ensemble import ensemble_generate
-
-        return ensemble_generate
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 ModelFn = Callable[[tuple[int, ...]], torch.Tensor]
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from verifiers.ensemble import SEGMENT_METHODS, EnsembleKind, VerifyMethod, make_ensemble, shared_vocab_logits
-from verifiers.executor import LocalExecutor, layout_sources, run_machine
+from verifiers.reference.executor import LocalExecutor, layout_sources, run_machine
 from verifiers.machines import EnsembleMachine, SpeculativeEnsembleMachine
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource, split_sources
@@ -47,7 +47,7 @@ def ensemble_next_token_probs(
     prompt: Sequence[int] = (),
 ) -> Callable[[tuple[int, ...]], torch.Tensor]:
     """The ensemble law as a function of the context: ``context -> row [V]`` (what every
-    ensemble loop must reproduce; feed it to :func:`verifiers.exact.sequence_law`). With
+    ensemble loop must reproduce; feed it to :func:`verifiers.reference.exact.sequence_law`). With
     penalties, the tokens after ``prompt`` are the generated ones."""
     function = make_ensemble(ensemble, len(model_fns), weights=weights, mu=mu)
     prompt = tuple(prompt)
