@@ -40,7 +40,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, TokenLogprob
+from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, StructuredOutput, TokenLogprob
 from cluster.config import DEFAULT_MAX_PROMPT_CHARS
 from cluster.generation_requests import (
     ChoiceSpec,
@@ -55,6 +55,7 @@ from cluster.schemas import (
     check_n,
     check_sample_seeds,
     check_top_logprobs,
+    parse_structured_outputs,
 )
 from cluster.validation import MAX_NAME_CHARS, check_request_id
 from protos import specserve_pb2, specserve_pb2_grpc
@@ -211,7 +212,31 @@ def sampling_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, Any]
         raise InvalidRequestError("sampling.top_logprobs", "needs logprobs: true")
     if sampling.HasField("prompt_logprobs"):
         overrides["prompt_logprobs"] = check_top_logprobs("sampling.prompt_logprobs", sampling.prompt_logprobs)
+    if sampling.HasField("structured_outputs"):
+        overrides["structured"] = structured_output(sampling.structured_outputs)
     return overrides
+
+
+def structured_output(message: specserve_pb2.StructuredOutputs) -> StructuredOutput:
+    """``sampling.structured_outputs`` -> the constraint (exactly one field set); the errors name
+    ``sampling.structured_outputs.<field>``."""
+    field = "sampling.structured_outputs"
+    given = {name: getattr(message, name) for name in ("json", "regex", "grammar", "json_object")
+             if message.HasField(name)}
+    if message.choice:
+        given["choice"] = list(message.choice)
+    if given.get("json_object") is False:
+        del given["json_object"]
+    if len(given) != 1:
+        raise InvalidRequestError(field, "set exactly one of json, json_object, regex, choice, grammar")
+    (name, value), = given.items()
+    if name == "json_object":
+        return StructuredOutput(kind="json_object", field=f"{field}.json_object")
+    try:
+        parsed = parse_structured_outputs({name: value})
+    except InvalidRequestError as error:
+        raise InvalidRequestError(f"sampling.{error.field}", error.message) from None
+    return parsed.model_copy(update={"field": f"sampling.{parsed.field}"})
 
 
 def samples(request: specserve_pb2.GenerateRequest) -> int:

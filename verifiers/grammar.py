@@ -141,7 +141,7 @@ def compile_constraint(kind: str, spec: object, vocabulary: str | None, request:
     import json
 
     try:
-        key = json.dumps(spec, sort_keys=True)
+        key = json.dumps(spec)  # key order kept: a schema's property order is the output's
     except (TypeError, ValueError):
         raise GrammarError("must be JSON") from None
     grammar = _checked_grammar(kind, key, vocabulary)
@@ -267,48 +267,66 @@ def _after_error(state: _Matcher, constraint: GrammarConstraint, row_bitmask: to
     state.consumed = []
 
 
+def grammar_bitmask(constraint: GrammarConstraint, generated: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The engine's masks: int32 ``[N, W]`` (bit ``b`` of word ``w`` allows token ``32 w + b``),
+    row ``i`` after ``generated[i]``; dead contexts (and contexts past an end-of-sequence) are all
+    ones, a dead end is all zeros (:func:`grammar_bias` then allows end-of-sequence)."""
+    state = _matcher_of(constraint)
+    tokenizer = engine_vocabulary(constraint.vocabulary)
+    eos = tokenizer.eos_token
+    bitmask = torch.full((len(generated), (tokenizer.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [N, W]
+    row_bytes = bitmask.shape[1] * bitmask.element_size()
+    with _MATCHERS_LOCK:
+        for row, context in enumerate(generated):
+            if eos in context or not state.move_to(context):
+                continue
+            state.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
+            if state.matcher.is_error():
+                _after_error(state, constraint, bitmask[row])
+    return bitmask
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_table(dtype: torch.dtype) -> torch.Tensor:
+    """``[256, 8]``: for each byte of a bitmask, the additive bias of its 8 tokens (0 allowed,
+    ``-inf`` disallowed; bit ``b`` is the ``b``-th token)."""
+    bits = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]
+    return torch.zeros(256, 8, dtype=dtype).masked_fill_(~bits, float("-inf"))
+
+
+def grammar_bias(constraint: GrammarConstraint, generated: Sequence[Sequence[int]], vocab: int,
+                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The grammar as an additive bias: ``[N, V]`` in ``dtype``, 0 where allowed and ``-inf``
+    elsewhere (one table lookup per mask byte, no branch per token: adding it costs what an
+    addition costs, whatever the mask's pattern). A dead end allows end-of-sequence only."""
+    bitmask = grammar_bitmask(constraint, generated)  # [N, W]
+    rows = bitmask.shape[0]
+    bias = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), _byte_table(dtype)).reshape(rows, -1)
+    if bias.shape[-1] >= vocab:
+        bias = bias[:, :vocab]  # [N, V]
+    else:  # ids the engine's tokenizer does not have (padded embedding rows) are never allowed
+        bias = torch.cat([bias, bias.new_full((rows, vocab - bias.shape[-1]), float("-inf"))], dim=-1)
+    dead_end = bias.amax(dim=-1) == float("-inf")  # [N]
+    if bool(dead_end.any()):
+        eos = engine_vocabulary(constraint.vocabulary).eos_token
+        if not 0 <= eos < vocab:
+            raise GrammarError("the grammar allows no token here and end-of-sequence is outside the vocabulary")
+        bias = bias.contiguous()
+        bias[dead_end, eos] = 0.0
+    return bias
+
+
 def allowed_tokens(constraint: GrammarConstraint, generated: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
     """The grammar's mask of each row: bool ``[N, V]``, row ``i`` after ``generated[i]`` (the
     tokens generated before it). Dead contexts are all True, dead ends allow only
     end-of-sequence (module docstring)."""
-    state = _matcher_of(constraint)
-    tokenizer = engine_vocabulary(constraint.vocabulary)
-    eos = tokenizer.eos_token
-    bitmask = torch.zeros(len(generated), (tokenizer.vocab_size + 31) // 32, dtype=torch.int32)  # [N, W]
-    row_bytes = bitmask.shape[1] * bitmask.element_size()
-    live = []
-    with _MATCHERS_LOCK:
-        for row, context in enumerate(generated):
-            live.append(eos not in context and state.move_to(context))
-            if live[-1]:
-                state.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
-                if state.matcher.is_error():
-                    _after_error(state, constraint, bitmask[row])
-    allowed = unpack_bitmask(bitmask, vocab)  # [N, V]
-    allowed[~torch.tensor(live, dtype=torch.bool)] = True
-    dead_end = ~allowed.any(dim=-1)  # [N]
-    if bool(dead_end.any()):
-        if not 0 <= eos < vocab:
-            raise GrammarError("the grammar allows no token here and end-of-sequence is outside the vocabulary")
-        allowed[dead_end, eos] = True
-    return allowed
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 ``[N, W]`` (bit ``b`` of word ``w`` = token ``32 w + b``) -> bool ``[N, vocab]``;
-    tokens past ``32 W`` are disallowed."""
-    shifts = torch.arange(32, dtype=torch.int32)  # [32]
-    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)  # [N, 32 W]
-    if bits.shape[-1] >= vocab:
-        return bits[:, :vocab].clone()
-    return torch.cat([bits, bits.new_zeros(bits.shape[0], vocab - bits.shape[-1])], dim=-1)
+    return grammar_bias(constraint, generated, vocab) == 0
 
 
 def mask_logits(logits: torch.Tensor, constraint: GrammarConstraint, generated: Sequence[Sequence[int]]) -> torch.Tensor:
     """``logits [N, V]`` in place: ``-inf`` at every token the grammar disallows after
     ``generated[i]``; returns ``logits``."""
-    allowed = allowed_tokens(constraint, generated, logits.shape[-1]).to(logits.device)  # [N, V]
-    return logits.masked_fill_(~allowed, float("-inf"))
+    return logits.add_(grammar_bias(constraint, generated, logits.shape[-1], logits.dtype).to(logits.device))
 
 
 def grammar_complete(constraint: GrammarConstraint, tokens: Sequence[int], eos_token_ids: Sequence[int] = ()) -> bool:

@@ -62,6 +62,18 @@ def test_wrong_wire_types_and_unknown_fields_are_rejected_by_name(raw, field):
         (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(top_k=-1)), "sampling.top_k"),
         (pb.GenerateRequest(prompt="x", speculation=pb.SpeculationOptions(ensemble="median")), "speculation.ensemble"),
         (pb.GenerateRequest(prompt="x", speculation=pb.SpeculationOptions(mu=-1.0)), "speculation.mu"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(structured_outputs=pb.StructuredOutputs(
+            regex="(("))), "sampling.structured_outputs.regex"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(structured_outputs=pb.StructuredOutputs(
+            json='{"type": "nonsense"}'))), "sampling.structured_outputs.json"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(structured_outputs=pb.StructuredOutputs(
+            json="not json"))), "sampling.structured_outputs.json"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(structured_outputs=pb.StructuredOutputs(
+            grammar="start: nope"))), "sampling.structured_outputs.grammar"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(structured_outputs=pb.StructuredOutputs())),
+         "sampling.structured_outputs"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(structured_outputs=pb.StructuredOutputs(
+            regex="a", choice=["b"]))), "sampling.structured_outputs"),
     ],
 )
 def test_invalid_values_name_the_proto_field(request_message, field):

@@ -101,3 +101,22 @@ def test_bad_constraints_are_400_naming_the_field(client, serve_app, extra, para
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=4, **extra)
     assert caught.value.body["param"] == param
+
+
+def test_grpc_structured_outputs(serve_app):
+    import grpc
+
+    from protos import specserve_pb2, specserve_pb2_grpc
+
+    with grpc.insecure_channel(serve_app.grpc_target) as channel:
+        stub = specserve_pb2_grpc.SpecServeStub(channel)
+        metadata = (("application", serve_app.model),)
+        request = specserve_pb2.GenerateRequest(prompt="Person:", sampling=specserve_pb2.SamplingOptions(
+            max_tokens=96, seed=7, structured_outputs=specserve_pb2.StructuredOutputs(json=json.dumps(SCHEMA))))
+        jsonschema.validate(json.loads(stub.Generate(request, metadata=metadata).text), SCHEMA)
+        bad = specserve_pb2.GenerateRequest(prompt="Person:", sampling=specserve_pb2.SamplingOptions(
+            structured_outputs=specserve_pb2.StructuredOutputs(choice=[])))
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Generate(bad, metadata=metadata)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.structured_outputs" in caught.value.details()
