@@ -211,6 +211,10 @@ async def _one(runner, strategy: str, constrained: bool, seed: int, max_tokens: 
     return tokens, calls
 
 
+async def _together(requests) -> list[tuple[int, int]]:
+    return await asyncio.gather(*requests)
+
+
 def engine_section(rounds: int, max_tokens: int) -> list[str]:
     runner = _runner()
     results: dict[tuple, list[tuple[float, float]]] = collections.defaultdict(list)
@@ -220,9 +224,9 @@ def engine_section(rounds: int, max_tokens: int) -> list[str]:
                 for constrained in (False, True):
                     for strategy in ("ar", "sd"):
                         started = time.perf_counter()
-                        outcomes = runner.loop.run_until_complete(asyncio.gather(*[
+                        outcomes = runner.loop.run_until_complete(_together(
                             _one(runner, strategy, constrained, 1000 * round_index + i, max_tokens)
-                            for i in range(clients)]))
+                            for i in range(clients)))
                         wall = time.perf_counter() - started
                         tokens = sum(t for t, _ in outcomes)
                         calls = sum(c for _, c in outcomes)

@@ -576,6 +576,7 @@ class SpecServeIngress:
             "generated_logprobs": body.logprobs_count() is not None,
         }
         if not body.streaming:
+            tool_call = body.tool_call() if chat else None
             results = [CompletionAccumulator(spec.index, prefix, counts_prompt=spec.sample_index == 0)
                        for spec, prefix in zip(specs, prefixes)]
             try:
@@ -583,7 +584,8 @@ class SpecServeIngress:
             except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
                 return _http_error(error, request_id, chat)
             response = completion_response(request_id, self._model_name, created, results, chat, token_ids,
-                                           logprobs=texts, wall_s=time.monotonic() - started, **rendering)
+                                           logprobs=texts, wall_s=time.monotonic() - started, tool_call=tool_call,
+                                           **rendering)
             return JSONResponse(response)
         try:
             firsts = await _prime_all(streams)

@@ -27,6 +27,16 @@ from actors.api import (
     TokenLogprob,
 )
 
+def tool_calls_of(text: str, call: str, call_id: str) -> list[dict] | None:
+    """The OpenAI ``tool_calls`` of a constrained call's output (None when it is not complete JSON)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    name, arguments = (value.get("name"), value.get("arguments")) if call == "required" else (call, value)
+    return [{"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]
+
+
 #: Log-probabilities below this (``-inf``: a token the sampling law excludes) are shown as it,
 #: as OpenAI and vLLM do (JSON has no infinity).
 LOGPROB_FLOOR = -9999.0
@@ -374,6 +384,7 @@ def completion_response(
     echo_logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     generated_logprobs: bool = True,
+    tool_call: str | None = None,
 ) -> dict:
     """A whole ``text_completion`` or ``chat.completion`` object, one choice per accumulator
     (``token_ids``: add them to each choice; ``logprobs``: the token texts of log-probabilities;
@@ -397,6 +408,11 @@ def completion_response(
                 "finish_reason": item.finish_reason,
                 "logprobs": rendered,
             }
+            calls = tool_calls_of(item.text, tool_call, f"call_{request_id}_{item.index}") \
+                if tool_call is not None and item.finish_reason == "stop" else None
+            if calls is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
         else:
             choice = {"index": item.index, "text": item.text, "finish_reason": item.finish_reason, "logprobs": rendered}
         if token_ids:

@@ -396,6 +396,50 @@ def parse_structured_outputs(value: Any) -> StructuredOutput | None:
     return StructuredOutput(kind=_STRUCTURED_KINDS[key], spec=spec, field=f"{field}.{key}")
 
 
+def parse_tools(value: Any) -> dict[str, dict]:
+    """OpenAI ``tools`` -> ``{function name: its parameters schema}`` (in order)."""
+    if not isinstance(value, list):
+        raise ValueError('must be a list of {"type": "function", "function": {...}}')
+    tools: dict[str, dict] = {}
+    for index, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise ValueError(f'tools[{index}] must be {{"type": "function", "function": {{...}}}}')
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise ValueError(f"tools[{index}].function.name must be 1-64 letters, digits, _ or -")
+        if name in tools:
+            raise ValueError(f"tools[{index}]: two tools named {name!r}")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise ValueError(f"tools[{index}].function.parameters must be a JSON schema object")
+        tools[name] = parameters
+    return tools
+
+
+def parse_tool_choice(value: Any) -> str:
+    """OpenAI ``tool_choice`` -> "none" / "auto" / "required" / the named function."""
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise ValueError(f'must be "none", "auto", "required" or a named function (got {shortened(value)})')
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict) \
+            and isinstance(value["function"].get("name"), str):
+        return value["function"]["name"]
+    raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+
+
+def tool_call_schema(tools: dict[str, dict], call: str) -> dict:
+    """The JSON schema of a constrained call: the named function's parameters (the output is its
+    arguments), or for ``"required"`` ``{"name": one of the tools, "arguments": its parameters}``."""
+    if call != "required":
+        return tools[call]
+    alternatives = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
+                     "required": ["name", "arguments"], "additionalProperties": False}
+                    for name, parameters in tools.items()]
+    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+
+
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value)
 
@@ -555,8 +599,10 @@ class ChatCompletionRequest(_GenerationFields):
         None, description="Each prompt token's log-probability with this many alternatives, as the response's "
         f"`prompt_logprobs` (vLLM's extension; 0..{MAX_TOP_LOGPROBS}; not with stream)."
     )
-    tools: Any = Field(None, description="Tool calling is not supported: only null or [] is accepted.")
-    tool_choice: Any = Field(None, description='Only null or "none" is accepted.')
+    tools: Any = Field(None, description='Functions the model may call: [{"type": "function", "function": {"name", '
+                       '"description", "parameters"}}]. Calls are constrained only with tool_choice "required" or named.')
+    tool_choice: Any = Field(None, description='"none" / "auto" (plain text, as without tools), "required" (one call '
+                             'of one of the tools) or {"type": "function", "function": {"name"}} (a call of that one).')
     functions: Any = Field(None, description="Function calling is not supported: only null or [] is accepted.")
     function_call: Any = Field(None, description='Only null or "none" is accepted.')
     parallel_tool_calls: bool | None = Field(None, description="Accepted; meaningless without tools.")
@@ -581,19 +627,48 @@ class ChatCompletionRequest(_GenerationFields):
     def _top_logprobs(cls, value: int | None) -> int | None:
         return None if value is None else _pydantic_check(check_top_logprobs, value)
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, value: Any) -> None:
+    def _no_functions(cls, value: Any) -> None:
         if value is not None and value != []:
-            raise ValueError("tool and function calling are not supported by this server")
+            raise ValueError("the legacy functions field is not supported; use tools")
         return None
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, value: Any) -> None:
+    def _no_function_call(cls, value: Any) -> None:
         if value is not None and not _neutral(value, ("none",)):
-            raise ValueError('tool and function calling are not supported by this server; only "none" is accepted')
+            raise ValueError('the legacy function_call field is not supported; use tool_choice')
         return None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: Any) -> dict[str, dict] | None:
+        return None if value is None else parse_tools(value)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> str | None:
+        return None if value is None else parse_tool_choice(value)
+
+    def tool_call(self) -> str | None:
+        """``"required"``, the named function, or None (no constrained call: plain text)."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        if not self.tools:
+            raise InvalidRequestError("tool_choice", f"{choice!r} needs tools")
+        if choice != "required" and choice not in self.tools:
+            raise InvalidRequestError("tool_choice.function.name", f"no tool named {shortened(choice)}")
+        return choice
+
+    def structured(self) -> StructuredOutput | None:
+        tool_call = self.tool_call()
+        if tool_call is None:
+            return super().structured()
+        if self.response_format not in (None, {"type": "text"}) or self.structured_outputs is not None:
+            raise InvalidRequestError("tool_choice", "conflicts with response_format / structured_outputs; set only one")
+        return StructuredOutput(kind="json_schema", spec=tool_call_schema(self.tools, tool_call), field="tools")
 
     def prompts(self) -> list[str | list[int]]:
         """The fallback rendering (:func:`cluster.chat_prompt.render_chat_prompt`); the ingress
@@ -622,6 +697,8 @@ class ChatCompletionRequest(_GenerationFields):
         if self.max_completion_tokens is not None and self.max_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise InvalidRequestError("max_completion_tokens", "conflicts with max_tokens; set only one")
+        if self.tool_call() is not None and self.streaming:
+            raise InvalidRequestError("stream", 'tool_choice "required" or named is answered whole; set stream: false')
 
     def sampling_overrides(self) -> dict[str, Any]:
         overrides = super().sampling_overrides()

@@ -109,8 +109,13 @@ def test_unsupported_or_invalid_completion_fields_are_named(body, field):
 @pytest.mark.parametrize(
     "extra, field",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "nope"}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "maybe"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "stream": True},
+         "stream"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
@@ -442,7 +447,7 @@ def test_unsupported_completion_fields_are_400_naming_them(client, serve_app, kw
 @pytest.mark.parametrize(
     "kwargs, param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
                                                                                            "format": "nope"}}}},

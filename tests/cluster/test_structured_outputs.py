@@ -120,3 +120,29 @@ def test_grpc_structured_outputs(serve_app):
             stub.Generate(bad, metadata=metadata)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "sampling.structured_outputs" in caught.value.details()
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer",
+           "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "time", "parameters": TIME}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "time"}}])
+def test_tool_choice_required_or_named_returns_tool_calls(client, serve_app, tool_choice):
+    response = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=64, seed=8,
+                                              tools=TOOLS, tool_choice=tool_choice)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    schemas = {"weather": WEATHER, "time": TIME}
+    assert call.function.name in (schemas if tool_choice == "required" else ["time"])
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_tool_choice_auto_is_plain_text(client, serve_app):
+    response = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=4, seed=9,
+                                              tools=TOOLS, tool_choice="auto")
+    assert response.choices[0].message.tool_calls is None and response.choices[0].finish_reason == "length"
