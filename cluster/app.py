@@ -78,6 +78,7 @@ from cluster.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionReques
 from cluster.chat_prompt import chat_prompt
 from cluster.security import grpc_all_interfaces_warning, require_key
 from protos import specserve_pb2
+from verifiers.grammar import GRAMMAR_ERROR_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,8 @@ class CoordinatorStream:
 
     def __init__(self, coordinator: Any, request: GenerationRequest):
         self.request_id = request.request_id
+        structured = request.sampling.structured
+        self._constraint_field = structured.field if structured is not None else None
         self._refs = coordinator.generate.options(num_returns="streaming").remote(request)
         self._finished = False
 
@@ -164,6 +167,9 @@ class CoordinatorStream:
                 raise RequestTimedOut(chunk.error)
             if chunk.retryable:  # a worker died and is being restarted: 503 / UNAVAILABLE
                 raise ModelGroupUnavailable(f"the model group reported: {chunk.error}")
+            if self._constraint_field is not None and chunk.error.startswith(GRAMMAR_ERROR_PREFIX):
+                # the constraint ran past the grammar engine's limits mid-request: the client's to fix
+                raise InvalidRequestError(self._constraint_field, chunk.error[len(GRAMMAR_ERROR_PREFIX):])
             raise RequestFailed(f"the model group reported: {chunk.error}")
         if chunk.finished:
             self._finished = True

@@ -40,6 +40,7 @@ Two special states:
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import weakref
 from collections.abc import Sequence
@@ -49,15 +50,29 @@ import torch
 
 #: Engine limits on one grammar (llguidance ``LLParserLimits``): a pathological grammar is
 #: refused when compiled, and a mask that would exceed them ends in an error, never a hang.
-GRAMMAR_LIMITS = {"step_lexer_fuel": 200_000, "max_items_in_row": 2_000, "initial_lexer_fuel": 1_000_000,
+GRAMMAR_LIMITS = {"step_lexer_fuel": 200_000, "max_items_in_row": 2_000, "initial_lexer_fuel": 100_000,
                   "step_max_items": 50_000, "max_lexer_states": 100_000, "max_grammar_size": 500_000}
 
 _VOCABULARIES: dict[str, object] = {}
 _VOCABULARY_LOCK = threading.Lock()
 
 
+#: Longest constraint (a schema's JSON text, a regex, a grammar, the choices together), and most
+#: rules of a Lark grammar: the engine recurses along a chain of rules (a chain of thousands
+#: overflows its stack), so grammars are refused well before that.
+MAX_SPEC_CHARS = 100_000
+MAX_GRAMMAR_RULES = 300
+#: Masks computed when a constraint is compiled over the tokenizer (:func:`_probe`).
+PROBE_STEPS = 8
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w]*(?:\.\d+)?\s*:", re.MULTILINE)
+
+
 class GrammarError(ValueError):
     """A constraint the engine refuses (invalid, unsupported, or over its limits)."""
+
+
+#: How a worker's report of a GrammarError begins (the ingress answers it 400 naming the field).
+GRAMMAR_ERROR_PREFIX = "GrammarError: "
 
 
 @dataclass(frozen=True)
@@ -142,8 +157,10 @@ def compile_constraint(kind: str, spec: object, vocabulary: str | None, request:
 
     try:
         key = json.dumps(spec)  # key order kept: a schema's property order is the output's
-    except (TypeError, ValueError):
-        raise GrammarError("must be JSON") from None
+    except (TypeError, ValueError, RecursionError):
+        raise GrammarError("must be JSON (and not nested too deeply)") from None
+    if len(key) > MAX_SPEC_CHARS:
+        raise GrammarError(f"at most {MAX_SPEC_CHARS} characters (got {len(key)})")
     grammar = _checked_grammar(kind, key, vocabulary)
     return GrammarConstraint(grammar, vocabulary or "", request)
 
@@ -162,7 +179,31 @@ def _checked_grammar(kind: str, spec_json: str, vocabulary: str | None) -> str:
     unsupported = [m for m in messages if "unsupported" in m.lower() or "unknown" in m.lower()]
     if unsupported:
         raise GrammarError(_first_line(unsupported[0]))
+    if tokenizer is not None:
+        _probe(tokenizer, grammar)
     return grammar
+
+
+def _probe(tokenizer, grammar: str, steps: int = PROBE_STEPS) -> None:
+    """The first ``steps`` masks along the first allowed token of each: a grammar over the
+    engine's limits usually fails here, before any model work (one that fails later ends its
+    request with a 400 naming the field)."""
+    from llguidance import LLMatcher
+
+    probe = LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
+    bitmask = torch.zeros((tokenizer.vocab_size + 31) // 32, dtype=torch.int32)  # [W]
+    for _ in range(steps):
+        if probe.is_error() or probe.is_stopped():
+            break
+        probe.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
+        words = torch.nonzero(bitmask).flatten()
+        if probe.is_error() or words.numel() == 0:
+            break
+        word = int(words[0])
+        bits = int(bitmask[word]) & 0xFFFFFFFF
+        probe.consume_token(32 * word + (bits & -bits).bit_length() - 1)
+    if probe.is_error() and _first_line(probe.get_error()) not in ("NoExtension", "NoExtensionBias"):
+        raise GrammarError("over the grammar engine's limits: " + _first_line(probe.get_error()))
 
 
 def _engine_grammar(kind: str, spec: object) -> str:
@@ -191,6 +232,9 @@ def _engine_grammar(kind: str, spec: object) -> str:
     if kind == "grammar":
         if not isinstance(spec, str) or not spec.strip():
             raise GrammarError("a grammar must be a non-empty Lark grammar")
+        rules = len(_LARK_RULE.findall(spec))
+        if rules > MAX_GRAMMAR_RULES:  # the engine's analysis recurses along chains of rules
+            raise GrammarError(f"at most {MAX_GRAMMAR_RULES} rules (got {rules})")
         return LLMatcher.grammar_from_lark(spec)
     raise GrammarError(f"unknown constraint kind {kind!r}")
 

@@ -108,6 +108,22 @@ def number_list(rng: random.Random):
     return [numbers(rng) for _ in range(rng.choice([0, 1, 2, 3, 70]))]
 
 
+SMALL_SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+#: Structured outputs: valid, invalid and pathological constraints (each refused by name or served).
+RESPONSE_FORMATS = [
+    {"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "s", "schema": SMALL_SCHEMA}},
+    {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}},
+    {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "format": "nope"}}},
+    {"type": "json_schema", "json_schema": {"schema": SMALL_SCHEMA}}, {"type": "json_schema"}, {"type": "xml"},
+    {"type": "json_schema", "json_schema": {"name": "s", "schema": [1]}}, "json", [], None,
+]
+STRUCTURED_OUTPUTS = [
+    {"regex": "[0-9]{2}"}, {"regex": "(("}, {"regex": "(a{1000}){1000}"}, {"regex": ""}, {"choice": ["yes", "no"]},
+    {"choice": []}, {"choice": [""]}, {"choice": [1]}, {"grammar": 'start: "x" | "y"'}, {"grammar": "start: nope"},
+    {"grammar": "start: r0\n" + "\n".join(f"r{i}: r{i + 1} r{i + 1} | \"x\"" for i in range(400)) + '\nr400: "y"'},
+    {"json": SMALL_SCHEMA}, {"json": "{"}, {"json": {"type": "nope"}}, {"regex": "a", "choice": ["b"]}, {"other": 1}, {},
+    {"choice": [f"w{i:07d}" for i in range(12_000)]},
+]
 FIELD_VALUES = {
     "temperature": numbers,
     "top_p": numbers,
@@ -122,6 +138,12 @@ FIELD_VALUES = {
     "model": lambda rng: rng.choice(["specserve", "gpt-4", "", None, 5, "a" * 3000]),
     "return_token_ids": lambda rng: rng.choice([True, False, "no"]),
     "logprobs": lambda rng: rng.choice([True, 5]),  # not a field: refused as unknown
+    "response_format": lambda rng: rng.choice(RESPONSE_FORMATS),
+    "structured_outputs": lambda rng: rng.choice(STRUCTURED_OUTPUTS),
+    "tools": lambda rng: rng.choice([[{"type": "function", "function": {"name": "f", "parameters": SMALL_SCHEMA}}],
+                                     [{"type": "function"}], [{"type": "function", "function": {"name": ""}}], {}]),
+    "tool_choice": lambda rng: rng.choice(["none", "auto", "required", {"type": "function", "function": {"name": "f"}},
+                                           {"type": "function"}, "always", 3]),
 }
 SPECULATION_VALUES = {
     "strategy": lambda rng: rng.choice(STRINGS[:12] + [5, None]),
@@ -177,6 +199,8 @@ SINGLE_FIELDS = {
     "speculation.gammas": [[0], [2**40], [2**64], [2, 2], [1] * 70, [Raw("NaN")], []],
     "speculation.members": [["target", "partner"], ["target", ""], ["m" * 200], ["target"] * 70, [1], []],
     "speculation.ensemble": ["weighted", "contrastive", "", "other"],
+    "response_format": RESPONSE_FORMATS,
+    "structured_outputs": STRUCTURED_OUTPUTS,
 }
 
 
@@ -466,6 +490,13 @@ GRPC_SINGLE_FIELDS = {
                             [5e-324, 1.0]],
     "speculation.gammas": [[2, 2], [0, 2], [2**40, 1], [1] * 70, [-(2**63), 1], [INT64_MAX, 1]],
     "speculation.members": [["target", "partner"], ["target", ""], ["m" * 200], ["target"] * 70, ["target", "nobody"]],
+    "sampling.structured_outputs": [
+        specserve_pb2.StructuredOutputs(regex="[0-9]{2}"), specserve_pb2.StructuredOutputs(regex="(("),
+        specserve_pb2.StructuredOutputs(json="{"), specserve_pb2.StructuredOutputs(json='{"type": "nope"}'),
+        specserve_pb2.StructuredOutputs(choice=["a", ""]), specserve_pb2.StructuredOutputs(grammar="start: nope"),
+        specserve_pb2.StructuredOutputs(json_object=True), specserve_pb2.StructuredOutputs(json_object=False),
+        specserve_pb2.StructuredOutputs(), specserve_pb2.StructuredOutputs(regex="a", choice=["b"]),
+    ],
 }
 
 
@@ -486,6 +517,8 @@ def grpc_with_field(name: str, value, with_strategy: bool = True) -> specserve_p
                 message.ensemble = "contrastive"
     if isinstance(value, list):
         getattr(message, field).extend(value)
+    elif isinstance(value, specserve_pb2.StructuredOutputs):
+        getattr(message, field).CopyFrom(value)
     else:
         setattr(message, field, value)
     return request

@@ -285,6 +285,9 @@ def test_a_dead_end_allows_only_end_of_sequence():
     ("grammar", "start: missing_rule", "missing_rule"),
     ("choice", [], "choice"),
     ("json_schema", "not an object", "object"),
+    ("grammar", "start: r0\n" + "\n".join(f"r{i}: r{i + 1} r{i + 1} | \"x\"" for i in range(400)) + "\nr400: \"y\"",
+     "rules"),  # a chain of thousands of rules overflows the engine's stack: refused long before
+    ("choice", [f"word{i:08d}" for i in range(10_000)], "characters"),
 ])
 def test_bad_constraints_are_refused_with_the_engine_message(kind, spec, message):
     with pytest.raises(GrammarError, match=message):
