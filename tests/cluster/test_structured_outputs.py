@@ -146,3 +146,53 @@ def test_tool_choice_auto_is_plain_text(client, serve_app):
     response = client.chat.completions.create(model=serve_app.model, messages=MESSAGES, max_tokens=4, seed=9,
                                               tools=TOOLS, tool_choice="auto")
     assert response.choices[0].message.tool_calls is None and response.choices[0].finish_reason == "length"
+
+
+CHOICE_REGEX = "(yes|no|maybe)"
+CHI_SQUARE_SAMPLES = 160
+
+
+def _masked_string_law(greedy_reference, checkpoint: str, prompt_ids: list[int]) -> dict[str, float]:
+    """The exact law of the output string of ``CHOICE_REGEX`` under the tiny target (temperature
+    1): every token path the grammar allows, each row masked and renormalised, summed by text."""
+    import torch
+
+    from verifiers.grammar import allowed_tokens, compile_constraint
+
+    constraint = compile_constraint("regex", CHOICE_REGEX, checkpoint, request="chi-square-law")
+    tokenizer = greedy_reference.tokenizer
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    law: dict[str, float] = {}
+    pending = [((), 1.0)]
+    while pending:
+        generated, prob = pending.pop()
+        with torch.inference_mode():
+            logits = greedy_reference.model(torch.tensor([prompt_ids + list(generated)])).logits[0, -1, :vocab]
+        allowed = allowed_tokens(constraint, [generated], vocab)[0]  # [V]
+        row = torch.softmax(logits.double().masked_fill(~allowed, float("-inf")), dim=-1)  # [V]
+        for token in torch.nonzero(row > 0).flatten().tolist():
+            if token == eos:
+                text = tokenizer.decode(list(generated))
+                law[text] = law.get(text, 0.0) + prob * float(row[token])
+            else:
+                pending.append((generated + (token,), prob * float(row[token])))
+    return law
+
+
+@pytest.mark.parametrize("strategy", ["sd"])
+def test_served_regex_samples_the_masked_law(client, serve_app, greedy_reference, tiny_checkpoints, strategy):
+    from tests.verifiers.tiny_models import chi_square_pvalue
+
+    prompt_ids = greedy_reference.encode("answer = ")
+    law = _masked_string_law(greedy_reference, str(tiny_checkpoints["target"]), prompt_ids)
+    assert set(law) == {"yes", "no", "maybe"} and abs(sum(law.values()) - 1) < 1e-9
+
+    def one(seed: int) -> str:
+        return client.completions.create(
+            model=serve_app.model, prompt=prompt_ids, max_tokens=8, temperature=1.0, seed=seed,
+            extra_body={"structured_outputs": {"regex": CHOICE_REGEX}, "speculation": {"strategy": strategy}},
+        ).choices[0].text
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        samples = list(pool.map(one, range(CHI_SQUARE_SAMPLES)))
+    assert chi_square_pvalue(samples, law) > 1e-3, (law, {s: samples.count(s) for s in set(samples)})
