@@ -34,7 +34,8 @@ Two special states:
   an end-of-sequence in it (the request ended there);
 * a **dead end** (a live context after which the grammar allows no token of the vocabulary,
   not even end-of-sequence) allows only end-of-sequence: the request ends there, and the
-  coordinator reports it (``finish_reason`` ``"grammar"``, see :func:`grammar_complete`).
+  scheduler reports it as an error naming the constraint (:func:`grammar_complete` tells a
+  complete string from a dead end).
 """
 
 from __future__ import annotations

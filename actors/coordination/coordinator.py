@@ -465,4 +465,5 @@ class Coordinator:
             prompt_ids=prompt_ids,
             opens=opens,
             vocab_limit=vocab_limit,
+            grammar=penalties.grammar,
         )

@@ -52,6 +52,7 @@ from actors.coordination.output import OutputTracker
 from actors.coordination.plan import ENSEMBLE_STRATEGIES, DecodingPlan
 from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
 from verifiers.adaptive import StepCosts, best_block
+from verifiers.grammar import GRAMMAR_ERROR_PREFIX, grammar_complete
 from verifiers.machines import (
     AR_TOKENS_PER_ITERATION,
     PLAIN_PROBE_EVERY,
@@ -96,6 +97,15 @@ class StatsRecorder:
         self.model_calls[model] = self.model_calls.get(model, 0) + timing.forward_calls
 
 
+def _grammar_dead_end(request: "RequestState") -> bool:
+    """Whether a constrained request ended at end-of-sequence before its grammar's string was
+    complete: the mask allowed only end-of-sequence because no token fits (verifiers.grammar)."""
+    output = request.output
+    if request.grammar is None or output.finish_reason != "stop" or output.stop:
+        return False
+    return not grammar_complete(request.grammar, output.token_ids)
+
+
 @dataclass
 class RequestState:
     """One request inside the scheduler."""
@@ -120,6 +130,7 @@ class RequestState:
     finished: bool = False
     prefilling: set[str] = field(default_factory=set)  # models whose session does not hold the prompt yet
     clock: RequestClock = field(default_factory=RequestClock)
+    grammar: Any = None  # the structured-output constraint (verifiers.grammar.GrammarConstraint), if any
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -860,6 +871,10 @@ class Scheduler:
             self.acceptance_board.observe(_board_key(request), machine.draft_lengths[-1], count)
 
     def _finish(self, request: RequestState, delta: Any, logprobs: list[TokenLogprob] | None = None) -> None:
+        if _grammar_dead_end(request):
+            self._fail(request, GRAMMAR_ERROR_PREFIX + "the constraint allows no token of the vocabulary after "
+                       f"{len(request.output.token_ids)} tokens (a string the tokenizer cannot spell)")
+            return
         request.finished = True
         self.metrics.ended(request.labels, request.clock, request.output.finish_reason or "length",
                            time.perf_counter(), request.submitted)
