@@ -36,7 +36,7 @@ def client(serve_app):
     return openai.OpenAI(base_url=f"{serve_app.http_url}/v1", api_key="unused", max_retries=0, timeout=180)
 
 
-@pytest.mark.parametrize("strategy", ["ar", "sd", "se"])
+@pytest.mark.parametrize("strategy", ["ar", "sd", "multi_draft", "ensemble", "se"])
 def test_every_json_schema_output_validates_at_16_clients(client, serve_app, strategy):
     def one(index: int) -> tuple[str, str]:
         response = client.chat.completions.create(
