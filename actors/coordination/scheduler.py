@@ -983,8 +983,8 @@ def request_stats(request: RequestState) -> RequestStats:
 
 def proposer_counts(machine: Any) -> dict[str, dict[str, int]]:
     """``proposed_tokens`` / ``accepted_proposed`` of the machine's model-free proposers, by name."""
-    proposers = getattr(machine, "proposers", ())
-    return {
-        "proposed_tokens": {p.name: n for p, n in zip(proposers, machine.proposed_tokens)} if proposers else {},
-        "accepted_proposed": {p.name: n for p, n in zip(proposers, machine.accepted_proposed)} if proposers else {},
-    }
+    if not isinstance(machine, SpeculativeMachine) or not machine.proposers:
+        return {"proposed_tokens": {}, "accepted_proposed": {}}
+    names = [proposer.name for proposer in machine.proposers]
+    return {"proposed_tokens": dict(zip(names, machine.proposed_tokens)),
+            "accepted_proposed": dict(zip(names, machine.accepted_proposed))}
