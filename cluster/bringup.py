@@ -110,15 +110,16 @@ def resolve_placement(config: GroupConfig, gpus: int | None = None) -> GroupConf
     """``config`` with its GPUs settled (:func:`resolve_auto_gpus`) and its workers settled from
     ``resources.placement`` (:mod:`cluster.placement`) on a cluster of ``gpus`` GPUs (default: the
     connected one's; none when Ray is not up). ``placement: auto`` follows :data:`cluster.placement.AUTO_RULE`
-    when every model's GPUs are ``auto``, else gives each model a worker."""
+    when every model's GPUs are ``auto`` and no model asks for custom resources (nodes), else gives
+    each model a worker."""
     if config.workers is not None:
         return config
     gpus = cluster_gpus() if gpus is None else gpus
     gpus_auto = all(model.num_gpus is None for model in config.models)
     config = resolve_auto_gpus(config, gpus)
     models = [(model.name, model.role) for model in config.models]
-    if config.placement == "auto" and not gpus_auto:
-        workers, rule = [[name] for name, _ in models], "placement auto: a worker per model (GPUs set by hand)"
+    if config.placement == "auto" and (not gpus_auto or any(model.resources for model in config.models)):
+        workers, rule = [[name] for name, _ in models], "placement auto: a worker per model (GPUs or nodes set by hand)"
     else:
         workers, rule = configured_workers(config.placement, models, gpus)
     return config.model_copy(update={"workers": tuple(tuple(w) for w in workers), "placement_rule": rule})

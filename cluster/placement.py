@@ -7,9 +7,10 @@
   each model keeping its own backend, KV cache slots and sessions; models with ids of their
   own get a worker each;
 * ``separate``: a worker per model (each on its own GPU when the cluster has GPUs);
-* ``auto`` (the default): with GPUs set by hand (``gpus_per_model`` or a ``per_model`` ``gpus``), a
-  worker per model; with every model's GPUs ``auto``, by the GPUs of the Ray cluster (:data:`AUTO_RULE`): a worker per model
-  when there are at least as many GPUs as models; otherwise the draft shares its target's worker,
+* ``auto`` (the default): with GPUs set by hand (``gpus_per_model`` or a ``per_model`` ``gpus``) or
+  models pinned to nodes (``per_model`` custom ``resources``), a worker per model; otherwise by the
+  GPUs of the Ray cluster (:data:`AUTO_RULE`): a worker per model when there are at least as many
+  GPUs as models; otherwise the draft shares its target's worker,
   every other model (the ensemble members) has a worker of its own so that they run in parallel,
   and with fewer GPUs than those workers, workers are dealt round-robin onto the GPUs and the
   models dealt onto one GPU share its worker.

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from cluster.bringup import check_cluster_gpus, describe_placement, model_group_bundles, resolve_placement
-from cluster.config import ConfigError, load_app_args, parse_app_args
+from cluster.config import ConfigError, load_app_args, parse_app_args, read_serve_config
 from cluster.placement import auto_workers
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -89,3 +89,18 @@ def test_the_gpu_examples_resolve_to_their_placements(name, workers, gpus):
     if len(workers) == 1:
         with pytest.raises(ConfigError, match="needs 1 GPUs"):
             check_cluster_gpus(config, gpus=0)
+
+
+def test_every_deploy_file_resolves_to_workers_it_can_start():
+    """The multi-node example pins models to nodes (a worker each), the simulated devices are a device
+    each; every file's workers fit a cluster of its models' count of GPUs, and the CPU ones need none."""
+    placements = {}
+    for path in sorted((REPO / "deploy").glob("*.yaml")):
+        for app in read_serve_config(path)["applications"]:
+            config = resolve_placement(load_app_args(path, app["name"]).freeze(), gpus=0)
+            placements[path.name] = config.workers
+            if "gpu" not in path.name or "simulated" in path.name:
+                check_cluster_gpus(config, gpus=0)
+    assert placements["multinode.example.yaml"] == (("target",), ("draft",))
+    assert all(len(models) == 1 for models in placements["simulated-gpu.yaml"])
+    assert placements["default.yaml"][0] == ("target", "draft")
