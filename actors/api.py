@@ -152,8 +152,11 @@ class SpeculationParams(_Frozen):
     gammas: list[int] | None = Field(None, description="Per-member proposal lengths (se).")
     members: list[str] | None = Field(None, description="Names of the ensemble members to use, in order.")
     proposer: str | None = Field(
-        None, description='Who drafts for sd: "draft" (the deployment\'s draft model) or "ngram" (prompt lookup: '
-        "drafts copied from the prompt and the output, no model; plain steps where nothing matches).",
+        None, description='Who drafts. sd: "draft" (the deployment\'s draft model) or "ngram" (prompt lookup: '
+        "drafts copied from the prompt and the output, no model; plain steps where nothing matches). se: "
+        '"alternate" (the members in turn, each verified by the others) or the name of a deployment model (a '
+        "draft, or one of the members) whose blocks every member scores in one forward and the ensemble law "
+        "verifies with the request's method.",
     )
     prompt_lookup_max: int | None = Field(
         None, ge=1, le=MAX_NGRAM, description="Longest n-gram prompt lookup and prediction realignment look up."
@@ -207,6 +210,10 @@ class RequestStats(_Frozen):
         "(engine.pre_drafting)."
     )
     block_efficiency: float = Field(0.0, description="Generated tokens per target call.")
+    proposer: str | None = Field(
+        None, description='The proposer that ran: sd "draft" or "ngram"; se "alternate" or the proposing model; '
+        "None for the other strategies."
+    )
     tokens_per_second: float = 0.0
     time_draft_s: float = 0.0
     time_target_s: float = 0.0

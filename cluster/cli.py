@@ -66,6 +66,7 @@ def add_generate_command(subparsers: Any) -> None:
     parser.add_argument("--weights", type=_comma_list(float), help="ensemble weights, comma-separated")
     parser.add_argument("--mu", type=float, help="contrastive strength")
     parser.add_argument("--gammas", type=_comma_list(int), help="per-member proposal lengths (se)")
+    parser.add_argument("--proposer", help='se: "alternate" or the model that drafts for the ensemble')
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -106,7 +107,7 @@ def _build_request(args: argparse.Namespace):
         for key, value in {
             "strategy": args.strategy, "method": args.method, "gamma": args.gamma, "gamma_max": args.gamma_max,
             "num_drafts": args.num_drafts, "ensemble": args.ensemble, "members": args.members, "weights": args.weights,
-            "mu": args.mu, "gammas": args.gammas,
+            "mu": args.mu, "gammas": args.gammas, "proposer": args.proposer,
         }.items()
         if value is not None
     }
@@ -137,6 +138,7 @@ def _only_used_models(config, request):
         "gamma_max": plan.adaptive.gamma_max if plan.adaptive is not None else request.speculation.gamma_max,
         "members": list(plan.members) or None,
         "weights": list(plan.weights) if plan.weights else None, "mu": plan.mu, "gammas": list(plan.gammas) or None,
+        "proposer": plan.proposer,
     })
     defaults = config.defaults.model_copy(update={"strategy": plan.strategy, "method": plan.method, "members": plan.members or None,
                                                   "weights": plan.weights, "gammas": plan.gammas or None})

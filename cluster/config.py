@@ -435,7 +435,7 @@ class SpecServeArgs(_Frozen):
         # The defaults are checked as if a request spelled them all out: for the default
         # strategy, and (when ensemble settings are given) for the ensemble strategies too.
         as_request = {"gamma": d.gamma, "gamma_max": d.gamma_max, "num_drafts": d.num_drafts, "ensemble": d.ensemble, "members": d.members,
-                      "weights": d.weights, "mu": d.mu, "gammas": d.gammas}
+                      "weights": d.weights, "mu": d.mu, "gammas": d.gammas, "proposer": d.proposer}
         checks = [SpeculationParams(strategy=d.strategy, method=d.method, **as_request)]
         if d.strategy not in ENSEMBLE_STRATEGIES and any(v is not None for v in (d.members, d.weights, d.gammas)):
             checks.append(SpeculationParams(strategy="se", **as_request))

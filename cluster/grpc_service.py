@@ -126,7 +126,8 @@ _SAMPLING_SCALARS: tuple[str, ...] = (
 )
 #: Sampling fields the coordinator may name without the ``sampling.`` prefix.
 _BARE_SAMPLING_FIELDS: frozenset[str] = frozenset(_SAMPLING_SCALARS) | {"stop", "logit_bias", "logprobs", "prompt_logprobs"}
-_SPECULATION_SCALARS: tuple[str, ...] = ("strategy", "method", "gamma", "gamma_max", "num_drafts", "ensemble", "mu")
+_SPECULATION_SCALARS: tuple[str, ...] = ("strategy", "method", "gamma", "gamma_max", "num_drafts", "ensemble", "mu",
+                                         "proposer")
 _SPECULATION_LISTS: tuple[str, ...] = ("weights", "gammas", "members")
 
 
@@ -349,6 +350,7 @@ def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, spe
         model_calls=dict(stats.model_calls),
         accepted_lengths=list(stats.accepted_lengths),
         draft_lengths=list(stats.draft_lengths),
+        proposer=stats.proposer or "",
         block_efficiency=stats.block_efficiency,
         tokens_per_second=stats.tokens_per_second,
         time_draft_s=stats.time_draft_s,

@@ -209,6 +209,7 @@ def _check_stop(sampling: SamplingParams) -> None:
 
 def _check_speculation(speculation: SpeculationParams) -> None:
     _name("speculation.method", speculation.method)
+    _name("speculation.proposer", speculation.proposer)
     if speculation.mu is not None and not (math.isfinite(speculation.mu) and 0.0 <= speculation.mu <= MAX_MU):
         raise InvalidRequestError("speculation.mu", f"must be a finite number in [0, {MAX_MU:g}] (got {speculation.mu})")
     _list_size("speculation.weights", speculation.weights)

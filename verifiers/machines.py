@@ -67,6 +67,10 @@ class Sample:
     return_logits: bool = False
     stream: str = "sample"
     logprobs: int | None = None  # report each draw's log-probability (and this many alternatives)
+    #: The result handed back to the machine carries the logits too (a machine that verifies the
+    #: block itself: the ensemble as the target, :class:`EnsembleDraftMachine`); the rows drawn
+    #: from are then float64 whatever the worker's precision, as the machine recomputes them so.
+    report_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,20 @@ class Extend:
 
 
 @dataclass(frozen=True)
+class ScoreBlock:
+    """Ensemble member call of a drafted block: ``model`` scores the first ``gamma`` tokens of
+    each draft of need ``draft_need``'s proposal (this iteration) in ONE forward, as a target's
+    :class:`ScoreVerify` does, and returns its logits without verifying: ``[K, gamma+1, V]``
+    (shared vocabulary), row j of draft k after the context and draft k's first j tokens. The
+    block stays fed but uncommitted (the next ``append`` keeps what it accepted)."""
+
+    model: str
+    append: tuple[int, ...]
+    draft_need: int
+    gamma: int
+
+
+@dataclass(frozen=True)
 class NextLogits:
     """``model``'s logits ``[V]`` (shared vocabulary) of the next position. Result: a tensor."""
 
@@ -138,7 +156,7 @@ class NextLogits:
     append: tuple[int, ...]
 
 
-Need = Union[Sample, ScoreVerify, PreDraft, Extend, NextLogits]
+Need = Union[Sample, ScoreVerify, PreDraft, Extend, ScoreBlock, NextLogits]
 
 #: ``(token, logprob, ((id, logprob), ...))``: a token's log-probability under the law it was
 #: sampled from and the most likely alternatives (:func:`verifiers.sampling.token_logprob`).
@@ -263,9 +281,11 @@ class _Unsent:
         self.synced[model] = len(self.committed)
         return tokens
 
-    def mark(self, model: str) -> None:
-        """``model`` committed the tokens itself (the verifier commits what it emits)."""
-        self.synced[model] = len(self.committed)
+    def mark(self, model: str | None) -> None:
+        """``model`` committed the tokens itself (the verifier commits what it emits); None: no
+        model did (a machine that verifies itself)."""
+        if model is not None:
+            self.synced[model] = len(self.committed)
 
 
 class AutoregressiveMachine(DecodeMachine):
@@ -358,6 +378,10 @@ class SpeculativeMachine(DecodeMachine):
         self.pre_draft_count = 0  # tokens per chain of this iteration's PreDraft (0: none)
         self.pre_drafted_iterations = 0  # iterations that verified a pre-drafted chain
 
+    #: The target's worker verifies the block (ScoreVerify): what solo bursts, pre-drafting and
+    #: the measured step costs of a draft / target pair assume.
+    target_verifies: bool = True
+
     def streams(self) -> dict[str, dict[str, int]]:
         if self.draft is None:
             return {self.target: {"verify": 1}}
@@ -412,11 +436,19 @@ class SpeculativeMachine(DecodeMachine):
         if self.draft is None:  # no proposal and no draft model: a plain step
             gamma = 0
         self.draft_lengths.append(gamma)
-        if gamma == 0:  # a plain step: the target samples on its own stream
+        if gamma == 0:
             self.pre_draft_count = 0
-            remaining = self.max_new_tokens - len(self.committed)
-            count = self.lookahead(min(AR_TOKENS_PER_ITERATION, max(1, remaining)))
-            return [Sample(self.target, self.unsent.take(self.target), count, stream="verify", logprobs=self.logprobs)]
+            return self._plain_needs()
+        return self._block_needs(gamma)
+
+    def _plain_needs(self) -> list[Need]:
+        """A plain step: the target samples on its own verification stream."""
+        remaining = self.max_new_tokens - len(self.committed)
+        count = self.lookahead(min(AR_TOKENS_PER_ITERATION, max(1, remaining)))
+        return [Sample(self.target, self.unsent.take(self.target), count, stream="verify", logprobs=self.logprobs)]
+
+    def _block_needs(self, gamma: int) -> list[Need]:
+        """A block of ``gamma`` drafts: the draft samples it, the target scores and verifies it."""
         return [
             Sample(self.draft, self.unsent.take(self.draft), gamma, self.num_drafts, return_logits=True),
             ScoreVerify(self.target, self.unsent.take(self.target), draft_need=0, method=self.method,
@@ -462,12 +494,11 @@ class SpeculativeMachine(DecodeMachine):
         return max(0, length)
 
     def consume(self, results: Sequence[object]) -> list[int]:
-        if self.draft_lengths[-1] == 0:  # a plain step: its tokens reach the target as append
-            (sampled,) = results
+        if self.draft_lengths[-1] == 0:
             if self.chooser is not None:
                 self.chooser.skip()
-            return self._commit(sampled.tokens[0].tolist(), sampled.logprobs)
-        verified = next(result for result in results if isinstance(result, Verified))
+            return self._consume_plain(results)
+        verified = self._verified(results)
         pre_drafted = results[-1] if self.pre_draft_count else None
         self.accepted_lengths.append(verified.num_accepted)
         if self.proposer_used is not None:
@@ -481,9 +512,18 @@ class SpeculativeMachine(DecodeMachine):
         if verified.draft_index is not None:
             self.draft_indices.append(verified.draft_index)
         tokens = self._commit(verified.emitted, verified.logprobs)
-        self.unsent.mark(self.target)
+        self.unsent.mark(self.target)  # the target's verifier committed them (an ensemble machine has no target)
         self._carry(pre_drafted, verified, gamma)
         return tokens
+
+    def _consume_plain(self, results: Sequence[object]) -> list[int]:
+        """A plain step's tokens (they reach the target as append)."""
+        (sampled,) = results
+        return self._commit(sampled.tokens[0].tolist(), sampled.logprobs)
+
+    def _verified(self, results: Sequence[object]) -> Verified:
+        """The block's verification: the target's :class:`ScoreVerify` result."""
+        return next(result for result in results if isinstance(result, Verified))
 
     def _carry(self, pre_drafted: PreDrafted | None, verified: Verified, gamma: int) -> None:
         """Keep the pre-drafted chain drafted after the bonus token this iteration emitted, when the
@@ -497,6 +537,29 @@ class SpeculativeMachine(DecodeMachine):
             self.carried = pre_drafted.tokens[self.carried_chain].tolist()
 
 
+class EnsembleLaw:
+    """The ensemble function with the request's row transform: how member logits become the
+    rows every ensemble strategy verifies against (float64)."""
+
+    def __init__(self, num_members: int, *, ensemble: str, weights: Sequence[float] | None, mu: float,
+                 temperature: float, top_k: int, top_p: float, penalties: Penalties = NO_PENALTIES,
+                 prompt: Sequence[int] = ()):
+        self.function = make_ensemble(ensemble, num_members, weights=weights, mu=mu)
+        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "penalties": penalties,
+                         "prompt": tuple(prompt)}
+
+    def ensemble_rows(self, member_logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
+        """``member_logits [n, N, V]`` -> ensemble rows ``[N, V]`` (float64): the ensemble's
+        logits, penalized with ``generated[i]`` (the tokens generated before row ``i``)."""
+        logits = self.function.logits(member_logits.to(torch.float64))  # [N, V]
+        return penalized_probs(logits, **self.sampling, generated=generated)
+
+    def proposal_rows(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
+        """One proposer's ``logits [N, V]`` -> the rows it samples from (float64), penalized as
+        its worker penalized them."""
+        return penalized_probs(logits.to(torch.float64), **self.sampling, generated=generated)
+
+
 class _EnsembleMachine(DecodeMachine):
     """Members, the ensemble function and the machine's own verification stream (stream n)."""
 
@@ -506,9 +569,9 @@ class _EnsembleMachine(DecodeMachine):
                  penalties: Penalties = NO_PENALTIES, prompt: Sequence[int] = (), logprobs: int | None = None):
         super().__init__(max_new_tokens, context_budget, logprobs)
         self.members = list(members)
-        self.function = make_ensemble(ensemble, len(self.members), weights=weights, mu=mu)
-        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "penalties": penalties,
-                         "prompt": tuple(prompt)}
+        self.law = EnsembleLaw(len(self.members), ensemble=ensemble, weights=weights, mu=mu, temperature=temperature,
+                               top_k=top_k, top_p=top_p, penalties=penalties, prompt=prompt)
+        self.function = self.law.function
         self.own_source = own_source
         self.unsent = _Unsent(self.members, self.committed)
 
@@ -516,21 +579,23 @@ class _EnsembleMachine(DecodeMachine):
         return {name: {"sample": i} for i, name in enumerate(self.members)}
 
     def ensemble_rows(self, member_logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
-        """``member_logits [n, N, V]`` -> ensemble rows ``[N, V]`` (float64): the ensemble's
-        logits, penalized with ``generated[i]`` (the tokens generated before row ``i``)."""
-        logits = self.function.logits(member_logits.to(torch.float64))  # [N, V]
-        return penalized_probs(logits, **self.sampling, generated=generated)
+        """``member_logits [n, N, V]`` -> ensemble rows ``[N, V]`` (:meth:`EnsembleLaw.ensemble_rows`)."""
+        return self.law.ensemble_rows(member_logits, generated)
 
     def _logprobs_of(self, tokens: Sequence[int], rows: torch.Tensor) -> list[DrawLogprob] | None:
         """Token ``i``'s log-probability under ``rows[i]`` (the ensemble law), when asked for."""
-        if self.logprobs is None:
-            return None
-        return [token_logprob(row, token, self.logprobs) for token, row in zip(tokens, rows)]
+        return _logprobs_under(self.logprobs, tokens, rows)
 
     def proposal_rows(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
-        """One member's ``logits [N, V]`` -> the rows it samples from (float64), penalized as
-        its worker penalized them."""
-        return penalized_probs(logits.to(torch.float64), **self.sampling, generated=generated)
+        """One member's ``logits [N, V]`` -> the rows it samples from (:meth:`EnsembleLaw.proposal_rows`)."""
+        return self.law.proposal_rows(logits, generated)
+
+
+def _logprobs_under(count: int | None, tokens: Sequence[int], rows: torch.Tensor) -> list[DrawLogprob] | None:
+    """Token ``i``'s log-probability under ``rows[i]`` with ``count`` alternatives; None when not asked for."""
+    if count is None:
+        return None
+    return [token_logprob(row, token, count) for token, row in zip(tokens, rows)]
 
 
 class EnsembleMachine(_EnsembleMachine):
@@ -676,3 +741,116 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
             self.queue.clear()
         emitted = verdict.emitted(0)
         return emitted, self._logprobs_of(emitted, ensemble_probs[: len(emitted)])
+
+
+class EnsembleDraftMachine(SpeculativeMachine):
+    """``se`` with a draft proposer: speculative decoding with the ensemble law as the target
+    (Fu et al., "Speculative Ensemble: Fast Large Language Model Ensemble via Speculation",
+    arXiv:2502.01662, Sec. 3.2: the "WE-SD" / "CD-SD" rows, a proposal model verified against
+    the ensemble distribution of Eq. 4 / Eq. 5).
+
+    Each iteration: ``proposer`` samples K x gamma tokens (:class:`Sample`, stream ``sample`` on
+    its worker), every member scores the block in ONE forward (:class:`ScoreBlock`: all members
+    in the same step, each on its own worker), and the block is verified here against the
+    ensemble rows ``r`` (:class:`EnsembleLaw` of every member's ``[K, gamma+1]`` rows) with the
+    request's rule through the verification core (:mod:`verifiers.blocks`), on the machine's own
+    stream; after a fully accepted block the bonus token is drawn from ``r``'s last row, which
+    every member scored. When the proposer is a member (the paper's WE-SD proposes with the
+    smallest member), its draft rows are its member rows: it draws ``gamma + 1`` tokens and the
+    last is dropped, so its row after the block comes from the same call (no scoring call).
+
+    Everything else is :class:`SpeculativeMachine`: gamma or ``gamma: "auto"`` (from the
+    request's acceptance so far), greedy rules' pending modifications, multi-draft rules with
+    ``num_drafts``. A plain step (gamma 0, with measured step costs) is the plain ensemble's:
+    every member's next row, ONE ``own_source.categorical(row [V])``. Lossless for any rule
+    that is lossless in ``sd``: the proposal is drawn from rows the machine recomputes bit for
+    bit (float64) with randomness independent of the verification, and the block length is a
+    function of the past (``tests/verifiers/test_ensemble_draft.py``: exact enumeration).
+
+    Streams: member i owns stream i (unused unless it proposes), the verification stream n is
+    ``own_source``, a proposer that is not a member owns stream n + 1.
+    """
+
+    target_verifies = False
+
+    def __init__(self, proposer: str, members: Sequence[str], *, method: str, gamma: int, num_drafts: int,
+                 ensemble: str, weights: Sequence[float] | None, mu: float, temperature: float, top_k: int,
+                 top_p: float, own_source: RandomSource, max_new_tokens: int, context_budget: int | None = None,
+                 penalties: Penalties = NO_PENALTIES, prompt: Sequence[int] = (), logprobs: int | None = None,
+                 adaptive: AdaptiveGammaSettings | None = None):
+        super().__init__(proposer, None, method=method, gamma=gamma, num_drafts=num_drafts,
+                         max_new_tokens=max_new_tokens, context_budget=context_budget, logprobs=logprobs,
+                         adaptive=adaptive, pre_drafting=0)
+        self.members = list(members)
+        if len(set(self.members)) != len(self.members) or len(self.members) < 2:
+            raise ValueError(f"an ensemble needs 2 or more distinct members, got {self.members}")
+        self.proposer_is_member = proposer in self.members
+        self.scorers = [name for name in self.members if name != proposer]  # members that score each block
+        self.law = EnsembleLaw(len(self.members), ensemble=ensemble, weights=weights, mu=mu, temperature=temperature,
+                               top_k=top_k, top_p=top_p, penalties=penalties, prompt=prompt)
+        self.own_source = own_source
+        self.unsent = _Unsent(list(dict.fromkeys([proposer, *self.members])), self.committed)
+        self.verify_state = None  # a stateful (greedy) rule's state between blocks
+
+    @property
+    def proposer(self) -> str:
+        return self.draft
+
+    @property
+    def pre_drafting(self) -> int:
+        return 0  # the next block's proposer rows need the members' verdict first
+
+    @pre_drafting.setter
+    def pre_drafting(self, value: int) -> None:
+        if value:
+            raise ValueError("an ensemble with a draft proposer does not pre-draft")
+
+    def streams(self) -> dict[str, dict[str, int]]:
+        streams: dict[str, dict[str, int]] = {name: {} for name in self.members}
+        index = self.members.index(self.draft) if self.proposer_is_member else len(self.members) + 1
+        streams[self.draft] = {"sample": index}
+        return streams
+
+    def _plain_needs(self) -> list[Need]:
+        """The plain ensemble's step: every member's next row."""
+        return [NextLogits(name, self.unsent.take(name)) for name in self.members]
+
+    def _consume_plain(self, results: Sequence[object]) -> list[int]:
+        member_logits = torch.stack([torch.as_tensor(logits).to(torch.float64).cpu() for logits in results])  # [n, V]
+        row = self.law.ensemble_rows(member_logits[:, None], [list(self.committed)])[0]  # [V]
+        token = int(self.own_source.categorical(row))
+        return self._commit([token], _logprobs_under(self.logprobs, [token], row[None]))
+
+    def _block_needs(self, gamma: int) -> list[Need]:
+        """The proposer's block (one more draw when it is a member: its row after the block),
+        then every other member's scoring of it."""
+        count = gamma + 1 if self.proposer_is_member else gamma
+        needs: list[Need] = [Sample(self.draft, self.unsent.take(self.draft), count, self.num_drafts,
+                                    report_logits=True)]
+        needs += [ScoreBlock(name, self.unsent.take(name), draft_need=0, gamma=gamma) for name in self.scorers]
+        return needs
+
+    def _verified(self, results: Sequence[object]) -> Verified:
+        """Verify the block against the ensemble rows on the own stream (:mod:`verifiers.blocks`)."""
+        from verifiers.blocks import block_inputs, verified_row, verify_blocks  # blocks imports this module
+
+        sampled, scores = results[0], dict(zip(self.scorers, results[1:]))
+        gamma = self.draft_lengths[-1]
+        draft_tokens = sampled.tokens[:, :gamma]  # [K, gamma]
+        proposer_logits = torch.as_tensor(sampled.logits).to(torch.float64).cpu()  # [K, count, V]
+        num_drafts, vocab = draft_tokens.shape[0], proposer_logits.shape[-1]
+        member_logits = torch.stack([
+            proposer_logits[:, : gamma + 1] if name == self.draft else torch.as_tensor(scores[name]).to(torch.float64).cpu()
+            for name in self.members
+        ])  # [n, K, gamma+1, V]
+        drafts = draft_tokens.tolist()
+        target_after = [self.committed + draft[:j] for draft in drafts for j in range(gamma + 1)]
+        target_probs = self.law.ensemble_rows(member_logits.reshape(len(self.members), -1, vocab), target_after)
+        draft_after = [self.committed + draft[:j] for draft in drafts for j in range(gamma)]
+        draft_probs = self.law.proposal_rows(proposer_logits[:, :gamma].reshape(-1, vocab), draft_after)
+        spec = get_verifier(self.method)
+        inputs = block_inputs(spec, draft_tokens, draft_probs.reshape(num_drafts, gamma, vocab),
+                              target_probs.reshape(num_drafts, gamma + 1, vocab))
+        result = verify_blocks(spec, [inputs], [self.own_source], state=self.verify_state)
+        self.verify_state = result.state
+        return verified_row(spec, inputs, result, 0, self.logprobs)

@@ -48,6 +48,11 @@ STRATEGY_METHODS: dict[str, tuple[str, ...]] = {
     "ensemble": (),
     "se": ("token", "block"),
 }
+MULTI_DRAFT_METHODS: tuple[str, ...] = STRATEGY_METHODS["multi_draft"]
+#: ``speculation.proposer`` of se: the members propose in turn (Alg. 1 / 2 of the paper).
+ALTERNATE = "alternate"
+#: Rules of se with a draft proposer (the ensemble is sd's target): every rule of sd and multi_draft.
+DRAFT_PROPOSER_METHODS: tuple[str, ...] = ("block", "token", "greedy_block", "spectr", "sequential_gbv", "spectr_gbv")
 assert set(STRATEGY_METHODS) == set(get_args(Strategy)), "one strategy vocabulary: actors.api.Strategy"
 assert {m for methods in STRATEGY_METHODS.values() for m in methods} == set(get_args(MethodName)), \
     "one method vocabulary: verifiers.registry.MethodName"
@@ -93,8 +98,12 @@ class DecodingDefaults(BaseModel):
     )
     mu: float = Field(0.1, ge=0.0, description="Contrastive strength: softmax(expert - mu * amateur).")
     gammas: tuple[int, ...] | None = Field(None, description="Per-member proposal lengths (se). Unset: gamma for each.")
-    proposer: SdProposer = Field(
-        "draft", description='Who drafts for sd: "draft" (the draft model) or "ngram" (prompt lookup, no model).'
+    proposer: str | None = Field(
+        None,
+        description='Proposer of the default strategy: "draft" (the draft model) or "ngram" (prompt lookup, no '
+        'model) for sd; "alternate" (the members in turn) or a deployment model (a draft, or a member: its blocks '
+        "every member scores at once, the ensemble law verifies) for se. Unset, or another strategy: the "
+        'strategy\'s own (sd: "draft", se: "alternate").',
     )
     prompt_lookup_max: int = Field(
         DEFAULT_NGRAM_MAX, ge=1, le=MAX_NGRAM, description="Longest n-gram of prompt lookup and prediction realignment."
@@ -115,6 +124,8 @@ class DecodingPlan:
     is then the largest block it may draft. proposer / ngram: sd's drafter ("draft": ``draft``;
     "ngram": prompt lookup, ``draft`` None) and the n-gram sizes of its lookups and of a
     prediction's realignment (``(max, min)``); ``prediction``: the request brought one (sd only).
+    For se, proposer is ``"alternate"``, or the model that drafts blocks for the ensemble law (also
+    in ``draft``; ``gamma`` / ``adaptive`` / ``num_drafts`` then mean what they mean in sd).
     """
 
     strategy: str
@@ -239,6 +250,19 @@ def _resolve_gamma(
     return gamma_max, AdaptiveGammaSettings(gamma_max=gamma_max, draft_cost_ratio=defaults.draft_cost_ratio)
 
 
+def _check_draft_proposer_method(requested: str | None, defaults: DecodingDefaults) -> str:
+    """The rule of se with a draft proposer: the request's, else the deployment's default when
+    it is one of these rules, else block."""
+    if requested is not None and requested not in DRAFT_PROPOSER_METHODS:
+        raise InvalidRequestError(
+            "speculation.method",
+            f"unknown method {requested!r} for se with a draft proposer; expected one of {', '.join(DRAFT_PROPOSER_METHODS)}",
+        )
+    method = requested if requested is not None else (
+        defaults.method if defaults.strategy == "se" and defaults.method in DRAFT_PROPOSER_METHODS else "block")
+    return method
+
+
 def _role_model(models: Mapping[str, ModelRole], role: str, strategy: str) -> str:
     names = [name for name, model_role in models.items() if model_role == role]
     if not names:
@@ -246,11 +270,29 @@ def _role_model(models: Mapping[str, ModelRole], role: str, strategy: str) -> st
     return names[0]
 
 
-def _resolve_proposer(speculation: SpeculationParams, defaults: DecodingDefaults,
-                      strategy: str) -> tuple[str, tuple[int, int]]:
-    """sd's proposer and n-gram sizes ``(max, min)``; a proposer named for another strategy is refused."""
-    proposer = _pick(speculation.proposer, defaults.proposer)
-    if proposer not in get_args(SdProposer):
+def _default_proposer(strategy: str, defaults: DecodingDefaults) -> str:
+    """The deployment's proposer for its default strategy; any other strategy's own (sd: "draft",
+    se: "alternate"), as the default method."""
+    if defaults.proposer is not None and strategy == defaults.strategy:
+        return defaults.proposer
+    return ALTERNATE if strategy == "se" else "draft"
+
+
+def _resolve_proposer(speculation: SpeculationParams, defaults: DecodingDefaults, strategy: str,
+                      models: Mapping[str, ModelRole]) -> tuple[str, tuple[int, int]]:
+    """The proposer (sd: "draft" or "ngram"; se: "alternate" or a model of the deployment) and
+    the n-gram sizes ``(max, min)``; a proposer named for another strategy is refused. A model
+    proposing for se shares the members' vocabulary: every model of a group does (checked when
+    the group starts, ``actors.vocabulary``)."""
+    proposer = _pick(speculation.proposer, _default_proposer(strategy, defaults))
+    if strategy == "se":
+        if proposer != ALTERNATE and proposer not in models:
+            raise InvalidRequestError(
+                "speculation.proposer",
+                f"unknown proposer {proposer!r} for se; expected {ALTERNATE!r} or a model of the deployment: "
+                f"{', '.join(models)}",
+            )
+    elif proposer not in get_args(SdProposer):
         raise InvalidRequestError("speculation.proposer", f'expected "draft" or "ngram", got {proposer!r}')
     if speculation.proposer == "ngram" and strategy != "sd":
         raise InvalidRequestError("speculation.proposer", f'"ngram" drafts for sd, not for strategy {strategy!r}')
@@ -259,7 +301,7 @@ def _resolve_proposer(speculation: SpeculationParams, defaults: DecodingDefaults
     if smallest > largest:
         field = "speculation.prompt_lookup_min" if speculation.prompt_lookup_min is not None else "speculation.prompt_lookup_max"
         raise InvalidRequestError(field, f"prompt_lookup_min ({smallest}) must be at most prompt_lookup_max ({largest})")
-    return (proposer if strategy == "sd" else "draft"), (largest, smallest)
+    return (proposer if strategy in ("sd", "se") else "draft"), (largest, smallest)
 
 
 def _model_free_method(method: str | None, requested: str | None) -> str | None:
@@ -287,8 +329,10 @@ def resolve_plan(
         raise InvalidRequestError(
             "speculation.strategy", f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGY_METHODS)}"
         )
-    method = _check_method(strategy, speculation.method, defaults.method, defaults.strategy)
-    proposer, ngram = _resolve_proposer(speculation, defaults, strategy)
+    proposer, ngram = _resolve_proposer(speculation, defaults, strategy, models)
+    drafted_ensemble = strategy == "se" and proposer != ALTERNATE
+    method = (_check_draft_proposer_method(speculation.method, defaults) if drafted_ensemble
+              else _check_method(strategy, speculation.method, defaults.method, defaults.strategy))
     prediction = prediction and strategy == "sd"
     if prediction or proposer == "ngram":
         method = _model_free_method(method, speculation.method)
@@ -312,7 +356,9 @@ def resolve_plan(
             raise InvalidRequestError("speculation.ensemble", f"expected weighted or contrastive, got {ensemble!r}")
         members = _resolve_members(speculation.members, defaults.members, models, strategy, ensemble)
         weights = _resolve_weights(speculation.weights, defaults.weights, members, ensemble)
-        if adaptive is not None and _pick(speculation.gammas, defaults.gammas) is None:
+        if drafted_ensemble:
+            draft = proposer
+        elif adaptive is not None and _pick(speculation.gammas, defaults.gammas) is None:
             raise InvalidRequestError(
                 "speculation.gamma",
                 '"auto" adapts the blocks of sd and multi_draft; se takes fixed proposal lengths: '
@@ -325,13 +371,13 @@ def resolve_plan(
         target=target,
         draft=draft,
         gamma=gamma,
-        num_drafts=num_drafts if strategy == "multi_draft" else 1,
+        num_drafts=num_drafts if strategy == "multi_draft" or (drafted_ensemble and method in MULTI_DRAFT_METHODS) else 1,
         ensemble=ensemble,
         members=members,
         weights=weights,
         mu=mu,
         gammas=gammas,
-        adaptive=adaptive if strategy in ("sd", "multi_draft") else None,
+        adaptive=adaptive if strategy in ("sd", "multi_draft") or drafted_ensemble else None,
         proposer=proposer,
         ngram=ngram,
         prediction=prediction,

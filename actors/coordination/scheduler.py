@@ -49,7 +49,7 @@ from actors.worker.device_worker import HostCall, host_of
 from actors.messages import UNAVAILABLE, CallTiming, ItemOutcome, OpenSession, Prefill, WorkItem
 from actors.coordination.metrics import RequestClock, SchedulerMetrics, plan_labels
 from actors.coordination.output import OutputTracker
-from actors.coordination.plan import ENSEMBLE_STRATEGIES, DecodingPlan
+from actors.coordination.plan import ALTERNATE, ENSEMBLE_STRATEGIES, DecodingPlan
 from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
 from verifiers.adaptive import StepCosts, best_block
 from verifiers.grammar import GRAMMAR_ERROR_PREFIX, grammar_complete
@@ -63,6 +63,7 @@ from verifiers.machines import (
     NextLogits,
     PreDraft,
     Sample,
+    ScoreBlock,
     ScoreVerify,
     SpeculativeMachine,
 )
@@ -330,10 +331,11 @@ class Scheduler:
                 return
             request = self.waiting.popleft()
             request.started = time.perf_counter()
-            if self.goodput and getattr(request.machine, "chooser", None) is not None:
+            pair = _target_verifies(request.machine)
+            if self.goodput and pair and getattr(request.machine, "chooser", None) is not None:
                 request.machine.step_costs = functools.partial(self.step_costs, request.machine)
                 self._start_from_group_acceptance(request)
-            if isinstance(request.machine, SpeculativeMachine) and request.machine.num_drafts == 1:
+            if pair and request.machine.num_drafts == 1:
                 request.machine.pre_drafting = self.pre_drafting
             if self.max_tokens_per_step is not None and len(request.prompt_ids) > self.max_tokens_per_step:
                 request.prefilling = set(request.opens)
@@ -602,14 +604,14 @@ class Scheduler:
     def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
         """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers
         and everything on a model no one waits for)."""
-        verifying = {need.model for _, needs in work for need in needs if isinstance(need, ScoreVerify)}
+        verifying = {need.model for _, needs in work for need in needs if isinstance(need, (ScoreVerify, ScoreBlock))}
         sources = {needs[need.draft_need].model for _, needs in work for need in needs
-                   if isinstance(need, ScoreVerify) and need.draft_need >= 0}
+                   if isinstance(need, (ScoreVerify, ScoreBlock)) and need.draft_need >= 0}
         placed: dict[str, list[list[_Placed]]] = {name: [[], []] for name in self.workers}
         for request, needs in work:
             positions: dict[int, tuple[str, int, int]] = {}
             for index, need in enumerate(needs):
-                phase = 1 if (isinstance(need, (ScoreVerify, PreDraft))
+                phase = 1 if (isinstance(need, (ScoreVerify, ScoreBlock, PreDraft))
                               or (need.model in verifying and need.model not in sources)) else 0
                 open_spec = request.opens.pop(need.model, None)
                 if open_spec is not None:
@@ -619,7 +621,7 @@ class Scheduler:
                     carried = request.pre_drafted  # the previous step's PreDraft: see _call_workers
                     if carried is None:
                         raise RuntimeError("a pre-drafted block to verify, but no PreDraft ran")
-                elif isinstance(need, ScoreVerify) and need.draft_need != MODEL_FREE:
+                elif isinstance(need, (ScoreVerify, ScoreBlock)) and need.draft_need != MODEL_FREE:
                     source = positions[need.draft_need]
                 item = WorkItem(session_id=request.session_id, need=need, open=open_spec,
                                 proposal_source=None if source is None else (source[0], source[2]))
@@ -838,7 +840,7 @@ class Scheduler:
             stats.count(need.model, outcome.timing)
             if isinstance(need, Sample) and need.model != plan.target:  # a draft (plain steps sample on the target)
                 stats.time_draft_s += outcome.timing.forward_s
-                if need.return_logits:
+                if need.return_logits or need.report_logits:
                     stats.bytes_moved += need.count * need.num_drafts * request.vocab_limit * 4
             elif isinstance(need, PreDraft):
                 stats.time_draft_s += outcome.timing.forward_s
@@ -848,7 +850,7 @@ class Scheduler:
                 stats.bytes_moved += _nbytes(outcome.value)
             else:
                 stats.time_target_s += outcome.timing.forward_s
-                if isinstance(need, (Extend, NextLogits)):
+                if isinstance(need, (Extend, NextLogits, ScoreBlock)):
                     stats.bytes_moved += _nbytes(outcome.value)
 
     def _record_verifications(self, request: RequestState, first_new: int) -> None:
@@ -859,7 +861,7 @@ class Scheduler:
         accepted = machine.accepted_lengths[first_new:]
         if not accepted:
             return
-        if request.plan.strategy == "se":
+        if request.plan.strategy == "se" and request.plan.proposer == ALTERNATE:
             lengths = machine.segment_lengths[first_new:]
             for length, count in zip(lengths, accepted):
                 self.metrics.verified(request.labels, 1, length, count)
@@ -931,9 +933,16 @@ def _committed(cohort: Cohort) -> int:
 
 
 def _board_key(request: RequestState) -> tuple:
-    """A speculative request's key in the acceptance board: its pair, rule and drafts per step."""
+    """A speculative request's key in the acceptance board: its pair (the members for an
+    ensemble target), rule and drafts per step."""
     plan = request.plan
-    return plan.draft, plan.target, plan.method, plan.num_drafts
+    return plan.draft, plan.target or plan.members, plan.method, plan.num_drafts
+
+
+def _target_verifies(machine: Any) -> bool:
+    """Whether ``machine`` is sd's: a draft / target pair whose target verifies (pre-drafting and
+    the pair's measured step costs apply)."""
+    return isinstance(machine, SpeculativeMachine) and machine.target_verifies
 
 
 def _is_ray_error(error: Exception) -> bool:
@@ -954,8 +963,10 @@ def request_stats(request: RequestState) -> RequestStats:
     """The request's :class:`RequestStats` so far."""
     stats, plan, output = request.stats, request.plan, request.output
     completion = len(output.token_ids)
-    if plan.strategy in ENSEMBLE_STRATEGIES:
-        target_calls = max(stats.model_calls.values(), default=0)
+    if plan.strategy in ENSEMBLE_STRATEGIES:  # the verifying calls: the members' (a draft proposer's are drafts)
+        drafted = plan.strategy == "se" and plan.proposer != ALTERNATE
+        scorers = [name for name in plan.members if not drafted or name != plan.proposer]
+        target_calls = max((stats.model_calls.get(name, 0) for name in scorers), default=0)
     else:
         target_calls = stats.model_calls.get(plan.target, 0)
     elapsed = time.perf_counter() - (request.started or request.submitted)
@@ -971,6 +982,7 @@ def request_stats(request: RequestState) -> RequestStats:
         draft_lengths=list(getattr(request.machine, "draft_lengths", ())),
         pre_drafted=getattr(request.machine, "pre_drafted_iterations", 0),
         block_efficiency=completion / target_calls if target_calls else 0.0,
+        proposer=plan.proposer if plan.strategy in ("sd", "se") else None,
         tokens_per_second=completion / elapsed if elapsed > 0 else 0.0,
         time_draft_s=stats.time_draft_s,
         time_target_s=stats.time_target_s,

@@ -10,9 +10,12 @@ the reference loops); this module only builds them, keyed by the Strategy litera
                      spectr_gbv): same layout.
 * ``ensemble``    -- :class:`EnsembleMachine`: the coordinator combines the members' logits and
                      draws from stream n.
-* ``se``          -- :class:`SpeculativeEnsembleMachine`: member i draws its proposals and
-                     bonus tokens from stream i on its own worker; segments are verified in the
-                     coordinator with stream n.
+* ``se``          -- :class:`SpeculativeEnsembleMachine` (proposer "alternate"): member i draws
+                     its proposals and bonus tokens from stream i on its own worker; segments
+                     are verified in the coordinator with stream n. With a model as the
+                     proposer, :class:`EnsembleDraftMachine`: it drafts on its worker (its
+                     member stream, or stream n + 1), every member scores the block on its
+                     own, the coordinator verifies against the ensemble rows with stream n.
 
 Probability rows move from the worker that makes them to the one that consumes them: in ``sd``
 / ``multi_draft`` the draft's proposals go straight to the target worker (an ObjectRef), which
@@ -27,10 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.coordination.plan import DecodingPlan
+from actors.coordination.plan import ALTERNATE, DecodingPlan
 from verifiers.machines import (
     AutoregressiveMachine,
     DecodeMachine,
+    EnsembleDraftMachine,
     EnsembleMachine,
     SpeculativeEnsembleMachine,
     SpeculativeMachine,
@@ -106,10 +110,23 @@ def _ensemble(plan: DecodingPlan, sampling: MachineSampling, seed: int, max_new_
 
 
 def _speculative_ensemble(plan: DecodingPlan, sampling: MachineSampling, seed: int, max_new_tokens: int, budget: int) -> BuiltMachine:
+    if plan.proposer not in (None, ALTERNATE):
+        return _drafted_ensemble(plan, sampling, seed, max_new_tokens, budget)
     seeds = stream_seeds(seed, len(plan.members) + 1)
     machine = SpeculativeEnsembleMachine(
         plan.members, gammas=plan.gammas, method=plan.method, **_ensemble_kwargs(plan, sampling, seeds, max_new_tokens, budget)
     )
+    return BuiltMachine(machine, _layout(machine, seeds))
+
+
+def _drafted_ensemble(plan: DecodingPlan, sampling: MachineSampling, seed: int, max_new_tokens: int, budget: int) -> BuiltMachine:
+    """se with a draft proposer: streams 0..n-1 the members', n the verification, n + 1 a
+    proposer that is not a member (:class:`EnsembleDraftMachine`)."""
+    seeds = stream_seeds(seed, len(plan.members) + 2)
+    kwargs = _ensemble_kwargs(plan, sampling, seeds, max_new_tokens, budget)
+    kwargs["own_source"] = TorchRandomSource(torch.Generator().manual_seed(seeds[len(plan.members)]))
+    machine = EnsembleDraftMachine(plan.proposer, plan.members, method=plan.method, gamma=plan.gamma,
+                                   num_drafts=plan.num_drafts, adaptive=plan.adaptive, **kwargs)
     return BuiltMachine(machine, _layout(machine, seeds))
 
 

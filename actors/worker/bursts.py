@@ -93,7 +93,9 @@ class FrozenStepCosts:
 def burstable(machine: DecodeMachine) -> bool:
     """Whether ``machine``'s needs are Samples, a ScoreVerify on its target and PreDrafts only
     (``ar``, ``sd``, ``multi_draft``; not the ensembles, whose members are peers of equal rank)."""
-    return isinstance(machine, (AutoregressiveMachine, SpeculativeMachine))
+    if isinstance(machine, SpeculativeMachine):
+        return machine.target_verifies  # an ensemble target's members are peers too
+    return isinstance(machine, AutoregressiveMachine)
 
 
 def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_step: LocalStep,

@@ -60,6 +60,7 @@ from verifiers.machines import (
     PreDrafted,
     Sample,
     Sampled,
+    ScoreBlock,
     ScoreVerify,
     Verified,
     bonus_guesses,
@@ -213,9 +214,11 @@ class _SampleTask(_Task):
             self._pending_fed()
             logits = logits.expand(self.need.num_drafts, -1)  # [K, V]: the K drafts share the first row
         logits = shared_vocab(self.session, logits)  # [K, V]
-        if self.need.return_logits:
+        if self.need.return_logits or self.need.report_logits:
             self.position_logits.append(logits)
-        return session_rows(self.session, logits, self.drafts)  # [K, V]
+        # A block the machine verifies itself: drawn from float64 rows, which it recomputes so.
+        dtype = torch.float64 if self.need.report_logits else None
+        return session_rows(self.session, logits, self.drafts, dtype)  # [K, V]
 
     def drawn(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """The second half of :meth:`take`: the tokens ``[K]`` drawn from this position's ``rows``."""
@@ -231,10 +234,11 @@ class _SampleTask(_Task):
         session.last_draft = list(self.drafts[0])
         tokens = torch.tensor(self.drafts, dtype=torch.int64)  # [K, n]
         logprobs = self.logprobs if self.need.logprobs is not None else None
-        if not self.need.return_logits:
+        if not (self.need.return_logits or self.need.report_logits):
             return Sampled(tokens, logprobs=logprobs), None
         logits = torch.stack(self.position_logits, dim=1)  # [K, n, V]
-        return Sampled(tokens, logprobs=logprobs), Sampled(tokens, logits)
+        summary = Sampled(tokens, logits if self.need.report_logits else None, logprobs=logprobs)
+        return summary, Sampled(tokens, logits if self.need.return_logits else None)
 
 
 class _ScoreVerifyTask(_Task):
@@ -338,6 +342,43 @@ class _ScoreVerifyTask(_Task):
 
     def outcome(self) -> tuple[Any, Any]:
         return self.result, None
+
+
+class _ScoreBlockTask(_ScoreVerifyTask):
+    """:class:`ScoreBlock`: the row of :class:`_ScoreVerifyTask` (pending tokens, then the K
+    chains of the block's first ``gamma`` tokens), and the logits ``[K, gamma+1, V]`` back to the
+    machine, which verifies (an ensemble member); the chains stay fed, uncommitted."""
+
+    def __init__(self, session: Session, pending: list[int], need: ScoreBlock, proposal: Sampled):
+        _Task.__init__(self, session, pending)
+        if proposal is None:
+            raise ValueError("scoring needs the proposal's tokens")
+        self.need = need
+        self.proposal = Sampled(proposal.tokens[:, : need.gamma])  # [K, gamma]
+        self.logits: torch.Tensor | None = None
+        self.result = None  # nothing to verify here
+
+    @property
+    def active(self) -> bool:
+        return self.logits is None
+
+    def take(self, logits: torch.Tensor) -> None:
+        session = self.session
+        draft_tokens = self.proposal.tokens  # [K, gamma]
+        num_drafts, gamma = draft_tokens.shape
+        self._pending_fed()
+        first = logits[:1].expand(num_drafts, 1, -1)  # [K, 1, V]: every draft's first row
+        chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
+        self.logits = shared_vocab(session, torch.cat([first, chained], dim=1)).clone()  # [K, gamma+1, V]
+        session.chain_start, session.chain_stride = session.base, gamma
+        session.chains = draft_tokens.tolist()
+
+    @property
+    def batch_key(self) -> None:
+        return None
+
+    def outcome(self) -> tuple[Any, Any]:
+        return self.logits, None
 
 
 def verify_together(tasks: Sequence[_ScoreVerifyTask]) -> None:
@@ -737,7 +778,7 @@ class WorkerEngine:
             return _SampleTask(session, pending, need)
         if isinstance(need, ScoreVerify) and need.draft_need == MODEL_FREE:
             return _ScoreVerifyTask(session, pending, need, Sampled(tokens=torch.tensor([need.proposed], dtype=torch.int64)))
-        if isinstance(need, ScoreVerify):
+        if isinstance(need, (ScoreVerify, ScoreBlock)):
             source_call, source_item = item.proposal_source
             source = source_payloads[source_call]
             if not isinstance(source, (list, tuple)):  # the proposing worker's call could not be read
@@ -745,6 +786,8 @@ class WorkerEngine:
             proposal = source[source_item]
             if isinstance(proposal, ItemOutcome):  # the proposing item failed
                 raise RuntimeError(f"the proposal failed: {proposal.error}")
+            if isinstance(need, ScoreBlock):
+                return _ScoreBlockTask(session, pending, need, proposal)
             if isinstance(proposal, PreDrafted):  # drafted in the previous step: the chain after this bonus
                 proposal = proposal.chain(need.chain)
             return _ScoreVerifyTask(session, pending, need, proposal)

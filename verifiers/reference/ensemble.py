@@ -24,8 +24,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from verifiers.ensemble import SEGMENT_METHODS, EnsembleKind, VerifyMethod, make_ensemble, shared_vocab_logits
+from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.reference.executor import LocalExecutor, layout_sources, run_machine
-from verifiers.machines import EnsembleMachine, SpeculativeEnsembleMachine
+from verifiers.machines import EnsembleDraftMachine, EnsembleMachine, SpeculativeEnsembleMachine
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource, split_sources
 
@@ -181,6 +182,72 @@ def ensemble_generate(
     return generated, stats
 
 
+def ensemble_draft_generate(
+    model_fns: Sequence[ModelFn],
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    proposer: int | ModelFn,
+    gamma: int,
+    method: str = "block",
+    num_drafts: int = 1,
+    ensemble: EnsembleKind = "weighted",
+    weights: Sequence[float] | None = None,
+    mu: float = 0.1,
+    temperature: float = 1.0,
+    generator: torch.Generator | RandomSource,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    penalties: Penalties = NO_PENALTIES,
+    adaptive: AdaptiveGammaSettings | None = None,
+    step_costs: Callable[[EnsembleDraftMachine], Callable[[], object]] | None = None,
+) -> tuple[list[int], dict]:
+    """Speculative ensemble with a draft proposer (paper 001, Sec. 3.2: "WE-SD" / "CD-SD"):
+    speculative decoding (:func:`verifiers.reference.speculative_generate`) with the ensemble law
+    as the target. ``proposer``: a member's index (its draft rows are its member rows) or a
+    separate draft model's function. ``method``: any single-draft rule of ``sd`` (token, block,
+    greedy_block) or a multi-draft rule with ``num_drafts`` K. ``adaptive``: gamma "auto"
+    (``gamma`` unused); ``step_costs(machine)``: the machine's ``step_costs`` callable (tests
+    script the choice sequence through it, plain ensemble steps included).
+
+    Returns ``(tokens, stats)``: exactly ``max_new_tokens`` ids and ``model_calls`` (per member,
+    then the draft's when it is not a member), ``accepted``, ``draft_lengths`` (0: a plain step)
+    and ``iterations``.
+
+    Random-stream contract: ``sources = split_sources(generator, n + 2)``; the proposer draws
+    from ``sources[i]`` when it is member i, else from ``sources[n + 1]`` (at position j of a
+    block ONE ``categorical(rows [K, V])``, a member proposer drawing ``gamma + 1`` positions);
+    every verification and every plain step's draw uses ``sources[n]``.
+    """
+    _check_count(max_new_tokens)
+    names = _member_names(model_fns)
+    functions = dict(zip(names, model_fns))
+    if isinstance(proposer, int):
+        proposer_name = names[proposer]
+    else:
+        proposer_name = "draft"
+        functions[proposer_name] = proposer
+    sources = split_sources(generator, len(model_fns) + 2)
+    machine = EnsembleDraftMachine(
+        proposer_name, names, method=method, gamma=gamma, num_drafts=num_drafts, ensemble=ensemble, weights=weights,
+        mu=mu, temperature=temperature, top_k=top_k, top_p=top_p, own_source=sources[len(model_fns)],
+        max_new_tokens=max_new_tokens, penalties=penalties, prompt=prompt, adaptive=adaptive,
+    )
+    if step_costs is not None:
+        machine.step_costs = step_costs(machine)
+    executor = _executor(machine, list(functions.values()), prompt, sources, temperature, top_k, top_p, penalties,
+                         names=list(functions))
+    generated = run_machine(machine, executor)
+    stats: dict = {
+        "model_calls": [executor.model_calls[name] for name in functions],
+        "accepted": list(machine.accepted_lengths),
+        "draft_lengths": list(machine.draft_lengths),
+        "iterations": len(machine.draft_lengths),
+    }
+    logger.debug("ensemble_draft_generate(%s, %s): %s", ensemble, method, stats)
+    return generated[:max_new_tokens], stats
+
+
 def _member_names(model_fns: Sequence[ModelFn]) -> list[str]:
     return [f"member{i}" for i in range(len(model_fns))]
 
@@ -194,9 +261,11 @@ def _executor(
     top_k: int,
     top_p: float,
     penalties: Penalties,
+    names: Sequence[str] | None = None,
 ) -> LocalExecutor:
-    """The members as functions on the shared vocabulary (``V = min_i V_i``, read from each
-    member's logits on the prompt: the prefill every member does anyway, not counted)."""
+    """The members (``names``: the models of ``model_fns``, default the machine's members) as
+    functions on the shared vocabulary (``V = min_i V_i``, read from each model's logits on the
+    prompt: the prefill every model does anyway, not counted)."""
     prompt = tuple(int(t) for t in prompt)
     prompt_logits = [torch.as_tensor(fn(prompt)) for fn in model_fns]
     for i, logits in enumerate(prompt_logits):
@@ -204,7 +273,7 @@ def _executor(
             raise ValueError(f"member {i} returned logits of shape {tuple(logits.shape)}; expected [V]")
     vocab = shared_vocab_logits(prompt_logits).shape[-1]
     return LocalExecutor(
-        dict(zip(machine.members, model_fns)),
+        dict(zip(names if names is not None else machine.members, model_fns)),
         prompt,
         layout_sources(machine.streams(), sources),
         temperature=temperature,

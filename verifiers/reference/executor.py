@@ -28,6 +28,7 @@ from verifiers.machines import (
     PreDraft,
     PreDrafted,
     Sample,
+    ScoreBlock,
     Sampled,
     ScoreVerify,
     Verified,
@@ -92,6 +93,8 @@ class LocalExecutor:
                 block = need.block if need.block is not None else tuple(results[need.block_from].tokens[0].tolist())
                 self.pre_drafted = self._pre_draft(need, block)
                 results.append(self.pre_drafted)
+            elif isinstance(need, ScoreBlock):
+                results.append(self._score_block(need, results[need.draft_need]))
             elif isinstance(need, Extend):
                 results.append(self._extend(need))
             elif isinstance(need, NextLogits):
@@ -136,7 +139,8 @@ class LocalExecutor:
         for _ in range(need.count):
             contexts = [context + tuple(draft) for draft in drafts]
             logits = torch.stack([self._logits(need.model, c) for c in contexts])  # [K, V]
-            rows = self._rows(logits, contexts)  # [K, V]
+            # A machine that verifies the block itself recomputes the rows in float64 (as a worker draws them).
+            rows = self._rows(logits, contexts, torch.float64 if need.report_logits else None)  # [K, V]
             tokens = categorical_together([(source, rows)])[0]  # [K]
             if need.logprobs is not None:
                 logprobs.append(token_logprob(rows[0], int(tokens[0]), need.logprobs))
@@ -144,7 +148,7 @@ class LocalExecutor:
                 draft.append(int(token))
             position_logits.append(logits)
         self.model_calls[need.model] += need.count
-        logits = torch.stack(position_logits, dim=1) if need.return_logits else None  # [K, n, V]
+        logits = torch.stack(position_logits, dim=1) if need.return_logits or need.report_logits else None  # [K, n, V]
         return Sampled(tokens=torch.tensor(drafts, dtype=torch.int64), logits=logits,
                        logprobs=logprobs if need.logprobs is not None else None)
 
@@ -188,6 +192,15 @@ class LocalExecutor:
         self.contexts[need.model] = context + tuple(verified.emitted)
         self.model_calls[need.model] += 1
         return verified
+
+    def _score_block(self, need: ScoreBlock, proposal: Sampled) -> torch.Tensor:
+        """The member's logits ``[K, gamma+1, V]`` at every position of each draft's first ``gamma`` tokens."""
+        context = self.contexts[need.model]
+        drafts = proposal.tokens[:, : need.gamma].tolist()  # [K][gamma]
+        contexts = [context + tuple(draft[:j]) for draft in drafts for j in range(need.gamma + 1)]
+        logits = torch.stack([self._logits(need.model, c) for c in contexts])  # [K*(gamma+1), V]
+        self.model_calls[need.model] += 1
+        return logits.reshape(len(drafts), need.gamma + 1, -1)
 
     def _extend(self, need: Extend) -> MemberBlock:
         context = self.contexts[need.model]

@@ -23,6 +23,7 @@ from verifiers.penalties import Penalties, penalized_probs
 from verifiers.reference import autoregressive_generate, speculative_generate
 from verifiers.reference.ensemble import (
     ensemble_autoregressive_generate,
+    ensemble_draft_generate,
     ensemble_generate,
     ensemble_next_token_probs,
 )
@@ -213,6 +214,60 @@ def test_speculative_ensemble_matches_reference(fake_group, ensemble, members, w
         assert [final.model_calls[m] for m in members] == stats["model_calls"]
 
 
+# ensemble, members, weights, proposer, method, num_drafts
+DRAFTED_SE_CASES = [
+    ("weighted", ["target", "partner"], None, "draft", "block", 1),
+    ("weighted", ["target", "partner", "partner2"], [0.5, 0.3, 0.2], "partner2", "token", 1),
+    ("contrastive", ["target", "partner2"], None, "draft", "greedy_block", 1),
+    ("weighted", ["target", "partner"], [0.6, 0.4], "partner", "sequential_gbv", 2),
+]
+
+
+def _drafted_reference(members: list[str], proposer: str, **kwargs):
+    """ensemble_draft_generate on the fake models: a member proposer by its index, else the draft."""
+    return ensemble_draft_generate([M[m] for m in members], PROMPT, proposer=members.index(proposer)
+                                   if proposer in members else M[proposer], **kwargs)
+
+
+@pytest.mark.parametrize("sampling", SAMPLING_CASES, ids=["T1", "T0.7-topk-topp"])
+@pytest.mark.parametrize("ensemble,members,weights,proposer,method,num_drafts", DRAFTED_SE_CASES)
+def test_drafted_ensemble_matches_reference(fake_group, ensemble, members, weights, proposer, method, num_drafts,
+                                            sampling):
+    """se with a draft proposer: the block drafted on the proposer's worker, scored by every
+    member on its own worker in the same step, verified in the coordinator: token for token the
+    reference loop, with the calls and stats it reports."""
+    speculation = {"strategy": "se", "method": method, "ensemble": ensemble, "members": members, "weights": weights,
+                   "mu": 0.3, "proposer": proposer, "gamma": 3, "num_drafts": num_drafts}
+    requests = [_request(seed, speculation, **sampling) for seed in SEEDS]
+    for seed, chunks in zip(SEEDS, run_requests(fake_group, requests)):
+        expected, stats = _drafted_reference(members, proposer, max_new_tokens=MAX_TOKENS, gamma=3, method=method,
+                                             num_drafts=num_drafts, ensemble=ensemble, weights=weights, mu=0.3,
+                                             generator=_generator(seed), **sampling)
+        assert _tokens(chunks) == expected
+        final = chunks[-1].stats
+        assert final.proposer == proposer
+        assert final.accepted_lengths == stats["accepted"]
+        assert final.draft_lengths == stats["draft_lengths"]
+        scorer = next(m for m in members if m != proposer)
+        assert final.model_calls[scorer] == stats["iterations"]
+        assert final.block_efficiency == pytest.approx(MAX_TOKENS / stats["iterations"])
+
+
+def test_drafted_ensemble_gamma_auto_matches_reference(fake_group):
+    """gamma "auto" for se with a draft proposer: the blocks the reference chooses, token for token."""
+    speculation = {"strategy": "se", "method": "block", "members": ["target", "partner"], "proposer": "draft",
+                   "gamma": "auto", "gamma_max": 5}
+    settings = AdaptiveGammaSettings(gamma_max=5, draft_cost_ratio=DecodingDefaults().draft_cost_ratio)
+    blocks = set()
+    for seed, chunks in zip(SEEDS, run_requests(fake_group, [_request(s, speculation, max_tokens=30) for s in SEEDS])):
+        expected, stats = _drafted_reference(["target", "partner"], "draft", max_new_tokens=30, gamma=1,
+                                             method="block", adaptive=settings, generator=_generator(seed))
+        assert _tokens(chunks) == expected
+        assert chunks[-1].stats.draft_lengths == stats["draft_lengths"]
+        blocks.update(stats["draft_lengths"])
+    assert len(blocks) > 1, "the blocks never varied"
+
+
 def _sample_sequences(group, speculation: dict, count: int, length: int) -> list[tuple[int, ...]]:
     requests = [_request(1000 + seed, speculation, max_tokens=length) for seed in range(count)]
     return [tuple(_tokens(chunks)) for chunks in run_requests(group, requests)]
@@ -225,8 +280,10 @@ def _sample_sequences(group, speculation: dict, count: int, length: int) -> list
         {"strategy": "multi_draft", "method": "sequential_gbv", "gamma": 2, "num_drafts": 2},
         {"strategy": "sd", "method": "greedy_block", "gamma": "auto", "gamma_max": 3},
         {"strategy": "se", "method": "token", "ensemble": "weighted", "members": ["target", "partner"], "gammas": [2, 1]},
+        {"strategy": "se", "method": "block", "ensemble": "weighted", "members": ["target", "partner"],
+         "proposer": "draft", "gamma": 2},
     ],
-    ids=["sd-block", "multi_draft-sequential_gbv", "sd-greedy_block-auto", "se-token"],
+    ids=["sd-block", "multi_draft-sequential_gbv", "sd-greedy_block-auto", "se-token", "se-draft-block"],
 )
 def test_sampled_law_through_coordinator(fake_group, speculation):
     """Chi-square goodness of fit of 3-token sequences (vocab 6: 216 outcomes, pooled below 5
@@ -282,6 +339,9 @@ def test_worker_failure_ends_only_that_request_and_frees_sessions(fake_group):
         ({"strategy": "se", "members": ["target", "partner"], "gammas": [2]}, "speculation.gammas"),
         ({"strategy": "ensemble", "ensemble": "contrastive", "members": ["target", "partner", "partner2"]},
          "speculation.members"),
+        ({"strategy": "se", "members": ["target", "partner"], "proposer": "nope"}, "speculation.proposer"),
+        ({"strategy": "se", "members": ["target", "partner"], "proposer": "draft", "method": "nope"},
+         "speculation.method"),
     ],
 )
 def test_invalid_speculation_raises_before_any_work(fake_group, speculation, field):
@@ -431,6 +491,10 @@ def _penalized_reference(speculation: dict, seed: int) -> list[int]:
             num_drafts=speculation.get("num_drafts", 1), generator=generator, penalties=PENALTIES,
         )[0]
     members = [M[name] for name in speculation["members"]]
+    if speculation.get("proposer"):
+        return _drafted_reference(speculation["members"], speculation["proposer"], max_new_tokens=MAX_TOKENS,
+                                  gamma=speculation["gamma"], method=speculation["method"], generator=generator,
+                                  penalties=PENALTIES)[0]
     if strategy == "ensemble":
         return ensemble_autoregressive_generate(members, PROMPT, MAX_TOKENS, generator=generator, penalties=PENALTIES)[0]
     return ensemble_generate(members, PROMPT, MAX_TOKENS, gammas=speculation["gammas"], method=speculation["method"],
@@ -446,6 +510,7 @@ PENALTY_CASES = [
     {"strategy": "multi_draft", "method": "sequential_gbv", "gamma": 2, "num_drafts": 3},
     {"strategy": "ensemble", "members": ["target", "partner"]},
     {"strategy": "se", "method": "block", "members": ["target", "partner"], "gammas": [2, 3]},
+    {"strategy": "se", "method": "greedy_block", "members": ["target", "partner"], "proposer": "draft", "gamma": 3},
 ]
 
 
