@@ -293,6 +293,12 @@ class SimulatedDeviceArgs(_Frozen):
 
     fixed_ms: float = Field(..., ge=0.0, description="Milliseconds every forward costs, whatever its size.")
     per_token_ms: float = Field(..., ge=0.0, description="Milliseconds each new token of a forward adds.")
+    device: str | None = Field(
+        None, min_length=1, max_length=64,
+        description="Models given the same id share one modelled device: their modelled forwards never overlap in "
+        "time (queued first come, first served, like two models time-slicing one GPU; the workers of one node "
+        "share the device clock). Unset: the model has a device of its own.",
+    )
 
 
 class EngineArgs(_Frozen):

@@ -8,12 +8,23 @@ since the forward began, releasing the CPU as a host waiting on a device does. W
 forward took longer, nothing is added. The worker's forward seconds (its metrics and the
 response's time split) then measure the modelled device.
 
+Models given the same device id (``engine.simulated_device.<model>.device``) share ONE modelled
+device, like two models on one GPU: their modelled forwards never overlap in time. Each forward
+is queued after the shared device's last one (:class:`SharedTimeline`: the time the device is
+busy until, in a file under the temp directory updated under a lock, on the node's monotonic
+clock), so the workers of one node share the device clock. It models time-slicing of one device
+(first come, first served, whole forwards), not a real GPU's concurrent kernels.
+
 Benchmarking only, off by default; cost models of real pairings are in ``docs/benchmarks.md``
 ("Simulated devices").
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import re
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,22 +39,52 @@ class Clock(Protocol):
 
 
 class MonotonicClock:
-    """The real clock: ``time.perf_counter`` and ``time.sleep`` (which releases the CPU)."""
+    """The real clock: ``time.monotonic`` (one clock for every process of the node) and
+    ``time.sleep`` (which releases the CPU)."""
 
     def now(self) -> float:
-        return time.perf_counter()
+        return time.monotonic()
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
 
 
+class SharedTimeline:
+    """When one shared modelled device is next free, for every worker of the node using it: a
+    small file (``<directory>/specserve-simulated-device-<id>``) holding that time, read and
+    written under an exclusive lock."""
+
+    def __init__(self, device_id: str, directory: str | None = None):
+        if not device_id:
+            raise ValueError("a shared simulated device needs a non-empty id")
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", device_id)
+        self.path = os.path.join(directory or tempfile.gettempdir(), f"specserve-simulated-device-{safe}")
+
+    def reserve(self, earliest: float, seconds: float) -> float:
+        """Book the device for ``seconds`` from ``earliest`` or when it is next free, whichever
+        is later; returns when the booked forward ends."""
+        with open(self.path, "a+b") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+            handle.seek(0)
+            text = handle.read().decode().strip()
+            free_at = float(text) if text else 0.0
+            end = max(earliest, free_at) + seconds
+            handle.seek(0)
+            handle.truncate()
+            handle.write(repr(end).encode())
+            handle.flush()
+        return end
+
+
 @dataclass
 class SimulatedDevice:
-    """One forward costs ``fixed_ms + per_token_ms x tokens`` on the modelled device."""
+    """One forward costs ``fixed_ms + per_token_ms x tokens`` on the modelled device; with a
+    ``timeline`` the device is shared, and a forward also waits for the ones booked before it."""
 
     fixed_ms: float
     per_token_ms: float
     clock: Clock = field(default_factory=MonotonicClock)
+    timeline: SharedTimeline | None = None
 
     def __post_init__(self) -> None:
         if self.fixed_ms < 0 or self.per_token_ms < 0:
@@ -56,6 +97,9 @@ class SimulatedDevice:
     def finish(self, started: float, tokens: int) -> None:
         """Wait (releasing the CPU) until the modelled forward begun at ``started`` (a reading of
         ``clock.now()``) is over; at once when the real one took longer."""
-        remaining = started + self.forward_seconds(tokens) - self.clock.now()
+        end = started + self.forward_seconds(tokens)
+        if self.timeline is not None:  # a shared device: after the forwards booked before this one
+            end = self.timeline.reserve(started, self.forward_seconds(tokens))
+        remaining = end - self.clock.now()
         if remaining > 0:
             self.clock.sleep(remaining)

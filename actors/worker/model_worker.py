@@ -31,7 +31,7 @@ from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
 from actors.messages import FailedSource, ItemOutcome, WorkerInfo, WorkItem
 from actors.worker.peer_link import LinkCall, PeerLink, PeerLinkAddress, PeerLinkError, PeerLinkServer
-from actors.model.simulated_device import SimulatedDevice
+from actors.model.simulated_device import SharedTimeline, SimulatedDevice
 from actors.vocabulary import load_tokenizer_identity
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,8 @@ def simulated_device(spec: Any) -> SimulatedDevice | None:
         return None
     logger.warning("model %s runs on a SIMULATED device: every forward lasts at least %.3g ms + %.3g ms per token "
                    "(engine.simulated_device; for benchmarks only)", spec.name, args.fixed_ms, args.per_token_ms)
-    return SimulatedDevice(args.fixed_ms, args.per_token_ms)
+    shared = getattr(args, "device", None)
+    return SimulatedDevice(args.fixed_ms, args.per_token_ms, timeline=SharedTimeline(shared) if shared else None)
 
 
 class ModelWorker:

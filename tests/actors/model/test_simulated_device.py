@@ -10,7 +10,8 @@ import pytest
 
 from actors.api import GenerationRequest
 from actors.coordination.coordinator import Coordinator
-from actors.model.simulated_device import SimulatedDevice
+from actors.model.simulated_device import SharedTimeline, SimulatedDevice
+from actors.worker.model_worker import simulated_device
 from benchmarks.runners import LocalActorHandle
 from cluster.config import ConfigError, SimulatedDeviceArgs, parse_app_args
 from tests.actors.fake_models import FunctionModelWorker, fake_group_config
@@ -45,6 +46,37 @@ def test_a_forward_lasts_what_the_cost_model_says(tokens, real_ms, expected_wait
     else:
         assert clock.sleeps == [pytest.approx(expected_wait_ms / 1000)]
         assert clock.now() - started == pytest.approx(device.forward_seconds(tokens))
+
+
+def test_models_on_one_shared_device_never_overlap(tmp_path):
+    """Two models given one device id: the second forward, begun while the first is modelled to
+    run, waits for it (time-slicing); a model with a device of its own does not."""
+    clock = FakeClock()
+    shared = [SimulatedDevice(fixed_ms=40.0, per_token_ms=0.0, clock=clock,
+                              timeline=SharedTimeline("gpu0", directory=str(tmp_path))) for _ in range(2)]
+    alone = SimulatedDevice(fixed_ms=40.0, per_token_ms=0.0, clock=clock)
+    started = clock.now()
+    assert shared[0].timeline.reserve(started, 0.040) == pytest.approx(started + 0.040)  # model A's forward
+    shared[1].finish(started, 1)  # model B began at the same time: it ends after A's
+    assert clock.now() - started == pytest.approx(0.080)
+    later = clock.now()
+    alone.finish(later - 0.040, 1)  # a device of its own: never queued behind A or B
+    assert clock.now() == pytest.approx(later)
+    other = SharedTimeline("gpu1", directory=str(tmp_path))  # another id: another device
+    assert other.reserve(started, 0.040) == pytest.approx(started + 0.040)
+
+
+def test_a_shared_device_id_comes_from_the_config():
+    args = {"models": {"target": {"path": "embedded:target", "role": "target"},
+                       "partner": {"path": "embedded:partner", "role": "member"}},
+            "defaults": {"strategy": "ensemble", "members": ["target", "partner"]}}
+    engine = {"simulated_device": {name: {"fixed_ms": 40, "per_token_ms": 0.1, "device": "gpu0"}
+                                   for name in ("target", "partner")}}
+    models = parse_app_args(args | {"engine": engine}).freeze().models
+    assert {model.simulated_device.device for model in models} == {"gpu0"}
+    assert simulated_device(models[0]).timeline.path == simulated_device(models[1]).timeline.path
+    with pytest.raises(ConfigError, match="device"):
+        parse_app_args(args | {"engine": {"simulated_device": {"target": {"fixed_ms": 1, "per_token_ms": 0, "device": ""}}}})
 
 
 def test_bad_cost_models_are_refused_naming_the_field():
