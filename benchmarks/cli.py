@@ -133,6 +133,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     load.add_argument("--prefix-caching", choices=("on", "off"), default=None,
                       help="Force the workers' prefix caching (args.engine.prefix_caching) on or off. Default: the "
                       "YAML as it is (on unless it says otherwise).")
+    load.add_argument("--se-proposers", type=lambda text: tuple(p.strip() for p in text.split(",") if p.strip()),
+                      default=None, help='se cases, one per proposer: alternate and/or model names (default alternate).')
+    load.add_argument("--se-gamma", type=int, default=None,
+                      help="Proposal length of the alternate se's second member (the first proposes 1; default 1).")
+    load.add_argument("--se-draft-gamma", type=lambda text: text if text == "auto" else int(text), default=None,
+                      help='Block length of se with a model proposer, or auto (default 4).')
     load.add_argument("--bare-limit", choices=("on", "off"), default=None,
                       help="Measure each level's bare-model limit (transformers' forward of the models at the level's "
                       "shapes, after the server stops) and report served tokens/s against it (default on).")
@@ -158,7 +164,8 @@ SUITE_ONLY_FLAGS = {"quick": "--quick", "modes": "--modes", "repeats": "--repeat
 SERVE_LOAD_ONLY_FLAGS = {"concurrency": "--concurrency", "requests_per_level": "--requests-per-level",
                          "request_timeout": "--request-timeout", "worker_class": "--worker-class",
                          "overlap": "--overlap", "prefix_caching": "--prefix-caching",
-                         "bare_limit": "--bare-limit"}
+                         "bare_limit": "--bare-limit", "se_proposers": "--se-proposers", "se_gamma": "--se-gamma",
+                         "se_draft_gamma": "--se-draft-gamma"}
 
 
 def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
@@ -175,7 +182,8 @@ def serve_load_settings_from_args(args: argparse.Namespace):
         "overlap": args.overlap,
         "prefix_caching": None if args.prefix_caching is None else args.prefix_caching == "on",
         "bare_limit": None if args.bare_limit is None else args.bare_limit == "on",
-        "sd_gammas": args.gammas, "gamma_max": args.gamma_max,
+        "sd_gammas": args.gammas, "gamma_max": args.gamma_max, "se_proposers": args.se_proposers,
+        "se_gamma": args.se_gamma, "se_draft_gamma": args.se_draft_gamma,
     }
     return ServeLoadSettings(**{k: v for k, v in overrides.items() if v is not None})
 

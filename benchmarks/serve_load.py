@@ -104,6 +104,13 @@ class ServeLoadSettings(BaseModel):
     multi_draft_gamma: int = Field(4, ge=1)
     se_method: str = "token"
     se_gamma: int = Field(1, ge=1, description="Proposal length of se's non-first member (the first proposes 1).")
+    se_proposers: tuple[str, ...] = Field(
+        ("alternate",), min_length=1,
+        description='se cases, one per proposer: "alternate" (the members in turn, gammas [1, se_gamma]) or a model '
+        "of the config (a draft or a member: blocks of se_draft_gamma verified against the ensemble law).")
+    se_draft_method: str = Field("block", description="Verification rule of se with a model proposer.")
+    se_draft_gamma: int | Literal["auto"] = Field(
+        4, description='Block length of se with a model proposer, or "auto" (up to gamma_max).')
     request_timeout_s: float = Field(300.0, gt=0, description="Bound on one request, end to end.")
     level_timeout_s: float = Field(1200.0, gt=0, description="No request of a level starts after this long.")
     start_timeout_s: float = Field(600.0, gt=0, description="Bound on the server's start-up (until /health is 200).")
@@ -176,10 +183,21 @@ def serve_load_cases(settings: ServeLoadSettings, roles: dict[str, str]) -> list
             if strategy == "ensemble":
                 cases.append(LoadCase("ensemble", "ensemble/weighted/n2", {"strategy": "ensemble", **ensemble}))
             else:
-                cases.append(LoadCase("se", f"se/weighted/n2/g{settings.se_gamma}",
-                                      {"strategy": "se", "method": settings.se_method, "gammas": [1, settings.se_gamma],
-                                       **ensemble}))
+                cases.extend(_se_case(settings, proposer, ensemble) for proposer in settings.se_proposers)
     return cases
+
+
+def _se_case(settings: ServeLoadSettings, proposer: str, ensemble: dict[str, Any]) -> LoadCase:
+    """se with ``proposer``: the alternate proposer (gammas [1, se_gamma]) or a model drafting
+    blocks of ``se_draft_gamma`` for the ensemble law."""
+    if proposer == "alternate":
+        return LoadCase("se", f"se/weighted/n2/g{settings.se_gamma}",
+                        {"strategy": "se", "method": settings.se_method, "gammas": [1, settings.se_gamma], **ensemble})
+    speculation = {"strategy": "se", "method": settings.se_draft_method, "proposer": proposer,
+                   "gamma": settings.se_draft_gamma, **ensemble}
+    if settings.se_draft_gamma == "auto":
+        speculation["gamma_max"] = settings.gamma_max
+    return LoadCase("se", f"se/{proposer}/weighted/n2/g{settings.se_draft_gamma}", speculation)
 
 
 # ----------------------------------------------------------------------------- processes and memory

@@ -9,7 +9,6 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
 import torch
 
 from tests.verifiers.tiny_models import chi_square_pvalue
