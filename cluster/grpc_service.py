@@ -49,9 +49,10 @@ from cluster.generation_requests import (
     choice_specs,
     sample_request,
 )
-from cluster.responses import CompletionAccumulator, TokenTexts, merged_speculation, total_usage
+from cluster.responses import CompletionAccumulator, TokenTexts, merged_speculation, prediction_details, total_usage
 from cluster.schemas import (
     MAX_CHOICES,
+    VLLM_SAMPLING_FIELDS,
     check_n,
     check_sample_seeds,
     check_top_logprobs,
@@ -122,12 +123,14 @@ def add_SpecServeServicer_to_server(servicer: Any, server: Any) -> None:  # noqa
 _WIRE_TYPE_NAMES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group start", 4: "group end", 5: "32-bit"}
 _SAMPLING_SCALARS: tuple[str, ...] = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
-    "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", *VLLM_SAMPLING_FIELDS,
 )
 #: Sampling fields the coordinator may name without the ``sampling.`` prefix.
 _BARE_SAMPLING_FIELDS: frozenset[str] = frozenset(_SAMPLING_SCALARS) | {"stop", "logit_bias", "logprobs", "prompt_logprobs"}
-_SPECULATION_SCALARS: tuple[str, ...] = ("strategy", "method", "gamma", "gamma_max", "num_drafts", "ensemble", "mu",
-                                         "proposer")
+_SPECULATION_SCALARS: tuple[str, ...] = (
+    "strategy", "method", "gamma", "gamma_max", "num_drafts", "ensemble", "mu", "proposer", "prompt_lookup_max",
+    "prompt_lookup_min",
+)
 _SPECULATION_LISTS: tuple[str, ...] = ("weights", "gammas", "members")
 
 
@@ -329,6 +332,7 @@ def to_generation_requests(
         sampling_overrides=overrides,
         speculation=speculation_overrides(request),
         max_prompt_chars=max_prompt_chars,
+        prediction=request.prediction if request.HasField("prediction") else None,
     )
     check_sample_seeds("sampling.seed", first.sampling.seed, n)
     return specs, [sample_request(first, spec) for spec in specs]
@@ -342,6 +346,7 @@ def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, spe
         prompt_tokens=stats.prompt_tokens,
         completion_tokens=stats.completion_tokens,
         total_tokens=stats.prompt_tokens + stats.completion_tokens,
+        **(prediction_details([stats]) or {}),
     )
     speculation = specserve_pb2.SpeculationStats(
         strategy=stats.strategy,
@@ -358,8 +363,17 @@ def stats_to_proto(stats: RequestStats | None) -> tuple[specserve_pb2.Usage, spe
         time_verify_s=stats.time_verify_s,
         time_coordination_s=stats.time_coordination_s,
         bytes_moved=stats.bytes_moved,
+        proposed_tokens=dict(stats.proposed_tokens),
+        accepted_proposed=dict(stats.accepted_proposed),
     )
     return usage, speculation
+
+
+def usage_to_proto(usage: dict[str, Any]) -> specserve_pb2.Usage:
+    """An HTTP ``usage`` object (:func:`cluster.responses.total_usage`) as a message: the
+    prediction details flattened into it."""
+    flat = {name: value for name, value in usage.items() if name != "completion_tokens_details"}
+    return specserve_pb2.Usage(**flat, **usage.get("completion_tokens_details", {}))
 
 
 def speculation_to_proto(block: dict[str, Any] | None) -> specserve_pb2.SpeculationStats:
@@ -451,7 +465,7 @@ def final_response(
         token_ids=first.token_ids,
         finished=True,
         finish_reason=first.finish_reason,
-        usage=specserve_pb2.Usage(**total_usage(results)),
+        usage=usage_to_proto(total_usage(results)),
         speculation=speculation_to_proto(merged_speculation(results, wall_s)),
         index=0,
         logprobs=first.logprobs,
