@@ -104,3 +104,16 @@ def test_every_deploy_file_resolves_to_workers_it_can_start():
     assert placements["multinode.example.yaml"] == (("target",), ("draft",))
     assert all(len(models) == 1 for models in placements["simulated-gpu.yaml"])
     assert placements["default.yaml"][0] == ("target", "draft")
+
+
+def test_serve_prints_each_applications_placement_and_refuses_missing_gpus():
+    """What `specserve serve` prints before it deploys, and its refusal (exit 2) when a group asks
+    for GPUs this machine's cluster does not have (no GPU here, Ray up or not)."""
+    from cluster.serve_command import placement_lines
+
+    document = read_serve_config(REPO / "deploy/default.yaml")
+    (line,) = placement_lines(document)
+    assert line.startswith("placement of specserve: worker 0 [target, draft] CPU; worker 1 [partner] CPU")
+    document["applications"][0]["args"]["resources"]["gpus_per_model"] = 1
+    with pytest.raises(ConfigError, match=r"application 'specserve': resources: the model group needs 4 GPUs"):
+        placement_lines(document)
