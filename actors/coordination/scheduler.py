@@ -889,7 +889,7 @@ class Scheduler:
                 prompt_tokens=len(request.prompt_ids),
                 finished=True,
                 finish_reason=request.output.finish_reason or "length",
-                stats=request_stats(request),
+                stats=_stats_or_none(request),
             )
         )
 
@@ -909,7 +909,7 @@ class Scheduler:
                 error=message,
                 retryable=retryable,
                 timed_out=timed_out,
-                stats=request_stats(request),
+                stats=_stats_or_none(request),
             )
         )
 
@@ -957,6 +957,17 @@ def _nbytes(value: Any) -> int:
         return value.numel() * value.element_size()
     tensors = [getattr(value, name, None) for name in ("queued_logits", "token_logits")]
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _stats_or_none(request: RequestState) -> RequestStats | None:
+    """The request's stats for its final chunk, or None (logged) when computing them fails: a
+    request's final chunk (its output, or its error) must reach its stream whatever its stats do,
+    or the stream would wait for ever."""
+    try:
+        return request_stats(request)
+    except Exception:  # reporting only: the output is delivered without it
+        logger.exception("request %s: its statistics could not be computed; sent without them", request.session_id)
+        return None
 
 
 def request_stats(request: RequestState) -> RequestStats:
