@@ -136,8 +136,8 @@ def test_banning_a_block_with_its_first_context_is_caught(monkeypatch):
     measurably different law: the ban must follow each row's own position."""
     original = executor_module.LocalExecutor._rows
 
-    def stale_rows(self, logits, contexts):
-        return original(self, logits, [min(contexts, key=len)] * len(contexts))
+    def stale_rows(self, logits, contexts, dtype=None):
+        return original(self, logits, [min(contexts, key=len)] * len(contexts), dtype)
 
     monkeypatch.setattr(executor_module.LocalExecutor, "_rows", stale_rows)
     draft_fn, target_fn = model_pair(3, 3)
