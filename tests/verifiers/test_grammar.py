@@ -25,7 +25,12 @@ from verifiers.reference.exact import exact_law, sequence_law, total_variation
 from verifiers.grammar import GrammarError, allowed_tokens, compile_constraint, register_vocabulary
 from verifiers.penalties import Penalties, penalized_probs
 from verifiers.reference import autoregressive_generate, speculative_generate
-from verifiers.reference.ensemble import ensemble_autoregressive_generate, ensemble_generate, ensemble_next_token_probs
+from verifiers.reference.ensemble import (
+    ensemble_autoregressive_generate,
+    ensemble_draft_generate,
+    ensemble_generate,
+    ensemble_next_token_probs,
+)
 from verifiers.sampling import logits_to_probs
 
 EXACT_TOLERANCE = 1e-9
@@ -188,6 +193,22 @@ def test_speculative_ensemble_is_exact_under_a_grammar(ensemble_args, method):
     )[0]))
     ensemble_logits = ensemble_next_token_probs(model_fns, temperature=1.0, **ensemble_args)
     expected = _masked_law("regex", lambda c: torch.log(ensemble_logits(c)), 3)
+    assert total_variation(law, expected) < EXACT_TOLERANCE
+
+
+@pytest.mark.parametrize(("ensemble_args", "proposer"), [(ENSEMBLE_CASES[0], "draft"), (ENSEMBLE_CASES[1], "member")],
+                         ids=["weighted-draft", "contrastive-member"])
+def test_ensemble_with_a_draft_proposer_is_exact_under_a_grammar(ensemble_args, proposer):
+    """se's other proposer (paper 001, Sec. 3.2): a draft (a member, or a separate model)
+    proposes from its masked rows, verified against the masked ensemble law."""
+    model_fns = [TinyModel(4, 45), TinyModel(4, 46)]
+    penalties = Penalties(grammar=_constraint("regex"))
+    draft = 0 if proposer == "member" else TinyModel(4, 47)
+    law = exact_law(lambda s: tuple(ensemble_draft_generate(
+        model_fns, PROMPT, 3, proposer=draft, gamma=2, method="block", generator=s, penalties=penalties,
+        **ensemble_args)[0]))
+    ensemble_probs = ensemble_next_token_probs(model_fns, **ensemble_args)
+    expected = _masked_law("regex", lambda c: torch.log(ensemble_probs(c)), 3)
     assert total_variation(law, expected) < EXACT_TOLERANCE
 
 
