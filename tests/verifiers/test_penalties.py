@@ -121,8 +121,8 @@ def test_penalizing_a_block_with_its_first_context_is_caught(monkeypatch):
     this module exists to prevent) give a measurably different law."""
     original = executor_module.LocalExecutor._rows
 
-    def stale_rows(self, logits, contexts):
-        return original(self, logits, [min(contexts, key=len)] * len(contexts))
+    def stale_rows(self, logits, contexts, *rest):
+        return original(self, logits, [min(contexts, key=len)] * len(contexts), *rest)
 
     monkeypatch.setattr(executor_module.LocalExecutor, "_rows", stale_rows)
     draft_fn, target_fn = model_pair(3, 3)
