@@ -125,7 +125,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     load.add_argument("--request-timeout", type=float, default=None,
                       help="Bound on one request in seconds (default 300).")
     load.add_argument("--worker-class", default=None,
-                      help="Ray actor class of the model workers, for their peak memory (default ModelWorker).")
+                      help="Ray actor classes of the model workers, comma-separated, for their peak memory "
+                           "(default ModelWorker,DeviceWorker).")
     load.add_argument("--overlap", type=overlap_list, default=None,
                       help="on,off: run every level once per setting of the scheduler's overlap (args.engine.overlap; "
                       "a server per setting, overlap off first); on or off: one pass with it forced. Default: the "

@@ -114,7 +114,10 @@ class ServeLoadSettings(BaseModel):
     request_timeout_s: float = Field(300.0, gt=0, description="Bound on one request, end to end.")
     level_timeout_s: float = Field(1200.0, gt=0, description="No request of a level starts after this long.")
     start_timeout_s: float = Field(600.0, gt=0, description="Bound on the server's start-up (until /health is 200).")
-    worker_class: str = Field("ModelWorker", description="Ray actor class of the model workers (process title).")
+    worker_class: str = Field(
+        "ModelWorker,DeviceWorker",
+        description="Ray actor classes of the model workers (process titles), comma-separated: a model's own "
+        "worker, and the worker that hosts the models placed on one device.")
     overlap: tuple[bool, ...] | None = Field(
         None, description="Run every level once per setting of args.engine.overlap (a server per setting, off "
         "first); None: one pass with the YAML as it is.")
@@ -278,7 +281,8 @@ class MemoryProbe:
             self.pids = []
             return
         actors = ray_actor_processes(self.server_pid)
-        self.pids = sorted(pid for pid, name in actors.items() if name == self.worker_class)
+        classes = {name.strip() for name in self.worker_class.split(",")}
+        self.pids = sorted(pid for pid, name in actors.items() if name in classes)
         self.reset_ok = bool(self.pids)
         for pid in self.pids:
             try:

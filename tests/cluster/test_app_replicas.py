@@ -58,7 +58,8 @@ def test_two_replicas_each_own_their_model_actors(two_replica_app):
             assert actors[actor_id]["OwnerAddress"]["Port"] == replica_port  # created (owned) by this replica
         group = pg_table[status["placement_group"]]
         assert group["state"] == "CREATED" and group["strategy"] == "PACK"
-        assert [bundle.get("CPU") for bundle in group["bundles"].values()] == [INGRESS_CPUS, 0.25, 0.25]
+        # placement auto on CPU: the draft shares its target's worker, one bundle of both models' CPUs
+        assert [bundle.get("CPU") for bundle in group["bundles"].values()] == [INGRESS_CPUS, 0.5]
     assert first["placement_group"] != second["placement_group"]
 
 

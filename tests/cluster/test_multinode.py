@@ -105,7 +105,8 @@ def test_without_custom_resources_nothing_changes():
     del args["resources"]["coordinator_resources"], args["resources"]["per_model"]
     config = parse_app_args(args).freeze()
     assert all(model.resources == {} for model in config.models) and config.coordinator_resources == {}
-    assert model_group_bundles(config) == [{"CPU": 0.25}, {"CPU": 0.25}]
+    # placement auto without nodes or GPUs set by hand: the draft shares its target's worker (one bundle)
+    assert model_group_bundles(config) == [{"CPU": 0.5}]
     assert coordinator_bundle_index(config, 1) == -1  # any bundle, as before
 
 
