@@ -195,10 +195,10 @@ class GenerationRequest(_Frozen):
 class RequestStats(_Frozen):
     """Per-request measurements, reported with the final chunk."""
 
-    strategy: str
-    method: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    strategy: str = Field(..., description="The strategy that served the request (ar, sd, multi_draft, ensemble, se).")
+    method: str | None = Field(None, description="Its verification rule; None for ar and ensemble.")
+    prompt_tokens: int = Field(0, description="Tokens of the prompt.")
+    completion_tokens: int = Field(0, description="Tokens generated.")
     target_calls: int = Field(0, description="Forward calls of the target (or of the verifying members).")
     model_calls: dict[str, int] = Field(default_factory=dict, description="Forward calls per model name.")
     accepted_lengths: list[int] = Field(default_factory=list, description="Accepted draft tokens per iteration.")
@@ -214,11 +214,17 @@ class RequestStats(_Frozen):
         None, description='The proposer that ran: sd "draft" or "ngram"; se "alternate" or the proposing model; '
         "None for the other strategies."
     )
-    tokens_per_second: float = 0.0
-    time_draft_s: float = 0.0
-    time_target_s: float = 0.0
-    time_verify_s: float = 0.0
-    time_coordination_s: float = 0.0
+    tokens_per_second: float = Field(0.0, description="Generated tokens over the request's wall-clock time.")
+    time_draft_s: float = Field(
+        0.0, description="Seconds in proposing forwards: the draft's (sd, multi_draft), the members' proposals (se)."
+    )
+    time_target_s: float = Field(
+        0.0, description="Seconds in the other forwards: the target's, or the members' scoring (ensemble, se)."
+    )
+    time_verify_s: float = Field(0.0, description="Seconds in verification.")
+    time_coordination_s: float = Field(
+        0.0, description="The rest of the wall-clock time: calls between actors, scheduling, output."
+    )
     bytes_moved: int = Field(0, description="Bytes of probability rows moved between actors.")
     proposed_tokens: dict[str, int] = Field(
         default_factory=dict, description='Tokens proposed by each model-free proposer ("prediction", "ngram").'
