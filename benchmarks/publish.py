@@ -7,8 +7,8 @@ hand-written text around the markers (method, analysis) stays as it is.
 
 A serve-load run (``specserve bench --mode serve-load``) goes between
 ``<!-- serve-load:start -->`` and ``<!-- serve-load:end -->`` instead: its "Serving under load"
-section, with the command and the commit it ran at. When the page has no such markers yet, the
-section is appended at the end of the page between new markers.
+section, with the command and the commit it ran at. When the page has no markers of the run's kind
+yet, the section is appended at the end of the page between new markers.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def publish(run_dir: pathlib.Path, doc: pathlib.Path = DOCS_DIR / "benchmarks.md
         if serve_load:
             page = splice(page, section, SERVE_LOAD_START, SERVE_LOAD_END, append=True)
         else:
-            page = splice(page, section, START, END)
+            page = splice(page, section, START, END, append=True)
     except ValueError as error:
         raise ValueError(f"{doc}: {error}") from None
     doc.write_text(page, encoding="utf-8")
