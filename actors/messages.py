@@ -85,7 +85,7 @@ class OpenSession:
 @dataclass(frozen=True)
 class Prefill:
     """The scheduler's own need (not a decoding machine's): feed the next chunk of a new
-    session's prompt on ``model`` (chunked prefill, ``docs/engine.md``). The worker feeds as
+    session's prompt on ``model`` (chunked prefill, ``docs/design.md``). The worker feeds as
     many prompt tokens as its per-step token budget leaves once the step's other rows are
     counted, never the prompt's last token (it stays pending, so the decoding machine's first
     need still gets the row after the prompt); the outcome's value is a :class:`PrefillProgress`.

@@ -5,7 +5,7 @@ columns each new token may see (its prefix, its own chain, itself). A sliding-wi
 less: transformers' ``sliding_window_overlay`` (``masking_utils``) lets a query at position ``p``
 see a key at position ``k`` only when ``k > p - sliding_window``. Positions, not columns: in the
 slot layout a draft chain's columns are not its positions (token ``j`` of chain ``k`` sits at
-column ``base + k * G + j`` with rotary position ``base + j``, ``docs/engine.md``), and keys of
+column ``base + k * G + j`` with rotary position ``base + j``, ``docs/design.md``), and keys of
 earlier forwards keep the position they were computed at. So :class:`ColumnPositions` records,
 for every slot and column, the rotary position of the key written there, and moves those
 positions with the keys (:meth:`ColumnPositions.copy_prefix`, :meth:`ColumnPositions.copy_columns`).

@@ -5,7 +5,7 @@ iteration. As a Ray actor call that hop costs about 1 ms each way on a small CPU
 submission, scheduling on the callee, the return through the owner), paid on every iteration's
 critical path. Between two workers of one node the burst instead sends the call over a Unix
 domain socket to a thread of the peer worker that runs the same :meth:`WorkerEngine.run_step`
-(``docs/engine.md``, "The burst's hop"): the request is one pickled message, the reply the same
+(``docs/design.md``, solo bursts): the request is one pickled message, the reply the same
 ``(outcomes, payloads)`` a Ray call returns.
 
 * **Authenticated.** The listener accepts only clients that answer an HMAC challenge with its

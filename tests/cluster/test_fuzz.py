@@ -9,7 +9,7 @@ target's own continuation, and no request or KV-cache session is left behind.
 
 Generated requests keep ``max_tokens`` small (a valid one asks for at most 4 tokens), so the
 calls that pass validation are cheap. ``FUZZ_SUMMARY`` collects the outcome counts (printed
-with ``pytest -s``; docs/reliability.md quotes a run).
+with ``pytest -s``).
 """
 
 from __future__ import annotations

@@ -206,7 +206,7 @@ def _check_rows_and_greedy(path: pathlib.Path, tokenizer) -> None:
     short = prompt[: WINDOW + 5]
     try:
         sampling = RowSampling(temperature=1.0)
-        # Chains longer than the window: a chain's columns are not its positions (docs/engine.md).
+        # Chains longer than the window: a chain's columns are not its positions (docs/design.md, "The KV cache").
         items = [WorkItem("chains", Sample(path.name, (), CHAIN, num_drafts=2, return_logits=True),
                           open=OpenSession(tuple(prompt), sampling, {"sample": 1})),
                  WorkItem("short", Sample(path.name, (), 4, return_logits=True),
