@@ -174,7 +174,7 @@ def all_sections() -> list[Section]:
 HEADER = f"""# Configuration reference
 
 Generated from the pydantic models that validate each setting (`cluster/config.py`,
-`actors/plan.py`, `actors/api.py`); do not edit by hand. Regenerate with
+`actors/coordination/plan.py`, `actors/api.py`); do not edit by hand. Regenerate with
 `{REGENERATE}` (`tests/cluster/test_config_reference.py` fails when this page is stale).
 
 A deployment is a Ray Serve YAML file (`deploy/*.yaml`). Ray Serve's own keys (`http_options`,
