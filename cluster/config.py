@@ -302,7 +302,7 @@ class SimulatedDeviceArgs(_Frozen):
 
 
 class EngineArgs(_Frozen):
-    """How the step scheduler runs the requests in flight (docs/engine.md), and the KV cache
+    """How the step scheduler runs the requests in flight (docs/design.md), and the KV cache
     each worker holds (docs/models.md, "KV cache memory")."""
 
     kv_cache_memory: MemoryBudget | None = Field(
@@ -328,7 +328,7 @@ class EngineArgs(_Frozen):
         "(decoding, verification) first, what is left to the prefill of new prompts. A prompt longer than this is "
         "prefilled in chunks over several steps (chunked prefill), so the running streams keep producing tokens "
         "while it arrives; the output is unchanged. Lower: steadier inter-token latency while long prompts "
-        "arrive, a slower first token for them; on a GPU 2048-8192 suit better (docs/engine.md).",
+        "arrive, a slower first token for them; on a GPU 2048-8192 suit better (docs/strategies.md).",
     )
     overlap: bool | Literal["auto"] = Field(
         "auto",
@@ -341,7 +341,7 @@ class EngineArgs(_Frozen):
         True,
         description="A new request's session copies the keys/values of the longest prefix of its prompt that its "
         "model worker already holds (an open request's context, or a finished request's parked slot) instead of "
-        "computing them again; the output is unchanged (docs/engine.md).",
+        "computing them again; the output is unchanged (docs/design.md).",
     )
     sampling_precision: Literal["auto", "float32", "float64"] = Field(
         "auto",
@@ -349,14 +349,14 @@ class EngineArgs(_Frozen):
         "one sampling path: penalties, temperature, top-k / top-p, draws, token and block verification). float64: "
         "what the exactness proofs enumerate; float32: the law up to float32 rounding (bounded in the tests), the "
         "precision a GPU computes fast; auto: float32 when a model worker has a GPU, else float64. The speculative "
-        "ensemble's rows and the multi-draft rules compute in float64 either way (docs/engine.md).",
+        "ensemble's rows and the multi-draft rules compute in float64 either way (docs/strategies.md).",
     )
     goodput_gamma: bool = Field(
         True,
         description="gamma \"auto\" also weighs the measured cost of a step at the current batch (draft and target "
         "forwards, per-step overhead) and may take plain steps (no draft) when they yield more tokens per second "
         "(the law is unchanged; seeded tokens then depend on timings); false: the block follows the request's "
-        "acceptance alone, seeded tokens reproducible (docs/engine.md).",
+        "acceptance alone, seeded tokens reproducible (docs/verifiers.md).",
     )
     pre_drafting: int = Field(
         0,
@@ -366,7 +366,7 @@ class EngineArgs(_Frozen):
         "block after each of this many candidate bonus tokens (its most likely ones), and the next step verifies "
         "that chain when the block is accepted in full and the bonus is a candidate, so the draft's forwards leave "
         "the critical path where draft and target have devices of their own. 0: off. The law is unchanged (exact "
-        "enumeration); seeded tokens differ from those with it off (docs/engine.md).",
+        "enumeration); seeded tokens differ from those with it off (docs/verifiers.md).",
     )
     burst_ms: float = Field(
         100.0,
@@ -376,14 +376,14 @@ class EngineArgs(_Frozen):
         "its steps (ar; sd and multi_draft without pre_drafting) for up to this many milliseconds per call, calling "
         "the draft's worker directly and streaming each step's tokens, instead of one scheduler round trip per "
         "step. A request arriving meanwhile starts after the burst (at most this much later). Tokens are the same "
-        "either way; 0: off (docs/engine.md).",
+        "either way; 0: off (docs/design.md).",
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,
         description="Benchmarks only (default: none): model name -> {fixed_ms, per_token_ms}; that model's worker "
         "runs each real forward, then waits until fixed_ms + per_token_ms x (tokens in the forward) has passed since "
         "it began, releasing the CPU, as a host waiting on a device would (tokens unchanged; docs/benchmarks.md, "
-        "'Simulated devices').",
+        "'Modelled devices').",
     )
 
 

@@ -86,7 +86,7 @@ class DecodingDefaults(BaseModel):
         0.07, ge=0.0, le=10.0,
         description='Time one more drafted token adds to an iteration, over the time of an iteration without drafts '
         '(target verification and coordination), used by gamma "auto" to weigh longer blocks. 0.07: the embedded '
-        "family served on Ray (docs/benchmarks.md: the ms/iter of sd at gamma 4 and 8); measure yours the same way.",
+        "family served on Ray (docs/verifiers.md: the ms/iter of sd at gamma 4 and 8); measure yours the same way.",
     )
     num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")
     ensemble: EnsembleKind = Field("weighted", description="weighted | contrastive (ensemble, se).")
