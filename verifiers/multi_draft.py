@@ -666,7 +666,7 @@ def verify_spectr_gbv(
     generator: torch.Generator | RandomSource,
     state: Sequence[GreedyModificationState | None] | None = None,
 ) -> VerifyResult:
-    """SpecTr-GBV exactly as published: 004 Alg. 1 with Eq. (2)-(4), distribution modification
+    """SpecTr-GBV exactly as published (arXiv:2604.25925): Alg. 1 with Eq. (2)-(4), distribution modification
     Alg. 2, decode loop Alg. 3. EXPERIMENTAL: not lossless for K >= 2 (exact enumeration gives
     counterexamples; ``docs/multi-draft.md``). For K = 1 it is greedy block verification.
 

@@ -1,4 +1,4 @@
-"""Ensemble functions and the speculative ensemble (paper 001), proved by enumeration.
+"""Ensemble functions and the speculative ensemble (arXiv:2502.01662), proved by enumeration.
 
 Exactness: ``exact_law`` runs :func:`verifiers.reference.ensemble.ensemble_generate` itself on
 every branch of its random choices and compares the law of the generated tokens with
@@ -210,7 +210,7 @@ def test_default_proposer_and_next_scorer_tie_breaks():
 
 
 # --------------------------------------------------------------------------------------------
-# Segment verification (paper 001 Eq. 6)
+# Segment verification (Speculative Ensemble, arXiv:2502.01662, Eq. 6)
 # --------------------------------------------------------------------------------------------
 
 
@@ -268,7 +268,7 @@ def test_rejected_segment_emits_prefix_and_correction():
 
 
 def test_appending_the_verifiers_bonus_is_not_exact():
-    """Negative control (paper 001 Sec. 3.3): plain speculative decoding with ensemble rows that
+    """Negative control (Speculative Ensemble, arXiv:2502.01662, Sec. 3.3): plain speculative decoding with ensemble rows that
     appends the verifier's own bonus token emits the verifier's law at that position, not the
     ensemble's. Enumeration must see the difference, or it could not vouch for the loop."""
     model_fns = _members((3, 3), seed=27)

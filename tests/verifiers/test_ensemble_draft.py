@@ -1,5 +1,5 @@
 """The speculative ensemble with a draft proposer (``se`` with ``speculation.proposer`` a model):
-speculative decoding with the ensemble law as the target (paper 001, Sec. 3.2, "WE-SD" / "CD-SD").
+speculative decoding with the ensemble law as the target (Speculative Ensemble, arXiv:2502.01662, Sec. 3.2, "WE-SD" / "CD-SD").
 
 Exact enumeration (float64, TV < 1e-9) of :func:`verifiers.reference.ensemble.ensemble_draft_generate`
 (the production :class:`verifiers.machines.EnsembleDraftMachine` on the reference executor)

@@ -199,7 +199,7 @@ def test_speculative_ensemble_is_exact_under_a_grammar(ensemble_args, method):
 @pytest.mark.parametrize(("ensemble_args", "proposer"), [(ENSEMBLE_CASES[0], "draft"), (ENSEMBLE_CASES[1], "member")],
                          ids=["weighted-draft", "contrastive-member"])
 def test_ensemble_with_a_draft_proposer_is_exact_under_a_grammar(ensemble_args, proposer):
-    """se's other proposer (paper 001, Sec. 3.2): a draft (a member, or a separate model)
+    """se's other proposer (Speculative Ensemble, arXiv:2502.01662, Sec. 3.2): a draft (a member, or a separate model)
     proposes from its masked rows, verified against the masked ensemble law."""
     model_fns = [TinyModel(4, 45), TinyModel(4, 46)]
     penalties = Penalties(grammar=_constraint("regex"))

@@ -97,7 +97,7 @@ def test_sequential_gbv_decode_loop_law_equals_target_law(vocab, gamma, num_draf
 
 
 def test_published_spectr_gbv_is_greedy_block_verification_for_one_draft():
-    """With K = 1 Eq. (2)-(4) and Alg. 2 reduce to greedy block verification (003 App. C),
+    """With K = 1 Eq. (2)-(4) and Alg. 2 reduce to greedy block verification (Block Verification, arXiv:2403.10444, App. C),
     which is lossless, including the (nested) state carried over several iterations."""
     tv = _exact_tv("spectr_gbv", 2, 3, 1, 4, 14, noise=1.5)
     assert tv < TV_TOLERANCE
@@ -106,7 +106,7 @@ def test_published_spectr_gbv_is_greedy_block_verification_for_one_draft():
 @pytest.mark.filterwarnings("ignore:spectr_gbv .published SpecTr-GBV. is experimental")
 @pytest.mark.xfail(
     strict=True,
-    reason="published SpecTr-GBV (004 Alg. 1-3) is not lossless for K >= 2: Lemma A.1 treats the "
+    reason="published SpecTr-GBV (arXiv:2604.25925, Alg. 1-3) is not lossless for K >= 2: Lemma A.1 treats the "
     "acceptance of distinct sub-blocks as independent events, but Alg. 1 stops at the first "
     "accepted one (docs/multi-draft.md)",
 )
@@ -270,7 +270,7 @@ def test_multi_draft_never_below_single_draft(vocab, gamma, seed, noise):
     # With one draft the multi-draft rules are the single-draft ones.
     assert _expected_accepted(draft_fn, target_fn, gamma, "spectr", 1) == pytest.approx(token, abs=1e-12)
     assert _expected_accepted(draft_fn, target_fn, gamma, "sequential_gbv", 1) == pytest.approx(greedy_single, abs=1e-12)
-    assert greedy_single >= token - 1e-12  # GBV is optimal among single-draft rules (003 Thm 3)
+    assert greedy_single >= token - 1e-12  # GBV is optimal among single-draft rules (Block Verification, arXiv:2403.10444, Thm 3)
     spectr_two = _expected_accepted(draft_fn, target_fn, gamma, "spectr", 2)
     sequential_two = _expected_accepted(draft_fn, target_fn, gamma, "sequential_gbv", 2)
     assert spectr_two > token

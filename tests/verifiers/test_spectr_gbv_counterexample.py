@@ -107,7 +107,7 @@ def _normalized(weights: Law) -> Law:
 
 
 def _kseq_residual_weights(draft: Law, target: Law, rho: Fraction) -> Law:
-    """SpecTr K-SEQ's residual (004 Sec. 3.2), unnormalised: ``q(x) - rho min(p(x), q(x)/rho)``."""
+    """SpecTr K-SEQ's residual (SpecTr-GBV, arXiv:2604.25925, Sec. 3.2), unnormalised: ``q(x) - rho min(p(x), q(x)/rho)``."""
     return tuple(target[x] - rho * min(draft[x], target[x] / rho) for x in range(len(target)))
 
 
@@ -155,7 +155,7 @@ def _alg1_law(
     pass_prob: Callable[[int, int], Fraction] | None = None,
     residual: Law | None = None,
 ) -> OutputLaw:
-    """Exact law of 004 Alg. 1 at ``L = 1`` over the ``K`` i.i.d. drafts and every coin.
+    """Exact law of SpecTr-GBV (arXiv:2604.25925) Alg. 1 at ``L = 1`` over the ``K`` i.i.d. drafts and every coin.
 
     ``orders(K)`` gives weighted visiting orders of the draft indices; ``collapse_duplicates``
     treats ``S`` as a set (equal drafts become one); ``use_rejected_set`` applies the
@@ -250,7 +250,7 @@ def reading_per_draft_residual() -> OutputLaw:
 
 
 def reading_kseq_residual() -> OutputLaw:
-    """Residual of SpecTr K-SEQ (004 Sec. 3.2), ``q - rho min(p, q/rho)`` at the root of the K-SEQ
+    """Residual of SpecTr K-SEQ (SpecTr-GBV, arXiv:2604.25925, Sec. 3.2), ``q - rho min(p, q/rho)`` at the root of the K-SEQ
     equation (the multi-draft residual the paper builds on). ``rho`` is irrational here; the
     residual is computed at both ends of a tight bracket and is the same law at both."""
     low, high = _kseq_rho_bracket(DRAFT_A, TARGET_A)

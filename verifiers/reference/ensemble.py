@@ -202,7 +202,7 @@ def ensemble_draft_generate(
     adaptive: AdaptiveGammaSettings | None = None,
     step_costs: Callable[[EnsembleDraftMachine], Callable[[], object]] | None = None,
 ) -> tuple[list[int], dict]:
-    """Speculative ensemble with a draft proposer (paper 001, Sec. 3.2: "WE-SD" / "CD-SD"):
+    """Speculative ensemble with a draft proposer (Speculative Ensemble, arXiv:2502.01662, Sec. 3.2: "WE-SD" / "CD-SD"):
     speculative decoding (:func:`verifiers.reference.speculative_generate`) with the ensemble law
     as the target. ``proposer``: a member's index (its draft rows are its member rows) or a
     separate draft model's function. ``method``: any single-draft rule of ``sd`` (token, block,
