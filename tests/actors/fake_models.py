@@ -14,6 +14,7 @@ Models are named by ``spec.path`` (``fake:<name>``, see :data:`FAKE_MODELS`).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import torch
@@ -169,3 +170,20 @@ def fake_group_config(overlap: bool = True, request_timeout_s: float = 600.0, go
                    "sampling_precision": sampling_precision, **({} if burst_ms is None else {"burst_ms": burst_ms})},
     })
     return args.freeze().model_copy(update={"tokenizer_path": None})
+
+
+def run_in_process(coordinator: Any, requests: list, timeout_s: float | None = None) -> list[list]:
+    """Every request's chunks, the requests served concurrently by an in-process
+    :class:`actors.coordination.coordinator.Coordinator`, whose scheduler is closed afterwards;
+    ``timeout_s`` bounds the whole (a hang fails instead of waiting for ever)."""
+
+    async def collect(request):
+        return [chunk async for chunk in coordinator.generate(request)]
+
+    async def run_all():
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(collect(r) for r in requests)), timeout=timeout_s)
+        finally:
+            await coordinator.scheduler.close()
+
+    return asyncio.run(run_all())

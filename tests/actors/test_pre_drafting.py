@@ -8,7 +8,6 @@ tests/verifiers/test_pre_drafting.py."""
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch
 from actors.api import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from benchmarks.runners import LocalActorHandle
-from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config, run_in_process
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.penalties import Penalties
@@ -35,16 +34,7 @@ def _coordinator(overlap: bool = False) -> Coordinator:
 
 
 def _run(coordinator: Coordinator, requests: list[GenerationRequest]) -> list[list]:
-    async def collect(request):
-        return [chunk async for chunk in coordinator.generate(request)]
-
-    async def run_all():
-        try:
-            return await asyncio.gather(*(collect(r) for r in requests))
-        finally:
-            await coordinator.scheduler.close()
-
-    return asyncio.run(run_all())
+    return run_in_process(coordinator, requests)
 
 
 def _request(seed: int, speculation: dict, max_tokens: int = MAX_TOKENS, **sampling) -> GenerationRequest:

@@ -4,13 +4,12 @@ WorkerEngines over the fake models, no Ray)."""
 
 from __future__ import annotations
 
-import asyncio
 
 from actors.api import GenerationRequest
 from actors.coordination import scheduler
 from actors.coordination.coordinator import Coordinator
 from benchmarks.runners import LocalActorHandle
-from tests.actors.fake_models import FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import FunctionModelWorker, fake_group_config, run_in_process
 
 
 def _request(request_id: str, seed: int) -> GenerationRequest:
@@ -24,16 +23,7 @@ def _serve(requests: list[GenerationRequest]) -> list[list]:
     coordinator = Coordinator({m.name: LocalActorHandle(FunctionModelWorker(m, 60.0)) for m in config.models}, config,
                               export_to_ray=False)
 
-    async def collect(request):
-        return [chunk async for chunk in coordinator.generate(request)]
-
-    async def run():
-        try:
-            return await asyncio.wait_for(asyncio.gather(*(collect(r) for r in requests)), timeout=120)
-        finally:
-            await coordinator.scheduler.close()
-
-    return asyncio.run(run())
+    return run_in_process(coordinator, requests, timeout_s=120)
 
 
 def test_a_request_whose_stats_fail_still_gets_its_output_and_the_others_theirs(monkeypatch):

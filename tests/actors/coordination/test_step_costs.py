@@ -5,7 +5,6 @@ sampled law the target's (chi-square)."""
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from actors.coordination.step_costs import (
 )
 from benchmarks.runners import LocalActorHandle
 from verifiers.adaptive import expected_tokens
-from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config, run_in_process
 from tests.verifiers.test_adaptive import LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from verifiers.machines import PLAIN_PROBE_EVERY
@@ -123,16 +122,7 @@ def _coordinator(goodput: bool) -> Coordinator:
 
 
 def _run(coordinator: Coordinator, requests: list[GenerationRequest]) -> list[list]:
-    async def collect(request):
-        return [chunk async for chunk in coordinator.generate(request)]
-
-    async def run_all():
-        try:
-            return await asyncio.gather(*(collect(r) for r in requests))
-        finally:
-            await coordinator.scheduler.close()
-
-    return asyncio.run(run_all())
+    return run_in_process(coordinator, requests)
 
 
 def _request(seed: int, method: str, *, temperature: float, max_tokens: int) -> GenerationRequest:

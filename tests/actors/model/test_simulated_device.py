@@ -4,7 +4,6 @@ it changes no token of any strategy."""
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
@@ -14,7 +13,7 @@ from actors.model.simulated_device import SharedTimeline, SimulatedDevice
 from actors.worker.model_worker import simulated_device
 from benchmarks.runners import LocalActorHandle
 from cluster.config import ConfigError, SimulatedDeviceArgs, parse_app_args
-from tests.actors.fake_models import FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import FunctionModelWorker, fake_group_config, run_in_process
 
 PROMPT = (1, 2, 3)
 
@@ -115,17 +114,7 @@ def _run(coordinator: Coordinator) -> list[list]:
     requests = [GenerationRequest(request_id=f"r{i}", prompt_ids=list(PROMPT), speculation=speculation,
                                   sampling={"max_tokens": 8, "seed": i, "temperature": 1.0})
                 for i, speculation in enumerate(SPECULATIONS)]
-
-    async def collect(request):
-        return [chunk async for chunk in coordinator.generate(request)]
-
-    async def run_all():
-        try:
-            return await asyncio.gather(*(collect(r) for r in requests))
-        finally:
-            await coordinator.scheduler.close()
-
-    return asyncio.run(run_all())
+    return run_in_process(coordinator, requests)
 
 
 def test_the_simulated_device_changes_no_token_and_reports_its_time():

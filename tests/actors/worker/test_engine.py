@@ -4,7 +4,6 @@ precision its rows are computed in (engine.sampling_precision)."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import random
 
@@ -17,7 +16,7 @@ from actors.model.batch import linear_row
 from actors.coordination.coordinator import Coordinator
 from actors.worker.engine import forward_groups
 from benchmarks.runners import LocalActorHandle
-from tests.actors.fake_models import FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import FunctionModelWorker, fake_group_config, run_in_process
 from verifiers.penalties import penalized_probs
 
 
@@ -92,13 +91,7 @@ def _precision_run(monkeypatch, precision: str, speculation: dict) -> tuple[set,
     request = GenerationRequest(request_id="r", prompt_ids=[1, 2, 3], speculation=speculation,
                                 sampling={"max_tokens": 12, "seed": 5, "temperature": 1.0})
 
-    async def collect():
-        try:
-            return [chunk async for chunk in coordinator.generate(request)]
-        finally:
-            await coordinator.scheduler.close()
-
-    chunks = asyncio.run(collect())
+    (chunks,) = run_in_process(coordinator, [request])
     assert chunks[-1].finished and chunks[-1].error is None, chunks[-1]
     return seen, [t for chunk in chunks for t in chunk.token_ids]
 
