@@ -149,14 +149,16 @@ class SpeculationParams(_Frozen):
     ensemble: EnsembleKind | None = Field(None, description="weighted | contrastive (ensemble, se).")
     weights: list[float] | None = Field(None, description="Weighted ensemble weights, one per member, summing to 1.")
     mu: float | None = Field(None, ge=0.0, description="Contrastive strength: softmax(expert - mu * amateur).")
-    gammas: list[int] | None = Field(None, description="Per-member proposal lengths (se).")
+    gammas: list[int] | None = Field(
+        None, description="Per-member proposal lengths (se with the alternate proposer; refused with a model proposer)."
+    )
     members: list[str] | None = Field(None, description="Names of the ensemble members to use, in order.")
     proposer: str | None = Field(
         None, description='Who drafts. sd: "draft" (the deployment\'s draft model) or "ngram" (prompt lookup: '
         "drafts copied from the prompt and the output, no model; plain steps where nothing matches). se: "
         '"alternate" (the members in turn, each verified by the others) or the name of a deployment model (a '
         "draft, or one of the members) whose blocks every member scores in one forward and the ensemble law "
-        "verifies with the request's method.",
+        "verifies with the request's method. Unset: the deployment's defaults.proposers.",
     )
     prompt_lookup_max: int | None = Field(
         None, ge=1, le=MAX_NGRAM, description="Longest n-gram prompt lookup and prediction realignment look up."

@@ -195,7 +195,8 @@ def _se_case(settings: ServeLoadSettings, proposer: str, ensemble: dict[str, Any
     blocks of ``se_draft_gamma`` for the ensemble law."""
     if proposer == "alternate":
         return LoadCase("se", f"se/weighted/n2/g{settings.se_gamma}",
-                        {"strategy": "se", "method": settings.se_method, "gammas": [1, settings.se_gamma], **ensemble})
+                        {"strategy": "se", "method": settings.se_method, "proposer": "alternate",
+                         "gammas": [1, settings.se_gamma], **ensemble})
     speculation = {"strategy": "se", "method": settings.se_draft_method, "proposer": proposer,
                    "gamma": settings.se_draft_gamma, **ensemble}
     if settings.se_draft_gamma == "auto":

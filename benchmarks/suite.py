@@ -202,7 +202,8 @@ def _ensemble_cases(settings: BenchSettings, roles: dict[str, str], mode: Mode) 
             gammas = [1] + [gamma] * (len(params["members"]) - 1)
             cases.append(BenchCase(
                 mode=mode, label=f"se/{name}/g{gamma}", group="se", baseline=ensemble_key,
-                speculation=SpeculationParams(strategy="se", method=settings.se_method, gammas=gammas, **params),
+                speculation=SpeculationParams(strategy="se", method=settings.se_method, proposer="alternate",
+                                              gammas=gammas, **params),
             ))
     return cases
 

@@ -59,7 +59,7 @@ from pydantic import (
 )
 
 from actors.api import InvalidRequestError, SpeculationParams
-from actors.coordination.plan import ENSEMBLE_STRATEGIES, DecodingDefaults, resolve_plan
+from actors.coordination.plan import ALTERNATE, ENSEMBLE_STRATEGIES, DecodingDefaults, resolve_plan
 
 ModelRole = Literal["target", "draft", "member"]
 DType = Literal["float32", "float16", "bfloat16"]
@@ -441,16 +441,21 @@ class SpecServeArgs(_Frozen):
         # The defaults are checked as if a request spelled them all out: for the default
         # strategy, and (when ensemble settings are given) for the ensemble strategies too.
         as_request = {"gamma": d.gamma, "gamma_max": d.gamma_max, "num_drafts": d.num_drafts, "ensemble": d.ensemble, "members": d.members,
-                      "weights": d.weights, "mu": d.mu, "gammas": d.gammas, "proposer": d.proposer}
-        checks = [SpeculationParams(strategy=d.strategy, method=d.method, **as_request)]
+                      "weights": d.weights, "mu": d.mu, "gammas": d.gammas}
+        checks = [SpeculationParams(strategy=d.strategy, method=d.method, proposer=d.proposer, **as_request)]
         if d.strategy not in ENSEMBLE_STRATEGIES and any(v is not None for v in (d.members, d.weights, d.gammas)):
-            checks.append(SpeculationParams(strategy="se", **as_request))
-        try:
-            for speculation in checks:
+            checks.append(SpeculationParams(strategy="se", **as_request))  # se's proposer: defaults.proposers.se
+        if d.proposers.se != ALTERNATE and d.proposers.se not in self.models:
+            raise ValueError(f"defaults.proposers.se: unknown proposer {d.proposers.se!r}; expected {ALTERNATE!r} or a "
+                             f"model of the deployment: {', '.join(self.models)}")
+        for speculation in checks:
+            try:
                 resolve_plan(speculation, d, roles)
-        except InvalidRequestError as error:
-            field = error.field.replace("speculation.", "defaults.")
-            raise ValueError(f"{field}: {error.message}") from None
+            except InvalidRequestError as error:
+                field = error.field.replace("speculation.", "defaults.")
+                if field == "defaults.proposer" and speculation.proposer is None:
+                    field = f"defaults.proposers.{speculation.strategy}"
+                raise ValueError(f"{field}: {error.message}") from None
         return self
 
     def freeze(self) -> GroupConfig:

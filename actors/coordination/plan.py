@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.api import (
     MAX_DRAFTS,
@@ -64,6 +64,23 @@ WEIGHT_SUM_TOLERANCE = 1e-6
 SdProposer = Literal["draft", "ngram"]
 
 
+class StrategyProposers(BaseModel):
+    """The default ``speculation.proposer`` of each strategy that has one (``defaults.proposers``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sd: SdProposer = Field("draft", description='sd: "draft" (the draft model) or "ngram" (prompt lookup, no model).')
+    se: str = Field(
+        ALTERNATE,
+        description='se: "alternate" (the members in turn, each verified by the others) or a deployment model '
+        "(a draft, or a member) whose blocks every member scores at once and the ensemble law verifies.",
+    )
+
+    def of(self, strategy: str) -> str:
+        """The default proposer of ``strategy`` ("draft" for the strategies without a choice)."""
+        return self.se if strategy == "se" else self.sd if strategy == "sd" else "draft"
+
+
 class DecodingDefaults(BaseModel):
     """Deployment-wide values for the fields of :class:`actors.api.SpeculationParams` a request
     leaves unset (the ``defaults`` section of the YAML args)."""
@@ -102,8 +119,13 @@ class DecodingDefaults(BaseModel):
         None,
         description='Proposer of the default strategy: "draft" (the draft model) or "ngram" (prompt lookup, no '
         'model) for sd; "alternate" (the members in turn) or a deployment model (a draft, or a member: its blocks '
-        "every member scores at once, the ensemble law verifies) for se. Unset, or another strategy: the "
-        'strategy\'s own (sd: "draft", se: "alternate").',
+        "every member scores at once, the ensemble law verifies) for se. Unset: proposers.<strategy>. Set, it must "
+        "agree with proposers.<strategy> when that is set too.",
+    )
+    proposers: StrategyProposers = Field(
+        default_factory=StrategyProposers,
+        description="The proposer of each strategy that has one, when a request names none: sd and se each keep "
+        "their own, whichever strategy is the default.",
     )
     prompt_lookup_max: int = Field(
         DEFAULT_NGRAM_MAX, ge=1, le=MAX_NGRAM, description="Longest n-gram of prompt lookup and prediction realignment."
@@ -111,6 +133,14 @@ class DecodingDefaults(BaseModel):
     prompt_lookup_min: int = Field(
         DEFAULT_NGRAM_MIN, ge=1, le=MAX_NGRAM, description="Shortest n-gram of prompt lookup and prediction realignment."
     )
+
+    @model_validator(mode="after")
+    def _one_default_proposer(self) -> DecodingDefaults:
+        named = self.proposers.model_fields_set
+        if self.proposer is not None and self.strategy in named and self.proposers.of(self.strategy) != self.proposer:
+            raise ValueError(f"proposer {self.proposer!r} and proposers.{self.strategy} "
+                             f"{self.proposers.of(self.strategy)!r} disagree on the default strategy's proposer")
+        return self
 
 
 @dataclass(frozen=True)
@@ -271,11 +301,11 @@ def _role_model(models: Mapping[str, ModelRole], role: str, strategy: str) -> st
 
 
 def _default_proposer(strategy: str, defaults: DecodingDefaults) -> str:
-    """The deployment's proposer for its default strategy; any other strategy's own (sd: "draft",
-    se: "alternate"), as the default method."""
+    """The deployment's proposer for ``strategy``: ``defaults.proposer`` for the default strategy,
+    else that strategy's entry of ``defaults.proposers`` (sd: "draft", se: "alternate" unless set)."""
     if defaults.proposer is not None and strategy == defaults.strategy:
         return defaults.proposer
-    return ALTERNATE if strategy == "se" else "draft"
+    return defaults.proposers.of(strategy)
 
 
 def _resolve_proposer(speculation: SpeculationParams, defaults: DecodingDefaults, strategy: str,
@@ -357,6 +387,12 @@ def resolve_plan(
         members = _resolve_members(speculation.members, defaults.members, models, strategy, ensemble)
         weights = _resolve_weights(speculation.weights, defaults.weights, members, ensemble)
         if drafted_ensemble:
+            if speculation.gammas is not None:
+                raise InvalidRequestError(
+                    "speculation.gammas",
+                    f"gammas are the alternate proposer's lengths; this request's proposer is {proposer!r} "
+                    '(give gamma, or proposer "alternate")',
+                )
             draft = proposer
         elif adaptive is not None and _pick(speculation.gammas, defaults.gammas) is None:
             raise InvalidRequestError(

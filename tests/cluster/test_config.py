@@ -145,6 +145,38 @@ def test_plan_falls_back_to_each_strategys_default_method():
     assert raised.value.field == "speculation.members"
 
 
+def test_each_strategy_keeps_its_own_default_proposer():
+    default_yaml = load_app_args(REPO / "deploy" / "default.yaml").freeze()
+    plan = resolve_plan(SpeculationParams(), default_yaml.defaults, default_yaml.roles)
+    assert (plan.strategy, plan.proposer, plan.draft) == ("sd", "draft", "draft")
+    plan = resolve_plan(SpeculationParams(strategy="se"), default_yaml.defaults, default_yaml.roles)
+    assert (plan.proposer, plan.draft, plan.method, plan.members) == ("draft", "draft", "block", ("target", "partner"))
+    plan = resolve_plan(SpeculationParams(strategy="se", proposer="alternate", gammas=[1, 2]),
+                        default_yaml.defaults, default_yaml.roles)
+    assert (plan.proposer, plan.draft, plan.method, plan.gammas) == ("alternate", None, "token", (1, 2))
+    with pytest.raises(InvalidRequestError) as raised:  # gammas are the alternate proposer's
+        resolve_plan(SpeculationParams(strategy="se", gammas=[1, 2]), default_yaml.defaults, default_yaml.roles)
+    assert raised.value.field == "speculation.gammas"
+    ngram_sd = parse_app_args(_with(defaults__proposers={"sd": "ngram"})).freeze()
+    assert resolve_plan(SpeculationParams(), ngram_sd.defaults, ngram_sd.roles).proposer == "ngram"
+    assert resolve_plan(SpeculationParams(strategy="se"), ngram_sd.defaults, ngram_sd.roles).proposer == "alternate"
+    se_default = parse_app_args(_with(defaults__strategy="se", defaults__method=None, defaults__proposer="partner")).freeze()
+    assert resolve_plan(SpeculationParams(), se_default.defaults, se_default.roles).proposer == "partner"
+    assert resolve_plan(SpeculationParams(strategy="sd"), se_default.defaults, se_default.roles).proposer == "draft"
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (_with(defaults__proposers={"se": "ghost"}), ["defaults.proposers.se", "ghost"]),
+    (_with(defaults__proposers={"sd": "lookup"}), ["defaults.proposers.sd", "lookup"]),
+    (_with(defaults__proposer="ngram", defaults__proposers={"sd": "draft"}), ["disagree", "proposers.sd"]),
+], ids=["unknown-se-model", "unknown-sd-proposer", "disagreeing"])
+def test_bad_default_proposers_are_named(args, needles):
+    with pytest.raises(ConfigError) as raised:
+        parse_app_args(args)
+    for needle in needles:
+        assert needle in str(raised.value), str(raised.value)
+
+
 def test_gamma_auto_resolves_to_adaptive_settings_for_speculative_strategies():
     with pytest.raises(ConfigError, match="defaults.gamma"):  # the default se of these args has no gammas
         parse_app_args(_with(defaults__gamma="auto"))

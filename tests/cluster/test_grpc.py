@@ -115,6 +115,7 @@ BAD_REQUESTS = [
     ("gamma-too-large", specserve_pb2.GenerateRequest(prompt="x", speculation=specserve_pb2.SpeculationOptions(gamma=64)), "speculation.gamma"),
     ("num-drafts-zero", specserve_pb2.GenerateRequest(prompt="x", speculation=specserve_pb2.SpeculationOptions(num_drafts=0)), "speculation.num_drafts"),
     ("unknown-proposer", specserve_pb2.GenerateRequest(prompt="x", speculation=specserve_pb2.SpeculationOptions(strategy="se", proposer="nobody")), "speculation.proposer"),
+    ("gammas-with-a-model-proposer", specserve_pb2.GenerateRequest(prompt="x", speculation=specserve_pb2.SpeculationOptions(strategy="se", proposer="draft", gammas=[1, 2])), "speculation.gammas"),
     ("n-zero", specserve_pb2.GenerateRequest(prompt="x", sampling=specserve_pb2.SamplingOptions(n=0)), "sampling.n"),
     ("n-beyond-the-deployment", specserve_pb2.GenerateRequest(prompt="x", sampling=specserve_pb2.SamplingOptions(n=17)), "sampling.n"),
     ("presence-penalty-nan", specserve_pb2.GenerateRequest(prompt="x", sampling=specserve_pb2.SamplingOptions(presence_penalty=float("nan"))), "sampling.presence_penalty"),

@@ -217,6 +217,8 @@ BAD_REQUESTS = [
     ("num-drafts-too-large", {"prompt": "x", "speculation": {"strategy": "multi_draft", "num_drafts": 9}}, "speculation.num_drafts"),
     ("unknown-member", {"prompt": "x", "speculation": {"strategy": "se", "members": ["target", "nobody"]}}, "speculation.members"),
     ("unknown-proposer", {"prompt": "x", "speculation": {"strategy": "se", "proposer": "nobody"}}, "speculation.proposer"),
+    ("gammas-with-a-model-proposer", {"prompt": "x", "speculation": {"strategy": "se", "proposer": "draft", "gammas": [1, 2]}},
+     "speculation.gammas"),
     ("weights-not-summing-to-one",
      {"prompt": "x", "speculation": {"strategy": "ensemble", "members": ["target", "partner"], "weights": [0.9, 0.9]}},
      "speculation.weights"),
