@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.wire import pickle_through_wire
+from verifiers.machines import MemberBlock, PreDrafted, Sampled
 from verifiers.penalties import NO_PENALTIES, Penalties
-from verifiers.wire import TensorWire
 
 #: The error of a request whose work was on a worker that died (retryable).
 UNAVAILABLE = "model worker {model} is unavailable (restarting); retry the request"
@@ -129,7 +130,7 @@ class WorkItem:
 
 
 @dataclass(frozen=True)
-class ItemOutcome(TensorWire):
+class ItemOutcome:
     """What one work item produced: a value (see each need's result type) or an error
     message (the item's session was freed), and the step's timing for it."""
 
@@ -140,3 +141,7 @@ class ItemOutcome(TensorWire):
     #: With ``OpenSession.prompt_logits``: the raw logits ``[P - 1, V]`` (shared vocabulary) at
     #: prompt positions ``0 .. P-2``, row ``j`` predicting prompt token ``j + 1``.
     prompt_logits: Any = None
+
+
+# The payloads that cross between actors carry tensors: pickled as numpy arrays (actors.wire).
+pickle_through_wire(ItemOutcome, Sampled, PreDrafted, MemberBlock)

@@ -7,7 +7,7 @@ coordinator's chain ``proposal_ref = draft.propose.remote(...)`` ->
 proposal in the coordinator and passing the value) with proposals of the sizes ``sd``
 moves (float64 probability rows, 4096-token vocabulary, gamma 2 / 4 / 8); and a burst's hop, a
 worker calling another for a draft payload, with torch's pickling and with the engine's
-(:mod:`verifiers.wire`), and over the direct link bursts use between workers of one node
+(:mod:`actors.wire`), and over the direct link bursts use between workers of one node
 (:mod:`actors.worker.peer_link`). Medians of
 ``--repeats`` calls, logged (stderr). Starts its own local Ray instance.
 """
@@ -45,7 +45,7 @@ def _actors():
         def payload(self, as_sampled: bool):
             """A 4-token draft call's returns: (outcomes, payloads), float32 logits over VOCAB."""
             tokens, logits = torch.ones(1, 4, dtype=torch.int64), torch.zeros(1, 4, VOCAB)
-            if as_sampled:  # the engine's own types: tensors cross as numpy (verifiers.wire)
+            if as_sampled:  # the engine's own types: tensors cross as numpy (actors.wire)
                 return [ItemOutcome(value=Sampled(tokens))], [Sampled(tokens, logits)]
             return [tokens], [(tokens, logits)]  # torch's own pickling
 

@@ -42,7 +42,6 @@ from verifiers.randomness import RandomSource
 from verifiers.sampling import token_logprob
 from verifiers.registry import get_verifier
 from verifiers.types import PAD_TOKEN
-from verifiers.wire import TensorWire
 
 AR_TOKENS_PER_ITERATION = 4  # ar: tokens drawn per iteration (streaming granularity vs per-step overhead)
 #: After this many plain steps in a row, gamma "auto" with step costs drafts once (a probe): plain
@@ -165,7 +164,7 @@ DrawLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 
 # -------------------------------------------------------------------------------- results
 @dataclass(frozen=True)
-class Sampled(TensorWire):
+class Sampled:
     """tokens: [K, n] int64; logits: [K, n, V] (what token i of draft k was drawn from, through
     the request's ``logits_to_probs``) or None when not asked for."""
 
@@ -191,7 +190,7 @@ def bonus_guesses(row: torch.Tensor, count: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class PreDrafted(TensorWire):
+class PreDrafted:
     """guesses: the K candidate bonus tokens; tokens: [K, n] int64, chain k drafted after
     candidate k; logits: [K, n, V] (what token i of chain k was drawn from) or None in the
     summary a scheduler hands to the machine (the rows stay with the executor)."""
@@ -207,7 +206,7 @@ class PreDrafted(TensorWire):
 
 
 @dataclass(frozen=True)
-class MemberBlock(TensorWire):
+class MemberBlock:
     """queued_logits [Q, V]: row j after context + queued[:j]; tokens [m] drawn after the queue;
     token_logits [m, V]: row i is what token i was drawn from."""
 

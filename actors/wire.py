@@ -7,15 +7,18 @@ actor-to-actor call returning one draft payload (tokens ``[1, 4]`` and logits ``
 float32): 1.5-1.7 ms round trip as torch tensors, 1.1 ms with this module (the same call returning
 bare numpy arrays: 0.9 ms). ``python -m benchmarks.ray_overhead`` measures the hops.
 
-:class:`TensorWire` gives a dataclass a ``__reduce__`` that hands CPU tensors to the pickler as
-numpy arrays and turns them back into tensors when unpickled (copied where the buffer is
-read-only, as Ray's zero-copy buffers are). Values are unchanged: same dtype, shape and
-numbers. Tensors numpy cannot hold (bfloat16, a device other than the CPU, with autograd) keep
-torch's own pickling.
+:func:`pickle_through_wire` registers a dataclass with a reducer (``copyreg``, which Ray's
+pickler honours) that hands its CPU tensors to the pickler as numpy arrays and turns them back
+into tensors when unpickled (copied where the buffer is read-only, as Ray's zero-copy buffers
+are). Values are unchanged: same dtype, shape and numbers. Tensors numpy cannot hold (bfloat16,
+a device other than the CPU, with autograd) keep torch's own pickling. The payload types are
+registered where the messages between actors are declared (:mod:`actors.messages`), so the
+math that defines them (:mod:`verifiers.machines`) knows nothing of pickling.
 """
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 from typing import Any
 
@@ -58,9 +61,15 @@ def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
     return cls(*values)
 
 
-class TensorWire:
-    """Mixin for dataclasses whose fields (all ``init`` fields) may hold tensors: pickles each
-    field through :func:`to_wire`."""
+def _reduce_fields(value: Any) -> tuple[Any, ...]:
+    return _rebuild, (type(value), tuple(to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)))
 
-    def __reduce__(self):
-        return _rebuild, (type(self), tuple(to_wire(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+def pickle_through_wire(*classes: type) -> None:
+    """Pickle instances of these dataclasses (all fields ``init`` fields, which may hold
+    tensors) field by field through :func:`to_wire`. Registered per exact class, as ``copyreg``
+    registrations are."""
+    for cls in classes:
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls.__name__} is not a dataclass")
+        copyreg.pickle(cls, _reduce_fields)

@@ -1,4 +1,4 @@
-"""verifiers/wire.py: tensors cross pickling as numpy arrays and come back equal."""
+"""actors/wire.py: tensors cross pickling as numpy arrays and come back equal."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from actors.messages import CallTiming, ItemOutcome
 from verifiers.machines import MemberBlock, PreDrafted, Sampled
-from verifiers.wire import to_wire
+from actors.wire import pickle_through_wire, to_wire
 
 
 def _round_trip_out_of_band(value):
@@ -62,3 +62,8 @@ def test_tensors_numpy_cannot_hold_keep_torchs_pickling():
     back = pickle.loads(pickle.dumps(Sampled(torch.tensor([[1]]), bf16)))
     assert back.logits.dtype == torch.bfloat16 and torch.equal(back.logits, bf16)
     assert to_wire(np.zeros(2)) is not None and isinstance(to_wire(np.zeros(2)), np.ndarray)  # arrays stay arrays
+
+
+def test_only_dataclasses_are_registered():
+    with pytest.raises(TypeError):
+        pickle_through_wire(dict)
