@@ -6,7 +6,8 @@ machine without those devices (two shared CPU cores here) that cannot be measure
 equality test stays real), then waits until ``fixed_ms + per_token_ms x tokens`` has passed
 since the forward began, releasing the CPU as a host waiting on a device does. When the real
 forward took longer, nothing is added. The worker's forward seconds (its metrics and the
-response's time split) then measure the modelled device.
+response's time split) then measure the modelled device. It is a wrapper around the worker's
+backend (:class:`SimulatedBackend`): the engine and the backends know nothing of it.
 
 Models given the same device id (``engine.simulated_device.<model>.device``) share ONE modelled
 device, like two models on one GPU: their modelled forwards never overlap in time. Each forward
@@ -22,12 +23,18 @@ Benchmarking only, off by default; cost models of real pairings are in ``docs/be
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
 
 
 class Clock(Protocol):
@@ -103,3 +110,46 @@ class SimulatedDevice:
         remaining = end - self.clock.now()
         if remaining > 0:
             self.clock.sleep(remaining)
+
+
+class SimulatedBackend:
+    """A backend (the :class:`actors.model.backends.SlotBackend` interface) whose every forward lasts
+    as long as on ``simulated``: :meth:`forward` runs the wrapped backend's real forward, then waits
+    for the modelled one (:meth:`SimulatedDevice.finish`, over the tokens of every row); every other
+    attribute is the wrapped backend's own."""
+
+    def __init__(self, inner: Any, simulated: SimulatedDevice):
+        self.inner = inner
+        self.simulated = simulated
+
+    def forward(self, rows: Sequence[Any]) -> list[torch.Tensor]:
+        """The wrapped backend's logits for ``rows`` (:class:`actors.model.batch.RowWork`), returned
+        once the modelled forward over their tokens is over."""
+        started = self.simulated.clock.now()
+        logits = self.inner.forward(rows)
+        self.simulated.finish(started, sum(len(row) for row in rows))
+        return logits
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "simulated"):  # not set yet (while unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def simulated_device(spec: Any) -> SimulatedDevice | None:
+    """The worker's simulated device (``engine.simulated_device``; benchmarks only), or None."""
+    args = getattr(spec, "simulated_device", None)
+    if args is None:
+        return None
+    logger.warning("model %s runs on a SIMULATED device: every forward lasts at least %.3g ms + %.3g ms per token "
+                   "(engine.simulated_device; for benchmarks only)", spec.name, args.fixed_ms, args.per_token_ms)
+    shared = getattr(args, "device", None)
+    return SimulatedDevice(args.fixed_ms, args.per_token_ms, timeline=SharedTimeline(shared) if shared else None)
+
+
+def on_simulated_device(backend: Any, spec: Any) -> Any:
+    """``backend``, wrapped so that its forwards last as long as on the model's simulated device
+    (:class:`SimulatedBackend`) when ``engine.simulated_device`` names
+    one; else ``backend`` itself."""
+    device = simulated_device(spec)
+    return backend if device is None else SimulatedBackend(backend, device)

@@ -50,7 +50,6 @@ from actors.model.batch import RowWork, RunAttend, linear_row
 from actors.messages import CallTiming, ItemOutcome, OpenSession, Prefill, PrefillProgress, RowSampling, WorkItem
 from actors.worker.prefix_cache import PrefixCache
 from actors.worker.sessions import Session, SessionNotFoundError, SessionStore
-from actors.model.simulated_device import SimulatedDevice
 from verifiers.machines import (
     MODEL_FREE,
     Extend,
@@ -641,12 +640,11 @@ class WorkerEngine:
     """Sessions + a slot backend + the batched step. Thread-safe (one step at a time)."""
 
     def __init__(self, backend: Any, name: str, idle_timeout_s: float = 300.0, prefix_caching: bool = True,
-                 device: SimulatedDevice | None = None, max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP):
+                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP):
         if int(max_tokens_per_step) < 1:
             raise ValueError(f"engine.max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
         self.backend = backend
         self.name = name
-        self.device = device  # benchmarks only: each forward lasts as long as on the modelled device
         self.max_tokens_per_step = int(max_tokens_per_step)
         self.prefix_cache = PrefixCache(backend, enabled=prefix_caching)
         self.sessions = SessionStore(self.prefix_cache, idle_timeout_s, name)
@@ -900,10 +898,7 @@ class WorkerEngine:
             return {}
         indices = list(rows)
         try:
-            started = self.device.clock.now() if self.device is not None else 0.0
             logits = self._to_host(self.backend.forward([rows[i] for i in indices]))
-            if self.device is not None:
-                self.device.finish(started, sum(len(rows[i]) for i in indices))
             return dict(zip(indices, logits))
         except Exception as error:  # noqa: BLE001 - isolate the failing rows below
             if len(indices) == 1:

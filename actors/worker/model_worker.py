@@ -31,7 +31,7 @@ from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
 from actors.messages import FailedSource, ItemOutcome, WorkerInfo, WorkItem
 from actors.worker.peer_link import LinkCall, PeerLink, PeerLinkAddress, PeerLinkError, PeerLinkServer
-from actors.model.simulated_device import SharedTimeline, SimulatedDevice
+from actors.model.simulated_device import on_simulated_device
 from actors.vocabulary import load_tokenizer_identity
 
 logger = logging.getLogger(__name__)
@@ -81,17 +81,6 @@ def _fetch(refs: Sequence[Any]) -> list[Any]:
     return [ref.result() for ref in refs]
 
 
-def simulated_device(spec: Any) -> SimulatedDevice | None:
-    """The worker's simulated device (``engine.simulated_device``; benchmarks only), or None."""
-    args = getattr(spec, "simulated_device", None)
-    if args is None:
-        return None
-    logger.warning("model %s runs on a SIMULATED device: every forward lasts at least %.3g ms + %.3g ms per token "
-                   "(engine.simulated_device; for benchmarks only)", spec.name, args.fixed_ms, args.per_token_ms)
-    shared = getattr(args, "device", None)
-    return SimulatedDevice(args.fixed_ms, args.per_token_ms, timeline=SharedTimeline(shared) if shared else None)
-
-
 class ModelWorker:
     """Hosts one model; use as a Ray actor: ``ray.remote(ModelWorker).options(...).remote(spec)``.
 
@@ -122,8 +111,8 @@ class ModelWorker:
         self.max_sessions = int(max_sessions)
         if shared_kv_budget and worker_kv_cache_memory(kv_cache_memory, self.device) is not None:
             self.max_sessions = 1
-        self.engine = WorkerEngine(self._load_backend(), spec.name, idle_timeout_s, prefix_caching=prefix_caching,
-                                   device=simulated_device(spec), max_tokens_per_step=max_tokens_per_step)
+        self.engine = WorkerEngine(on_simulated_device(self._load_backend(), spec), spec.name, idle_timeout_s,
+                                   prefix_caching=prefix_caching, max_tokens_per_step=max_tokens_per_step)
         self.tokenizer_identity = load_tokenizer_identity(spec.path)  # checked against the group's at start-up
         self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
         self._reaper.start()

@@ -6,14 +6,21 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 
 from actors.api import GenerationRequest
 from actors.coordination.coordinator import Coordinator
-from actors.model.simulated_device import SharedTimeline, SimulatedDevice
-from actors.worker.model_worker import simulated_device
+from actors.model.batch import linear_row
+from actors.model.simulated_device import (
+    SharedTimeline,
+    SimulatedBackend,
+    SimulatedDevice,
+    on_simulated_device,
+    simulated_device,
+)
 from benchmarks.runners import LocalActorHandle
 from cluster.config import ConfigError, SimulatedDeviceArgs, parse_app_args
-from tests.actors.fake_models import FunctionModelWorker, fake_group_config, run_in_process
+from tests.actors.fake_models import FAKE_MODELS, VOCAB, FunctionBackend, FunctionModelWorker, fake_group_config, run_in_process
 
 PROMPT = (1, 2, 3)
 
@@ -45,6 +52,32 @@ def test_a_forward_lasts_what_the_cost_model_says(tokens, real_ms, expected_wait
     else:
         assert clock.sleeps == [pytest.approx(expected_wait_ms / 1000)]
         assert clock.now() - started == pytest.approx(device.forward_seconds(tokens))
+
+
+def test_the_wrapped_backend_waits_for_the_modelled_forward_of_every_row():
+    """SimulatedBackend: the wrapped backend's own logits, returned once the modelled forward over
+    the tokens of every row is over; everything else is the wrapped backend's."""
+    clock = FakeClock()
+    plain, inner = FunctionBackend(FAKE_MODELS["target"], VOCAB), FunctionBackend(FAKE_MODELS["target"], VOCAB)
+    backend = SimulatedBackend(inner, SimulatedDevice(fixed_ms=40.0, per_token_ms=0.5, clock=clock))
+    rows = []
+    for fake in (plain, backend):
+        rows = [linear_row(fake.allocate(), 0, list(PROMPT), 0, [2]), linear_row(fake.allocate(), 0, [4, 5], 0, [0, 1])]
+    expected = plain.forward(rows)
+    got = backend.forward(rows)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and len(got) == 2
+    assert clock.sleeps == [pytest.approx((40.0 + 0.5 * 5) / 1000)]  # 3 + 2 tokens, one forward
+    assert backend.max_slots == inner.max_slots and backend.free_slots() == inner.free_slots()
+
+
+def test_a_worker_is_wrapped_only_on_a_simulated_device():
+    spec = fake_group_config().models[0]
+    backend = FunctionBackend(FAKE_MODELS["target"], VOCAB)
+    assert on_simulated_device(backend, spec) is backend
+    simulated = spec.model_copy(update={"simulated_device": SimulatedDeviceArgs(fixed_ms=1.0, per_token_ms=0.0)})
+    wrapped = on_simulated_device(backend, simulated)
+    assert isinstance(wrapped, SimulatedBackend) and wrapped.inner is backend
+    assert isinstance(FunctionModelWorker(simulated, 60.0).backend, SimulatedBackend)
 
 
 def test_models_on_one_shared_device_never_overlap(tmp_path):
