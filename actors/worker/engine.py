@@ -41,13 +41,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from actors.model.batch import RowWork, RunAttend, linear_row
 from actors.messages import CallTiming, ItemOutcome, OpenSession, Prefill, PrefillProgress, RowSampling, WorkItem
+from actors.worker.isolation import batched_then_alone
 from actors.worker.prefix_cache import PrefixCache
 from actors.worker.sessions import Session, SessionNotFoundError, SessionStore
 from verifiers.machines import (
@@ -322,11 +323,16 @@ class _ScoreVerifyTask(_Task):
         return block_key(self.need.method, self.spec, self.inputs)
 
     def verify_alone(self) -> None:
-        """Verify this block by itself on the request's verification stream."""
+        """Verify this block by itself on the request's verification stream, and commit."""
+        self.finish(*self.verified_alone())
+
+    def verified_alone(self) -> tuple[Any, int]:
+        """The verifier's result of this block by itself (on the request's verification stream)
+        and its row in it, to :meth:`finish`."""
         started = time.perf_counter()
         result = verify_blocks(self.spec, [self.inputs], [self.source], state=self.session.verify_state)
         self.verify_s += time.perf_counter() - started
-        self.finish(result, 0)
+        return result, 0
 
     def finish(self, result: Any, row: int) -> None:
         """Take batch row ``row`` of the verifier's ``result``: commit the emitted tokens."""
@@ -380,21 +386,21 @@ class _ScoreBlockTask(_ScoreVerifyTask):
         return self.logits, None
 
 
-def verify_together(tasks: Sequence[_ScoreVerifyTask]) -> None:
+def verify_together(tasks: Sequence[_ScoreVerifyTask]) -> list[tuple[Any, int]]:
     """ONE verifier call for the blocks of many requests with the same rule and block length
     (their :attr:`_ScoreVerifyTask.batch_key`): rows stacked ``[B, gamma]`` / ``[B, gamma, V]`` /
     ``[B, gamma+1, V]``, each row drawing from its own request's verification stream
     (:func:`verifiers.blocks.verify_blocks`: the draws a call of batch 1 would make), so every
-    request gets the tokens it would get verified alone. The call's time is shared evenly."""
+    request gets the tokens it would get verified alone. Returns each task's (result, row), to
+    :meth:`_ScoreVerifyTask.finish`; the call's time is shared evenly."""
     if len(tasks) == 1:
-        tasks[0].verify_alone()
-        return
+        return [tasks[0].verified_alone()]
     started = time.perf_counter()
     result = verify_blocks(tasks[0].spec, [task.inputs for task in tasks], [task.source for task in tasks])
     share = (time.perf_counter() - started) / len(tasks)
-    for row, task in enumerate(tasks):
+    for task in tasks:
         task.verify_s += share
-        task.finish(result, row)
+    return [(result, row) for row in range(len(tasks))]
 
 
 class _PreDraftTask(_Task):
@@ -804,6 +810,7 @@ class WorkerEngine:
                            reuse=not spec.prompt_logits)
 
     def _run_forwards(self, tasks: list[_Task | None], errors: dict[int, str], items: Sequence[WorkItem]) -> float:
+        fail = self._failer(tasks, errors, items)
         forward_s = 0.0
         while True:
             live = [i for i, task in enumerate(tasks) if task is not None and task.active]
@@ -815,20 +822,19 @@ class WorkerEngine:
                     rows[i] = tasks[i].row()
                     if tasks[i].prompt_positions and tasks[i].prompt_logits is None:
                         rows[i] = keep_prompt_positions(rows[i], tasks[i].prompt_positions)
-                except Exception as error:  # noqa: BLE001
-                    tasks[i] = None
-                    errors[i] = self._fail(items[i].session_id, error)
+                except Exception as error:  # noqa: BLE001 - reported to the one request
+                    fail(i, error)
             started = time.perf_counter()
             logits: dict[int, torch.Tensor] = {}
             for group in forward_groups(rows, self.backend.forward_overhead_tokens):
-                logits.update(self._forward(group, tasks, errors, items))
+                logits.update(self._forward(group, fail))
                 self.rows_per_forward.append(len(group))
                 self.forward_passes_total += 1
             elapsed = time.perf_counter() - started
             forward_s += elapsed
             self.forward_seconds_total += elapsed
             del self.rows_per_forward[:-256]
-            sampling: list[tuple[int, torch.Tensor]] = []  # (task, its rows [K, V]) to draw together
+            sampling: dict[int, torch.Tensor] = {}  # task -> its rows [K, V], to draw together
             for i, row_logits in logits.items():
                 task = tasks[i]
                 task.forwards += 1
@@ -841,79 +847,57 @@ class WorkerEngine:
                     row_logits = row_logits[count:]
                 try:
                     if isinstance(task, _SampleTask):
-                        sampling.append((i, task.rows_to_draw(row_logits)))
+                        sampling[i] = task.rows_to_draw(row_logits)
                     else:
                         task.take(row_logits)
-                except Exception as error:  # noqa: BLE001
-                    tasks[i] = None
-                    errors[i] = self._fail(items[i].session_id, error)
-            self._draw_together(sampling, tasks, errors, items)
-            self._verify_waiting(tasks, errors, items)
+                except Exception as error:  # noqa: BLE001 - reported to the one request
+                    fail(i, error)
+            self._draw_together(sampling, tasks, fail)
+            self._verify_waiting(tasks, fail)
 
-    def _draw_together(self, sampling: list[tuple[int, torch.Tensor]], tasks: list[_Task | None],
-                       errors: dict[int, str], items: Sequence[WorkItem]) -> None:
-        """Draw this forward's tokens of every sampling task in ONE call
-        (:func:`verifiers.randomness.categorical_together`: each task's stream draws what its own
-        call would); if that call raises, each task alone, failing only the tasks that fail."""
-        try:
-            drawn = categorical_together([(tasks[i].source, rows) for i, rows in sampling])
-        except Exception:  # noqa: BLE001 - find the tasks that fail, below
-            drawn = [None] * len(sampling)
-        for (i, rows), tokens in zip(sampling, drawn):
-            try:
-                tasks[i].drawn(rows, tokens if tokens is not None else tasks[i].source.categorical(rows))
-            except Exception as error:  # noqa: BLE001
-                tasks[i] = None
-                errors[i] = self._fail(items[i].session_id, error)
+    def _draw_together(self, sampling: dict[int, torch.Tensor], tasks: list[_Task | None],
+                       fail: Callable[[int, Exception], None]) -> None:
+        """Draw this forward's tokens of every sampling task (``sampling``: task -> its rows
+        ``[K, V]``) in ONE call (:func:`verifiers.randomness.categorical_together`: each task's
+        stream draws what its own call would); if that call raises, each task alone, failing only
+        the tasks that fail (:func:`batched_then_alone`)."""
+        batched_then_alone(
+            list(sampling),
+            lambda indices: categorical_together([(tasks[i].source, sampling[i]) for i in indices]),
+            lambda i: tasks[i].source.categorical(sampling[i]),
+            lambda i, tokens: tasks[i].drawn(sampling[i], tokens),
+            fail, f"{self.name}: drawing tokens together",
+        )
 
-    def _verify_waiting(self, tasks: list[_Task | None], errors: dict[int, str], items: Sequence[WorkItem]) -> None:
+    def _verify_waiting(self, tasks: list[_Task | None], fail: Callable[[int, Exception], None]) -> None:
         """Verify the blocks waiting after this forward, one verifier call per rule and block
         length (:func:`verify_together`); if a call raises, each block alone, failing only the
-        requests whose verification fails."""
+        requests whose verification fails (:func:`batched_then_alone`)."""
         groups: dict[tuple[str, int], list[int]] = {}
         for i, task in enumerate(tasks):
             if isinstance(task, _ScoreVerifyTask) and task.result is None and task.batch_key is not None:
                 groups.setdefault(task.batch_key, []).append(i)
         for indices in groups.values():
-            try:
-                verify_together([tasks[i] for i in indices])
-                continue
-            except Exception:  # noqa: BLE001 - find the blocks that fail, below
-                if len(indices) > 1:
-                    logger.warning("%s: verifying %d blocks together failed; verifying each alone", self.name,
-                                   len(indices))
-            for i in indices:
-                try:
-                    if tasks[i].result is None:
-                        tasks[i].verify_alone()
-                except Exception as error:  # noqa: BLE001
-                    tasks[i] = None
-                    errors[i] = self._fail(items[i].session_id, error)
+            batched_then_alone(
+                indices,
+                lambda keys: verify_together([tasks[i] for i in keys]),
+                lambda i: tasks[i].verified_alone(),
+                lambda i, verified: tasks[i].finish(*verified),
+                fail, f"{self.name}: verifying blocks together",
+            )
 
-    def _forward(
-        self, rows: dict[int, RowWork], tasks: list[_Task | None], errors: dict[int, str], items: Sequence[WorkItem]
-    ) -> dict[int, torch.Tensor]:
-        """One batched forward; if it raises, each row alone, failing only the rows that fail."""
-        if not rows:
-            return {}
-        indices = list(rows)
-        try:
-            logits = self._to_host(self.backend.forward([rows[i] for i in indices]))
-            return dict(zip(indices, logits))
-        except Exception as error:  # noqa: BLE001 - isolate the failing rows below
-            if len(indices) == 1:
-                tasks[indices[0]] = None
-                errors[indices[0]] = self._fail(items[indices[0]].session_id, error)
-                return {}
-            logger.warning("%s: a batched forward of %d rows failed; retrying row by row", self.name, len(indices))
-        results: dict[int, torch.Tensor] = {}
-        for i in indices:
-            try:
-                results[i] = self._to_host(self.backend.forward([rows[i]]))[0]
-            except Exception as error:  # noqa: BLE001
-                tasks[i] = None
-                errors[i] = self._fail(items[i].session_id, error)
-        return results
+    def _forward(self, rows: dict[int, RowWork], fail: Callable[[int, Exception], None]) -> dict[int, torch.Tensor]:
+        """One batched forward -> each row's logits on the host; if it raises, each row alone,
+        failing only the rows that fail (:func:`batched_then_alone`)."""
+        logits: dict[int, torch.Tensor] = {}
+        batched_then_alone(
+            list(rows),
+            lambda indices: self._to_host(self.backend.forward([rows[i] for i in indices])),
+            lambda i: self._to_host(self.backend.forward([rows[i]]))[0],
+            logits.__setitem__,
+            fail, f"{self.name}: a batched forward",
+        )
+        return logits
 
     @staticmethod
     def _to_host(logits: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -922,6 +906,17 @@ class WorkerEngine:
             return logits
         host = torch.cat(logits).cpu()
         return list(host.split([len(x) for x in logits]))
+
+    def _failer(self, tasks: list[_Task | None], errors: dict[int, str],
+                items: Sequence[WorkItem]) -> Callable[[int, Exception], None]:
+        """``fail(i, error)``: item ``i`` of the step failed with ``error``: its task is dropped,
+        its session freed and its outcome is the error (:meth:`_fail`)."""
+
+        def fail(i: int, error: Exception) -> None:
+            tasks[i] = None
+            errors[i] = self._fail(items[i].session_id, error)
+
+        return fail
 
     def _fail(self, session_id: str, error: Exception) -> str:
         self.sessions.release(session_id)
