@@ -12,6 +12,7 @@ forwards it ran: what the engine's own step costs, apart from Ray's hops and the
     python -m benchmarks.engine_load --strategy sd --concurrency 1 --requests 32 --prefix-caching off
     python -m benchmarks.engine_load --strategy sd --gamma auto --goodput on --concurrency 16 --requests 128
     python -m benchmarks.engine_load --strategy sd --pre-drafting 2 --concurrency 1 --requests 32
+    python -m benchmarks.engine_load --strategy ar --concurrency 16 --requests 64 --lean-forward off
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Force args.engine.goodput_gamma (gamma auto weighs measured step costs; default: the YAML's).")
     parser.add_argument("--sampling-precision", choices=("auto", "float32", "float64"), default=None,
                         help="Force args.engine.sampling_precision (the rows' precision; default: the YAML's).")
+    parser.add_argument("--lean-forward", choices=("on", "off"), default=None,
+                        help="Force args.engine.lean_forward (the lean decoder forward; default: the YAML's).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     group_args = load_app_args(args.config, None)
@@ -101,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_updates["burst_ms"] = args.burst_ms
     if args.sampling_precision is not None:
         engine_updates["sampling_precision"] = args.sampling_precision
+    if args.lean_forward is not None:
+        engine_updates["lean_forward"] = args.lean_forward == "on"
     if engine_updates:
         group_args = group_args.model_copy(update={"engine": group_args.engine.model_copy(update=engine_updates)})
     (case,) = serve_load_cases(ServeLoadSettings(strategies=(args.strategy,)), group_args.freeze().roles)

@@ -337,6 +337,14 @@ class EngineArgs(_Frozen):
         "auto: on when every model worker has its own GPU, off on CPU, where the workers share the cores and the "
         "halved batches cost more than the overlap gains (docs/benchmarks.md).",
     )
+    lean_forward: bool = Field(
+        True,
+        description="Llama-shaped models (llama, mistral, qwen2, qwen3) run the engine's lean decoder forward: the "
+        "model's own operations over packed q/k/v and gate/up weights, without transformers' per-layer dispatch; "
+        "logits equal the model's own forward to float32 rounding, and each worker checks that at load (a model "
+        "that differs runs its own forward, with a warning naming it). false: every model runs its transformers "
+        "decoder module (docs/design.md).",
+    )
     prefix_caching: bool = Field(
         True,
         description="A new request's session copies the keys/values of the longest prefix of its prompt that its "
@@ -476,6 +484,7 @@ class SpecServeArgs(_Frozen):
                 torch_threads=resources.torch_threads,
                 resources=override.resources,
                 simulated_device=self.engine.simulated_device.get(name),
+                lean_forward=self.engine.lean_forward,
             ))
         if self.tokenizer is not None:
             tokenizer_path = resolve_model_path(self.tokenizer)
@@ -511,6 +520,7 @@ class ModelSpec(ModelArgs):
     simulated_device: SimulatedDeviceArgs | None = Field(
         None, description="engine.simulated_device's entry for this model (benchmarks only); None: the real device."
     )
+    lean_forward: bool = Field(True, description="Whether the worker runs the lean decoder forward (engine.lean_forward).")
 
 
 class GroupConfig(LimitsArgs, EngineArgs, CoordinatorResourceArgs, PlacementArgs):

@@ -24,6 +24,7 @@ from actors.model.architectures import UnsupportedModelError, apply_head, resolv
 from actors.model.batch import RowWork, build_batch, reads_in_place
 from actors.model.grouped_attention import use_grouped_attention
 from actors.model.layer_masks import ColumnPositions, layer_masks
+from actors.model.lean_decoder import build_lean_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ class SlotBackend:
     through the model's own head (logit scaling, soft-capping: :func:`~actors.model.architectures.apply_head`).
     GQA models read their grouped keys/values in place (:mod:`actors.model.grouped_attention`).
 
+    With ``lean_forward`` a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3) runs the lean decoder
+    forward (:mod:`actors.model.lean_decoder`: the same law, less work around the ops); other models,
+    or with it off, run their own decoder module.
+
     Slots hold ``max_context`` (capped by ``max_model_len``) plus ``scratch_columns`` columns; there
     are as many as ``kv_cache_memory`` holds (:mod:`actors.model.kv_budget`), ``max_slots`` when it is None.
     """
@@ -57,7 +62,7 @@ class SlotBackend:
     def __init__(
         self, model: Any, device: str, max_context: int | None = None, *, max_slots: int = 64,
         scratch_columns: int = 64, initial_slots: int | None = None, name: str | None = None,
-        max_model_len: int | None = None, kv_cache_memory: int | float | None = None,
+        max_model_len: int | None = None, kv_cache_memory: int | float | None = None, lean_forward: bool = True,
     ):
         from actors.model.kv_budget import context_limit, plan_kv_slots
         from actors.model.kv_cache import SlotKVCache
@@ -88,6 +93,9 @@ class SlotBackend:
         self.forward_overhead_tokens = FORWARD_OVERHEAD_TOKENS.get(torch.device(device).type, FORWARD_OVERHEAD_TOKENS["cuda"])
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        self.name = name
+        # The lean decoder (actors.model.lean_decoder) where asked for and covered; None: the model's own.
+        self.lean = build_lean_decoder(model, self.architecture, name) if lean_forward else None
         # By default every slot is allocated up front: growing a large cache under load stalls a
         # step (measured: 1.9 s to grow the embedded target from 4 to 32 slots mid-request), and
         # the worker's memory is then known at start-up.
@@ -104,7 +112,7 @@ class SlotBackend:
     def load(
         cls, path: str, *, dtype: str | None = "float32", revision: str | None = None, device: str = "cpu",
         max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64, initial_slots: int | None = None,
-        max_model_len: int | None = None, kv_cache_memory: int | float | None = None,
+        max_model_len: int | None = None, kv_cache_memory: int | float | None = None, lean_forward: bool = True,
     ) -> SlotBackend:
         """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub).
         ``dtype`` None: the checkpoint's own on a GPU, float32 on CPU (:func:`actors.model.kv_budget.resolve_dtype`);
@@ -128,7 +136,8 @@ class SlotBackend:
         logger.info("loaded %s (%s, %s, %s) on %s", path, type(model).__name__, dtype,
                     architecture.attn_implementation, device)
         return cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
-                   initial_slots=initial_slots, name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
+                   initial_slots=initial_slots, name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                   lean_forward=lean_forward)
 
     def resize_slots(self, slots: int) -> None:
         """Hold ``slots`` slots from now on (a new, empty cache): the worker that hosts several models
@@ -186,22 +195,32 @@ class SlotBackend:
                                      self.model.dtype)  # [B, 1, L, T_kv], or one per layer type
         self.cache.bind(batch.slots, batch.write_columns, batch.kv_length, batch.first_slot)
         try:
-            output = self.decoder(
-                input_ids=batch.input_ids,  # [B, L]
-                position_ids=batch.position_ids,  # [B, L]
-                attention_mask=attention_mask,
-                past_key_values=self.cache,
-                use_cache=True,
-            )
+            hidden = self._decoder_forward(batch.input_ids, batch.position_ids, attention_mask)  # [B, L, hidden]
         finally:
             self.cache.unbind()
-        hidden = output.last_hidden_state  # [B, L, hidden]
         kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.keep_index)  # [N_keep, hidden]
         logits = apply_head(self.architecture, self.lm_head(kept)).float()  # [N_keep, V]: the model's own head
         per_row: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
         for index, row_logits in zip(batch.row_order, logits.split(batch.keep_counts)):
             per_row[index] = row_logits  # [len(keep), V]
         return per_row
+
+
+    def _decoder_forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """The decoder over the bound cache: ``[B, L]`` ids and positions -> ``[B, L, hidden]``; the
+        lean path (:mod:`actors.model.lean_decoder`) where it was built, else the model's own decoder."""
+        if self.lean is not None:
+            try:
+                return self.lean(input_ids, position_ids, attention_mask, self.cache)
+            except Exception as error:  # noqa: BLE001 - the model's own decoder rewrites the same columns
+                logger.warning("%s: the lean decoder failed (%s: %s); running the model's own decoder from now on",
+                               self.name, type(error).__name__, error)
+                self.lean = None
+        output = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                              past_key_values=self.cache, use_cache=True)
+        return output.last_hidden_state
 
 
 def _config_context(config: Any) -> int:

@@ -1,0 +1,123 @@
+"""The lean decoder forward has the model's own law: its logits equal transformers' own forward.
+
+For every family the lean path covers (:data:`actors.model.lean_decoder.LEAN_FAMILIES`), the tiny
+random models of the architecture matrix (``test_architectures.CONFIGS``: grouped key/value
+heads, Qwen2's q/k/v biases and sliding layers, Qwen3's per-head norms, Mistral's window) run
+through a :class:`actors.model.backends.SlotBackend` on the lean path: a prompt longer than the
+window with a second session in the same forward, then two draft chains in one row; every kept
+position's float32 logits equal the model's own full forward of that context (``ATOL``) and the
+model's own decoder over the same cache (the backend with ``lean_forward=False``). Families the
+path does not cover run their own decoder; a variant the path does not reproduce is caught by
+the load-time check and runs its own decoder, with a warning naming the model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from actors.model.backends import SlotBackend
+from actors.model.batch import chains_row, linear_row
+from actors.model.lean_decoder import LEAN_FAMILIES
+from tests.actors.model.test_architectures import CONFIGS, WINDOW, _common
+
+ATOL = 1e-4  # float32: cached, batched attention vs one full forward differ by rounding only
+VOCAB = 96
+LEAN_CASES = {"llama": "llama", "mistral": "mistral-sliding", "qwen2": "qwen2-sliding", "qwen3": "qwen3"}
+OWN_DECODER_CASES = ["gpt2", "gemma2-sliding-softcap", "phi"]
+
+
+def _model(case: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(sum(map(ord, case)))
+    config = CONFIGS[case](_common(VOCAB, eos=0))
+    config._attn_implementation = "eager" if case.startswith("gemma2") else "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _backend(model, lean_forward: bool) -> SlotBackend:
+    return SlotBackend(model, "cpu", 64, max_slots=4, scratch_columns=16, name=type(model).__name__,
+                       lean_forward=lean_forward)
+
+
+@torch.inference_mode()
+def _full_logits(model, context: list[int]) -> torch.Tensor:
+    """transformers' own forward of the whole context, no cache: ``[len(context), V]``."""
+    return model(torch.tensor([context])).logits[0].float()
+
+
+def _rows_against_full_forward(backend: SlotBackend, model) -> list[torch.Tensor]:
+    """Prefill two sessions in one forward, then two chains in one row; check every kept position
+    against the model's full forward; return every logits tensor (to compare two backends)."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in (2 * WINDOW + 3, 7)]
+    slots = [backend.allocate() for _ in prompts]
+    prefill = backend.forward([linear_row(slot, 0, prompt, 0, range(len(prompt))) for slot, prompt in zip(slots, prompts)])
+    for prompt, logits in zip(prompts, prefill):
+        torch.testing.assert_close(logits, _full_logits(model, prompt), atol=ATOL, rtol=0)
+    chains = [torch.randint(1, VOCAB, (4,), generator=generator).tolist() for _ in range(2)]
+    prompt = prompts[0]
+    (chain_logits,) = backend.forward([chains_row(slots[0], len(prompt), chains, len(prompt), range(8))])
+    for k, chain in enumerate(chains):
+        expected = _full_logits(model, prompt + chain)[len(prompt):]  # [4, V]
+        torch.testing.assert_close(chain_logits[4 * k: 4 * (k + 1)], expected, atol=ATOL, rtol=0)
+    for slot in slots:
+        backend.free(slot)
+    return [*prefill, chain_logits]
+
+
+def test_every_lean_family_is_tested():
+    assert set(LEAN_CASES) == set(LEAN_FAMILIES)
+
+
+@pytest.mark.parametrize("family", sorted(LEAN_CASES))
+def test_lean_logits_equal_transformers(family):
+    model = _model(LEAN_CASES[family])  # the same weights twice: a backend sets its model's attention
+    reference = _rows_against_full_forward(_backend(_model(LEAN_CASES[family]), lean_forward=False), model)
+    lean = _backend(model, lean_forward=True)
+    assert lean.lean is not None, f"{family} should run the lean decoder"
+    for got, own in zip(_rows_against_full_forward(lean, model), reference):
+        torch.testing.assert_close(got, own, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", OWN_DECODER_CASES)
+def test_other_families_run_their_own_decoder(case):
+    model = _model(case)
+    backend = _backend(model, lean_forward=True)
+    assert backend.lean is None
+    _rows_against_full_forward(backend, model)
+
+
+def test_a_variant_the_lean_path_does_not_reproduce_runs_its_own_decoder(caplog):
+    """A Llama whose first norm scales by (1 + weight), as Gemma's does: the load-time check sees the
+    difference and the backend runs the model's own decoder, whose law the rows then follow."""
+    model = _model("llama")
+    norm = model.get_decoder().layers[0].input_layernorm
+    original = norm.forward
+    norm.forward = lambda hidden: original(hidden) * (1.0 + norm.weight) / norm.weight
+    with caplog.at_level(logging.WARNING, logger="actors.model.lean_decoder"):
+        backend = _backend(model, lean_forward=True)
+    assert backend.lean is None
+    assert any("LlamaForCausalLM" in record.getMessage() and "differ" in record.getMessage()
+               for record in caplog.records)
+    _rows_against_full_forward(backend, model)
+
+
+def test_a_failing_lean_forward_falls_back_to_the_model_own_decoder(caplog):
+    """A lean forward that raises mid-step (its cause cannot be produced by a served model here, so
+    the lean decoder is replaced by one that raises): the same step is served by the model's own
+    decoder, with a warning naming the model, and so is every later step."""
+    model = _model("llama")
+    backend = _backend(model, lean_forward=True)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("unsupported shape")
+
+    backend.lean = failing
+    with caplog.at_level(logging.WARNING, logger="actors.model.backends"):
+        _rows_against_full_forward(backend, model)
+    assert backend.lean is None
+    assert any("LlamaForCausalLM" in record.getMessage() and "unsupported shape" in record.getMessage()
+               for record in caplog.records)
