@@ -3,15 +3,55 @@
 These are the only objects that cross the Serve ingress <-> Coordinator boundary. They are
 pydantic models with ``extra="forbid"`` so a bad field is named in the error, and they are
 plain data (picklable) so they travel through Ray unchanged.
+
+They are also the one place a request's values are checked. HTTP and gRPC both build a
+:class:`GenerationRequest` from the deployment's defaults and the client's fields
+(:func:`GenerationRequest.parse`), and its constraints refuse what the decoding code cannot
+take, before any model work:
+
+- non-finite numbers (``NaN``, ``inf``; JSON ``1e400`` parses as ``inf``) and the ranges of
+  ``temperature`` (0, greedy, or at least :data:`MIN_POSITIVE_TEMPERATURE`: ``logits / 1e-320``
+  overflows), ``top_p``, the penalties, ``min_p``, the ``logit_bias`` values, ``speculation.mu``
+  (at most :data:`MAX_MU`: ``expert - 1e308 * amateur`` overflows) and ``speculation.weights``;
+- integers beyond int64 (HTTP JSON has no limit; seeds must fit a torch generator), negative
+  token ids (``prompt_ids``, ``logit_bias``), block lengths outside [1, :data:`MAX_GAMMA`];
+- sizes: the prompt (``max_prompt_chars``, the deployment's ``limits.max_prompt_chars``),
+  stop strings, ``logit_bias`` entries, the ``weights`` / ``gammas`` / ``members`` lists, names;
+- the values that go together: ``max_tokens`` 0 only with prompt log-probabilities,
+  ``min_tokens`` at most ``max_tokens`` and not with a structured-output constraint, a
+  structured-output grammar that compiles (:class:`StructuredOutput`), distinct members.
+
+Every failure is an :class:`InvalidRequestError` naming the field by its path
+(``sampling.temperature``, ``speculation.weights``; :func:`invalid_request`), which the
+protocols rename to their own (HTTP ``temperature``) and answer with HTTP 400 / gRPC
+INVALID_ARGUMENT. What depends on the deployment is checked where the deployment is known:
+the strategy's rule, models and list lengths by
+:func:`actors.coordination.plan.resolve_plan`, the prompt against the vocabulary and the
+context by the coordinator.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+import functools
+import json
+import types
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from verifiers.ensemble import EnsembleKind  # the ensemble functions' vocabulary, defined once
+from verifiers.ensemble import WEIGHT_SUM_TOLERANCE, EnsembleKind  # the ensemble functions' vocabulary, defined once
 
 Strategy = Literal["ar", "sd", "multi_draft", "ensemble", "se"]
 FinishReason = Literal["stop", "length", "error"]
@@ -20,6 +60,24 @@ MAX_GAMMA = 32
 MAX_DRAFTS = 8
 MAX_TOP_LOGPROBS = 20
 MAX_NGRAM = 16
+INT64_MAX = 2**63 - 1
+#: Smallest positive temperature (0 means greedy).
+MIN_POSITIVE_TEMPERATURE = 1e-6
+#: Largest contrastive strength ``speculation.mu``.
+MAX_MU = 1000.0
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256
+#: Longest ``weights`` / ``gammas`` / ``members`` list.
+MAX_LIST_ITEMS = 64
+#: Largest absolute ``presence_penalty`` / ``frequency_penalty`` (OpenAI's range).
+MAX_PENALTY = 2.0
+#: Largest ``repetition_penalty`` (must be > 0; 1 disables it).
+MAX_REPETITION_PENALTY = 10.0
+#: Most ``logit_bias`` entries, and the bound of their values.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
+#: Longest model, member or method name.
+MAX_NAME_CHARS = 128
 
 
 def check_gamma(value: object) -> int | str:
@@ -36,9 +94,52 @@ def check_gamma(value: object) -> int | str:
 GammaValue = Annotated[Union[int, Literal["auto"]], PlainValidator(check_gamma, json_schema_input_type=Union[int, Literal["auto"]])]
 
 
+def _greedy_or_positive(value: float) -> float:
+    if 0 < value < MIN_POSITIVE_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_POSITIVE_TEMPERATURE} (got {value})")
+    return value
+
+
+# The value types of the request fields: each constraint is declared once, here.
+#: An integer >= 0 that fits an int64 (seeds feed torch generators; token ids, counts).
+Int64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False), AfterValidator(_greedy_or_positive)]
+#: Alternatives per token of log-probabilities (OpenAI's ``top_logprobs``).
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
+#: A model or member name.
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+#: A weighted ensemble's weight.
+Weight = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+#: A draft or proposal block length.
+BlockLength = Annotated[int, Field(ge=1, le=MAX_GAMMA)]
+#: Contrastive strength.
+Mu = Annotated[float, Field(ge=0.0, le=MAX_MU, allow_inf_nan=False)]
+
+
+def check_weight_sum(weights: Any) -> Any:
+    """Weights (when given) must sum to 1 (within :data:`WEIGHT_SUM_TOLERANCE`)."""
+    if weights is not None and weights and abs(sum(weights) - 1.0) > WEIGHT_SUM_TOLERANCE:
+        raise ValueError(f"weights must sum to 1, got sum {sum(weights)!r}")
+    return weights
+
+
+def check_distinct(names: Any) -> Any:
+    """Member names (when given) must be distinct."""
+    if names is not None and len(set(names)) != len(names):
+        raise ValueError(f"members must be distinct, got {shortened(list(names))}")
+    return names
+
+
 class InvalidRequestError(ValueError):
     """A request parameter is invalid. ``field`` names it (dotted path), so the HTTP layer can
-    answer 400 and the gRPC layer INVALID_ARGUMENT with a message that names the field."""
+    answer 400 and the gRPC layer INVALID_ARGUMENT with a message that names the field.
+
+    Raised inside a model's validator, ``field`` is relative to that model (a
+    :class:`SamplingParams` validator names ``min_tokens``; the request error then names
+    ``sampling.min_tokens``, :func:`invalid_request`)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
@@ -65,40 +166,71 @@ class StructuredOutput(_Frozen):
     spec: Any = Field(None, description="The schema, regex, choices or grammar (None for json_object).")
     field: str = Field("structured_outputs", description="The request field it came from (named in errors).")
 
+    @model_validator(mode="after")
+    def _compiles(self) -> StructuredOutput:
+        """The constraint's grammar alone (no tokenizer, no model work): invalid schemas, regexes
+        and grammars, unsupported keywords and grammars over the engine's limits are refused here
+        (over the tokenizer: the coordinator)."""
+        from verifiers.grammar import GrammarError, compile_constraint
+
+        try:
+            compile_constraint(self.kind, self.spec, None)
+        except GrammarError as error:
+            raise ValueError(str(error)) from None
+        return self
+
+    @classmethod
+    def checked(cls, kind: str, spec: Any = None, field: str = "structured_outputs") -> StructuredOutput:
+        """The constraint, or :class:`InvalidRequestError` naming ``field`` (the request field it
+        came from) when it does not compile."""
+        try:
+            return cls(kind=kind, spec=spec, field=field)
+        except ValidationError as error:
+            raise InvalidRequestError(field, _message(error.errors(include_url=False)[0])) from None
+
 
 class SamplingParams(_Frozen):
     """How tokens are drawn. Every strategy samples from exactly this law (losslessness)."""
 
-    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 means greedy (argmax).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1 disables it.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables it.")
-    max_tokens: int = Field(
-        64, ge=0, description="Maximum number of generated tokens; 0 (only with prompt_logprobs) scores the prompt alone."
+    temperature: Temperature = Field(
+        1.0, description=f"Softmax temperature; 0 means greedy (argmax), else at least {MIN_POSITIVE_TEMPERATURE}."
     )
-    stop: list[str] = Field(default_factory=list, description="Stop strings; generation ends before the first match.")
-    seed: int | None = Field(None, ge=0, description="Seed of every random stream of the request; None picks one.")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1]; 1 disables it."
+    )
+    top_k: Int64 = Field(0, description="Keep the k most likely tokens; 0 disables it.")
+    max_tokens: Int64 = Field(
+        64, description="Maximum number of generated tokens; 0 (only with prompt_logprobs) scores the prompt alone."
+    )
+    stop: list[StopString] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS,
+        description=f"Stop strings (at most {MAX_STOP_STRINGS}, each 1..{MAX_STOP_CHARS} characters); generation "
+        "ends before the first match.",
+    )
+    seed: Int64 | None = Field(None, description="Seed of every random stream of the request; None picks one.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    # The penalties' and logit_bias' ranges are checked where requests enter the server, with
-    # every other value (cluster.validation.check_generation_request).
-    presence_penalty: float = Field(
+    presence_penalty: Penalty = Field(
         0.0, description="Subtracted from the logit of every token already generated (OpenAI, -2..2)."
     )
-    frequency_penalty: float = Field(
+    frequency_penalty: Penalty = Field(
         0.0, description="Subtracted from a token's logit once per time it was generated (OpenAI, -2..2)."
     )
     repetition_penalty: float = Field(
-        1.0,
+        1.0, gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False,
         description="Logits of tokens in the prompt or the output are divided by it when positive, multiplied when "
         "negative (the transformers / vLLM extension), in (0, 10]; 1 disables it.",
     )
-    logit_bias: dict[int, float] = Field(
-        default_factory=dict, description="Token id -> value added to its logit before sampling (OpenAI, -100..100)."
+    logit_bias: dict[Int64, LogitBias] = Field(
+        default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES,
+        description=f"Token id -> value added to its logit before sampling (OpenAI, -100..100; at most "
+        f"{MAX_LOGIT_BIAS_ENTRIES} entries; the ids must exist in the vocabulary).",
     )
     min_p: float = Field(
-        0.0, description="Drop tokens whose probability (after temperature and top-k) is below min_p times the "
+        0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="Drop tokens whose probability (after temperature and top-k) is below min_p times the "
         "row's largest, before top-p (vLLM's extension), in [0, 1]; 0 disables it.",
     )
-    min_tokens: int = Field(
+    min_tokens: Int64 = Field(
         0, description="Generate at least this many tokens before an end-of-sequence token can be drawn or a stop "
         "string can end the output (vLLM's extension), in [0, max_tokens].",
     )
@@ -110,22 +242,38 @@ class SamplingParams(_Frozen):
         False, description="Keep the stop string that ended the output at the end of the text."
     )
     truncate_prompt_tokens: int | None = Field(
-        None, description="Keep only the prompt's last this many tokens (>= 1); None keeps it whole."
+        None, ge=1, le=INT64_MAX, description="Keep only the prompt's last this many tokens (>= 1); None keeps it whole."
     )
-    logprobs: int | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS,
+    logprobs: TopLogprobs | None = Field(
+        None,
         description="Return each generated token's log-probability under the law it was sampled from, with this "
         "many most likely alternatives (0: the token alone); None: no log-probabilities.",
     )
     structured: StructuredOutput | None = Field(
         None, description="Constrain the output to a JSON schema, regex, choice or grammar; None: unconstrained."
     )
-    prompt_logprobs: int | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS,
+    prompt_logprobs: TopLogprobs | None = Field(
+        None,
         description="Return each prompt token's log-probability (after the first) under the model's raw law (the "
         "target's, or the ensemble's for ensemble / se, at temperature 1 with no top-k / top-p / penalties), with "
         "this many most likely alternatives; None: none.",
     )
+
+    @model_validator(mode="after")
+    def _fields_agree(self) -> SamplingParams:
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise InvalidRequestError(
+                "max_tokens", "0 only scores the prompt: it needs prompt log-probabilities (echo with logprobs, "
+                "or prompt_logprobs); otherwise at least 1"
+            )
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.structured is not None and self.min_tokens:
+            raise InvalidRequestError("min_tokens", "cannot be combined with a structured-output constraint (the "
+                                      "grammar decides where the output may end)")
+        return self
 
 
 class SpeculationParams(_Frozen):
@@ -133,7 +281,7 @@ class SpeculationParams(_Frozen):
 
     strategy: Strategy | None = Field(None, description="ar | sd | multi_draft | ensemble | se.")
     method: str | None = Field(
-        None,
+        None, max_length=MAX_NAME_CHARS,
         description=(
             "Verification rule: token | block | greedy_block (sd), token | block (se); "
             "spectr | sequential_gbv | spectr_gbv (multi_draft)."
@@ -147,14 +295,20 @@ class SpeculationParams(_Frozen):
     gamma_max: int | None = Field(None, ge=1, le=MAX_GAMMA, description='Largest block "auto" may draft.')
     num_drafts: int | None = Field(None, ge=1, le=MAX_DRAFTS, description="K i.i.d. drafts (multi_draft).")
     ensemble: EnsembleKind | None = Field(None, description="weighted | contrastive (ensemble, se).")
-    weights: list[float] | None = Field(None, description="Weighted ensemble weights, one per member, summing to 1.")
-    mu: float | None = Field(None, ge=0.0, description="Contrastive strength: softmax(expert - mu * amateur).")
-    gammas: list[int] | None = Field(
-        None, description="Per-member proposal lengths (se with the alternate proposer; refused with a model proposer)."
+    weights: list[Weight] | None = Field(
+        None, max_length=MAX_LIST_ITEMS, description="Weighted ensemble weights in [0, 1], one per member, summing to 1."
     )
-    members: list[str] | None = Field(None, description="Names of the ensemble members to use, in order.")
+    mu: Mu | None = Field(None, description=f"Contrastive strength in [0, {MAX_MU:g}]: softmax(expert - mu * amateur).")
+    gammas: list[BlockLength] | None = Field(
+        None, max_length=MAX_LIST_ITEMS,
+        description=f"Per-member proposal lengths in [1, {MAX_GAMMA}] (se with the alternate proposer; refused with a "
+        "model proposer).",
+    )
+    members: list[Name] | None = Field(
+        None, max_length=MAX_LIST_ITEMS, description="Names of the ensemble members to use, in order (distinct)."
+    )
     proposer: str | None = Field(
-        None, description='Who drafts. sd: "draft" (the deployment\'s draft model) or "ngram" (prompt lookup: '
+        None, max_length=MAX_NAME_CHARS, description='Who drafts. sd: "draft" (the deployment\'s draft model) or "ngram" (prompt lookup: '
         "drafts copied from the prompt and the output, no model; plain steps where nothing matches). se: "
         '"alternate" (the members in turn, each verified by the others) or the name of a deployment model (a '
         "draft, or one of the members) whose blocks every member scores in one forward and the ensemble law "
@@ -167,13 +321,16 @@ class SpeculationParams(_Frozen):
         None, ge=1, le=MAX_NGRAM, description="Shortest n-gram prompt lookup and prediction realignment look up."
     )
 
+    _weights_sum_to_one = field_validator("weights")(check_weight_sum)
+    _distinct_members = field_validator("members")(check_distinct)
+
 
 class GenerationRequest(_Frozen):
     """One generation request as the Coordinator receives it."""
 
     request_id: str = Field(..., min_length=1, description="Unique id, used in logs and session names.")
     prompt: str | None = Field(None, description="Prompt text (tokenized by the coordinator).")
-    prompt_ids: list[int] | None = Field(None, description="Prompt token ids (instead of prompt).")
+    prompt_ids: list[Int64] | None = Field(None, description="Prompt token ids (instead of prompt).")
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling parameters.")
     speculation: SpeculationParams = Field(
         default_factory=SpeculationParams, description="Strategy overrides; unset fields use the deployment defaults."
@@ -184,14 +341,168 @@ class GenerationRequest(_Frozen):
     )
 
     @model_validator(mode="after")
-    def _exactly_one_prompt(self) -> GenerationRequest:
+    def _exactly_one_prompt(self, info: ValidationInfo) -> GenerationRequest:
         if (self.prompt is None) == (self.prompt_ids is None):
-            raise ValueError("exactly one of prompt and prompt_ids must be given")
+            raise InvalidRequestError("prompt", "exactly one of prompt and prompt_ids must be given")
         if self.prompt is not None and not self.prompt:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequestError("prompt", "must not be empty")
         if self.prompt_ids is not None and not self.prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
+            raise InvalidRequestError("prompt_ids", "must not be empty")
+        limit = (info.context or {}).get("max_prompt_chars")
+        if limit is not None and self.prompt is not None and len(self.prompt) > limit:
+            raise InvalidRequestError("prompt", f"at most {limit} characters (got {len(self.prompt)})")
+        if limit is not None and self.prompt_ids is not None and len(self.prompt_ids) > limit:
+            raise InvalidRequestError("prompt_ids", f"at most {limit} token ids (got {len(self.prompt_ids)})")
         return self
+
+    @classmethod
+    def parse(cls, fields: Mapping[str, Any], max_prompt_chars: int | None = None) -> GenerationRequest:
+        """Validate a request given as plain fields; :class:`InvalidRequestError` naming the first
+        bad field otherwise. ``max_prompt_chars``: the deployment's prompt size limit
+        (``limits.max_prompt_chars``: characters of a text prompt, or token ids)."""
+        try:
+            return cls.model_validate(fields, context={"max_prompt_chars": max_prompt_chars})
+        except ValidationError as error:
+            raise invalid_request(error, cls) from None
+
+
+# ----------------------------------------------------------------------------------------
+# Validation errors -> InvalidRequestError naming the field
+# ----------------------------------------------------------------------------------------
+
+
+def shortened(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _shown(value: Any) -> str:
+    """A client's value as an error message quotes it: its JSON, cut to 40 characters."""
+    try:
+        text = json.dumps(value, default=str)
+    except ValueError:  # a value json cannot write (a circular structure)
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _bound(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"),
+           "less_than_equal": ("le", "<="), "less_than": ("lt", "<")}
+_LENGTH_UNITS = {"List": "items", "Dictionary": "entries", "Tuple": "items", "Set": "items"}
+
+
+def _message(error: Mapping[str, Any]) -> str:
+    """The message of one pydantic error, as clients read it (the bound, the value they sent)."""
+    kind, ctx = error.get("type", ""), error.get("ctx") or {}
+    got = f" (got {_shown(error.get('input'))})"
+    if kind in ("value_error", "assertion_error"):
+        inner = ctx.get("error")
+        if isinstance(inner, InvalidRequestError):
+            return inner.message
+        message = error["msg"]
+        return message[len("Value error, "):] if message.startswith("Value error, ") else message
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "field required"
+    if kind == "finite_number":
+        return "must be a finite number" + got
+    if kind in _BOUNDS:
+        key, operator = _BOUNDS[kind]
+        return f"must be {operator} {_bound(ctx[key])}{got}"
+    if kind in ("too_long", "string_too_long"):
+        unit = "characters" if kind.startswith("string") else _LENGTH_UNITS.get(ctx.get("field_type"), "items")
+        actual = ctx.get("actual_length") if unit != "characters" else len(error.get("input") or "")
+        return f"at most {ctx['max_length']} {unit}" + ("" if actual is None else f" (got {actual})")
+    if kind in ("too_short", "string_too_short"):
+        if ctx.get("min_length") == 1:
+            return "must not be empty"
+        unit = "characters" if kind.startswith("string") else _LENGTH_UNITS.get(ctx.get("field_type"), "items")
+        return f"at least {ctx['min_length']} {unit}" + got
+    if kind in ("model_type", "model_attributes_type"):
+        return error["msg"]
+    return error["msg"] + got
+
+
+def _nested(annotation: Any) -> tuple[Any, Any]:
+    """What an error location may go into below a field of this annotation: ``("model",
+    Model)`` (``Model | None``), ``("items", Model)`` (``list[Model] | None``), ``("keys",
+    None)`` (a dict with string keys), else ``(None, None)``."""
+    options = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    for option in options:
+        if isinstance(option, type) and issubclass(option, BaseModel):
+            return "model", option
+        if get_origin(option) is list:
+            (item,) = get_args(option) or (None,)
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                return "items", item
+        if get_origin(option) is dict and get_args(option)[:1] == (str,):
+            return "keys", None
+    return None, None
+
+
+def _field_path(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field a pydantic error location points at, as the client names it: model fields,
+    list indexes of nested models (``messages.0.content``) and string keys (``metadata.k``);
+    never an item of a list of values, a numeric key or a union member
+    (``speculation.weights``, not ``speculation.weights.3``)."""
+    parts: list[str] = []
+    below: tuple[Any, Any] = ("model", model)
+    for part in loc:
+        kind, inner = below
+        if kind == "items" and isinstance(part, int):
+            parts.append(str(part))
+            below = ("model", inner)
+        elif kind == "keys" and isinstance(part, str) and part != "[key]":
+            parts.append(part)
+            break
+        elif kind == "model" and isinstance(part, str) and part in inner.model_fields:
+            parts.append(part)
+            below = _nested(inner.model_fields[part].annotation)
+        else:
+            break
+    return parts
+
+
+@functools.cache
+def _adapter(value_type: Any) -> TypeAdapter:
+    return TypeAdapter(value_type)
+
+
+def check_value(field: str, value_type: Any, value: Any) -> Any:
+    """``value`` validated (strictly) as ``value_type`` (one of the value types above), or
+    :class:`InvalidRequestError` naming ``field``: for the values a protocol carries outside a
+    :class:`GenerationRequest` (gRPC's ``sampling.n``), checked by the same constraints."""
+    try:
+        return _adapter(value_type).validate_python(value, strict=True)
+    except ValidationError as error:
+        raise InvalidRequestError(field, _message(error.errors(include_url=False)[0])) from None
+
+
+def invalid_request(error: ValidationError, model: type[BaseModel], whole: str = "request",
+                    field_names: Mapping[str, str] | None = None) -> InvalidRequestError:
+    """The first error of validating ``model`` as an :class:`InvalidRequestError` naming its field
+    (dotted path; ``whole`` when it is about the input as a whole). An
+    :class:`InvalidRequestError` raised by a validator names its field relative to the model it
+    validates. ``field_names`` renames paths to the caller's own (HTTP: ``sampling.temperature``
+    -> ``temperature``)."""
+    first = error.errors(include_url=False)[0]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return InvalidRequestError(whole, f"invalid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    loc = tuple(first.get("loc", ()))
+    parts = [str(part) for part in loc] if kind == "extra_forbidden" else _field_path(model, loc)
+    inner = (first.get("ctx") or {}).get("error")
+    if isinstance(inner, InvalidRequestError) and inner.field:
+        parts.append(inner.field)
+    field = ".".join(parts) or whole
+    if field_names:
+        field = field_names.get(field, field)
+    return InvalidRequestError(field, _message(first))
 
 
 class RequestStats(_Frozen):

@@ -14,9 +14,9 @@ one :class:`actors.api.GenerationRequest` per choice (prompts x ``n`` samples) -
 ObjectRefGenerator), the choices of one request concurrently -> chunks back to the client,
 interleaved and tagged with their choice index when streamed.
 
-Every field is checked before any model work (:mod:`cluster.validation`; then, in the
-coordinator, the plan, resolved once per request, and
-the prompt against the models), the same way on both protocols. With an
+Every field is checked before any model work by the constraints of :mod:`actors.api` (then,
+in the coordinator, the plan against the deployment, resolved once per request, and the prompt
+against the models), the same way on both protocols. With an
 API key configured (``args.security.api_key`` or ``SPECSERVE_API_KEY``), every route but
 ``GET /health`` and every gRPC call must present it (:mod:`cluster.security`).
 

@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
 from actors.api import (
     GenerationRequest,
     InvalidRequestError,
@@ -31,9 +29,7 @@ from cluster.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     check_sample_seeds,
-    invalid_request_from_validation,
 )
-from cluster.validation import check_generation_request
 
 def build_generation_request(
     *,
@@ -46,8 +42,8 @@ def build_generation_request(
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
     prediction: str | list[int] | None = None,
 ) -> GenerationRequest:
-    """Merge deployment sampling defaults with the request's overrides into a GenerationRequest
-    and check every field (:func:`cluster.validation.check_generation_request`).
+    """Merge deployment sampling defaults with the request's overrides into a GenerationRequest,
+    every field checked by its constraints (:meth:`actors.api.GenerationRequest.parse`).
 
     Raises :class:`InvalidRequestError` (field renamed through ``field_names``) when the merged
     request is invalid.
@@ -67,13 +63,11 @@ def build_generation_request(
     else:
         fields["prompt_ids"] = prompt
     try:
-        request = GenerationRequest.model_validate(fields)
-    except ValidationError as error:
-        raise invalid_request_from_validation(error, field_names) from None
-    try:
-        return check_generation_request(request, max_prompt_chars)
+        return GenerationRequest.parse(fields, max_prompt_chars)
     except InvalidRequestError as error:
         field = (field_names or {}).get(error.field, error.field)
+        if field == error.field:
+            raise
         raise InvalidRequestError(field, error.message) from None
 
 

@@ -16,9 +16,8 @@ The ingress methods (``cluster/app.py``) use the functions here:
 - :func:`check_wire_types` rejects fields that arrived with the wrong wire type (a client
   built from a different .proto): protobuf keeps such fields as *unknown fields* instead of
   failing, so without this check they would silently take their defaults;
-- :func:`to_generation_requests` validates presence-aware options and every field
-  (:mod:`cluster.validation` and the checks of :mod:`cluster.schemas`, the same rules as
-  HTTP) and names the bad field (``sampling.temperature``, ``speculation.gamma``) in an
+- :func:`to_generation_requests` reads presence-aware options and checks every field by the
+  constraints of :mod:`actors.api` (the same ones HTTP uses) and names the bad field (``sampling.temperature``, ``speculation.gamma``) in an
   :class:`InvalidRequestError`; ``sampling.n`` > 1 gives one coordinator request per sample
   (sample ``i`` seeded with ``seed + i``);
 - :func:`chunk_to_response` / :func:`final_response` render chunks (tagged with their choice
@@ -32,15 +31,27 @@ Status codes (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, INTERNAL) are chosen by 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
+from pydantic import Field
 
-from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, StructuredOutput, TokenLogprob
+from actors.api import (
+    MAX_NAME_CHARS,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestStats,
+    StructuredOutput,
+    TokenLogprob,
+    TopLogprobs,
+    check_value,
+)
 from cluster.config import DEFAULT_MAX_PROMPT_CHARS
 from cluster.generation_requests import (
     ChoiceSpec,
@@ -53,16 +64,18 @@ from cluster.responses import CompletionAccumulator, TokenTexts, merged_speculat
 from cluster.schemas import (
     MAX_CHOICES,
     VLLM_SAMPLING_FIELDS,
-    check_n,
+    SampleCount,
     check_sample_seeds,
-    check_top_logprobs,
     parse_structured_outputs,
 )
-from cluster.validation import MAX_NAME_CHARS, check_request_id
 from protos import specserve_pb2, specserve_pb2_grpc
 
 #: The servicer registration function for ``grpc_options.grpc_servicer_functions``.
 SERVICER_REGISTRATION = "cluster.grpc_service.add_SpecServeServicer_to_server"
+#: A client-chosen request id (``request_id``): used in logs and session names.
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+#: The served model a call names (empty: the one served).
+ModelName = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 
 
 @dataclass(frozen=True)
@@ -209,13 +222,13 @@ def sampling_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, Any]
         overrides["logit_bias"] = dict(sampling.logit_bias)
     top = None
     if sampling.HasField("top_logprobs"):
-        top = check_top_logprobs("sampling.top_logprobs", sampling.top_logprobs)
+        top = check_value("sampling.top_logprobs", TopLogprobs, sampling.top_logprobs)
     if sampling.logprobs:
         overrides["logprobs"] = top or 0
     elif top:
         raise InvalidRequestError("sampling.top_logprobs", "needs logprobs: true")
     if sampling.HasField("prompt_logprobs"):
-        overrides["prompt_logprobs"] = check_top_logprobs("sampling.prompt_logprobs", sampling.prompt_logprobs)
+        overrides["prompt_logprobs"] = sampling.prompt_logprobs
     if sampling.HasField("structured_outputs"):
         overrides["structured"] = structured_output(sampling.structured_outputs)
     return overrides
@@ -235,7 +248,7 @@ def structured_output(message: specserve_pb2.StructuredOutputs) -> StructuredOut
         raise InvalidRequestError(field, "set exactly one of json, json_object, regex, choice, grammar")
     (name, value), = given.items()
     if name == "json_object":
-        return StructuredOutput(kind="json_object", field=f"{field}.json_object")
+        return StructuredOutput.checked("json_object", field=f"{field}.json_object")
     try:
         parsed = parse_structured_outputs({name: value})
     except InvalidRequestError as error:
@@ -246,7 +259,7 @@ def structured_output(message: specserve_pb2.StructuredOutputs) -> StructuredOut
 def samples(request: specserve_pb2.GenerateRequest) -> int:
     """``sampling.n`` (checked), 1 when unset."""
     if request.HasField("sampling") and request.sampling.HasField("n"):
-        return check_n("sampling.n", request.sampling.n)
+        return check_value("sampling.n", SampleCount, request.sampling.n)
     return 1
 
 
@@ -267,20 +280,15 @@ def speculation_overrides(request: specserve_pb2.GenerateRequest) -> dict[str, A
 
 
 def request_prompt(request: specserve_pb2.GenerateRequest) -> str | list[int]:
-    """Exactly one of ``prompt`` / ``prompt_ids``, validated; raises :class:`InvalidRequestError`."""
+    """Exactly one of ``prompt`` / ``prompt_ids`` (its value is checked with the other fields);
+    raises :class:`InvalidRequestError`."""
     has_text = request.HasField("prompt")
     has_ids = len(request.prompt_ids) > 0
     if has_text and has_ids:
         raise InvalidRequestError("prompt", "set exactly one of prompt and prompt_ids, not both")
     if not has_text and not has_ids:
         raise InvalidRequestError("prompt", "field required (set prompt or prompt_ids)")
-    if has_ids:
-        if any(token_id < 0 for token_id in request.prompt_ids):
-            raise InvalidRequestError("prompt_ids", "token ids must be >= 0")
-        return list(request.prompt_ids)
-    if not request.prompt:
-        raise InvalidRequestError("prompt", "must not be empty")
-    return request.prompt
+    return list(request.prompt_ids) if has_ids else request.prompt
 
 
 def check_decoded(request: Any) -> specserve_pb2.GenerateRequest:
@@ -293,6 +301,13 @@ def check_decoded(request: Any) -> specserve_pb2.GenerateRequest:
     if not isinstance(request, specserve_pb2.GenerateRequest):
         raise InvalidRequestError("request", f"expected a specserve.GenerateRequest, got {type(request).__name__}")
     return request
+
+
+def check_request_id(field: str, value: str) -> str:
+    """A client-chosen request id: 1-128 characters of ``A-Z a-z 0-9 . _ : -``."""
+    if not REQUEST_ID_PATTERN.fullmatch(value):
+        raise InvalidRequestError(field, "must be 1-128 characters of A-Z, a-z, 0-9, '.', '_', ':', '-'")
+    return value
 
 
 def client_request_id(request: specserve_pb2.GenerateRequest) -> str | None:
@@ -313,13 +328,7 @@ def to_generation_requests(
     ``max_choices``) and their coordinator requests, every field checked first; raises
     :class:`InvalidRequestError`."""
     check_wire_types(request)
-    if len(request.model) > MAX_NAME_CHARS:
-        raise InvalidRequestError("model", f"at most {MAX_NAME_CHARS} characters (got {len(request.model)})")
-    if request.HasField("speculation"):
-        for name in ("strategy", "ensemble"):
-            value = getattr(request.speculation, name)
-            if len(value) > MAX_NAME_CHARS:
-                raise InvalidRequestError(f"speculation.{name}", f"at most {MAX_NAME_CHARS} characters (got {len(value)})")
+    check_value("model", ModelName, request.model)
     prompt = request_prompt(request)
     overrides = sampling_overrides(request)
     n = samples(request)
@@ -484,6 +493,7 @@ __all__ = [
     "UndecodableRequest",
     "add_SpecServeServicer_to_server",
     "check_decoded",
+    "check_request_id",
     "check_wire_types",
     "client_request_id",
     "decode_request",

@@ -5,8 +5,9 @@ types, ``extra="forbid"``) through :func:`parse_body`. Every validation failure 
 :class:`actors.api.InvalidRequestError` whose ``field`` is the request's own field name
 (``temperature``, ``speculation.gamma``), which the ingress answers with HTTP 400 and an
 OpenAI-style error body (:func:`cluster.responses.error_body`). A field is checked once: its
-type and format here (shared with gRPC: the ``check_*`` functions), its value with every other
-field of the merged request by :func:`cluster.validation.check_generation_request`.
+JSON type and shape here, its value by the constraints of :mod:`actors.api` (the value types
+``SampleCount`` / ``TopLogprobs`` of the fields that stay here, and the
+:class:`actors.api.GenerationRequest` every choice becomes), the same ones gRPC uses.
 
 OpenAI fields that are accepted only at their neutral value answer 400 naming the field
 otherwise: ``suffix`` (null), ``best_of`` (null or equal to ``n``), ``tools`` / ``functions``
@@ -35,22 +36,28 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from actors.api import (
+    INT64_MAX,
     MAX_TOP_LOGPROBS,
     InvalidRequestError,
     SpeculationParams,
     StructuredOutput,
+    TopLogprobs,
+    check_value,
+    invalid_request,
+    shortened,
 )
 from cluster.chat_prompt import check_template_kwargs, render_chat_prompt
-from cluster.validation import INT64_MAX, shortened
 
 #: Most choices one request may ask for (``n`` times the number of prompts); each is its own
 #: coordinator request, decoded concurrently.
 MAX_CHOICES = 64
+#: Samples per prompt (``n``, ``best_of``; gRPC ``sampling.n``).
+SampleCount = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
 
 # Sampling fields a request may set; unset ones fall back to the deployment's defaults.
 #: vLLM's sampling extensions, copied as they are.
@@ -76,15 +83,8 @@ ChatRole = Literal["system", "developer", "user", "assistant"]
 
 
 # ----------------------------------------------------------------------------------------
-# Field checks shared with gRPC (cluster/grpc_service.py): each raises InvalidRequestError
+# Shapes shared with gRPC (cluster/grpc_service.py): each raises InvalidRequestError
 # ----------------------------------------------------------------------------------------
-
-
-def check_n(field: str, value: int) -> int:
-    """Number of samples per prompt: 1..MAX_CHOICES."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
-        raise InvalidRequestError(field, f"must be an integer in [1, {MAX_CHOICES}] (got {shortened(value)})")
-    return value
 
 
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
@@ -92,22 +92,14 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
 
 def parse_token_id_keys(field: str, bias: Mapping[str, float]) -> dict[int, float]:
     """JSON ``logit_bias`` keys (decimal strings) as token ids: ``{int: float}``. The entries'
-    count, ids and values are checked with every other field by
-    :func:`cluster.validation.check_generation_request`, and whether the ids exist in the
-    vocabulary by the coordinator."""
+    count, ids and values are checked by :class:`actors.api.SamplingParams`, and whether the
+    ids exist in the vocabulary by the coordinator."""
     checked: dict[int, float] = {}
     for key, value in bias.items():
         if not _TOKEN_ID_KEY.fullmatch(key):
             raise InvalidRequestError(field, f"keys must be token ids (decimal integers >= 0), got {shortened(key)}")
         checked[int(key)] = value
     return checked
-
-
-def check_top_logprobs(field: str, value: int) -> int:
-    """Number of most likely alternatives per token: 0..MAX_TOP_LOGPROBS."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise InvalidRequestError(field, f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (got {shortened(value)})")
-    return value
 
 
 def check_sample_seeds(field: str, seed: int | None, n: int) -> None:
@@ -181,7 +173,7 @@ class _GenerationFields(BaseModel):
     ignore_eos: bool | None = Field(None, description="Keep generating past the end-of-sequence token (extension).")
     stream: bool | None = Field(False, description="Stream server-sent events (`data: {...}` chunks, then `data: [DONE]`).")
     stream_options: StreamOptions | None = Field(None, description="OpenAI stream options (include_usage).")
-    n: int | None = Field(None, description=f"Independent samples per prompt, 1..{MAX_CHOICES} (default 1).")
+    n: SampleCount | None = Field(None, description=f"Independent samples per prompt, 1..{MAX_CHOICES} (default 1).")
     presence_penalty: float | None = Field(None, description="Subtracted from the logit of every token already generated, [-2, 2].")
     frequency_penalty: float | None = Field(None, description="Subtracted once per earlier occurrence of a token, [-2, 2].")
     repetition_penalty: float | None = Field(
@@ -230,11 +222,6 @@ class _GenerationFields(BaseModel):
         '{"grammar": Lark grammar}.'
     )
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value: int | None) -> int | None:
-        return None if value is None else _pydantic_check(check_n, value)
-
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[int, float] | None:
@@ -256,7 +243,7 @@ class _GenerationFields(BaseModel):
             value = [value]
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise ValueError("must be a string or a list of strings")
-        return value  # their number and lengths: cluster.validation
+        return value  # their number and lengths: actors.api.SamplingParams
 
     # -- derived values
 
@@ -329,7 +316,7 @@ class _GenerationFields(BaseModel):
 
 def parse_response_format(value: Any) -> StructuredOutput | None:
     """OpenAI ``response_format`` -> the constraint (None for text); InvalidRequestError naming
-    the field otherwise. The grammar itself is checked later (cluster.validation)."""
+    the field otherwise (a grammar that does not compile too: :meth:`actors.api.StructuredOutput.checked`)."""
     field = "response_format"
     if value is None:
         return None
@@ -342,7 +329,7 @@ def parse_response_format(value: Any) -> StructuredOutput | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutput(kind="json_object", field=field)
+        return StructuredOutput.checked("json_object", field=field)
     if kind != "json_schema":
         raise InvalidRequestError(f"{field}.type", f'must be "text", "json_object" or "json_schema" (got {shortened(kind)})')
     spec = value.get("json_schema")
@@ -358,7 +345,7 @@ def parse_response_format(value: Any) -> StructuredOutput | None:
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{field}.json_schema.schema", "must be a JSON schema object")
-    return StructuredOutput(kind="json_schema", spec=schema, field=f"{field}.json_schema.schema")
+    return StructuredOutput.checked("json_schema", schema, f"{field}.json_schema.schema")
 
 
 #: ``structured_outputs`` keys -> constraint kinds.
@@ -393,7 +380,7 @@ def parse_structured_outputs(value: Any) -> StructuredOutput | None:
     if key == "choice" and (not isinstance(spec, list) or not spec
                             or not all(isinstance(item, str) and item for item in spec)):
         raise InvalidRequestError(f"{field}.choice", "must be a non-empty list of non-empty strings")
-    return StructuredOutput(kind=_STRUCTURED_KINDS[key], spec=spec, field=f"{field}.{key}")
+    return StructuredOutput.checked(_STRUCTURED_KINDS[key], spec, f"{field}.{key}")
 
 
 def parse_tools(value: Any) -> dict[str, dict]:
@@ -445,10 +432,8 @@ def _is_token_ids(value: Any) -> bool:
 
 
 def _check_token_ids(ids: list[int], which: str = "") -> None:
-    if not ids:
+    if not ids:  # their values: actors.api.GenerationRequest.prompt_ids
         raise ValueError(f"{which}must not be empty")
-    if any(item < 0 for item in ids):
-        raise ValueError(f"{which}token ids must be >= 0")
 
 
 class CompletionRequest(_GenerationFields):
@@ -462,11 +447,11 @@ class CompletionRequest(_GenerationFields):
         "log-probabilities to its logprobs, the first one null)."
     )
     suffix: str | None = Field(None, description="Text after the completion (insertion): only null is accepted.")
-    best_of: int | None = Field(None, description="Samples to draw per prompt: only n (or null) is accepted.")
+    best_of: SampleCount | None = Field(None, description="Samples to draw per prompt: only n (or null) is accepted.")
     logprobs: Any = Field(
         None, description=f"Log-probabilities of each generated token with this many alternatives (0..{MAX_TOP_LOGPROBS})."
     )
-    prompt_logprobs: int | None = Field(
+    prompt_logprobs: TopLogprobs | None = Field(
         None, description="Each prompt token's log-probability with this many alternatives, as each choice's "
         f"`prompt_logprobs` (vLLM's extension; 0..{MAX_TOP_LOGPROBS})."
     )
@@ -504,24 +489,13 @@ class CompletionRequest(_GenerationFields):
             raise ValueError("not supported by this server (no insertion); send null or leave it out")
         return None
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, value: int | None) -> int | None:
-        if value is not None and not 1 <= value <= MAX_CHOICES:
-            raise ValueError(f"must be an integer in [1, {MAX_CHOICES}] (got {shortened(value)})")
-        return value
-
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, value: Any) -> int | None:
+        """An integer (OpenAI's), or false / null for none."""
         if value is None or value is False:
             return None
-        return _pydantic_check(check_top_logprobs, value)
-
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _prompt_logprobs(cls, value: int | None) -> int | None:
-        return None if value is None else _pydantic_check(check_top_logprobs, value)
+        return _pydantic_check(check_value, TopLogprobs, value)
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
@@ -592,10 +566,10 @@ class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation, oldest first.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer OpenAI clients).")
     logprobs: bool | None = Field(None, description="Return the log-probability of each generated token.")
-    top_logprobs: int | None = Field(
+    top_logprobs: TopLogprobs | None = Field(
         None, description=f"With logprobs: this many most likely alternatives per token (0..{MAX_TOP_LOGPROBS})."
     )
-    prompt_logprobs: int | None = Field(
+    prompt_logprobs: TopLogprobs | None = Field(
         None, description="Each prompt token's log-probability with this many alternatives, as the response's "
         f"`prompt_logprobs` (vLLM's extension; 0..{MAX_TOP_LOGPROBS}; not with stream)."
     )
@@ -621,11 +595,6 @@ class ChatCompletionRequest(_GenerationFields):
     @classmethod
     def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return None if value is None else _pydantic_check(check_template_kwargs, value)
-
-    @field_validator("top_logprobs", "prompt_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value: int | None) -> int | None:
-        return None if value is None else _pydantic_check(check_top_logprobs, value)
 
     @field_validator("functions")
     @classmethod
@@ -668,7 +637,7 @@ class ChatCompletionRequest(_GenerationFields):
             return super().structured()
         if self.response_format not in (None, {"type": "text"}) or self.structured_outputs is not None:
             raise InvalidRequestError("tool_choice", "conflicts with response_format / structured_outputs; set only one")
-        return StructuredOutput(kind="json_schema", spec=tool_call_schema(self.tools, tool_call), field="tools")
+        return StructuredOutput.checked("json_schema", tool_call_schema(self.tools, tool_call), "tools")
 
     def prompts(self) -> list[str | list[int]]:
         """The fallback rendering (:func:`cluster.chat_prompt.render_chat_prompt`); the ingress
@@ -707,39 +676,6 @@ class ChatCompletionRequest(_GenerationFields):
         return overrides
 
 
-def _param_name(loc: tuple[Any, ...]) -> str | None:
-    """Dotted field path of a pydantic error location (``("speculation", "gamma")`` -> ``speculation.gamma``)."""
-    parts = [str(part) for part in loc if part not in ("body",)]
-    return ".".join(parts) if parts else None
-
-
-def invalid_request_from_validation(error: ValidationError, field_names: dict[str, str] | None = None) -> InvalidRequestError:
-    """Turn the first pydantic error into an :class:`InvalidRequestError` naming the field.
-
-    ``field_names`` renames internal paths to the caller's field names (e.g.
-    ``sampling.temperature`` -> ``temperature`` for HTTP).
-    """
-    first = error.errors(include_url=False)[0]
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        return InvalidRequestError("body", f"invalid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
-    param = _param_name(tuple(first.get("loc", ())))
-    if param is not None and field_names:
-        param = field_names.get(param, param)
-    message = first["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
-    if kind == "extra_forbidden":
-        message = "unknown field"
-    elif kind == "missing":
-        message = "field required"
-    elif kind not in ("value_error", "model_type", "model_attributes_type"):
-        message = f"{message} (got {json.dumps(first.get('input'), default=str)})"
-    if param is None:
-        return InvalidRequestError("body", message)
-    return InvalidRequestError(param, message)
-
-
 # GenerationRequest paths -> HTTP field names, for errors raised while building the request.
 HTTP_FIELD_NAMES: dict[str, str] = {f"sampling.{name}": name for name in SAMPLING_FIELDS}
 HTTP_FIELD_NAMES.update({"prompt_ids": "prompt"})
@@ -762,7 +698,7 @@ def parse_body(model: type[_GenerationFields], raw: bytes) -> _GenerationFields:
     try:
         body = model.model_validate_json(raw)
     except ValidationError as error:
-        raise invalid_request_from_validation(error) from None
+        raise invalid_request(error, model, whole="body") from None
     body.check_fields()
     return body
 
@@ -776,12 +712,10 @@ __all__ = [
     "MAX_CHOICES",
     "Prediction",
     "SAMPLING_FIELDS",
+    "SampleCount",
     "StreamOptions",
-    "check_n",
     "check_sample_seeds",
-    "check_top_logprobs",
     "http_field",
-    "invalid_request_from_validation",
     "parse_body",
     "parse_token_id_keys",
 ]

@@ -28,8 +28,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError
-
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, TokenLogprob
 from actors.messages import OpenSession, RowSampling, WorkerInfo
 from actors.coordination.metrics import (
@@ -334,12 +332,7 @@ class Coordinator:
     def _parse(request: GenerationRequest | dict) -> GenerationRequest:
         if isinstance(request, GenerationRequest):
             return request
-        try:
-            return GenerationRequest.model_validate(request)
-        except ValidationError as error:
-            first = error.errors()[0]
-            field = ".".join(str(part) for part in first["loc"]) or "request"
-            raise InvalidRequestError(field, f"{first['msg']} (got {first.get('input')!r})") from None
+        return GenerationRequest.parse(request)
 
     # ------------------------------------------------------------------ decoding
     async def generate(self, request: GenerationRequest | dict) -> AsyncIterator[GenerationChunk]:

@@ -2,9 +2,13 @@
 
 A :class:`DecodingPlan` is the frozen, fully specified description of how one request is
 decoded: which strategy, which verification rule, which models and block lengths. It is built
-once per request by :func:`resolve_plan` before any model work, and every invalid value raises
-:class:`actors.api.InvalidRequestError` naming the offending field, so the serving layer can
-answer 400 / INVALID_ARGUMENT.
+once per request by :func:`resolve_plan` before any model work. The values themselves were
+checked when the request was parsed (the constraints of :mod:`actors.api`: ranges, sizes,
+weights summing to 1, distinct members); the plan applies the deployment's defaults and refuses
+only what depends on them or on the deployment's models (a rule another strategy owns, a member
+or proposer the deployment lacks, list lengths against the members), raising
+:class:`actors.api.InvalidRequestError` naming the field, so the serving layer can answer
+400 / INVALID_ARGUMENT.
 
 :class:`DecodingDefaults` is the ``defaults`` section of the deployment's YAML args, declared
 here once (frozen pydantic, every field described) because the plan is what reads it;
@@ -15,22 +19,28 @@ would get.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.api import (
     MAX_DRAFTS,
     MAX_GAMMA,
+    MAX_LIST_ITEMS,
     MAX_NGRAM,
+    BlockLength,
     EnsembleKind,
     GammaValue,
     InvalidRequestError,
+    Mu,
+    Name,
     SpeculationParams,
     Strategy,
+    Weight,
+    check_distinct,
+    check_weight_sum,
 )
 from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.proposers import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, MODEL_FREE_METHODS
@@ -59,7 +69,6 @@ assert {m for methods in STRATEGY_METHODS.values() for m in methods} == set(get_
 #: Strategies whose tokens follow an ensemble of their members (the others follow the target).
 ENSEMBLE_STRATEGIES: frozenset[str] = frozenset({"ensemble", "se"})
 
-WEIGHT_SUM_TOLERANCE = 1e-6
 #: Who drafts for sd: the deployment's draft model, or prompt lookup (no model).
 SdProposer = Literal["draft", "ngram"]
 
@@ -107,14 +116,17 @@ class DecodingDefaults(BaseModel):
     )
     num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")
     ensemble: EnsembleKind = Field("weighted", description="weighted | contrastive (ensemble, se).")
-    members: tuple[str, ...] | None = Field(
-        None, description="Ensemble members in order (contrastive: expert, amateur). Unset: target then members."
+    members: tuple[Name, ...] | None = Field(
+        None, max_length=MAX_LIST_ITEMS,
+        description="Ensemble members in order (contrastive: expert, amateur). Unset: target then members.",
     )
-    weights: tuple[float, ...] | None = Field(
-        None, description="Weighted-ensemble weights, one per member, summing to 1."
+    weights: tuple[Weight, ...] | None = Field(
+        None, max_length=MAX_LIST_ITEMS, description="Weighted-ensemble weights, one per member, summing to 1."
     )
-    mu: float = Field(0.1, ge=0.0, description="Contrastive strength: softmax(expert - mu * amateur).")
-    gammas: tuple[int, ...] | None = Field(None, description="Per-member proposal lengths (se). Unset: gamma for each.")
+    mu: Mu = Field(0.1, description="Contrastive strength: softmax(expert - mu * amateur).")
+    gammas: tuple[BlockLength, ...] | None = Field(
+        None, max_length=MAX_LIST_ITEMS, description="Per-member proposal lengths (se). Unset: gamma for each."
+    )
     proposer: str | None = Field(
         None,
         description='Proposer of the default strategy: "draft" (the draft model) or "ngram" (prompt lookup, no '
@@ -133,6 +145,9 @@ class DecodingDefaults(BaseModel):
     prompt_lookup_min: int = Field(
         DEFAULT_NGRAM_MIN, ge=1, le=MAX_NGRAM, description="Shortest n-gram of prompt lookup and prediction realignment."
     )
+
+    _weights_sum_to_one = field_validator("weights")(check_weight_sum)
+    _distinct_members = field_validator("members")(check_distinct)
 
     @model_validator(mode="after")
     def _one_default_proposer(self) -> DecodingDefaults:
@@ -205,12 +220,6 @@ def _check_method(strategy: str, requested: str | None, default: str | None, def
     return valid[0]
 
 
-def _check_range(field: str, value: int, low: int, high: int) -> int:
-    if not low <= value <= high:
-        raise InvalidRequestError(field, f"must be in [{low}, {high}], got {value}")
-    return value
-
-
 def _resolve_members(requested, default, models: Mapping[str, ModelRole], strategy: str, ensemble: str) -> tuple[str, ...]:
     members = _pick(requested, default)
     if members is None:
@@ -224,8 +233,6 @@ def _resolve_members(requested, default, models: Mapping[str, ModelRole], strate
             "speculation.members",
             f"members {unknown} are not in the deployment; available models: {', '.join(models)}",
         )
-    if len(set(members)) != len(members):
-        raise InvalidRequestError("speculation.members", f"members must be distinct, got {list(members)}")
     if len(members) < 2:
         raise InvalidRequestError("speculation.members", f"strategy {strategy!r} needs at least 2 members, got {list(members)}")
     if ensemble == "contrastive" and len(members) != 2:
@@ -247,10 +254,6 @@ def _resolve_weights(requested, default, members: tuple[str, ...], ensemble: str
         raise InvalidRequestError(
             "speculation.weights", f"expected {len(members)} weights (one per member), got {len(weights)}"
         )
-    if any(not math.isfinite(w) or w < 0 for w in weights):
-        raise InvalidRequestError("speculation.weights", f"weights must be finite and >= 0, got {list(weights)}")
-    if abs(sum(weights) - 1.0) > WEIGHT_SUM_TOLERANCE:
-        raise InvalidRequestError("speculation.weights", f"weights must sum to 1, got sum {sum(weights)!r}")
     return weights
 
 
@@ -263,8 +266,6 @@ def _resolve_gammas(requested, default, members: tuple[str, ...], gamma: int) ->
         raise InvalidRequestError(
             "speculation.gammas", f"expected {len(members)} gammas (one per member), got {len(gammas)}"
         )
-    for g in gammas:
-        _check_range("speculation.gammas", g, 1, MAX_GAMMA)
     return gammas
 
 
@@ -275,8 +276,8 @@ def _resolve_gamma(
     :mod:`verifiers.adaptive` and its largest block."""
     gamma = _pick(speculation.gamma, defaults.gamma)
     if gamma != "auto":  # both models validate gamma as GammaValue: an int or "auto"
-        return _check_range("speculation.gamma", gamma, 1, MAX_GAMMA), None
-    gamma_max = _check_range("speculation.gamma_max", _pick(speculation.gamma_max, defaults.gamma_max), 1, MAX_GAMMA)
+        return gamma, None
+    gamma_max = _pick(speculation.gamma_max, defaults.gamma_max)
     return gamma_max, AdaptiveGammaSettings(gamma_max=gamma_max, draft_cost_ratio=defaults.draft_cost_ratio)
 
 
@@ -351,14 +352,11 @@ def resolve_plan(
     speculation: SpeculationParams, defaults: DecodingDefaults, models: Mapping[str, ModelRole],
     prediction: bool = False,
 ) -> DecodingPlan:
-    """Apply ``defaults`` to the unset fields of ``speculation`` and check the result against
-    the deployment's ``models`` (name -> role). ``prediction``: the request has a predicted
-    output (sd drafts it first). Raises InvalidRequestError naming the field."""
+    """Apply ``defaults`` to the unset fields of ``speculation`` (whose values its model checked)
+    and check the result against the deployment's ``models`` (name -> role). ``prediction``:
+    the request has a predicted output (sd drafts it first). Raises InvalidRequestError naming
+    the field."""
     strategy = _pick(speculation.strategy, defaults.strategy)
-    if strategy not in STRATEGY_METHODS:
-        raise InvalidRequestError(
-            "speculation.strategy", f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGY_METHODS)}"
-        )
     proposer, ngram = _resolve_proposer(speculation, defaults, strategy, models)
     drafted_ensemble = strategy == "se" and proposer != ALTERNATE
     method = (_check_draft_proposer_method(speculation.method, defaults) if drafted_ensemble
@@ -367,10 +365,8 @@ def resolve_plan(
     if prediction or proposer == "ngram":
         method = _model_free_method(method, speculation.method)
     gamma, adaptive = _resolve_gamma(speculation, defaults)
-    num_drafts = _check_range("speculation.num_drafts", _pick(speculation.num_drafts, defaults.num_drafts), 1, MAX_DRAFTS)
+    num_drafts = _pick(speculation.num_drafts, defaults.num_drafts)
     mu = float(_pick(speculation.mu, defaults.mu))
-    if not math.isfinite(mu) or mu < 0:
-        raise InvalidRequestError("speculation.mu", f"must be finite and >= 0, got {mu}")
     target = draft = ensemble = weights = None
     members: tuple[str, ...] = ()
     gammas: tuple[int, ...] = ()
@@ -382,8 +378,6 @@ def resolve_plan(
             draft = next((name for name, role in models.items() if role == "draft"), None)
     else:
         ensemble = _pick(speculation.ensemble, defaults.ensemble)
-        if ensemble not in get_args(EnsembleKind):
-            raise InvalidRequestError("speculation.ensemble", f"expected weighted or contrastive, got {ensemble!r}")
         members = _resolve_members(speculation.members, defaults.members, models, strategy, ensemble)
         weights = _resolve_weights(speculation.weights, defaults.weights, members, ensemble)
         if drafted_ensemble:

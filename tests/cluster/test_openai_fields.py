@@ -626,7 +626,7 @@ def test_chat_prompt_logprobs_extension_once_per_response(client, serve_app, gre
 @pytest.mark.parametrize("bias", [100.5, float("nan")])
 def test_logit_bias_values_are_checked_once_where_every_field_is(bias):
     """Keys are parsed with the body; values and counts are checked with every other field
-    (cluster.validation), and the error names the HTTP field."""
+    (actors.api.SamplingParams), and the error names the HTTP field."""
     body = parse_body(CompletionRequest, json.dumps({"prompt": "x", "logit_bias": {"5": bias}}).encode())
     with pytest.raises(InvalidRequestError) as caught:
         to_generation_requests(body, "c", {})

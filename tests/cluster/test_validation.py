@@ -9,11 +9,11 @@ import math
 
 import pytest
 
-from actors.api import InvalidRequestError
+from actors.api import INT64_MAX, MIN_POSITIVE_TEMPERATURE, GenerationRequest, InvalidRequestError
 from cluster import grpc_service
+from cluster.grpc_service import check_request_id
 from cluster.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from tests.cluster.single_request import grpc_generation_request, http_generation_request
-from cluster.validation import INT64_MAX, MIN_POSITIVE_TEMPERATURE, check_generation_request, check_request_id
 from protos import specserve_pb2, specserve_pb2_grpc
 
 INF, NAN = math.inf, math.nan
@@ -124,13 +124,10 @@ def test_good_values_pass():
 @pytest.mark.parametrize("bias", [{1: NAN}, {1: INF}, {1: -101.0}, {-1: 1.0}, {i: 0.0 for i in range(1025)}],
                          ids=["nan", "inf", "below-range", "negative-id", "too-many"])
 def test_logit_bias_is_bounded(bias):
-    from actors.api import GenerationRequest
-
-    request = GenerationRequest(request_id="r", prompt="x", sampling={"logit_bias": bias})
     with pytest.raises(InvalidRequestError) as caught:
-        check_generation_request(request, max_prompt_chars=100)
+        GenerationRequest.parse({"request_id": "r", "prompt": "x", "sampling": {"logit_bias": bias}}, max_prompt_chars=100)
     assert caught.value.field == "sampling.logit_bias"
-    check_generation_request(GenerationRequest(request_id="r", prompt="x", sampling={"logit_bias": {1: -100.0, 2: 100.0}}), 100)
+    GenerationRequest.parse({"request_id": "r", "prompt": "x", "sampling": {"logit_bias": {1: -100.0, 2: 100.0}}}, 100)
 
 
 def test_grpc_request_id_model_and_names_are_bounded():
