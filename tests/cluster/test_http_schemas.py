@@ -1,4 +1,4 @@
-"""The OpenAI request schemas and response builders (cluster/schemas.py, cluster/responses.py) (no server)."""
+"""The OpenAI request schemas and response builders (cluster/schemas/, cluster/responses/) (no server)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 ``logit_bias``, ``logprobs``, and the fields answered 400.
 
 The first part needs no server: request parsing and mapping (cluster/schemas.py,
-cluster/generation_requests.py, cluster/responses.py) and the log-probability rendering, with
+cluster/generation_requests.py, cluster/responses/) and the log-probability rendering, with
 GenerationChunk objects built by hand. The second drives the
 session's Serve application with the official ``openai`` client and with LangChain's OpenAI
 classes (``langchain-openai``), which send prompt lists, zero penalties and ``n`` by default.
