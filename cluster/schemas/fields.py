@@ -49,7 +49,7 @@ IGNORED_OPENAI_FIELDS: tuple[str, ...] = ("store", "metadata", "service_tier", "
 
 
 # ----------------------------------------------------------------------------------------
-# Shapes shared with gRPC (cluster/grpc_service.py): each raises InvalidRequestError
+# Shapes shared with gRPC (cluster/grpc_service/): each raises InvalidRequestError
 # ----------------------------------------------------------------------------------------
 
 

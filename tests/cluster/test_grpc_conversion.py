@@ -1,4 +1,4 @@
-"""Proto <-> GenerationRequest/Chunk conversion of cluster/grpc_service.py (no server)."""
+"""Proto <-> GenerationRequest/Chunk conversion of cluster/grpc_service/ (no server)."""
 
 from __future__ import annotations
 
