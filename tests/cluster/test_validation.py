@@ -40,6 +40,8 @@ BAD_VALUES = [
     ("weights-inf", {"speculation": {"weights": [INF]}}, "speculation.weights"),
     ("weights-above-one", {"speculation": {"weights": [2.0, -1.0]}}, "speculation.weights"),
     ("weights-too-many", {"speculation": {"weights": [0.0] * 65}}, "speculation.weights"),
+    ("weights-sum-not-one", {"speculation": {"strategy": "ensemble", "weights": [0.5, 0.6]}}, "speculation.weights"),
+    ("members-repeated", {"speculation": {"strategy": "se", "members": ["target", "target"]}}, "speculation.members"),
     ("gammas-zero", {"speculation": {"strategy": "sd", "gammas": [0]}}, "speculation.gammas"),
     ("gammas-huge", {"speculation": {"gammas": [2**40]}}, "speculation.gammas"),
     ("members-empty-name", {"speculation": {"members": ["target", ""]}}, "speculation.members"),
