@@ -7,12 +7,13 @@ started in the replica's own placement group: bundle 0 holds the replica, bundle
 model workers (see :func:`replica_bundles`). Scaling the deployment (``num_replicas`` or
 ``autoscaling_config`` in the YAML) therefore scales whole model groups.
 
-Request path: HTTP (FastAPI routes below) or gRPC (methods ``Generate`` / ``GenerateStream``,
-named like the rpcs of ``protos/specserve.proto`` so Serve's gRPC proxy routes to them) ->
+Request path: HTTP (FastAPI routes below) or gRPC (methods ``Generate`` / ``GenerateStream``
+of :class:`cluster.grpc_ingress.GrpcMethods`, named like the rpcs of ``protos/specserve.proto``
+so Serve's gRPC proxy routes to them) ->
 one :class:`actors.api.GenerationRequest` per choice (prompts x ``n`` samples) ->
 ``Coordinator.generate`` (an async generator actor method, consumed as a streaming
-ObjectRefGenerator), the choices of one request concurrently -> chunks back to the client,
-interleaved and tagged with their choice index when streamed.
+ObjectRefGenerator, :mod:`cluster.streams`), the choices of one request concurrently -> chunks
+back to the client, interleaved and tagged with their choice index when streamed.
 
 Every field is checked before any model work by the constraints of :mod:`actors.api` (then,
 in the coordinator, the plan against the deployment, resolved once per request, and the prompt
@@ -42,32 +43,29 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 
-from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
+from actors.api import GenerationChunk, InvalidRequestError
 from actors.coordination.metrics import GroupIdentity
-from actors.coordination.scheduler import OverloadedError
-from actors.tokenizer import load_tokenizer
 from cluster import grpc_service
-from cluster.metrics import CONTENT_TYPE, CoordinatorDirectory, render
 from cluster.config import GroupConfig, SpecServeArgs, parse_app_args, resolve_api_key
 from cluster.errors import (
     ClientError,
-    clean_text,
     ModelGroupUnavailable,
     ModelNotFound,
     RequestFailed,
-    RequestTimedOut,
     Unauthenticated,
+    clean_text,
     client_error,
 )
-from cluster.generation_requests import ChoiceSpec, to_generation_requests
+from cluster.generation_requests import to_generation_requests
+from cluster.grpc_ingress import GrpcMethods
+from cluster.metrics import CONTENT_TYPE, CoordinatorDirectory, render
+from cluster.replica_tokenizer import ReplicaTokenizer
 from cluster.responses import (
     SSE_DONE,
     ChoiceStream,
     CompletionAccumulator,
-    TokenTexts,
     completion_response,
     error_body,
     models_list,
@@ -75,10 +73,18 @@ from cluster.responses import (
     usage_chunk,
 )
 from cluster.schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, http_field, parse_body
-from cluster.chat_prompt import chat_prompt
 from cluster.security import grpc_all_interfaces_warning, require_key
-from protos import specserve_pb2
-from verifiers.grammar import GRAMMAR_ERROR_PREFIX
+from cluster.streams import (
+    CoordinatorStream,
+    ModelGroupUnhealthy,
+    collect_all,
+    interleave,
+    model_group_health,
+    prime_all,
+    start_streams,
+    unwrap_task_error,
+    wait,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +104,9 @@ DEFAULT_MODEL_NAME = "specserve"
 #: Index of the first model-worker bundle in a replica's placement group (bundle 0 = replica).
 MODEL_BUNDLE_OFFSET = 1
 HEALTH_TIMEOUT_S = 10.0
-#: Response header (HTTP) and trailing metadata key (gRPC) carrying the request id of an error
-#: (Serve's own ``x-request-id`` header holds Serve's id for the same request).
+#: Response header carrying the request id of an error (Serve's own ``x-request-id`` header
+#: holds Serve's id for the same request; gRPC: :data:`cluster.grpc_ingress.REQUEST_ID_METADATA`).
 REQUEST_ID_HEADER = "specserve-request-id"
-REQUEST_ID_METADATA = "specserve-request-id"
 #: Response header of ``GET /metrics``: the replica that answered the scrape (it covers them all).
 REPLICA_HEADER = "specserve-replica"
 
@@ -118,153 +123,6 @@ def replica_bundles(config: GroupConfig) -> list[dict[str, float]]:
 
     return [{"CPU": INGRESS_CPUS + config.coordinator_cpus}, *model_group_bundles(config)]
 
-
-def _unwrap_task_error(error: BaseException) -> BaseException:
-    """The InvalidRequestError behind a Ray task error (re-created so it pickles cleanly)."""
-    cause = getattr(error, "cause", None)
-    for candidate in (error, cause):
-        if isinstance(candidate, InvalidRequestError):
-            return InvalidRequestError(candidate.field, candidate.message)
-        if isinstance(candidate, OverloadedError):
-            return OverloadedError(candidate.message)
-    if isinstance(error, RayActorError) or isinstance(cause, RayActorError):
-        return ModelGroupUnavailable(f"model group unavailable: {error}")
-    return error
-
-
-class CoordinatorStream:
-    """Async iterator over one request's :class:`GenerationChunk` stream from the coordinator.
-
-    ``cancel()`` (called when the client goes away) cancels the coordinator's generator task,
-    whose clean-up releases the request's sessions in every worker.
-    """
-
-    def __init__(self, coordinator: Any, request: GenerationRequest):
-        self.request_id = request.request_id
-        structured = request.sampling.structured
-        self._constraint_field = structured.field if structured is not None else None
-        self._refs = coordinator.generate.options(num_returns="streaming").remote(request)
-        self._finished = False
-
-    def __aiter__(self) -> "CoordinatorStream":
-        return self
-
-    async def __anext__(self) -> GenerationChunk:
-        if self._finished:
-            raise StopAsyncIteration
-        try:
-            ref = await self._refs.__anext__()
-            chunk: GenerationChunk = await ref
-        except StopAsyncIteration:
-            self._finished = True
-            raise
-        except (RayTaskError, RayActorError) as error:
-            self._finished = True
-            raise _unwrap_task_error(error) from None
-        if chunk.error is not None:
-            self._finished = True
-            if chunk.timed_out:  # past limits.request_timeout_s: 504 / DEADLINE_EXCEEDED
-                raise RequestTimedOut(chunk.error)
-            if chunk.retryable:  # a worker died and is being restarted: 503 / UNAVAILABLE
-                raise ModelGroupUnavailable(f"the model group reported: {chunk.error}")
-            if self._constraint_field is not None and chunk.error.startswith(GRAMMAR_ERROR_PREFIX):
-                # the constraint ran past the grammar engine's limits mid-request: the client's to fix
-                raise InvalidRequestError(self._constraint_field, chunk.error[len(GRAMMAR_ERROR_PREFIX):])
-            raise RequestFailed(f"the model group reported: {chunk.error}")
-        if chunk.finished:
-            self._finished = True
-        return chunk
-
-    def cancel(self) -> None:
-        """Cancel the coordinator task if it is still running (idempotent)."""
-        if not self._finished:
-            self._finished = True
-            logger.info("request %s: client went away, cancelling its coordinator stream", self.request_id)
-            ray.cancel(self._refs)
-
-
-async def _prime(stream: CoordinatorStream) -> tuple[GenerationChunk | None, CoordinatorStream]:
-    """Wait for the first chunk, so invalid requests fail before a streaming response starts."""
-    try:
-        first = await stream.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        stream.cancel()
-        raise
-    return first, stream
-
-
-async def _prime_all(streams: list[CoordinatorStream]) -> list[GenerationChunk | None]:
-    """The first chunk of every choice's stream (concurrently); if one fails, every stream is
-    cancelled and the first failure (in choice order) is raised."""
-    try:
-        primed = await asyncio.gather(*(_prime(stream) for stream in streams), return_exceptions=True)
-    except BaseException:
-        for stream in streams:
-            stream.cancel()
-        raise
-    failures = [item for item in primed if isinstance(item, BaseException)]
-    if failures:
-        for stream in streams:
-            stream.cancel()
-        raise failures[0]
-    return [first for first, _ in primed]
-
-
-async def _interleave(
-    streams: list[CoordinatorStream], firsts: list[GenerationChunk | None]
-) -> AsyncIterator[tuple[int, GenerationChunk]]:
-    """``(position, chunk)`` of every choice's stream as the chunks arrive (each stream starting
-    with its primed first chunk). A failing stream raises here; closing the iterator (the
-    client went away) or a failure cancels every stream."""
-    if len(streams) == 1:
-        try:
-            chunk = firsts[0]
-            while chunk is not None:
-                yield 0, chunk
-                chunk = await anext(streams[0], None)
-        finally:
-            streams[0].cancel()
-        return
-    # A bounded queue: a stream is read no faster than the client reads (the coordinator
-    # merges the chunks of a stream that fell behind).
-    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
-
-    async def pump(position: int) -> None:
-        try:
-            chunk = firsts[position]
-            while chunk is not None:
-                await queue.put((position, chunk, None))
-                chunk = await anext(streams[position], None)
-            await queue.put((position, None, None))
-        except Exception as error:  # noqa: BLE001 - handed to the reader, which raises it
-            await queue.put((position, None, error))
-
-    tasks = [asyncio.ensure_future(pump(position)) for position in range(len(streams))]
-    try:
-        remaining = len(streams)
-        while remaining:
-            position, chunk, error = await queue.get()
-            if error is not None:
-                raise error
-            if chunk is None:
-                remaining -= 1
-                continue
-            yield position, chunk
-    finally:
-        await _cancel_all(tasks, streams)
-
-
-async def _cancel_all(tasks: list[asyncio.Future], streams: list[CoordinatorStream]) -> None:
-    """Cancel the choices' tasks and their coordinator streams (a client went away, or they ended)."""
-    for task in tasks:
-        task.cancel()
-    for stream in streams:
-        stream.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _http_client_error(error: BaseException, request_id: str, chat: bool = False, what: str = "request") -> ClientError:
     if isinstance(error, InvalidRequestError):
         error = http_field(error, chat)
@@ -279,42 +137,6 @@ def _http_error(error: BaseException, request_id: str, chat: bool = False, what:
         headers["www-authenticate"] = "Bearer"
     body = error_body(failure.message, failure.param, failure.error_type, failure.code)
     return JSONResponse(body, status_code=failure.http_status, headers=headers)
-
-
-def _grpc_status(error: BaseException, request_id: str) -> ClientError:
-    """gRPC status code and details of a failure (:func:`cluster.errors.client_error`)."""
-    if isinstance(error, InvalidRequestError):
-        error = grpc_service.grpc_field(error)
-    return client_error(error, request_id)
-
-
-class GrpcRequestError(Exception):
-    """Raised after setting the status on ``grpc_context`` so Serve's proxy returns that status."""
-
-
-async def _wait(ref: Any, timeout_s: float) -> Any:
-    return await asyncio.wait_for(ref, timeout=timeout_s)
-
-
-class ModelGroupUnhealthy(RuntimeError):
-    """The replica's model group failed its health check (a worker or the coordinator did not answer)."""
-
-
-async def model_group_health(ref: Any, timeout_s: float) -> None:
-    """Await the coordinator's ``health()`` ref; any failure is raised as :class:`ModelGroupUnhealthy`.
-
-    A dead worker reaches here as a ``RayActorError`` (the coordinator's call to it failed).
-    Serve's controller reads a ``RayActorError`` from ``check_health`` as the replica actor's
-    own crash and replaces the replica at once, dropping every request in flight on it; a plain
-    exception counts as one failed check toward the deployment's failure threshold, which a
-    worker restarted by Ray in a few seconds never reaches.
-    """
-    try:
-        await _wait(ref, timeout_s)
-    except Exception as error:  # noqa: BLE001 - re-raised as a plain failure, see above
-        raise ModelGroupUnhealthy(f"model group health check failed: {type(error).__name__}: "
-                                  f"{clean_text(str(error), 300)}") from None
-
 
 def _replica_id() -> str:
     try:
@@ -340,8 +162,9 @@ fastapi_app = FastAPI(
 # NOTE: serve.ingress serializes the class when it is applied, so everything its methods use
 # must be defined above this point.
 @serve.ingress(fastapi_app)
-class SpecServeIngress:
-    """One replica: a model group plus the HTTP routes and gRPC methods that feed it."""
+class SpecServeIngress(GrpcMethods):
+    """One replica: a model group plus the HTTP routes (here) and gRPC methods
+    (:class:`cluster.grpc_ingress.GrpcMethods`) that feed it."""
 
     def __init__(self, args: dict[str, Any], start_group: Callable[..., Any] | None = None):
         """``start_group(config, placement_group=..., first_bundle=..., identity=...)`` builds the
@@ -362,10 +185,7 @@ class SpecServeIngress:
         self._sampling_defaults: dict[str, Any] = {}
         # Choices (prompts x n) per request: each is a coordinator request, all decoded at once.
         self._max_choices = max(1, min(MAX_CHOICES, self._config.max_concurrent_requests))
-        # The group's tokenizer, loaded on first use: token texts of log-probabilities and the
-        # echoed text of token-id prompts (the coordinator tokenizes everything else).
-        self._tokenizer: Any = None
-        self._token_texts: TokenTexts | None = None
+        self._tokens = ReplicaTokenizer(self._config.tokenizer_path)
         placement_group = get_current_placement_group()
         self._placement_group_id = placement_group.id.hex() if placement_group else None
         logger.info(
@@ -399,73 +219,6 @@ class SpecServeIngress:
             self._coordinator.count_invalid.remote()
         except Exception as failure:  # noqa: BLE001 - metrics never fail a request
             logger.debug("could not count an invalid request: %s", failure)
-
-    def _start_all(self, requests: list[GenerationRequest]) -> list[CoordinatorStream]:
-        """One coordinator stream per choice. Each coordinator request resolves its plan (once)
-        and checks it before any model work, so a bad one fails the first chunk."""
-        streams: list[CoordinatorStream] = []
-        try:
-            for request in requests:
-                streams.append(CoordinatorStream(self._coordinator, request))
-        except BaseException:
-            for stream in streams:
-                stream.cancel()
-            raise
-        return streams
-
-    async def _collect(self, stream: CoordinatorStream, result: CompletionAccumulator | None = None) -> CompletionAccumulator:
-        result = CompletionAccumulator() if result is None else result
-        try:
-            async for chunk in stream:
-                result.add(chunk)
-        finally:
-            stream.cancel()
-        return result
-
-    async def _collect_all(self, streams: list[CoordinatorStream], results: list[CompletionAccumulator]) -> None:
-        """Every choice's stream into its accumulator, concurrently; the first failure cancels
-        the other streams and is raised."""
-        if len(streams) == 1:
-            await self._collect(streams[0], results[0])
-            return
-        tasks = [asyncio.ensure_future(self._collect(stream, result)) for stream, result in zip(streams, results)]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            await _cancel_all(tasks, streams)
-
-    def _load_tokenizer(self) -> Any:
-        return load_tokenizer(self._config.tokenizer_path)
-
-    async def _tokenizer_texts(self) -> tuple[Any, TokenTexts]:
-        """The group's tokenizer and its :class:`TokenTexts` (loaded once, off the event loop)."""
-        if self._token_texts is None:
-            tokenizer = await asyncio.to_thread(self._load_tokenizer)
-            self._tokenizer, self._token_texts = tokenizer, TokenTexts.from_tokenizer(tokenizer)
-        return self._tokenizer, self._token_texts
-
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> str | list[int]:
-        """The conversation's prompt through the model's chat template (:mod:`cluster.chat_prompt`)."""
-        tokenizer = (await self._tokenizer_texts())[0] if self._config.tokenizer_path is not None else None
-        return await asyncio.to_thread(chat_prompt, tokenizer, body.messages, body.chat_template_kwargs,
-                                       body.add_generation_prompt, body.continue_final_message)
-
-    async def _echo_prefixes(self, body: CompletionRequest | ChatCompletionRequest, specs: list[ChoiceSpec]) -> list[str]:
-        """Each choice's echoed prompt text (``echo``; token-id prompts are decoded), else ""."""
-        if not getattr(body, "echo", False):
-            return ["" for _ in specs]
-        if all(isinstance(spec.prompt, str) for spec in specs):
-            return [spec.prompt for spec in specs]
-        tokenizer, _ = await self._tokenizer_texts()
-
-        def decode() -> list[str]:
-            return [spec.prompt if isinstance(spec.prompt, str) else tokenizer.decode(spec.prompt) for spec in specs]
-
-        try:
-            return await asyncio.to_thread(decode)
-        except Exception as error:  # noqa: BLE001 - ids the tokenizer cannot decode are the client's error
-            raise InvalidRequestError("prompt", f"the token ids cannot be decoded for echo ({type(error).__name__})") from None
-
     # ------------------------------------------------------------------ HTTP
 
     def _http_auth(self, http_request: Request) -> None:
@@ -477,9 +230,9 @@ class SpecServeIngress:
         """200 when the replica's coordinator and workers answer, 503 otherwise (open: no API key)."""
         request_id = self._new_request_id("health")
         try:
-            await _wait(self._coordinator.health.remote(), HEALTH_TIMEOUT_S)
+            await wait(self._coordinator.health.remote(), HEALTH_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - any failure means unhealthy
-            unavailable = _unwrap_task_error(error)
+            unavailable = unwrap_task_error(error)
             if not isinstance(unavailable, ModelGroupUnavailable):
                 unavailable = ModelGroupUnavailable(f"health check failed: {type(error).__name__}: {error}")
             failure = client_error(unavailable, request_id, "health check")
@@ -506,7 +259,7 @@ class SpecServeIngress:
             description = await self._coordinator.describe.remote()
             sessions = await asyncio.gather(*(self._group.workers[name].num_sessions.remote() for name in names))
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
-            return _http_error(_unwrap_task_error(error), request_id, what="status request")
+            return _http_error(unwrap_task_error(error), request_id, what="status request")
         return JSONResponse(
             {
                 "model": self._model_name,
@@ -563,18 +316,18 @@ class SpecServeIngress:
             self._check_model(body.model)
             if body.user:
                 logger.info("request %s: user %r", request_id, clean_text(body.user, 128))
-            prompt = await self._chat_prompt(body) if chat else None
+            prompt = await self._tokens.chat_prompt(body) if chat else None
             specs, generations = to_generation_requests(
                 body, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices,
                 chat_prompt=prompt,
             )
             wants_texts = body.logprobs_count() is not None or body.prompt_logprobs_count() is not None
-            texts = (await self._tokenizer_texts())[1] if wants_texts else None
-            prefixes = await self._echo_prefixes(body, specs)
-            streams = self._start_all(generations)
+            texts = (await self._tokens.texts())[1] if wants_texts else None
+            prefixes = await self._tokens.echo_prefixes(body, specs)
+            streams = start_streams(self._coordinator, generations)
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
             self._count_if_invalid(error)
-            return _http_error(_unwrap_task_error(error), request_id, chat)
+            return _http_error(unwrap_task_error(error), request_id, chat)
         token_ids = bool(body.return_token_ids)
         rendering = {
             "echo_logprobs": getattr(body, "echo_logprobs", None),
@@ -586,7 +339,7 @@ class SpecServeIngress:
             results = [CompletionAccumulator(spec.index, prefix, counts_prompt=spec.sample_index == 0)
                        for spec, prefix in zip(specs, prefixes)]
             try:
-                await self._collect_all(streams, results)
+                await collect_all(streams, results)
             except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
                 return _http_error(error, request_id, chat)
             response = completion_response(request_id, self._model_name, created, results, chat, token_ids,
@@ -594,7 +347,7 @@ class SpecServeIngress:
                                            **rendering)
             return JSONResponse(response)
         try:
-            firsts = await _prime_all(streams)
+            firsts = await prime_all(streams)
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
             return _http_error(error, request_id, chat)
         renderers = [
@@ -620,7 +373,7 @@ class SpecServeIngress:
     ) -> AsyncIterator[bytes]:
         """Server-sent events of one request, the choices interleaved as their chunks arrive;
         cancels every coordinator stream if the client leaves."""
-        chunks = _interleave(streams, firsts)
+        chunks = interleave(streams, firsts)
         try:
             async for position, chunk in chunks:
                 yield sse_event(renderers[position].render(chunk))
@@ -636,84 +389,6 @@ class SpecServeIngress:
             for stream in streams:
                 stream.cancel()
         yield SSE_DONE
-
-    # ------------------------------------------------------------------ gRPC
-
-    async def _grpc_request(
-        self, proto: Any, grpc_context: Any, request_id: str
-    ) -> tuple[list[ChoiceSpec], list[GenerationRequest], str, TokenTexts | None]:
-        """Authenticate, decode and validate one call; returns its choices, their coordinator
-        requests, its id and the token texts of its log-probabilities (None when not asked
-        for), or raises (the request id is the server's until the client's own is validated)."""
-        require_key(self._api_key, grpc_context.invocation_metadata() if grpc_context is not None else ())
-        try:
-            proto = grpc_service.check_decoded(proto)
-            request_id = self._new_request_id("grpc", grpc_service.client_request_id(proto))
-            self._check_model(proto.model)
-            specs, generations = grpc_service.to_generation_requests(
-                proto, request_id, self._sampling_defaults, self._config.max_prompt_chars, self._max_choices
-            )
-        except Exception as error:
-            self._count_if_invalid(error)
-            raise
-        texts = (await self._tokenizer_texts())[1] if grpc_service.wants_logprobs(generations[0]) else None
-        return specs, generations, request_id, texts
-
-    @staticmethod
-    def _fail(grpc_context: Any, error: BaseException, request_id: str) -> GrpcRequestError:
-        """Set the client's status on ``grpc_context`` (:func:`cluster.errors.client_error`)."""
-        failure = _grpc_status(_unwrap_task_error(error), request_id)
-        if grpc_context is not None:
-            grpc_context.set_code(failure.grpc_code)
-            grpc_context.set_details(failure.message)
-            grpc_context.set_trailing_metadata([(REQUEST_ID_METADATA, request_id)])
-        return GrpcRequestError(failure.message)
-
-    async def Generate(  # noqa: N802 - named like the rpc in protos/specserve.proto
-        self, request: specserve_pb2.GenerateRequest, grpc_context: Any = None
-    ) -> specserve_pb2.GenerateResponse:
-        """Unary rpc: every choice's whole completion with usage and speculation stats."""
-        started = time.monotonic()
-        request_id = self._new_request_id("grpc")
-        try:
-            specs, generations, request_id, texts = await self._grpc_request(request, grpc_context, request_id)
-            results = [CompletionAccumulator(spec.index, counts_prompt=spec.sample_index == 0) for spec in specs]
-            await self._collect_all(self._start_all(generations), results)
-        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status
-            failure = self._fail(grpc_context, error, request_id)
-            if grpc_context is None:
-                raise failure from None
-            # The status set on grpc_context is what the client receives; the empty message
-            # is not delivered (returning instead of raising keeps the replica log quiet).
-            return specserve_pb2.GenerateResponse()
-        return grpc_service.final_response(request_id, self._model_name, results, texts, time.monotonic() - started)
-
-    async def GenerateStream(  # noqa: N802 - named like the rpc in protos/specserve.proto
-        self, request: specserve_pb2.GenerateRequest, grpc_context: Any = None
-    ) -> AsyncIterator[specserve_pb2.GenerateResponse]:
-        """Server-streaming rpc: one message per chunk, tagged with its choice ``index`` (the
-        choices interleaved as they arrive); each choice's last message has finished, usage and
-        stats."""
-        request_id = self._new_request_id("grpc")
-        try:
-            specs, generations, request_id, texts = await self._grpc_request(request, grpc_context, request_id)
-            streams = self._start_all(generations)
-            firsts = await _prime_all(streams)
-        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status
-            raise self._fail(grpc_context, error, request_id) from None
-        chunks = _interleave(streams, firsts)
-        try:
-            async for position, chunk in chunks:
-                yield grpc_service.chunk_to_response(
-                    chunk, self._model_name, index=specs[position].index, request_id=request_id, texts=texts
-                )
-        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status
-            raise self._fail(grpc_context, error, request_id) from None
-        finally:
-            await chunks.aclose()
-            for stream in streams:
-                stream.cancel()
-
     def __del__(self) -> None:
         group = getattr(self, "_group", None)
         if group is not None:
@@ -747,11 +422,13 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 __all__ = [
     "DEPLOYMENT_NAME",
+    "ModelGroupUnhealthy",
     "GRPC_SERVICER_FUNCTION",
     "GRPC_SERVICER_REGISTRATION",
     "ModelGroupUnavailable",
     "RequestFailed",
     "SpecServeIngress",
     "build_app",
+    "model_group_health",
     "replica_bundles",
 ]
