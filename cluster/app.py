@@ -19,7 +19,8 @@ Every field is checked before any model work by the constraints of :mod:`actors.
 in the coordinator, the plan against the deployment, resolved once per request, and the prompt
 against the models), the same way on both protocols. With an
 API key configured (``args.security.api_key`` or ``SPECSERVE_API_KEY``), every route but
-``GET /health`` and every gRPC call must present it (:mod:`cluster.security`).
+``GET /health`` (the API's schema and its ``/docs`` / ``/redoc`` pages included) and every gRPC
+call must present it (:mod:`cluster.security`).
 
 Errors all go through :func:`cluster.errors.client_error`: :class:`actors.api.InvalidRequestError`
 (raised here while parsing, or by the coordinator before any work) becomes HTTP 400 with an
@@ -41,6 +42,7 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.util.placement_group import get_current_placement_group
@@ -153,9 +155,14 @@ def _served_model_name() -> str:
         return DEFAULT_MODEL_NAME
 
 
+# FastAPI's own /docs, /redoc and /openapi.json are turned off: the ingress serves them as routes
+# of its own, which need the API key like every route but /health.
 fastapi_app = FastAPI(
     title="specserve",
     description="Lossless speculative decoding and speculative ensembles (OpenAI-compatible API).",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
 )
 
 
@@ -225,6 +232,14 @@ class SpecServeIngress(GrpcMethods):
         """Raise :class:`cluster.errors.Unauthenticated` unless the request presents the API key."""
         require_key(self._api_key, http_request.headers)
 
+    def _refused(self, http_request: Request, what: str) -> JSONResponse | None:
+        """The 401 response of a request without the API key (when one is set), else None."""
+        try:
+            self._http_auth(http_request)
+        except Unauthenticated as error:
+            return _http_error(error, self._new_request_id(what))
+        return None
+
     @fastapi_app.get("/health")
     async def health(self) -> JSONResponse:
         """200 when the replica's coordinator and workers answer, 503 otherwise (open: no API key)."""
@@ -278,21 +293,37 @@ class SpecServeIngress(GrpcMethods):
     async def metrics(self, http_request: Request) -> Response:
         """Prometheus text: the metrics of every model group (replica) of this application
         (:mod:`cluster.metrics`); needs the API key when one is set."""
-        try:
-            self._http_auth(http_request)
-        except Unauthenticated as error:
-            return _http_error(error, self._new_request_id("metrics"))
+        if (refused := self._refused(http_request, "metrics")) is not None:
+            return refused
         scrape = await self._metrics.scrape()
         return Response(render(self._model_name, scrape), media_type=CONTENT_TYPE,
                         headers={REPLICA_HEADER: _replica_id()})
 
     @fastapi_app.get("/v1/models")
     async def models(self, http_request: Request) -> JSONResponse:
-        try:
-            self._http_auth(http_request)
-        except Unauthenticated as error:
-            return _http_error(error, self._new_request_id("models"))
+        if (refused := self._refused(http_request, "models")) is not None:
+            return refused
         return JSONResponse(models_list([self._model_name]))
+
+    @fastapi_app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, http_request: Request) -> JSONResponse:
+        """The HTTP API's OpenAPI schema (FastAPI's); needs the API key when one is set."""
+        return self._refused(http_request, "openapi") or JSONResponse(fastapi_app.openapi())
+
+    @fastapi_app.get("/docs", include_in_schema=False)
+    async def docs(self, http_request: Request) -> Response:
+        """The schema's Swagger UI page; needs the API key when one is set (and so does the
+        schema the page then loads)."""
+        schema_url = http_request.scope.get("root_path", "").rstrip("/") + "/openapi.json"
+        return self._refused(http_request, "docs") or get_swagger_ui_html(
+            openapi_url=schema_url, title=f"{fastapi_app.title} - Swagger UI")
+
+    @fastapi_app.get("/redoc", include_in_schema=False)
+    async def redoc(self, http_request: Request) -> Response:
+        """The schema's ReDoc page; needs the API key when one is set."""
+        schema_url = http_request.scope.get("root_path", "").rstrip("/") + "/openapi.json"
+        return self._refused(http_request, "redoc") or get_redoc_html(openapi_url=schema_url,
+                                                                         title=f"{fastapi_app.title} - ReDoc")
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

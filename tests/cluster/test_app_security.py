@@ -90,7 +90,8 @@ GRPC_REQUEST = specserve_pb2.GenerateRequest(
 def test_http_without_the_right_key_is_401_everywhere_but_health(http, headers):
     for method, path, body in [("POST", "/v1/completions", BODY),
                                ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-                               ("GET", "/v1/models", None), ("GET", "/v1/status", None), ("GET", "/metrics", None)]:
+                               ("GET", "/v1/models", None), ("GET", "/v1/status", None), ("GET", "/metrics", None),
+                               ("GET", "/openapi.json", None), ("GET", "/docs", None), ("GET", "/redoc", None)]:
         response = http.request(method, path, json=body, headers=headers)
         assert response.status_code == 401, (path, response.text)
         error = response.json()["error"]
@@ -109,6 +110,13 @@ def test_http_with_the_right_key_is_served(http):
     assert http.get("/v1/models", headers=bearer(KEY)).json()["data"][0]["id"] == APP
     assert http.get("/v1/status", headers=bearer(KEY)).json()["model"] == APP
     assert "specserve_requests_total" in http.get("/metrics", headers=bearer(KEY)).text
+    schema = http.get("/openapi.json", headers=bearer(KEY)).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/health"} <= set(schema["paths"])
+    assert not {"/docs", "/redoc", "/openapi.json"} & set(schema["paths"])
+    docs = http.get("/docs", headers={"x-api-key": KEY})
+    assert docs.status_code == 200 and "swagger-ui" in docs.text and f"{ROUTE}/openapi.json" in docs.text
+    redoc = http.get("/redoc", headers=bearer(KEY))
+    assert redoc.status_code == 200 and "redoc" in redoc.text and f"{ROUTE}/openapi.json" in redoc.text
     # An unauthenticated bad request is refused for the key, not for the body.
     assert http.post("/v1/completions", content=b"\xff", headers={"content-type": "application/json"}).status_code == 401
 
@@ -125,6 +133,8 @@ def test_the_openai_client_sends_the_key(keyed_app):
 def test_the_session_application_without_a_key_stays_open(keyed_app):
     response = httpx.post(f"{keyed_app.http_url}/v1/completions", json=BODY, timeout=120)
     assert response.status_code == 200, response.text
+    for path in ("/openapi.json", "/docs", "/redoc"):  # without a key, the schema's pages are open too
+        assert httpx.get(f"{keyed_app.http_url}{path}", timeout=120).status_code == 200, path
 
 
 # ------------------------------------------------------------------ gRPC
