@@ -638,7 +638,7 @@ class Scheduler:
         calls: dict[tuple[str, int], tuple[Any, list[_Placed]]] = {}
         payload_refs: dict[str, Any] = {}
         hosts = self._hosted(placed)
-        whole = {host for host, models in hosts.items() if self._host_reads_only_itself(models, placed)}
+        whole = {host for host, models in hosts.items() if self._host_self_contained(models, placed)}
         for model, (phase0, _) in placed.items():
             if phase0 and self.hosts[model] is None:
                 outcomes_ref, payloads_ref = self._call(model, [e.item for e in phase0])
@@ -676,10 +676,16 @@ class Scheduler:
                 hosts.setdefault(host, []).append(model)
         return hosts
 
-    def _host_reads_only_itself(self, models: list[str], placed: dict[str, list[list[_Placed]]]) -> bool:
-        """Whether every proposal the host's models verify this step comes from the same host."""
-        return all(self.hosts[e.item.proposal_source[0]] == self.hosts[models[0]]
-                   for m in models for e in placed[m][1] if e.item.proposal_source)
+    def _host_self_contained(self, models: list[str], placed: dict[str, list[list[_Placed]]]) -> bool:
+        """Whether every proposal the host's models verify this step comes from the same host, and
+        no other worker reads one of its proposals (that worker would wait for the whole call's
+        end, the host's verification included, instead of the proposal's: the drafted ensemble's
+        members on workers of their own)."""
+        host = self.hosts[models[0]]
+        reads = [(m, e.item.proposal_source[0]) for m, phases in placed.items() for e in phases[1]
+                 if e.item.proposal_source]
+        return all(self.hosts[source] == host for m, source in reads if self.hosts[m] == host) and \
+            not any(self.hosts[source] == host and self.hosts[m] != host for m, source in reads)
 
     def _call_host(self, models: list[str], parts: list[tuple[str, int]], placed: dict[str, list[list[_Placed]]],
                    calls: dict[tuple[str, int], tuple[Any, list[_Placed]]], payload_refs: dict[str, Any]) -> None:

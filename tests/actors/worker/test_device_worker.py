@@ -27,6 +27,8 @@ SPECULATIONS = [
     {"strategy": "ensemble", "members": ["target", "partner"]},
     {"strategy": "ensemble", "ensemble": "contrastive", "members": ["target", "partner"], "mu": 0.1},
     {"strategy": "se"},
+    # the partner reads the draft's block from the draft's host: a call of its own for the draft
+    {"strategy": "se", "proposer": "draft", "members": ["target", "partner"], "gamma": 3},
 ]
 
 
