@@ -362,8 +362,8 @@ def build_batch(
         first_start, first_end, second_start, second_end = (b[:, None] for b in bounds_t)  # each [N_run_queries, 1]
         seen = ((kv_columns >= first_start) & (kv_columns < first_end)) | (
             (kv_columns >= second_start) & (kv_columns < second_end))  # [N_run_queries, T_kv]
-        for k, b in enumerate(run_rows[::width]):  # every query of a run row, in order: a slice per row
-            mask[b] |= seen[k * width: (k + 1) * width]
+        run_batch_rows = run_rows_t[::width]  # [R]: every query of a run row, in order, so a row every width
+        mask[run_batch_rows] = mask[run_batch_rows] | seen.view(-1, width, kv_length)  # [R, L, T_kv]; rows distinct
     for b in causal_rows:
         length = len(rows[layout[b]])
         block = torch.ones(width, length, dtype=torch.bool, device=device).tril()  # [L, L_b]; padding: all
