@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from actors.api import GenerationChunk, RequestStats, TokenLogprob
-from actors.worker.bursts import BurstRecord, FrozenStepCosts, burstable
+from actors.worker.bursts import BurstRecord, FrozenStepCosts, burst_home, burstable
 from actors.worker.device_worker import HostCall, host_of
 from actors.messages import UNAVAILABLE, CallTiming, ItemOutcome, OpenSession, Prefill, WorkItem
 from actors.coordination.metrics import RequestClock, SchedulerMetrics, plan_labels
@@ -423,10 +423,10 @@ class Scheduler:
                 and burstable(request.machine))
 
     async def _burst(self, request: RequestState) -> None:
-        """Run ``request``'s iterations in its target's worker for up to ``burst_s`` (:mod:`actors.worker.bursts`);
+        """Run ``request``'s iterations in its target's worker (:func:`actors.worker.bursts.burst_home`) for up to ``burst_s`` (:mod:`actors.worker.bursts`);
         each streamed iteration is replayed through the request's own machine as a step of its own."""
         machine = request.machine
-        target = machine.target
+        target = burst_home(machine, self.hosts.get)
         live_costs = getattr(machine, "step_costs", None)
         self._batch_now, self._step_mode, self._step_block = 1, "any", 0  # a step of this request alone
         if live_costs is not None:  # the worker's copy and the replay read the same costs
@@ -477,7 +477,9 @@ class Scheduler:
             return
         if any(isinstance(need, PreDraft) for need in request.last_needs):
             request.pre_drafted = record.pre_drafted  # the next iteration may verify one of its chains
-        elif all(outcome.error is None for outcome in record.outcomes):  # like steps: not with a PreDraft
+        elif all(outcome.error is None for outcome in record.outcomes) and \
+                all(isinstance(need, (Sample, ScoreVerify)) for need in record.needs):
+            # like steps: not with a PreDraft, nor an ensemble's shapes
             self._observe_iteration_costs(request, record)
         self._advance(request, list(record.outcomes))
 
