@@ -8,14 +8,13 @@ where padding would cost more than another forward (:func:`forward_groups`). A s
 as many forwards as its longest item needs: one for scoring / verification / next logits,
 ``count`` for sampling ``count`` tokens (the sampling items drop out as they finish).
 
-Each item is a small task (:class:`_Task`) that says which row it needs in the next forward
-and takes that row's logits. Draws use the session's own random streams in the order the
-machine's contract states, so a request's tokens do not depend on its neighbours. Verification
-runs here, next to the target rows (only tokens travel back); logits leave the device once per
-forward (one copy of the kept rows of every session), and rows are computed with the one
-sampling path (:func:`verifiers.sampling.logits_to_probs`) on the host, which is where the
-verifiers run, in the request's precision (``RowSampling.precision``: float64, or float32 where
-``engine.sampling_precision`` settles so; draws and single-draft verification keep it).
+Each item is a small task (:mod:`actors.worker.tasks`, :mod:`actors.worker.verify_tasks`) that
+says which row it needs in the next forward and takes that row's logits. Draws use the session's
+own random streams in the order the machine's contract states, so a request's tokens do not
+depend on its neighbours. Verification runs here, next to the target rows (only tokens travel
+back); logits leave the device once per forward (one copy of the kept rows of every session), and
+rows are computed with the one sampling path on the host (:mod:`actors.worker.rows`), which is
+where the verifiers run, in the request's precision.
 
 Prompt log-probabilities: a session opened with ``OpenSession.prompt_logits`` keeps the logits
 of every prompt position in the forward that feeds its prompt (:func:`keep_prompt_positions`),
@@ -33,7 +32,8 @@ decoding machine's first need computes the row after the prompt once the whole p
 
 Failures stay with their request: an item that fails (bad state, a forward that raises for
 its row) gets an error outcome and its session is freed; the other items of the step go on (a
-forward that raises is retried row by row to find the rows that fail).
+batched forward, draw or verification that raises is run again for each request alone:
+:mod:`actors.worker.isolation`).
 """
 
 from __future__ import annotations
@@ -46,15 +46,17 @@ from typing import Any
 
 import torch
 
-from actors.model.batch import RowWork, RunAttend, linear_row
-from actors.messages import CallTiming, ItemOutcome, OpenSession, Prefill, PrefillProgress, RowSampling, WorkItem
+from actors.messages import CallTiming, ItemOutcome, OpenSession, Prefill, RowSampling, WorkItem
+from actors.model.batch import RowWork
 from actors.worker.isolation import batched_then_alone
 from actors.worker.prefix_cache import PrefixCache
+from actors.worker.rows import shared_vocab
 from actors.worker.sessions import Session, SessionNotFoundError, SessionStore
+from actors.worker.tasks import ExtendTask, NextLogitsTask, PreDraftTask, PrefillTask, SampleTask, Task
+from actors.worker.verify_tasks import ScoreBlockTask, ScoreVerifyTask, verify_together
 from verifiers.machines import (
     MODEL_FREE,
     Extend,
-    MemberBlock,
     NextLogits,
     PreDraft,
     PreDrafted,
@@ -62,15 +64,8 @@ from verifiers.machines import (
     Sampled,
     ScoreBlock,
     ScoreVerify,
-    Verified,
-    bonus_guesses,
 )
-from verifiers.blocks import block_inputs, block_key, verified_row, verify_blocks
 from verifiers.randomness import categorical_together
-from verifiers.registry import get_verifier
-from verifiers.penalties import penalized_probs
-from verifiers.proposers import one_hot_rows
-from verifiers.sampling import token_logprob
 
 logger = logging.getLogger(__name__)
 
@@ -81,42 +76,6 @@ DEFAULT_MAX_TOKENS_PER_STEP = 512
 #: The first prefill chunk in line gets at least this share of the budget even when the step's
 #: other rows take it all.
 MIN_PREFILL_SHARE = 0.25
-
-
-def session_rows(session: Session, logits: torch.Tensor, after: list[list[int]],
-                 dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The one logits -> rows path of a worker: shared-vocabulary truncation, then the request's
-    penalties (row ``i`` penalized with the generated tokens followed by ``after[i]``, the
-    uncommitted tokens before its position) and temperature / top-k / top-p
-    (:func:`verifiers.penalties.penalized_probs`), in ``dtype`` (default: the request's
-    ``RowSampling.precision``)."""
-    sampling = session.sampling
-    generated = None
-    if sampling.penalties.active:
-        committed = session.generated()
-        generated = [committed + list(tokens) for tokens in after]
-    return penalized_probs(
-        shared_vocab(session, logits), temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        penalties=sampling.penalties, prompt=session.context[: session.prompt_length], generated=generated,
-        dtype=dtype if dtype is not None else row_dtype(sampling.precision),
-    )
-
-
-def row_dtype(precision: str) -> torch.dtype:
-    """``RowSampling.precision`` ("float64" / "float32") -> the torch dtype of the rows."""
-    if precision not in ("float64", "float32"):
-        raise ValueError(f"RowSampling.precision must be 'float64' or 'float32', got {precision!r}")
-    return getattr(torch, precision)
-
-
-def shared_vocab(session: Session, logits: torch.Tensor) -> torch.Tensor:
-    limit = session.sampling.vocab_limit
-    return logits if limit is None else logits[..., :limit]
-
-
-def columns_of(*runs: tuple[int, ...]) -> tuple[int, ...]:
-    """The columns of several runs, in order."""
-    return tuple(column for run in runs for column in run)
 
 
 def keep_prompt_positions(row: RowWork, count: int) -> RowWork:
@@ -130,473 +89,6 @@ def keep_prompt_positions(row: RowWork, count: int) -> RowWork:
 
 class ProposalLost(RuntimeError):
     """The worker that proposed for this step died: the request can be sent again."""
-
-
-class _Task:
-    """One work item in progress: rows to feed, then a result."""
-
-    def __init__(self, session: Session, pending: list[int]):
-        self.session = session
-        self.pending = pending
-        self.forwards = 0
-        self.tokens_fed = 0
-        self.verify_s = 0.0
-        self.prompt_positions = 0  # prompt positions whose logits to keep in the first forward
-        self.prompt_logits: torch.Tensor | None = None  # [prompt_positions, V] once taken
-
-    @property
-    def active(self) -> bool:
-        """Whether the task needs a row in the next forward."""
-        raise NotImplementedError
-
-    def row(self) -> RowWork:
-        raise NotImplementedError
-
-    def take(self, logits: torch.Tensor) -> None:
-        """Consume the kept logits ``[len(row.keep), V]`` of the last row."""
-        raise NotImplementedError
-
-    def outcome(self) -> tuple[Any, Any]:
-        """(summary for the scheduler, payload for a dependent need or None)."""
-        raise NotImplementedError
-
-    def _feed_pending(self) -> RowWork:
-        """The pending tokens as a linear row keeping the last position."""
-        session = self.session
-        return linear_row(session.slot, session.base, self.pending, session.base, keep=[len(self.pending) - 1])
-
-    def _pending_fed(self) -> None:
-        self.session.base += len(self.pending)
-        self.pending = []
-
-
-class _SampleTask(_Task):
-    """:class:`Sample`: the pending tokens, then one forward per further draft position with the
-    K chains' newest tokens (each seeing only its own chain)."""
-
-    def __init__(self, session: Session, pending: list[int], need: Sample):
-        super().__init__(session, pending)
-        self.need = need
-        self.drafts: list[list[int]] = [[] for _ in range(need.num_drafts)]
-        self.position_logits: list[torch.Tensor] = []
-        self.logprobs: list = []  # draft 0's draws, when the need asks for them
-        self.source = session.source(need.stream)
-
-    @property
-    def active(self) -> bool:
-        return len(self.drafts[0]) < self.need.count
-
-    def row(self) -> RowWork:
-        if self.pending:
-            return self._feed_pending()
-        session, depth = self.session, len(self.drafts[0]) - 1  # feed draft token `depth` of each chain
-        stride = self.need.count - 1
-        columns = [session.base + k * stride + depth for k in range(self.need.num_drafts)]
-        return RowWork(
-            slot=session.slot,
-            prefix_length=session.base,
-            token_ids=tuple(draft[depth] for draft in self.drafts),
-            columns=tuple(columns),
-            positions=(session.base + depth,) * len(columns),
-            attend=RunAttend([c - depth for c in columns], [c + 1 for c in columns]),  # each its own chain
-            keep=tuple(range(len(columns))),
-        )
-
-    def take(self, logits: torch.Tensor) -> None:
-        rows = self.rows_to_draw(logits)
-        self.drawn(rows, self.source.categorical(rows))
-
-    def rows_to_draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """The first half of :meth:`take`: this position's rows ``[K, V]`` (float64), to be drawn
-        from :attr:`source` (the engine draws every sampling task of a forward together,
-        :func:`verifiers.randomness.categorical_together`); then :meth:`drawn`."""
-        if self.pending:
-            self._pending_fed()
-            logits = logits.expand(self.need.num_drafts, -1)  # [K, V]: the K drafts share the first row
-        logits = shared_vocab(self.session, logits)  # [K, V]
-        if self.need.return_logits or self.need.report_logits:
-            self.position_logits.append(logits)
-        # A block the machine verifies itself: drawn from float64 rows, which it recomputes so.
-        dtype = torch.float64 if self.need.report_logits else None
-        return session_rows(self.session, logits, self.drafts, dtype)  # [K, V]
-
-    def drawn(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The second half of :meth:`take`: the tokens ``[K]`` drawn from this position's ``rows``."""
-        if self.need.logprobs is not None:
-            self.logprobs.append(token_logprob(rows[0], int(tokens[0]), self.need.logprobs))
-        for draft, token in zip(self.drafts, tokens.tolist()):
-            draft.append(int(token))
-
-    def outcome(self) -> tuple[Any, Any]:
-        session, stride = self.session, self.need.count - 1
-        session.chain_start, session.chain_stride = session.base, stride
-        session.chains = [draft[:stride] for draft in self.drafts] if stride else []
-        session.last_draft = list(self.drafts[0])
-        tokens = torch.tensor(self.drafts, dtype=torch.int64)  # [K, n]
-        logprobs = self.logprobs if self.need.logprobs is not None else None
-        if not (self.need.return_logits or self.need.report_logits):
-            return Sampled(tokens, logprobs=logprobs), None
-        logits = torch.stack(self.position_logits, dim=1)  # [K, n, V]
-        summary = Sampled(tokens, logits if self.need.report_logits else None, logprobs=logprobs)
-        return summary, Sampled(tokens, logits if self.need.return_logits else None)
-
-
-class _ScoreVerifyTask(_Task):
-    """:class:`ScoreVerify`: ONE row with the pending tokens and the K draft chains after them,
-    then the registry verifier on ``[K, gamma+1]`` target rows; the emitted tokens are
-    committed to the session."""
-
-    def __init__(self, session: Session, pending: list[int], need: ScoreVerify, proposal: Sampled):
-        super().__init__(session, pending)
-        if proposal is None or (proposal.logits is None and need.draft_need != MODEL_FREE):
-            raise ValueError("verification needs the proposal's logits")
-        self.need, self.proposal = need, proposal
-        self.spec = get_verifier(need.method)
-        self.source = session.source(need.stream)
-        self.result: Verified | None = None
-        #: Once the rows are taken and until verified: (draft tokens, draft rows, target rows) in
-        #: the rule's batch layout (``[1, gamma]``, ``[1, gamma, V]``, ``[1, gamma+1, V]`` single-draft).
-        self.inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.result is None and self.inputs is None
-
-    def row(self) -> RowWork:
-        session, pending = self.session, self.pending
-        drafts = self.proposal.tokens.tolist()  # [K][gamma]
-        gamma = len(drafts[0])
-        base, chain_start = session.base, session.base + len(pending)
-        pending_columns = tuple(range(base, chain_start))
-        chain_columns = tuple(range(chain_start, chain_start + len(drafts) * gamma))  # chain k at chain_start + k * gamma
-        chain_firsts = [chain_start + k * gamma for k in range(len(drafts)) for _ in range(gamma)]
-        # The pending tokens see themselves causally; a chain token sees every pending token, then its chain.
-        attend = RunAttend(
-            first_start=[base] * len(columns_of(pending_columns, chain_columns)),
-            first_end=[c + 1 for c in pending_columns] + [chain_start] * len(chain_columns),
-            second_start=[0] * len(pending_columns) + chain_firsts,
-            second_end=[0] * len(pending_columns) + [c + 1 for c in chain_columns],
-        )
-        return RowWork(
-            slot=session.slot,
-            prefix_length=base,
-            token_ids=tuple(pending) + tuple(t for draft in drafts for t in draft),
-            columns=pending_columns + chain_columns,
-            positions=pending_columns + tuple(chain_start + j for _ in drafts for j in range(gamma)),
-            attend=attend,
-            keep=(len(pending) - 1,) + tuple(range(len(pending), len(pending) + len(chain_columns))),
-        )
-
-    def take(self, logits: torch.Tensor) -> None:
-        """The target rows and the draft's rows of the block; a rule the engine verifies for many
-        requests at once (:attr:`batch_key`) waits for :func:`verify_together`, any other is
-        verified here."""
-        session = self.session
-        draft_tokens = self.proposal.tokens  # [K, gamma]
-        num_drafts, gamma = draft_tokens.shape
-        self._pending_fed()
-        started = time.perf_counter()
-        first = logits[:1].expand(num_drafts, 1, -1)  # [K, 1, V]: every draft's first row
-        chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
-        drafts = draft_tokens.tolist()
-        target_after = [draft[:j] for draft in drafts for j in range(gamma + 1)]
-        target_probs = session_rows(session, torch.cat([first, chained], dim=1), target_after)  # [K, gamma+1, V]
-        if self.proposal.logits is None:  # a model-free proposal: one-hot rows
-            draft_probs = one_hot_rows(draft_tokens.to(target_probs.device), target_probs.shape[-1],
-                                       target_probs.dtype)  # [K, gamma, V]
-        else:
-            # The draft's rows, recomputed bit for bit from its logits by the same transform it
-            # sampled with (same request sampling parameters and penalty contexts, same code).
-            draft_after = [draft[:j] for draft in drafts for j in range(gamma)]
-            draft_probs = session_rows(session, self.proposal.logits, draft_after)  # [K, gamma, V]
-        self.inputs = block_inputs(self.spec, draft_tokens, draft_probs, target_probs)
-        self.verify_s = time.perf_counter() - started
-        if self.batch_key is None:
-            self.verify_alone()
-
-    @property
-    def batch_key(self) -> tuple[str, int] | None:
-        """Requests whose blocks one verifier call takes together: a stateless single-draft rule
-        (token, block) and the block length; None: verified alone (multi-draft and greedy rules)."""
-        if self.inputs is None:
-            return None
-        return block_key(self.need.method, self.spec, self.inputs)
-
-    def verify_alone(self) -> None:
-        """Verify this block by itself on the request's verification stream, and commit."""
-        self.finish(*self.verified_alone())
-
-    def verified_alone(self) -> tuple[Any, int]:
-        """The verifier's result of this block by itself (on the request's verification stream)
-        and its row in it, to :meth:`finish`."""
-        started = time.perf_counter()
-        result = verify_blocks(self.spec, [self.inputs], [self.source], state=self.session.verify_state)
-        self.verify_s += time.perf_counter() - started
-        return result, 0
-
-    def finish(self, result: Any, row: int) -> None:
-        """Take batch row ``row`` of the verifier's ``result``: commit the emitted tokens."""
-        session = self.session
-        draft_tokens = self.proposal.tokens  # [K, gamma]
-        session.verify_state = result.state
-        self.result = verified_row(self.spec, self.inputs, result, row, self.need.logprobs)
-        session.chain_start, session.chain_stride = session.base, draft_tokens.shape[-1]
-        session.chains = draft_tokens.tolist()
-        session.context.extend(self.result.emitted)
-        self.inputs = None
-
-    def outcome(self) -> tuple[Any, Any]:
-        return self.result, None
-
-
-class _ScoreBlockTask(_ScoreVerifyTask):
-    """:class:`ScoreBlock`: the row of :class:`_ScoreVerifyTask` (pending tokens, then the K
-    chains of the block's first ``gamma`` tokens), and the logits ``[K, gamma+1, V]`` back to the
-    machine, which verifies (an ensemble member); the chains stay fed, uncommitted."""
-
-    def __init__(self, session: Session, pending: list[int], need: ScoreBlock, proposal: Sampled):
-        _Task.__init__(self, session, pending)
-        if proposal is None:
-            raise ValueError("scoring needs the proposal's tokens")
-        self.need = need
-        self.proposal = Sampled(proposal.tokens[:, : need.gamma])  # [K, gamma]
-        self.logits: torch.Tensor | None = None
-        self.result = None  # nothing to verify here
-
-    @property
-    def active(self) -> bool:
-        return self.logits is None
-
-    def take(self, logits: torch.Tensor) -> None:
-        session = self.session
-        draft_tokens = self.proposal.tokens  # [K, gamma]
-        num_drafts, gamma = draft_tokens.shape
-        self._pending_fed()
-        first = logits[:1].expand(num_drafts, 1, -1)  # [K, 1, V]: every draft's first row
-        chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
-        self.logits = shared_vocab(session, torch.cat([first, chained], dim=1)).clone()  # [K, gamma+1, V]
-        session.chain_start, session.chain_stride = session.base, gamma
-        session.chains = draft_tokens.tolist()
-
-    @property
-    def batch_key(self) -> None:
-        return None
-
-    def outcome(self) -> tuple[Any, Any]:
-        return self.logits, None
-
-
-def verify_together(tasks: Sequence[_ScoreVerifyTask]) -> list[tuple[Any, int]]:
-    """ONE verifier call for the blocks of many requests with the same rule and block length
-    (their :attr:`_ScoreVerifyTask.batch_key`): rows stacked ``[B, gamma]`` / ``[B, gamma, V]`` /
-    ``[B, gamma+1, V]``, each row drawing from its own request's verification stream
-    (:func:`verifiers.blocks.verify_blocks`: the draws a call of batch 1 would make), so every
-    request gets the tokens it would get verified alone. Returns each task's (result, row), to
-    :meth:`_ScoreVerifyTask.finish`; the call's time is shared evenly."""
-    if len(tasks) == 1:
-        return [tasks[0].verified_alone()]
-    started = time.perf_counter()
-    result = verify_blocks(tasks[0].spec, [task.inputs for task in tasks], [task.source for task in tasks])
-    share = (time.perf_counter() - started) / len(tasks)
-    for task in tasks:
-        task.verify_s += share
-    return [(result, row) for row in range(len(tasks))]
-
-
-class _PreDraftTask(_Task):
-    """:class:`PreDraft`: ONE row with the pending tokens and the block under verification (fed
-    but not committed: the linear part ends before the block, which stays as chain 0 so that an
-    accepted prefix of it is kept), then one forward per drafted position over the K chains, chain
-    k starting with candidate k right after the block (each sees the context, the block and its
-    own chain: columns ``after_block + k * count + j`` at positions ``base + len(block) + j``)."""
-
-    def __init__(self, session: Session, pending: list[int], need: PreDraft):
-        super().__init__(session, pending)
-        block = need.block if need.block is not None else session.last_draft
-        if not block:
-            raise ValueError("a PreDraft needs the block under verification (no Sample drafted one this step)")
-        if need.count < 1 or need.guesses < 1:
-            raise ValueError(f"count and guesses must be >= 1, got {need.count}, {need.guesses}")
-        self.need, self.block = need, [int(t) for t in block]
-        self.guesses: list[int] | None = None
-        self.chains: list[list[int]] = []  # chain k: candidate k, then its draws
-        self.position_logits: list[torch.Tensor] = []
-        self.source = session.source(need.stream)
-
-    @property
-    def active(self) -> bool:
-        return self.guesses is None or len(self.chains[0]) <= self.need.count
-
-    def row(self) -> RowWork:
-        session = self.session
-        if self.guesses is None:
-            tokens = self.pending + self.block
-            return linear_row(session.slot, session.base, tokens, session.base, keep=[len(tokens) - 1])
-        depth = len(self.chains[0]) - 1  # feed token `depth` of each chain (0: the candidate)
-        after_block = session.base + len(self.block)
-        columns = [after_block + k * self.need.count + depth for k in range(len(self.chains))]
-        return RowWork(
-            slot=session.slot,
-            prefix_length=after_block,
-            token_ids=tuple(chain[depth] for chain in self.chains),
-            columns=tuple(columns),
-            positions=(after_block + depth,) * len(columns),
-            attend=RunAttend([c - depth for c in columns], [c + 1 for c in columns]),  # each its own chain
-            keep=tuple(range(len(columns))),
-        )
-
-    def take(self, logits: torch.Tensor) -> None:
-        session = self.session
-        if self.guesses is None:  # the row after the block: the candidates for the bonus token
-            self._pending_fed()
-            row = session_rows(session, logits, [self.block])[0]  # [V]
-            self.guesses = bonus_guesses(row, self.need.guesses)
-            self.chains = [[guess] for guess in self.guesses]
-            return
-        logits = shared_vocab(session, logits)  # [K, V]
-        rows = session_rows(session, logits, [self.block + chain for chain in self.chains])  # [K, V]
-        for chain, token in zip(self.chains, self.source.categorical(rows).tolist()):
-            chain.append(int(token))
-        self.position_logits.append(logits)
-
-    def outcome(self) -> tuple[Any, Any]:
-        session = self.session
-        session.chain_start, session.chain_stride, session.chains = session.base, len(self.block), [self.block]
-        tokens = torch.tensor([chain[1:] for chain in self.chains], dtype=torch.int64)  # [K, count]
-        logits = torch.stack(self.position_logits, dim=1)  # [K, count, V]
-        return PreDrafted(self.guesses, tokens), PreDrafted(self.guesses, tokens, logits)
-
-
-class _ExtendTask(_Task):
-    """:class:`Extend`: one row with the pending tokens and the queued tokens as a chain (rows
-    at every queued position and after the queue), then one forward per further draw."""
-
-    def __init__(self, session: Session, pending: list[int], need: Extend):
-        super().__init__(session, pending)
-        self.need = need
-        self.queued = [int(t) for t in need.queued]
-        self.source = session.source(need.stream) if need.count else None
-        self.queued_logits: torch.Tensor | None = None
-        self.next_logits: torch.Tensor | None = None
-        self.tokens: list[int] = []
-        self.token_logits: list[torch.Tensor] = []
-
-    @property
-    def active(self) -> bool:
-        return self.queued_logits is None or len(self.tokens) < self.need.count
-
-    def row(self) -> RowWork:
-        session = self.session
-        if self.queued_logits is None:
-            pending, chain_start = self.pending, session.base + len(self.pending)
-            columns = tuple(range(session.base, chain_start + len(self.queued)))
-            return RowWork(
-                slot=session.slot,
-                prefix_length=session.base,
-                token_ids=tuple(pending) + tuple(self.queued),
-                columns=columns,
-                positions=columns,
-                attend=RunAttend.causal(session.base, len(columns)),  # pending, then queued: one causal run
-                keep=tuple(range(len(pending) - 1, len(columns))),
-            )
-        column = session.base + len(self.queued) + len(self.tokens) - 1  # feed the newest draw
-        return RowWork(
-            slot=session.slot,
-            prefix_length=session.base,
-            token_ids=(self.tokens[-1],),
-            columns=(column,),
-            positions=(column,),
-            attend=RunAttend([session.base], [column + 1]),
-            keep=(0,),
-        )
-
-    def take(self, logits: torch.Tensor) -> None:
-        logits = shared_vocab(self.session, logits)
-        if self.queued_logits is None:
-            self._pending_fed()
-            self.queued_logits, self.next_logits = logits[:-1], logits[-1]  # [Q, V], [V]
-        else:
-            self.next_logits = logits[0]  # [V]
-        if len(self.tokens) < self.need.count:
-            # float64 whatever the precision: the ensemble's machine recomputes this member's rows
-            # on the coordinator in float64 to verify the proposal, and must see the rows drawn from.
-            row = session_rows(self.session, self.next_logits[None], [self.queued + self.tokens],
-                               dtype=torch.float64)  # [1, V]
-            token = int(self.source.categorical(row)[0])
-            self.tokens.append(token)
-            self.token_logits.append(self.next_logits)
-
-    def outcome(self) -> tuple[Any, Any]:
-        session = self.session
-        fed = self.queued + self.tokens[:-1]
-        session.chain_start, session.chain_stride, session.chains = session.base, len(fed), [fed]
-        vocab = self.queued_logits.shape[-1]
-        block = MemberBlock(
-            queued_logits=self.queued_logits.clone(),
-            tokens=torch.tensor(self.tokens, dtype=torch.int64),
-            token_logits=torch.stack(self.token_logits) if self.token_logits else torch.empty(0, vocab, dtype=self.queued_logits.dtype),
-        )
-        return block, None
-
-
-class _NextLogitsTask(_Task):
-    """:class:`NextLogits`: the pending tokens, the row after them."""
-
-    def __init__(self, session: Session, pending: list[int], need: NextLogits):
-        super().__init__(session, pending)
-        self.logits: torch.Tensor | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.logits is None
-
-    def row(self) -> RowWork:
-        return self._feed_pending()
-
-    def take(self, logits: torch.Tensor) -> None:
-        self._pending_fed()
-        self.logits = shared_vocab(self.session, logits[0]).clone()  # [V]
-
-    def outcome(self) -> tuple[Any, Any]:
-        return self.logits, None
-
-
-class _PrefillTask(_Task):
-    """:class:`Prefill`: the next ``grant`` tokens of the session's prompt as one causal row (the
-    prompt's last token stays pending). ``grant`` is set by :func:`prefill_grants` before the
-    step's forwards; a task granted nothing feeds nothing this step."""
-
-    def __init__(self, session: Session, pending: list[int], need: Prefill):
-        super().__init__(session, pending)
-        if session.base + len(pending) != session.prompt_length or session.chains:
-            raise ValueError(f"session {session.session_id!r} is past its prompt: nothing to prefill")
-        self.need = need
-        self.grant = 0
-        self.fed = 0
-
-    @property
-    def remaining(self) -> int:
-        """Prompt tokens still to feed, the last one (always pending) not counted."""
-        return len(self.pending) - 1
-
-    @property
-    def active(self) -> bool:
-        return self.grant > 0 and not self.fed
-
-    def row(self) -> RowWork:
-        session, chunk = self.session, self.pending[: self.grant]
-        keep = range(len(chunk)) if self.need.keep_logits else [len(chunk) - 1]
-        return linear_row(session.slot, session.base, chunk, session.base, keep=keep)
-
-    def take(self, logits: torch.Tensor) -> None:
-        if self.need.keep_logits:  # [grant, V]: rows at prompt positions base .. base + grant - 1
-            self.prompt_logits = shared_vocab(self.session, logits).clone()
-        self.session.base += self.grant
-        self.pending = self.pending[self.grant:]
-        self.fed = self.grant
-
-    def outcome(self) -> tuple[Any, Any]:
-        return PrefillProgress(fed=self.fed, remaining=self.remaining), None
 
 
 def prefill_grants(other_tokens: int, remaining: Sequence[int], budget: int) -> list[int]:
@@ -729,7 +221,7 @@ class WorkerEngine:
         """The body of :meth:`run_step` (under the session lock)."""
         for session_id in releases:
             self.sessions.release(session_id)
-        tasks: list[_Task | None] = []
+        tasks: list[Task | None] = []
         errors: dict[int, str] = {}
         lost: set[int] = set()
         for index, item in enumerate(items):
@@ -747,24 +239,24 @@ class WorkerEngine:
         return self._outcomes(items, tasks, errors, lost, forward_s, time.perf_counter() - started)
 
     # ------------------------------------------------------------------ internals
-    def _task(self, item: WorkItem, source_payloads: Sequence[Sequence[Any]]) -> _Task:
+    def _task(self, item: WorkItem, source_payloads: Sequence[Sequence[Any]]) -> Task:
         if item.open is not None:
             self._open(item.session_id, item.open)
         session = self.sessions.get(item.session_id)
         task = self._need_task(item, session, source_payloads)
-        if item.open is not None and item.open.prompt_logits and not isinstance(task, _PrefillTask):
+        if item.open is not None and item.open.prompt_logits and not isinstance(task, PrefillTask):
             task.prompt_positions = session.prompt_length - 1
         return task
 
-    def _grant_prefills(self, tasks: Sequence[_Task | None]) -> None:
+    def _grant_prefills(self, tasks: Sequence[Task | None]) -> None:
         """Share the step's token budget: the other tasks' first rows first, then the prefill
         chunks in item order (:func:`prefill_grants`)."""
-        prefills = [task for task in tasks if isinstance(task, _PrefillTask)]
+        prefills = [task for task in tasks if isinstance(task, PrefillTask)]
         if not prefills:
             return
         other_tokens = 0
         for task in tasks:
-            if task is not None and not isinstance(task, _PrefillTask) and task.active:
+            if task is not None and not isinstance(task, PrefillTask) and task.active:
                 try:
                     other_tokens += len(task.row())
                 except Exception:  # noqa: BLE001 - the row fails again, and is reported, in the forward
@@ -773,15 +265,15 @@ class WorkerEngine:
         for task, grant in zip(prefills, grants):
             task.grant = grant
 
-    def _need_task(self, item: WorkItem, session: Session, source_payloads: Sequence[Sequence[Any]]) -> _Task:
+    def _need_task(self, item: WorkItem, session: Session, source_payloads: Sequence[Sequence[Any]]) -> Task:
         need = item.need
         pending = session.sync(need.append, self.backend.copy_columns)
         if isinstance(need, Sample):
             if need.count < 1 or need.num_drafts < 1:
                 raise ValueError(f"count and num_drafts must be >= 1, got {need.count}, {need.num_drafts}")
-            return _SampleTask(session, pending, need)
+            return SampleTask(session, pending, need)
         if isinstance(need, ScoreVerify) and need.draft_need == MODEL_FREE:
-            return _ScoreVerifyTask(session, pending, need, Sampled(tokens=torch.tensor([need.proposed], dtype=torch.int64)))
+            return ScoreVerifyTask(session, pending, need, Sampled(tokens=torch.tensor([need.proposed], dtype=torch.int64)))
         if isinstance(need, (ScoreVerify, ScoreBlock)):
             source_call, source_item = item.proposal_source
             source = source_payloads[source_call]
@@ -791,25 +283,25 @@ class WorkerEngine:
             if isinstance(proposal, ItemOutcome):  # the proposing item failed
                 raise RuntimeError(f"the proposal failed: {proposal.error}")
             if isinstance(need, ScoreBlock):
-                return _ScoreBlockTask(session, pending, need, proposal)
+                return ScoreBlockTask(session, pending, need, proposal)
             if isinstance(proposal, PreDrafted):  # drafted in the previous step: the chain after this bonus
                 proposal = proposal.chain(need.chain)
-            return _ScoreVerifyTask(session, pending, need, proposal)
+            return ScoreVerifyTask(session, pending, need, proposal)
         if isinstance(need, PreDraft):
-            return _PreDraftTask(session, pending, need)
+            return PreDraftTask(session, pending, need)
         if isinstance(need, Extend):
-            return _ExtendTask(session, pending, need)
+            return ExtendTask(session, pending, need)
         if isinstance(need, NextLogits):
-            return _NextLogitsTask(session, pending, need)
+            return NextLogitsTask(session, pending, need)
         if isinstance(need, Prefill):
-            return _PrefillTask(session, pending, need)
+            return PrefillTask(session, pending, need)
         raise TypeError(f"unknown need {type(need).__name__}")
 
     def _open(self, session_id: str, spec: OpenSession) -> None:
         self.sessions.open(session_id, list(spec.prompt_ids), spec.sampling, dict(spec.seeds),
                            reuse=not spec.prompt_logits)
 
-    def _run_forwards(self, tasks: list[_Task | None], errors: dict[int, str], items: Sequence[WorkItem]) -> float:
+    def _run_forwards(self, tasks: list[Task | None], errors: dict[int, str], items: Sequence[WorkItem]) -> float:
         fail = self._failer(tasks, errors, items)
         forward_s = 0.0
         while True:
@@ -846,7 +338,7 @@ class WorkerEngine:
                     task.prompt_logits = shared_vocab(task.session, row_logits[:count]).clone()
                     row_logits = row_logits[count:]
                 try:
-                    if isinstance(task, _SampleTask):
+                    if isinstance(task, SampleTask):
                         sampling[i] = task.rows_to_draw(row_logits)
                     else:
                         task.take(row_logits)
@@ -855,7 +347,7 @@ class WorkerEngine:
             self._draw_together(sampling, tasks, fail)
             self._verify_waiting(tasks, fail)
 
-    def _draw_together(self, sampling: dict[int, torch.Tensor], tasks: list[_Task | None],
+    def _draw_together(self, sampling: dict[int, torch.Tensor], tasks: list[Task | None],
                        fail: Callable[[int, Exception], None]) -> None:
         """Draw this forward's tokens of every sampling task (``sampling``: task -> its rows
         ``[K, V]``) in ONE call (:func:`verifiers.randomness.categorical_together`: each task's
@@ -869,13 +361,13 @@ class WorkerEngine:
             fail, f"{self.name}: drawing tokens together",
         )
 
-    def _verify_waiting(self, tasks: list[_Task | None], fail: Callable[[int, Exception], None]) -> None:
+    def _verify_waiting(self, tasks: list[Task | None], fail: Callable[[int, Exception], None]) -> None:
         """Verify the blocks waiting after this forward, one verifier call per rule and block
         length (:func:`verify_together`); if a call raises, each block alone, failing only the
         requests whose verification fails (:func:`batched_then_alone`)."""
         groups: dict[tuple[str, int], list[int]] = {}
         for i, task in enumerate(tasks):
-            if isinstance(task, _ScoreVerifyTask) and task.result is None and task.batch_key is not None:
+            if isinstance(task, ScoreVerifyTask) and task.result is None and task.batch_key is not None:
                 groups.setdefault(task.batch_key, []).append(i)
         for indices in groups.values():
             batched_then_alone(
@@ -907,7 +399,7 @@ class WorkerEngine:
         host = torch.cat(logits).cpu()
         return list(host.split([len(x) for x in logits]))
 
-    def _failer(self, tasks: list[_Task | None], errors: dict[int, str],
+    def _failer(self, tasks: list[Task | None], errors: dict[int, str],
                 items: Sequence[WorkItem]) -> Callable[[int, Exception], None]:
         """``fail(i, error)``: item ``i`` of the step failed with ``error``: its task is dropped,
         its session freed and its outcome is the error (:meth:`_fail`)."""
@@ -925,7 +417,7 @@ class WorkerEngine:
         return f"{type(error).__name__}: {error}"
 
     def _outcomes(
-        self, items: Sequence[WorkItem], tasks: list[_Task | None], errors: dict[int, str], lost: set[int], forward_s: float,
+        self, items: Sequence[WorkItem], tasks: list[Task | None], errors: dict[int, str], lost: set[int], forward_s: float,
         call_s: float = 0.0,
     ) -> tuple[list[ItemOutcome], list[Any]]:
         outcomes: list[ItemOutcome] = []

@@ -1,7 +1,7 @@
 """RowSources: one verifier call over the blocks of several requests, each row on its own stream.
 
 The engine verifies the blocks of every request of a step that share a rule and a block length
-in ONE call (actors.worker.engine.verify_together). These tests prove that call is the per-request
+in ONE call (actors.worker.verify_tasks.verify_together). These tests prove that call is the per-request
 calls it replaces: token for token with seeded streams (each stream sees the draws a batch-1
 call makes), and, by exact enumeration in float64, the joint law of a batched call is the
 product of the rows' laws verified alone (TV < 1e-9).

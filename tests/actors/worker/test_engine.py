@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from actors.worker import engine
+from actors.worker import rows
 from actors.api import GenerationRequest
 from actors.model.batch import linear_row
 from actors.coordination.coordinator import Coordinator
@@ -87,7 +87,7 @@ def _precision_run(monkeypatch, precision: str, speculation: dict) -> tuple[set,
         seen.add(rows.dtype)
         return rows
 
-    monkeypatch.setattr(engine, "penalized_probs", recording)
+    monkeypatch.setattr(rows, "penalized_probs", recording)
     request = GenerationRequest(request_id="r", prompt_ids=[1, 2, 3], speculation=speculation,
                                 sampling={"max_tokens": 12, "seed": 5, "temperature": 1.0})
 

@@ -1,0 +1,191 @@
+"""The tasks of a worker step that score a proposal on this model.
+
+:class:`ScoreVerifyTask`: verification runs here, next to the target rows (only tokens travel
+back), with the registry's rule; single-draft blocks of many requests with one rule and block
+length are verified in ONE call (:func:`verify_together`). :class:`ScoreBlockTask`: the rows go
+back to the machine, which verifies (an ensemble member).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from actors.model.batch import RowWork, RunAttend
+from actors.worker.rows import session_rows, shared_vocab
+from actors.worker.sessions import Session
+from actors.worker.tasks import Task
+from verifiers.blocks import block_inputs, block_key, verified_row, verify_blocks
+from verifiers.machines import MODEL_FREE, Sampled, ScoreBlock, ScoreVerify, Verified
+from verifiers.proposers import one_hot_rows
+from verifiers.registry import get_verifier
+
+
+def columns_of(*runs: tuple[int, ...]) -> tuple[int, ...]:
+    """The columns of several runs, in order."""
+    return tuple(column for run in runs for column in run)
+
+
+class ScoreVerifyTask(Task):
+    """:class:`ScoreVerify`: ONE row with the pending tokens and the K draft chains after them,
+    then the registry verifier on ``[K, gamma+1]`` target rows; the emitted tokens are
+    committed to the session."""
+
+    def __init__(self, session: Session, pending: list[int], need: ScoreVerify, proposal: Sampled):
+        super().__init__(session, pending)
+        if proposal is None or (proposal.logits is None and need.draft_need != MODEL_FREE):
+            raise ValueError("verification needs the proposal's logits")
+        self.need, self.proposal = need, proposal
+        self.spec = get_verifier(need.method)
+        self.source = session.source(need.stream)
+        self.result: Verified | None = None
+        #: Once the rows are taken and until verified: (draft tokens, draft rows, target rows) in
+        #: the rule's batch layout (``[1, gamma]``, ``[1, gamma, V]``, ``[1, gamma+1, V]`` single-draft).
+        self.inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.result is None and self.inputs is None
+
+    def row(self) -> RowWork:
+        session, pending = self.session, self.pending
+        drafts = self.proposal.tokens.tolist()  # [K][gamma]
+        gamma = len(drafts[0])
+        base, chain_start = session.base, session.base + len(pending)
+        pending_columns = tuple(range(base, chain_start))
+        chain_columns = tuple(range(chain_start, chain_start + len(drafts) * gamma))  # chain k at chain_start + k * gamma
+        chain_firsts = [chain_start + k * gamma for k in range(len(drafts)) for _ in range(gamma)]
+        # The pending tokens see themselves causally; a chain token sees every pending token, then its chain.
+        attend = RunAttend(
+            first_start=[base] * len(columns_of(pending_columns, chain_columns)),
+            first_end=[c + 1 for c in pending_columns] + [chain_start] * len(chain_columns),
+            second_start=[0] * len(pending_columns) + chain_firsts,
+            second_end=[0] * len(pending_columns) + [c + 1 for c in chain_columns],
+        )
+        return RowWork(
+            slot=session.slot,
+            prefix_length=base,
+            token_ids=tuple(pending) + tuple(t for draft in drafts for t in draft),
+            columns=pending_columns + chain_columns,
+            positions=pending_columns + tuple(chain_start + j for _ in drafts for j in range(gamma)),
+            attend=attend,
+            keep=(len(pending) - 1,) + tuple(range(len(pending), len(pending) + len(chain_columns))),
+        )
+
+    def take(self, logits: torch.Tensor) -> None:
+        """The target rows and the draft's rows of the block; a rule the engine verifies for many
+        requests at once (:attr:`batch_key`) waits for :func:`verify_together`, any other is
+        verified here."""
+        session = self.session
+        draft_tokens = self.proposal.tokens  # [K, gamma]
+        num_drafts, gamma = draft_tokens.shape
+        self._pending_fed()
+        started = time.perf_counter()
+        first = logits[:1].expand(num_drafts, 1, -1)  # [K, 1, V]: every draft's first row
+        chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
+        drafts = draft_tokens.tolist()
+        target_after = [draft[:j] for draft in drafts for j in range(gamma + 1)]
+        target_probs = session_rows(session, torch.cat([first, chained], dim=1), target_after)  # [K, gamma+1, V]
+        if self.proposal.logits is None:  # a model-free proposal: one-hot rows
+            draft_probs = one_hot_rows(draft_tokens.to(target_probs.device), target_probs.shape[-1],
+                                       target_probs.dtype)  # [K, gamma, V]
+        else:
+            # The draft's rows, recomputed bit for bit from its logits by the same transform it
+            # sampled with (same request sampling parameters and penalty contexts, same code).
+            draft_after = [draft[:j] for draft in drafts for j in range(gamma)]
+            draft_probs = session_rows(session, self.proposal.logits, draft_after)  # [K, gamma, V]
+        self.inputs = block_inputs(self.spec, draft_tokens, draft_probs, target_probs)
+        self.verify_s = time.perf_counter() - started
+        if self.batch_key is None:
+            self.verify_alone()
+
+    @property
+    def batch_key(self) -> tuple[str, int] | None:
+        """Requests whose blocks one verifier call takes together: a stateless single-draft rule
+        (token, block) and the block length; None: verified alone (multi-draft and greedy rules)."""
+        if self.inputs is None:
+            return None
+        return block_key(self.need.method, self.spec, self.inputs)
+
+    def verify_alone(self) -> None:
+        """Verify this block by itself on the request's verification stream, and commit."""
+        self.finish(*self.verified_alone())
+
+    def verified_alone(self) -> tuple[Any, int]:
+        """The verifier's result of this block by itself (on the request's verification stream)
+        and its row in it, to :meth:`finish`."""
+        started = time.perf_counter()
+        result = verify_blocks(self.spec, [self.inputs], [self.source], state=self.session.verify_state)
+        self.verify_s += time.perf_counter() - started
+        return result, 0
+
+    def finish(self, result: Any, row: int) -> None:
+        """Take batch row ``row`` of the verifier's ``result``: commit the emitted tokens."""
+        session = self.session
+        draft_tokens = self.proposal.tokens  # [K, gamma]
+        session.verify_state = result.state
+        self.result = verified_row(self.spec, self.inputs, result, row, self.need.logprobs)
+        session.chain_start, session.chain_stride = session.base, draft_tokens.shape[-1]
+        session.chains = draft_tokens.tolist()
+        session.context.extend(self.result.emitted)
+        self.inputs = None
+
+    def outcome(self) -> tuple[Any, Any]:
+        return self.result, None
+
+
+class ScoreBlockTask(ScoreVerifyTask):
+    """:class:`ScoreBlock`: the row of :class:`ScoreVerifyTask` (pending tokens, then the K
+    chains of the block's first ``gamma`` tokens), and the logits ``[K, gamma+1, V]`` back to the
+    machine, which verifies (an ensemble member); the chains stay fed, uncommitted."""
+
+    def __init__(self, session: Session, pending: list[int], need: ScoreBlock, proposal: Sampled):
+        Task.__init__(self, session, pending)
+        if proposal is None:
+            raise ValueError("scoring needs the proposal's tokens")
+        self.need = need
+        self.proposal = Sampled(proposal.tokens[:, : need.gamma])  # [K, gamma]
+        self.logits: torch.Tensor | None = None
+        self.result = None  # nothing to verify here
+
+    @property
+    def active(self) -> bool:
+        return self.logits is None
+
+    def take(self, logits: torch.Tensor) -> None:
+        session = self.session
+        draft_tokens = self.proposal.tokens  # [K, gamma]
+        num_drafts, gamma = draft_tokens.shape
+        self._pending_fed()
+        first = logits[:1].expand(num_drafts, 1, -1)  # [K, 1, V]: every draft's first row
+        chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
+        self.logits = shared_vocab(session, torch.cat([first, chained], dim=1)).clone()  # [K, gamma+1, V]
+        session.chain_start, session.chain_stride = session.base, gamma
+        session.chains = draft_tokens.tolist()
+
+    @property
+    def batch_key(self) -> None:
+        return None
+
+    def outcome(self) -> tuple[Any, Any]:
+        return self.logits, None
+
+
+def verify_together(tasks: Sequence[ScoreVerifyTask]) -> list[tuple[Any, int]]:
+    """ONE verifier call for the blocks of many requests with the same rule and block length
+    (their :attr:`ScoreVerifyTask.batch_key`): rows stacked ``[B, gamma]`` / ``[B, gamma, V]`` /
+    ``[B, gamma+1, V]``, each row drawing from its own request's verification stream
+    (:func:`verifiers.blocks.verify_blocks`: the draws a call of batch 1 would make), so every
+    request gets the tokens it would get verified alone. Returns each task's (result, row), to
+    :meth:`ScoreVerifyTask.finish`; the call's time is shared evenly."""
+    if len(tasks) == 1:
+        return [tasks[0].verified_alone()]
+    started = time.perf_counter()
+    result = verify_blocks(tasks[0].spec, [task.inputs for task in tasks], [task.source for task in tasks])
+    share = (time.perf_counter() - started) / len(tasks)
+    for task in tasks:
+        task.verify_s += share
+    return [(result, row) for row in range(len(tasks))]
