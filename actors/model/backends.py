@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_CONTEXT = 2048
 
 #: What one more forward costs, in padded token positions (how the engine splits a step's rows
-#: into forwards: :func:`actors.worker.engine.forward_groups`). CPU: measured on the embedded target,
+#: into forwards: :func:`actors.worker.forward_plan.forward_groups`). CPU: measured on the embedded target,
 #: one thread (a forward's fixed cost ~4.5 ms; a padded position 0.3-0.9 ms). CUDA: kernel
 #: launches dominate small forwards and a padded position is nearly free; a guess, unmeasured.
 FORWARD_OVERHEAD_TOKENS = {"cpu": 8, "cuda": 512}

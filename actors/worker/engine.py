@@ -4,7 +4,7 @@
 need per request, with the session to run it in) and runs them together: every forward pass
 of the step is ONE ragged forward over every session that still has tokens to feed
 (:class:`actors.model.batch.RowWork` rows in a :class:`actors.model.backends.SlotBackend`), cut by length
-where padding would cost more than another forward (:func:`forward_groups`). A step makes
+where padding would cost more than another forward (:func:`actors.worker.forward_plan.forward_groups`). A step makes
 as many forwards as its longest item needs: one for scoring / verification / next logits,
 ``count`` for sampling ``count`` tokens (the sampling items drop out as they finish).
 
@@ -24,8 +24,8 @@ prefix, so every position is computed fresh.
 Chunked prefill: a :class:`actors.messages.Prefill` item feeds the next chunk of a new
 session's prompt. A step's token budget (``max_tokens_per_step``) goes first to the rows of the
 other items (decoding, verification, short prompts), and what is left to the prefill chunks, in
-item order (:func:`prefill_grants`); the first prompt in line always gets at least
-:data:`MIN_PREFILL_SHARE` of the budget, so no prompt waits forever behind running streams. A
+item order (:func:`actors.worker.forward_plan.prefill_grants`); the first prompt in line always gets at least
+a share of the budget, so no prompt waits forever behind running streams. A
 chunk is an ordinary causal row at the session's own columns and positions, so the keys/values
 it writes are those a one-shot prefill writes; the prompt's last token stays pending, and the
 decoding machine's first need computes the row after the prompt once the whole prompt is cached.
@@ -48,6 +48,7 @@ import torch
 
 from actors.messages import CallTiming, ItemOutcome, OpenSession, Prefill, RowSampling, WorkItem
 from actors.model.batch import RowWork
+from actors.worker.forward_plan import forward_groups, prefill_grants
 from actors.worker.isolation import batched_then_alone
 from actors.worker.prefix_cache import PrefixCache
 from actors.worker.rows import shared_vocab
@@ -73,11 +74,6 @@ logger = logging.getLogger(__name__)
 #: its first forward round), prefill chunks included.
 DEFAULT_MAX_TOKENS_PER_STEP = 512
 
-#: The first prefill chunk in line gets at least this share of the budget even when the step's
-#: other rows take it all.
-MIN_PREFILL_SHARE = 0.25
-
-
 def keep_prompt_positions(row: RowWork, count: int) -> RowWork:
     """``row`` (which starts with the whole prompt: its session fed nothing yet) also keeping
     its first ``count`` positions, before its own kept positions (all of which lie at or after
@@ -89,49 +85,6 @@ def keep_prompt_positions(row: RowWork, count: int) -> RowWork:
 
 class ProposalLost(RuntimeError):
     """The worker that proposed for this step died: the request can be sent again."""
-
-
-def prefill_grants(other_tokens: int, remaining: Sequence[int], budget: int) -> list[int]:
-    """The prefill chunk of each prompt in line, in order: what ``budget`` leaves after the
-    ``other_tokens`` of the step's other rows, first come first served; the first prompt gets at
-    least ``MIN_PREFILL_SHARE`` of the budget (one token at least) whatever the others take.
-    ``remaining``: the prompt tokens each still has to feed."""
-    left = max(0, budget - other_tokens)
-    floor = max(1, int(budget * MIN_PREFILL_SHARE))
-    grants = []
-    for index, wanted in enumerate(remaining):
-        grant = min(wanted, max(left, floor) if index == 0 else left)
-        grants.append(grant)
-        left = max(0, left - grant)
-    return grants
-
-
-def forward_groups(rows: dict[int, RowWork], overhead_tokens: int) -> list[dict[int, RowWork]]:
-    """Split one forward's rows into the forwards that cost least.
-
-    A batch is padded to its longest row, so a prompt's prefill next to fifteen one-token rows
-    would make every row cost the prompt's length, and two prompts of 60 and 190 tokens in one
-    forward cost 380 positions for 250 tokens. Modelled cost of a forward: ``overhead_tokens``
-    plus its padded positions (rows x longest row). Rows sorted by length are cut into the
-    contiguous runs of least total cost (exact, by dynamic programming over the cut points);
-    runs are returned longest rows first.
-    """
-    if not rows:
-        return []
-    order = sorted(rows, key=lambda i: len(rows[i]))  # indices, shortest row first
-    lengths = [len(rows[i]) for i in order]
-    best = [0] + [float("inf")] * len(order)  # best[j]: least cost of the first j rows
-    cut = [0] * (len(order) + 1)  # cut[j]: where the last forward of that best split starts
-    for end in range(1, len(order) + 1):
-        for start in range(end):
-            cost = best[start] + overhead_tokens + (end - start) * lengths[end - 1]
-            if cost < best[end]:
-                best[end], cut[end] = cost, start
-    groups, end = [], len(order)
-    while end:
-        groups.append({i: rows[i] for i in order[cut[end]:end]})
-        end = cut[end]
-    return groups
 
 
 class WorkerEngine:

@@ -294,7 +294,7 @@ class NextLogitsTask(Task):
 
 class PrefillTask(Task):
     """:class:`Prefill`: the next ``grant`` tokens of the session's prompt as one causal row (the
-    prompt's last token stays pending). ``grant`` is set by :func:`actors.worker.engine.prefill_grants` before the
+    prompt's last token stays pending). ``grant`` is set by :func:`actors.worker.forward_plan.prefill_grants` before the
     step's forwards; a task granted nothing feeds nothing this step."""
 
     def __init__(self, session: Session, pending: list[int], need: Prefill):

@@ -1,7 +1,7 @@
-"""Chunked prefill (actors/worker/engine.py, actors/coordination/scheduler.py): a prompt longer than the step's token
-budget is fed in chunks over several steps, and nothing the user sees changes.
+"""Chunked prefill (actors/worker/forward_plan.py, actors/worker/engine.py, actors/coordination/scheduler.py): a
+prompt longer than the step's token budget is fed in chunks over several steps, and nothing the user sees changes.
 
-- the budget's split, table-driven (:func:`actors.worker.engine.prefill_grants`);
+- the budget's split, table-driven (:func:`actors.worker.forward_plan.prefill_grants`);
 - every strategy through the in-process Coordinator and Scheduler over the fake models (their
   logits are a function of exactly the columns a token sees, so a wrong column, position or
   mask changes them): the same tokens with and without chunking for the same seeds, also after
@@ -20,7 +20,7 @@ import torch
 
 from actors.api import GenerationRequest
 from actors.coordination.coordinator import Coordinator
-from actors.worker.engine import prefill_grants
+from actors.worker.forward_plan import prefill_grants
 from actors.messages import OpenSession, Prefill, RowSampling, WorkItem
 from actors.worker.model_worker import ModelWorker
 from benchmarks.runners import LocalActorHandle

@@ -1,4 +1,4 @@
-"""The worker engine's split of a step's rows into forwards (actors.worker.engine.forward_groups):
+"""The worker engine's split of a step's rows into forwards (actors.worker.forward_plan.forward_groups):
 the cheapest split under its cost model, checked against every split by brute force; and the
 precision its rows are computed in (engine.sampling_precision)."""
 
@@ -14,7 +14,7 @@ from actors.worker import rows
 from actors.api import GenerationRequest
 from actors.model.batch import linear_row
 from actors.coordination.coordinator import Coordinator
-from actors.worker.engine import forward_groups
+from actors.worker.forward_plan import forward_groups
 from benchmarks.runners import LocalActorHandle
 from tests.actors.fake_models import FunctionModelWorker, fake_group_config, run_in_process
 from verifiers.penalties import penalized_probs
