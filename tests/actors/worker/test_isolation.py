@@ -11,7 +11,7 @@ import torch
 from actors.api import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from actors.messages import OpenSession, RowSampling, WorkItem
-from actors.worker import engine
+from actors.worker import step
 from actors.worker.isolation import batched_then_alone
 from benchmarks.runners import LocalActorHandle
 from tests.actors.fake_models import FAKE_MODELS, POISON_PROMPT, FunctionModelWorker, fake_group_config, run_in_process
@@ -137,8 +137,8 @@ def test_batched_draws_and_verifications_that_fail_fall_back_to_the_same_tokens(
             raise RuntimeError(f"batched {kind} failed")
         return call
 
-    monkeypatch.setattr(engine, "categorical_together", failing("draw"))
-    monkeypatch.setattr(engine, "verify_together", failing("verify"))
+    monkeypatch.setattr(step, "categorical_together", failing("draw"))
+    monkeypatch.setattr(step, "verify_together", failing("verify"))
     alone = _tokens(speculation)
     assert alone == batched and all(len(tokens) == 8 for tokens in alone)
     assert calls["draw"] > 0  # the fallback was exercised

@@ -1,0 +1,299 @@
+"""One worker step in progress (:class:`Step`): a task per work item, forward rounds until no task
+needs a row, the draws and verifications after each forward, then the outcomes.
+
+Each forward round is ONE ragged forward over the row of every task that still needs one, cut by
+length where padding would cost more than another forward
+(:func:`actors.worker.forward_plan.forward_groups`); logits leave the device once per forward (one
+copy of the kept rows of every session). After each forward the tokens of every sampling task are
+drawn in one call and the waiting blocks verified, one verifier call per rule and block length.
+
+Prompt log-probabilities: a session opened with ``OpenSession.prompt_logits`` keeps the logits
+of every prompt position in the forward that feeds its prompt (:func:`keep_prompt_positions`),
+and its outcome carries them (``ItemOutcome.prompt_logits``); such a session reuses no cached
+prefix, so every position is computed fresh.
+
+Failures stay with their request: an item that fails (bad state, a forward that raises for
+its row) gets an error outcome and its session is freed; the other items of the step go on (a
+batched forward, draw or verification that raises is run again for each request alone:
+:mod:`actors.worker.isolation`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from actors.messages import CallTiming, ItemOutcome, Prefill, WorkItem
+from actors.model.batch import RowWork
+from actors.worker.forward_plan import forward_groups, prefill_grants
+from actors.worker.isolation import batched_then_alone
+from actors.worker.rows import shared_vocab
+from actors.worker.sessions import Session, SessionNotFoundError
+from actors.worker.tasks import ExtendTask, NextLogitsTask, PreDraftTask, PrefillTask, SampleTask, Task
+from actors.worker.verify_tasks import ScoreBlockTask, ScoreVerifyTask, verify_together
+from verifiers.machines import MODEL_FREE, Extend, NextLogits, PreDraft, PreDrafted, Sample, Sampled, ScoreBlock, ScoreVerify
+from verifiers.randomness import categorical_together
+
+if TYPE_CHECKING:
+    from actors.worker.engine import WorkerEngine
+
+logger = logging.getLogger(__name__)
+
+#: Batch sizes of the most recent forwards a worker keeps (``WorkerEngine.rows_per_forward``).
+RECENT_FORWARDS = 256
+
+
+def keep_prompt_positions(row: RowWork, count: int) -> RowWork:
+    """``row`` (which starts with the whole prompt: its session fed nothing yet) also keeping
+    its first ``count`` positions, before its own kept positions (all of which lie at or after
+    the prompt's last token, so none is kept twice)."""
+    if row.prefix_length != 0 or any(index < count for index in row.keep):
+        raise ValueError("prompt logits need the whole prompt in the session's first row")
+    return dataclasses.replace(row, keep=tuple(range(count)) + tuple(row.keep))
+
+
+class ProposalLost(RuntimeError):
+    """The worker that proposed for this step died: the request can be sent again."""
+
+
+def need_task(item: WorkItem, session: Session, source_payloads: Sequence[Sequence[Any]], backend: Any) -> Task:
+    """The task of ``item``'s need in ``session`` (whose uncommitted columns are first synced to
+    the need's appended tokens on ``backend``); a scoring need reads its proposal in
+    ``source_payloads``."""
+    need = item.need
+    pending = session.sync(need.append, backend.copy_columns)
+    if isinstance(need, Sample):
+        if need.count < 1 or need.num_drafts < 1:
+            raise ValueError(f"count and num_drafts must be >= 1, got {need.count}, {need.num_drafts}")
+        return SampleTask(session, pending, need)
+    if isinstance(need, ScoreVerify) and need.draft_need == MODEL_FREE:
+        return ScoreVerifyTask(session, pending, need, Sampled(tokens=torch.tensor([need.proposed], dtype=torch.int64)))
+    if isinstance(need, (ScoreVerify, ScoreBlock)):
+        source_call, source_item = item.proposal_source
+        source = source_payloads[source_call]
+        if not isinstance(source, (list, tuple)):  # the proposing worker's call could not be read
+            raise ProposalLost(f"the proposals of this step were lost ({getattr(source, 'error', source)})")
+        proposal = source[source_item]
+        if isinstance(proposal, ItemOutcome):  # the proposing item failed
+            raise RuntimeError(f"the proposal failed: {proposal.error}")
+        if isinstance(need, ScoreBlock):
+            return ScoreBlockTask(session, pending, need, proposal)
+        if isinstance(proposal, PreDrafted):  # drafted in the previous step: the chain after this bonus
+            proposal = proposal.chain(need.chain)
+        return ScoreVerifyTask(session, pending, need, proposal)
+    if isinstance(need, PreDraft):
+        return PreDraftTask(session, pending, need)
+    if isinstance(need, Extend):
+        return ExtendTask(session, pending, need)
+    if isinstance(need, NextLogits):
+        return NextLogitsTask(session, pending, need)
+    if isinstance(need, Prefill):
+        return PrefillTask(session, pending, need)
+    raise TypeError(f"unknown need {type(need).__name__}")
+
+
+def to_host(logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per row logits -> host memory in one copy."""
+    if not logits or logits[0].device.type == "cpu":
+        return logits
+    host = torch.cat(logits).cpu()
+    return list(host.split([len(x) for x in logits]))
+
+
+class Step:
+    """One call of :meth:`actors.worker.engine.WorkerEngine.run_step` on ``engine`` (under its
+    session lock): ``tasks[i]`` is item ``i``'s task, None once the item failed (``errors[i]`` says
+    why; ``lost``: the failed items the request may send again)."""
+
+    def __init__(self, engine: WorkerEngine, items: Sequence[WorkItem], source_payloads: Sequence[Sequence[Any]]):
+        self.engine = engine
+        self.items = list(items)
+        self.tasks: list[Task | None] = []
+        self.errors: dict[int, str] = {}
+        self.lost: set[int] = set()
+        for index, item in enumerate(self.items):
+            try:
+                self.tasks.append(self._task(item, source_payloads))
+            except Exception as error:  # noqa: BLE001 - reported to the one request
+                self.tasks.append(None)
+                self.fail(index, error)
+                if isinstance(error, (SessionNotFoundError, ProposalLost)):
+                    self.lost.add(index)
+
+    def run(self) -> tuple[list[ItemOutcome], list[Any]]:
+        """Feed every task, then (outcomes, payloads), both aligned with the items."""
+        self._grant_prefills()
+        started = time.perf_counter()
+        forward_s = self._run_forwards()
+        self.engine.steps += 1
+        return self._outcomes(forward_s, time.perf_counter() - started)
+
+    def fail(self, i: int, error: Exception) -> None:
+        """Item ``i`` failed with ``error``: its task is dropped, its session freed and its outcome
+        is the error."""
+        session_id = self.items[i].session_id
+        self.tasks[i] = None
+        self.engine.sessions.release(session_id)
+        logger.error("%s: work on session %s failed; session freed: %s: %s", self.engine.name, session_id,
+                     type(error).__name__, error, exc_info=error)
+        self.errors[i] = f"{type(error).__name__}: {error}"
+
+    # ------------------------------------------------------------------ the tasks
+    def _task(self, item: WorkItem, source_payloads: Sequence[Sequence[Any]]) -> Task:
+        sessions = self.engine.sessions
+        if item.open is not None:
+            spec = item.open
+            sessions.open(item.session_id, list(spec.prompt_ids), spec.sampling, dict(spec.seeds),
+                          reuse=not spec.prompt_logits)
+        session = sessions.get(item.session_id)
+        task = need_task(item, session, source_payloads, self.engine.backend)
+        if item.open is not None and item.open.prompt_logits and not isinstance(task, PrefillTask):
+            task.prompt_positions = session.prompt_length - 1
+        return task
+
+    def _grant_prefills(self) -> None:
+        """Share the step's token budget: the other tasks' first rows first, then the prefill
+        chunks in item order (:func:`prefill_grants`)."""
+        prefills = [task for task in self.tasks if isinstance(task, PrefillTask)]
+        if not prefills:
+            return
+        other_tokens = 0
+        for task in self.tasks:
+            if task is not None and not isinstance(task, PrefillTask) and task.active:
+                try:
+                    other_tokens += len(task.row())
+                except Exception:  # noqa: BLE001 - the row fails again, and is reported, in the forward
+                    pass
+        grants = prefill_grants(other_tokens, [task.remaining for task in prefills], self.engine.max_tokens_per_step)
+        for task, grant in zip(prefills, grants):
+            task.grant = grant
+
+    # ------------------------------------------------------------------ the forwards
+    def _run_forwards(self) -> float:
+        """Forward rounds until no task needs a row; returns the seconds spent in forwards."""
+        forward_s = 0.0
+        while live := [i for i, task in enumerate(self.tasks) if task is not None and task.active]:
+            rows = self._rows(live)
+            started = time.perf_counter()
+            logits = self._forward_rows(rows)
+            elapsed = time.perf_counter() - started
+            forward_s += elapsed
+            self.engine.forward_seconds_total += elapsed
+            self._take(rows, logits)
+        return forward_s
+
+    def _rows(self, live: list[int]) -> dict[int, RowWork]:
+        """The next row of each task in ``live`` (with the prompt's positions where its logits are kept)."""
+        rows: dict[int, RowWork] = {}
+        for i in live:
+            task = self.tasks[i]
+            try:
+                rows[i] = task.row()
+                if task.prompt_positions and task.prompt_logits is None:
+                    rows[i] = keep_prompt_positions(rows[i], task.prompt_positions)
+            except Exception as error:  # noqa: BLE001 - reported to the one request
+                self.fail(i, error)
+        return rows
+
+    def _forward_rows(self, rows: dict[int, RowWork]) -> dict[int, torch.Tensor]:
+        """The logits of every row: the rows cut into forwards (:func:`forward_groups`)."""
+        engine = self.engine
+        logits: dict[int, torch.Tensor] = {}
+        for group in forward_groups(rows, engine.backend.forward_overhead_tokens):
+            logits.update(self._forward(group))
+            engine.rows_per_forward.append(len(group))
+            engine.forward_passes_total += 1
+        del engine.rows_per_forward[:-RECENT_FORWARDS]
+        return logits
+
+    def _forward(self, rows: dict[int, RowWork]) -> dict[int, torch.Tensor]:
+        """One batched forward -> each row's logits on the host; if it raises, each row alone,
+        failing only the rows that fail (:func:`batched_then_alone`)."""
+        backend = self.engine.backend
+        logits: dict[int, torch.Tensor] = {}
+        batched_then_alone(
+            list(rows),
+            lambda indices: to_host(backend.forward([rows[i] for i in indices])),
+            lambda i: to_host(backend.forward([rows[i]]))[0],
+            logits.__setitem__,
+            self.fail, f"{self.engine.name}: a batched forward",
+        )
+        return logits
+
+    def _take(self, rows: dict[int, RowWork], logits: dict[int, torch.Tensor]) -> None:
+        """Hand each task its row's logits, then draw the sampling tasks' tokens together and
+        verify the waiting blocks."""
+        sampling: dict[int, torch.Tensor] = {}  # task -> its rows [K, V], to draw together
+        for i, row_logits in logits.items():
+            task = self.tasks[i]
+            task.forwards += 1
+            task.tokens_fed += len(rows[i])
+            task.session.forward_calls += 1
+            task.session.tokens_fed += len(rows[i])
+            if task.prompt_positions and task.prompt_logits is None:
+                count = task.prompt_positions  # [count + own keeps, V] -> the prompt's, the task's
+                task.prompt_logits = shared_vocab(task.session, row_logits[:count]).clone()
+                row_logits = row_logits[count:]
+            try:
+                if isinstance(task, SampleTask):
+                    sampling[i] = task.rows_to_draw(row_logits)
+                else:
+                    task.take(row_logits)
+            except Exception as error:  # noqa: BLE001 - reported to the one request
+                self.fail(i, error)
+        self._draw_together(sampling)
+        self._verify_waiting()
+
+    def _draw_together(self, sampling: dict[int, torch.Tensor]) -> None:
+        """Draw this forward's tokens of every sampling task (``sampling``: task -> its rows
+        ``[K, V]``) in ONE call (:func:`verifiers.randomness.categorical_together`: each task's
+        stream draws what its own call would); if that call raises, each task alone, failing only
+        the tasks that fail (:func:`batched_then_alone`)."""
+        tasks = self.tasks
+        batched_then_alone(
+            list(sampling),
+            lambda indices: categorical_together([(tasks[i].source, sampling[i]) for i in indices]),
+            lambda i: tasks[i].source.categorical(sampling[i]),
+            lambda i, tokens: tasks[i].drawn(sampling[i], tokens),
+            self.fail, f"{self.engine.name}: drawing tokens together",
+        )
+
+    def _verify_waiting(self) -> None:
+        """Verify the blocks waiting after this forward, one verifier call per rule and block
+        length (:func:`verify_together`); if a call raises, each block alone, failing only the
+        requests whose verification fails (:func:`batched_then_alone`)."""
+        tasks = self.tasks
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, task in enumerate(tasks):
+            if isinstance(task, ScoreVerifyTask) and task.result is None and task.batch_key is not None:
+                groups.setdefault(task.batch_key, []).append(i)
+        for indices in groups.values():
+            batched_then_alone(
+                indices,
+                lambda keys: verify_together([tasks[i] for i in keys]),
+                lambda i: tasks[i].verified_alone(),
+                lambda i, verified: tasks[i].finish(*verified),
+                self.fail, f"{self.engine.name}: verifying blocks together",
+            )
+
+    # ------------------------------------------------------------------ the outcomes
+    def _outcomes(self, forward_s: float, call_s: float = 0.0) -> tuple[list[ItemOutcome], list[Any]]:
+        outcomes: list[ItemOutcome] = []
+        payloads: list[Any] = []
+        for index, task in enumerate(self.tasks):
+            if task is None:
+                outcome = ItemOutcome(error=self.errors[index], retryable=index in self.lost)
+                outcomes.append(outcome)
+                payloads.append(outcome)
+                continue
+            summary, payload = task.outcome()
+            timing = CallTiming(forward_s=forward_s, verify_s=task.verify_s, forward_calls=task.forwards,
+                                tokens_fed=task.tokens_fed, call_s=call_s)
+            outcomes.append(ItemOutcome(value=summary, timing=timing, prompt_logits=task.prompt_logits))
+            payloads.append(payload)
+        return outcomes, payloads
