@@ -41,15 +41,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from actors.api import GenerationChunk, RequestStats, TokenLogprob
+from actors.api import GenerationChunk, TokenLogprob
 from actors.worker.bursts import BurstRecord, FrozenStepCosts, burst_home, burstable
 from actors.worker.device_worker import HostCall, host_of
-from actors.messages import UNAVAILABLE, CallTiming, ItemOutcome, OpenSession, Prefill, WorkItem
+from actors.messages import UNAVAILABLE, ItemOutcome, OpenSession, Prefill, WorkItem
 from actors.coordination.metrics import RequestClock, SchedulerMetrics, plan_labels
 from actors.coordination.output import OutputTracker
-from actors.coordination.plan import ALTERNATE, ENSEMBLE_STRATEGIES, DecodingPlan
+from actors.coordination.request_stats import StatsRecorder, record_outcomes, stats_or_none
+from actors.coordination.plan import ALTERNATE, DecodingPlan
 from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
 from verifiers.adaptive import StepCosts, best_block
 from verifiers.grammar import GRAMMAR_ERROR_PREFIX, grammar_complete
@@ -59,8 +58,6 @@ from verifiers.machines import (
     MODEL_FREE,
     PRE_DRAFTED,
     DecodeMachine,
-    Extend,
-    NextLogits,
     PreDraft,
     Sample,
     ScoreBlock,
@@ -82,20 +79,6 @@ class OverloadedError(RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.message,))
-
-
-@dataclass
-class StatsRecorder:
-    """Per-request counters, turned into ``actors.api.RequestStats`` at the end."""
-
-    model_calls: dict[str, int] = field(default_factory=dict)
-    time_draft_s: float = 0.0
-    time_target_s: float = 0.0
-    time_verify_s: float = 0.0
-    bytes_moved: int = 0
-
-    def count(self, model: str, timing: CallTiming) -> None:
-        self.model_calls[model] = self.model_calls.get(model, 0) + timing.forward_calls
 
 
 def _grammar_dead_end(request: "RequestState") -> bool:
@@ -423,7 +406,8 @@ class Scheduler:
                 and burstable(request.machine))
 
     async def _burst(self, request: RequestState) -> None:
-        """Run ``request``'s iterations in its target's worker (:func:`actors.worker.bursts.burst_home`) for up to ``burst_s`` (:mod:`actors.worker.bursts`);
+        """Run ``request``'s iterations in its burst home's worker (:func:`actors.worker.bursts.burst_home`: its
+        target's) for up to ``burst_s`` (:mod:`actors.worker.bursts`);
         each streamed iteration is replayed through the request's own machine as a step of its own."""
         machine = request.machine
         target = burst_home(machine, self.hosts.get)
@@ -797,7 +781,7 @@ class Scheduler:
             logger.exception("request %s: strategy iteration failed", request.session_id)
             self._fail(request, f"{type(error).__name__}: {error}")
             return
-        self._record(request, outcomes)
+        record_outcomes(request, outcomes)
         self._record_verifications(request, verified_before)
         delta = request.output.add(tokens)
         if delta.token_ids:
@@ -840,27 +824,6 @@ class Scheduler:
         entries = request.machine.token_logprobs[start: start + count]
         return [TokenLogprob(token_id=t, logprob=lp, top=list(top)) for t, lp, top in entries]
 
-    def _record(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:
-        stats, plan = request.stats, request.plan
-        for outcome in outcomes:
-            stats.time_verify_s += outcome.timing.verify_s
-        for need, outcome in zip(request.last_needs, outcomes):
-            stats.count(need.model, outcome.timing)
-            if isinstance(need, Sample) and need.model != plan.target:  # a draft (plain steps sample on the target)
-                stats.time_draft_s += outcome.timing.forward_s
-                if need.return_logits or need.report_logits:
-                    stats.bytes_moved += need.count * need.num_drafts * request.vocab_limit * 4
-            elif isinstance(need, PreDraft):
-                stats.time_draft_s += outcome.timing.forward_s
-                stats.bytes_moved += need.count * need.guesses * request.vocab_limit * 4
-            elif isinstance(need, Extend) and not need.queued:
-                stats.time_draft_s += outcome.timing.forward_s
-                stats.bytes_moved += _nbytes(outcome.value)
-            else:
-                stats.time_target_s += outcome.timing.forward_s
-                if isinstance(need, (Extend, NextLogits, ScoreBlock)):
-                    stats.bytes_moved += _nbytes(outcome.value)
-
     def _record_verifications(self, request: RequestState, first_new: int) -> None:
         """The speculation counters of the verifications this step made (``accepted_lengths``
         entries from ``first_new`` on): sd / multi_draft one per step, K drafts of the Sample
@@ -897,7 +860,7 @@ class Scheduler:
                 prompt_tokens=len(request.prompt_ids),
                 finished=True,
                 finish_reason=request.output.finish_reason or "length",
-                stats=_stats_or_none(request),
+                stats=stats_or_none(request),
             )
         )
 
@@ -917,7 +880,7 @@ class Scheduler:
                 error=message,
                 retryable=retryable,
                 timed_out=timed_out,
-                stats=_stats_or_none(request),
+                stats=stats_or_none(request),
             )
         )
 
@@ -958,64 +921,3 @@ def _is_ray_error(error: Exception) -> bool:
     from ray.exceptions import RayError
 
     return isinstance(error, RayError)
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    tensors = [getattr(value, name, None) for name in ("queued_logits", "token_logits")]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def _stats_or_none(request: RequestState) -> RequestStats | None:
-    """The request's stats for its final chunk, or None (logged) when computing them fails: a
-    request's final chunk (its output, or its error) must reach its stream whatever its stats do,
-    or the stream would wait for ever."""
-    try:
-        return request_stats(request)
-    except Exception:  # reporting only: the output is delivered without it
-        logger.exception("request %s: its statistics could not be computed; sent without them", request.session_id)
-        return None
-
-
-def request_stats(request: RequestState) -> RequestStats:
-    """The request's :class:`RequestStats` so far."""
-    stats, plan, output = request.stats, request.plan, request.output
-    completion = len(output.token_ids)
-    if plan.strategy in ENSEMBLE_STRATEGIES:  # the verifying calls: the members' (a draft proposer's are drafts)
-        drafted = plan.strategy == "se" and plan.proposer != ALTERNATE
-        scorers = [name for name in plan.members if not drafted or name != plan.proposer]
-        target_calls = max((stats.model_calls.get(name, 0) for name in scorers), default=0)
-    else:
-        target_calls = stats.model_calls.get(plan.target, 0)
-    elapsed = time.perf_counter() - (request.started or request.submitted)
-    work = stats.time_draft_s + stats.time_target_s + stats.time_verify_s
-    return RequestStats(
-        strategy=plan.strategy,
-        method=plan.method,
-        prompt_tokens=len(request.prompt_ids),
-        completion_tokens=completion,
-        target_calls=target_calls,
-        model_calls=dict(stats.model_calls),
-        accepted_lengths=list(request.machine.accepted_lengths),
-        draft_lengths=list(getattr(request.machine, "draft_lengths", ())),
-        pre_drafted=getattr(request.machine, "pre_drafted_iterations", 0),
-        block_efficiency=completion / target_calls if target_calls else 0.0,
-        proposer=plan.proposer if plan.strategy in ("sd", "se") else None,
-        tokens_per_second=completion / elapsed if elapsed > 0 else 0.0,
-        time_draft_s=stats.time_draft_s,
-        time_target_s=stats.time_target_s,
-        time_verify_s=stats.time_verify_s,
-        time_coordination_s=max(0.0, elapsed - work),
-        bytes_moved=stats.bytes_moved,
-        **proposer_counts(request.machine),
-    )
-
-
-def proposer_counts(machine: Any) -> dict[str, dict[str, int]]:
-    """``proposed_tokens`` / ``accepted_proposed`` of the machine's model-free proposers, by name."""
-    if not isinstance(machine, SpeculativeMachine) or not machine.proposers:
-        return {"proposed_tokens": {}, "accepted_proposed": {}}
-    names = [proposer.name for proposer in machine.proposers]
-    return {"proposed_tokens": dict(zip(names, machine.proposed_tokens)),
-            "accepted_proposed": dict(zip(names, machine.accepted_proposed))}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 from actors.api import GenerationRequest
-from actors.coordination import scheduler
+from actors.coordination import request_stats, scheduler
 from actors.coordination.coordinator import Coordinator
 from benchmarks.runners import LocalActorHandle
 from tests.actors.fake_models import FunctionModelWorker, fake_group_config, run_in_process
@@ -28,14 +28,14 @@ def _serve(requests: list[GenerationRequest]) -> list[list]:
 
 def test_a_request_whose_stats_fail_still_gets_its_output_and_the_others_theirs(monkeypatch):
     reference = _serve([_request("a", 1), _request("b", 2)])
-    computed = scheduler.request_stats
+    computed = request_stats.request_stats
 
     def stats_failing_for_a(request):
         if request.request_id == "a":
             raise RuntimeError("stats broke")
         return computed(request)
 
-    monkeypatch.setattr(scheduler, "request_stats", stats_failing_for_a)
+    monkeypatch.setattr(request_stats, "request_stats", stats_failing_for_a)
     broken_a, fine_b = _serve([_request("a", 1), _request("b", 2)])
     assert broken_a[-1].finished and broken_a[-1].error is None and broken_a[-1].stats is None
     assert [t for c in broken_a for t in c.token_ids] == [t for c in reference[0] for t in c.token_ids]
@@ -47,7 +47,7 @@ def test_a_request_whose_stats_fail_still_gets_its_output_and_the_others_theirs(
 def test_a_failing_step_still_ends_every_stream_when_stats_fail_too(monkeypatch):
     """The step raises and the failure path's stats raise as well: each stream still ends with an
     error chunk (before, the second exception escaped the scheduler's loop and the streams hung)."""
-    monkeypatch.setattr(scheduler, "request_stats", lambda request: (_ for _ in ()).throw(RuntimeError("stats broke")))
+    monkeypatch.setattr(request_stats, "request_stats", lambda request: (_ for _ in ()).throw(RuntimeError("stats broke")))
     monkeypatch.setattr(scheduler.Scheduler, "_step", _raising_step)
     chunks = _serve([_request("a", 1)])[0]
     assert chunks[-1].finished and chunks[-1].finish_reason == "error" and "internal error" in chunks[-1].error
