@@ -45,7 +45,8 @@ from actors.coordination.output import OutputTracker
 from actors.coordination.plan import DecodingPlan, resolve_plan
 from actors.tokenizer import load_tokenizer
 from actors.coordination.prompt_scoring import law_models, prompt_log_rows, prompt_logprobs
-from actors.coordination.scheduler import RequestState, Scheduler
+from actors.coordination.requests import RequestState
+from actors.coordination.scheduler import Scheduler
 from actors.coordination.strategies import MachineSampling, build_machine
 from actors.vocabulary import group_vocabulary, tokenizer_identity
 from verifiers.grammar import GrammarConstraint, GrammarError, compile_constraint

@@ -41,23 +41,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.api import GenerationChunk, TokenLogprob
 from actors.worker.bursts import BurstRecord, FrozenStepCosts, burst_home, burstable
 from actors.worker.device_worker import HostCall, host_of
-from actors.messages import UNAVAILABLE, ItemOutcome, OpenSession, Prefill, WorkItem
-from actors.coordination.metrics import RequestClock, SchedulerMetrics, plan_labels
-from actors.coordination.output import OutputTracker
-from actors.coordination.request_stats import StatsRecorder, record_outcomes, stats_or_none
-from actors.coordination.plan import ALTERNATE, DecodingPlan
+from actors.messages import UNAVAILABLE, ItemOutcome, Prefill, WorkItem
+from actors.coordination.metrics import SchedulerMetrics
+from actors.coordination.requests import RequestState, board_key
+from actors.coordination.results import RequestResults
 from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
 from verifiers.adaptive import StepCosts, best_block
-from verifiers.grammar import GRAMMAR_ERROR_PREFIX, grammar_complete
 from verifiers.machines import (
     AR_TOKENS_PER_ITERATION,
     PLAIN_PROBE_EVERY,
     MODEL_FREE,
     PRE_DRAFTED,
-    DecodeMachine,
     PreDraft,
     Sample,
     ScoreBlock,
@@ -66,9 +62,6 @@ from verifiers.machines import (
 )
 
 logger = logging.getLogger(__name__)
-
-MAX_EMPTY_ITERATIONS = 64  # a machine that makes no progress this many iterations in a row is a bug
-
 
 class OverloadedError(RuntimeError):
     """The scheduler's waiting line is full; retry later (HTTP 429 / RESOURCE_EXHAUSTED)."""
@@ -79,47 +72,6 @@ class OverloadedError(RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.message,))
-
-
-def _grammar_dead_end(request: "RequestState") -> bool:
-    """Whether a constrained request ended at end-of-sequence before its grammar's string was
-    complete: the mask allowed only end-of-sequence because no token fits (verifiers.grammar)."""
-    output = request.output
-    if request.grammar is None or output.finish_reason != "stop" or output.stop:
-        return False
-    return not grammar_complete(request.grammar, output.token_ids)
-
-
-@dataclass
-class RequestState:
-    """One request inside the scheduler."""
-
-    request_id: str
-    session_id: str
-    plan: DecodingPlan
-    machine: DecodeMachine
-    output: OutputTracker
-    prompt_ids: list[int]
-    opens: dict[str, OpenSession]  # model -> how to open its session (removed once opened)
-    vocab_limit: int
-    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
-    stats: StatsRecorder = field(default_factory=StatsRecorder)
-    opened: set[str] = field(default_factory=set)
-    submitted: float = field(default_factory=time.perf_counter)
-    started: float = 0.0
-    empty_iterations: int = 0
-    last_needs: list = field(default_factory=list)
-    pre_drafted: tuple[Any, int] | None = None  # (payloads of the call, index) of the last PreDraft
-    cancelled: bool = False
-    finished: bool = False
-    prefilling: set[str] = field(default_factory=set)  # models whose session does not hold the prompt yet
-    clock: RequestClock = field(default_factory=RequestClock)
-    grammar: Any = None  # the structured-output constraint (verifiers.grammar.GrammarConstraint), if any
-
-    @property
-    def labels(self) -> tuple[str, str]:
-        """The request's metric labels: (strategy, method)."""
-        return plan_labels(self.plan)
 
 
 @dataclass
@@ -174,6 +126,7 @@ class Scheduler:
         self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
         self.acceptance_board = AcceptanceBoard()
         self.mode_rates = ModeRates()
+        self.results = RequestResults(self.metrics, self.acceptance_board)
         self.goodput = goodput
         self.pre_drafting = int(pre_drafting)
         #: Prompts longer than this are prefilled in chunks before their first decoding step
@@ -275,7 +228,7 @@ class Scheduler:
             except Exception as error:
                 logger.exception("scheduler step failed; failing the cohort's requests")
                 for request in list(cohort.running):
-                    self._fail(request, f"internal error: {type(error).__name__}")
+                    self.results.fail(request, f"internal error: {type(error).__name__}")
             # Let the streams' readers run between steps: in-process workers answer at once, and a
             # loop that never yields would hold every chunk until it idles.
             await asyncio.sleep(0)
@@ -286,7 +239,7 @@ class Scheduler:
         message = f"the request ran past limits.request_timeout_s={self.request_timeout_s:g} s"
         for request in [*cohort.running, *self.waiting]:
             if not request.finished and now - request.submitted > self.request_timeout_s:
-                self._fail(request, message, timed_out=True)
+                self.results.fail(request, message, timed_out=True)
         for request in [r for r in self.waiting if r.finished]:
             self.waiting.remove(request)
 
@@ -330,7 +283,7 @@ class Scheduler:
         """A gamma-auto request starts from the acceptance its pair met recently
         (:class:`actors.coordination.step_costs.AcceptanceBoard`), when there is one, instead of the fixed prior."""
         chooser = request.machine.chooser
-        alpha = self.acceptance_board.acceptance(_board_key(request))
+        alpha = self.acceptance_board.acceptance(board_key(request))
         if alpha is not None:
             chooser.settings = dataclasses.replace(chooser.settings, prior_acceptance=alpha,
                                                    prior_weight=board_prior_weight(alpha))
@@ -381,11 +334,11 @@ class Scheduler:
             self._observe_costs(cohort, placed, reports, time.perf_counter() - started)
         for request in list(self.running):  # every cohort: their sessions on a lost worker are gone too
             if lost & request.opened:  # its sessions died with the worker, whatever this step did
-                self._fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
+                self.results.fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
         committed = _committed(cohort) if mode != "any" else 0
         for request in list(cohort.running):
             outcomes = per_request[id(request)]
-            self._advance(request, [outcomes[i] for i in range(len(request.last_needs))])
+            self.results.advance(request, [outcomes[i] for i in range(len(request.last_needs))])
         if mode != "any" and not lost:  # what a step of this mode yields at this batch
             self.mode_rates.observe(mode, len(cohort.running), _committed(cohort) - committed,
                                     time.perf_counter() - step_started)
@@ -442,10 +395,10 @@ class Scheduler:
 
         if isinstance(error, RayTaskError) or not _is_ray_error(error):
             logger.error("request %s: the burst on %s failed: %s", request.session_id, target, error)
-            self._fail(request, f"internal error: {type(error).__name__}")
+            self.results.fail(request, f"internal error: {type(error).__name__}")
             return
         logger.error("worker %s burst failed (%s); its sessions are lost", target, type(error).__name__)
-        self._fail(request, UNAVAILABLE.format(model=target), retryable=True)
+        self.results.fail(request, UNAVAILABLE.format(model=target), retryable=True)
 
     def _replay(self, request: RequestState, record: BurstRecord) -> None:
         """One iteration of a burst, as a step of one request: the request's machine must ask for
@@ -457,7 +410,7 @@ class Scheduler:
         if tuple(request.last_needs) != record.needs:
             logger.error("request %s: a burst ran %s where the machine asks for %s", request.session_id,
                          record.needs, request.last_needs)
-            self._fail(request, "internal error: a burst's iteration differs from the request's")
+            self.results.fail(request, "internal error: a burst's iteration differs from the request's")
             return
         if any(isinstance(need, PreDraft) for need in request.last_needs):
             request.pre_drafted = record.pre_drafted  # the next iteration may verify one of its chains
@@ -465,7 +418,7 @@ class Scheduler:
                 all(isinstance(need, (Sample, ScoreVerify)) for need in record.needs):
             # like steps: not with a PreDraft, nor an ensemble's shapes
             self._observe_iteration_costs(request, record)
-        self._advance(request, list(record.outcomes))
+        self.results.advance(request, list(record.outcomes))
 
     def _observe_iteration_costs(self, request: RequestState, record: BurstRecord) -> None:
         """Feed a burst's iteration to the cost model as a step of one request (one call per model)."""
@@ -492,7 +445,7 @@ class Scheduler:
             return True
         except Exception as error:
             logger.exception("request %s: strategy failed to plan its iteration", request.session_id)
-            self._fail(request, f"{type(error).__name__}: {error}")
+            self.results.fail(request, f"{type(error).__name__}: {error}")
             return False
 
     def _observe_costs(self, cohort: Cohort, placed: dict[str, list[list[_Placed]]], reports: list[CallReport],
@@ -579,13 +532,13 @@ class Scheduler:
 
     def _group_acceptance(self, autos: list[RequestState]) -> float:
         """The pair's recent per-token acceptance (the board), else the requests' own mean."""
-        alpha = self.acceptance_board.acceptance(_board_key(autos[0]))
+        alpha = self.acceptance_board.acceptance(board_key(autos[0]))
         return alpha if alpha is not None else sum(r.machine.chooser.acceptance for r in autos) / len(autos)
 
     def _group_tokens_by_block(self, autos: list[RequestState], gamma_max: int) -> tuple[float, ...] | None:
         """The tokens an iteration of the pair emits by block, measured over the group's recent
         verifications (:meth:`actors.coordination.step_costs.AcceptanceBoard.expected_tokens`); None before."""
-        return self.acceptance_board.expected_tokens(_board_key(autos[0]), gamma_max)
+        return self.acceptance_board.expected_tokens(board_key(autos[0]), gamma_max)
 
     def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
         """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers
@@ -762,129 +715,6 @@ class Scheduler:
         call = self.workers[model].run_step.options(num_returns=2)
         return call.remote(items, source_payloads=list(sources), releases=releases)
 
-    # ------------------------------------------------------------------ results
-    def _advance(self, request: RequestState, outcomes: list[ItemOutcome]) -> None:
-        if request.cancelled or request.finished:
-            return
-        failed = [o for o in outcomes if o.error is not None]
-        if failed:
-            self._fail(request, failed[0].error, retryable=any(o.retryable for o in failed))
-            return
-        if request.prefilling:
-            self._advance_prefill(request, outcomes)
-            return
-        logged = len(request.machine.token_logprobs)
-        verified_before = len(request.machine.accepted_lengths)
-        try:
-            tokens = request.machine.consume([o.value for o in outcomes])
-        except Exception as error:
-            logger.exception("request %s: strategy iteration failed", request.session_id)
-            self._fail(request, f"{type(error).__name__}: {error}")
-            return
-        record_outcomes(request, outcomes)
-        self._record_verifications(request, verified_before)
-        delta = request.output.add(tokens)
-        if delta.token_ids:
-            self.metrics.tokens(request.labels, request.clock, len(delta.token_ids), time.perf_counter(),
-                                request.submitted)
-        logprobs = self._chunk_logprobs(request, logged, len(delta.token_ids))
-        if request.output.finished or request.machine.done:
-            self._finish(request, delta, logprobs)
-            return
-        if not delta.token_ids:
-            request.empty_iterations = request.empty_iterations + 1 if not tokens else 0
-            if request.empty_iterations > MAX_EMPTY_ITERATIONS:
-                self._fail(request, f"strategy {request.plan.strategy} made no progress in "
-                                    f"{MAX_EMPTY_ITERATIONS} iterations")
-            return
-        request.empty_iterations = 0
-        request.chunks.put_nowait(GenerationChunk(request_id=request.request_id, token_ids=delta.token_ids,
-                                                  text=delta.text, logprobs=logprobs,
-                                                  prompt_tokens=len(request.prompt_ids)))
-
-    @staticmethod
-    def _advance_prefill(request: RequestState, outcomes: list[ItemOutcome]) -> None:
-        """A prefill step's results: the models whose session now holds the whole prompt (but
-        its last token, which the machine's first need feeds) leave ``prefilling``. Their time
-        counts as the model's; the chunks are not decoding calls (``model_calls``)."""
-        for need, outcome in zip(request.last_needs, outcomes):
-            if need.model == request.plan.target:
-                request.stats.time_target_s += outcome.timing.forward_s
-            else:
-                request.stats.time_draft_s += outcome.timing.forward_s
-            if outcome.value.remaining == 0:
-                request.prefilling.discard(need.model)
-
-    @staticmethod
-    def _chunk_logprobs(request: RequestState, start: int, count: int) -> list[TokenLogprob] | None:
-        """The log-probabilities of the chunk's tokens (the output keeps a prefix of the step's
-        tokens: EOS, a stop string or max_tokens can cut it)."""
-        if request.machine.logprobs is None:
-            return None
-        entries = request.machine.token_logprobs[start: start + count]
-        return [TokenLogprob(token_id=t, logprob=lp, top=list(top)) for t, lp, top in entries]
-
-    def _record_verifications(self, request: RequestState, first_new: int) -> None:
-        """The speculation counters of the verifications this step made (``accepted_lengths``
-        entries from ``first_new`` on): sd / multi_draft one per step, K drafts of the Sample
-        need's ``count`` tokens; se one per verified segment (its length in draft tokens)."""
-        machine = request.machine
-        accepted = machine.accepted_lengths[first_new:]
-        if not accepted:
-            return
-        if request.plan.strategy == "se" and request.plan.proposer == ALTERNATE:
-            lengths = machine.segment_lengths[first_new:]
-            for length, count in zip(lengths, accepted):
-                self.metrics.verified(request.labels, 1, length, count)
-            return
-        sample = next((need for need in request.last_needs if isinstance(need, Sample)), None)
-        drafts = 1 if sample is None else sample.num_drafts
-        for count in accepted:  # a pre-drafted block (no Sample this step) is draft_lengths[-1] long
-            self.metrics.verified(request.labels, drafts, drafts * machine.draft_lengths[-1], count)
-            self.acceptance_board.observe(_board_key(request), machine.draft_lengths[-1], count)
-
-    def _finish(self, request: RequestState, delta: Any, logprobs: list[TokenLogprob] | None = None) -> None:
-        if _grammar_dead_end(request):
-            self._fail(request, GRAMMAR_ERROR_PREFIX + "the constraint allows no token of the vocabulary after "
-                       f"{len(request.output.token_ids)} tokens (a string the tokenizer cannot spell)")
-            return
-        request.finished = True
-        self.metrics.ended(request.labels, request.clock, request.output.finish_reason or "length",
-                           time.perf_counter(), request.submitted)
-        request.chunks.put_nowait(
-            GenerationChunk(
-                request_id=request.request_id,
-                token_ids=delta.token_ids,
-                text=delta.text,
-                logprobs=logprobs,
-                prompt_tokens=len(request.prompt_ids),
-                finished=True,
-                finish_reason=request.output.finish_reason or "length",
-                stats=stats_or_none(request),
-            )
-        )
-
-    def _fail(self, request: RequestState, message: str, retryable: bool = False, timed_out: bool = False) -> None:
-        if request.finished:
-            return
-        request.finished = True
-        status = "timed_out" if timed_out else "unavailable" if retryable else "error"
-        self.metrics.ended(request.labels, request.clock, status, time.perf_counter(), request.submitted,
-                           admitted=bool(request.started))
-        logger.error("request %s failed: %s", request.session_id, message)
-        request.chunks.put_nowait(
-            GenerationChunk(
-                request_id=request.request_id,
-                finished=True,
-                finish_reason="error",
-                error=message,
-                retryable=retryable,
-                timed_out=timed_out,
-                stats=stats_or_none(request),
-            )
-        )
-
-
 def call_report(model: str, entries: list[_Placed], outcomes: list[ItemOutcome]) -> CallReport:
     """What one worker call of a step ran (for :class:`actors.coordination.step_costs.StepCostModel`)."""
     timings = [outcome.timing for outcome in outcomes if outcome.timing is not None]
@@ -901,13 +731,6 @@ def call_report(model: str, entries: list[_Placed], outcomes: list[ItemOutcome])
 def _committed(cohort: Cohort) -> int:
     """Tokens the cohort's requests have committed so far."""
     return sum(len(request.machine.committed) for request in cohort.running)
-
-
-def _board_key(request: RequestState) -> tuple:
-    """A speculative request's key in the acceptance board: its pair (the members for an
-    ensemble target), rule and drafts per step."""
-    plan = request.plan
-    return plan.draft, plan.target or plan.members, plan.method, plan.num_drafts
 
 
 def _target_verifies(machine: Any) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from actors.coordination.scheduler import _grammar_dead_end
+from actors.coordination.results import grammar_dead_end as _grammar_dead_end
 from verifiers.grammar import compile_constraint, register_vocabulary
 
 register_vocabulary("tests-dead-end", (b"a", b"b", b"c", b"\xff[EOS]"), 3)

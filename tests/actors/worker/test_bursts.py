@@ -376,7 +376,8 @@ def _ar_plan():
 
 def test_the_scheduler_refuses_a_replay_that_differs():
     from actors.coordination.output import OutputTracker
-    from actors.coordination.scheduler import RequestState, Scheduler
+    from actors.coordination.requests import RequestState
+    from actors.coordination.scheduler import Scheduler
 
     scheduler = Scheduler({"target": None}, max_running=1, max_waiting=1)
     machine = AutoregressiveMachine("target", max_new_tokens=8, tokens_per_iteration=4)
