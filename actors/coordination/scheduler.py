@@ -32,33 +32,29 @@ call that will not come). A worker call that fails ends only the requests that h
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import logging
 import pickle
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from actors.worker.bursts import BurstRecord, FrozenStepCosts, burst_home, burstable
 from actors.worker.device_worker import HostCall, host_of
 from actors.messages import UNAVAILABLE, ItemOutcome, Prefill, WorkItem
 from actors.coordination.metrics import SchedulerMetrics
-from actors.coordination.requests import RequestState, board_key
+from actors.coordination.requests import RequestState
+from actors.coordination.cohorts import Cohort, should_admit_into
+from actors.coordination.policy import ALONE, StepPolicy, target_verifies
 from actors.coordination.results import RequestResults
-from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
-from verifiers.adaptive import StepCosts, best_block
+from actors.coordination.step_costs import CallReport
 from verifiers.machines import (
-    AR_TOKENS_PER_ITERATION,
-    PLAIN_PROBE_EVERY,
     MODEL_FREE,
     PRE_DRAFTED,
     PreDraft,
     Sample,
     ScoreBlock,
     ScoreVerify,
-    SpeculativeMachine,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,19 +78,6 @@ class _Placed:
     need_index: int
     item: WorkItem
     carried: tuple[Any, int] | None = None  # a ScoreVerify of a pre-drafted block: where the block is
-
-
-@dataclass
-class Cohort:
-    """Requests that step together. With two cohorts, each runs its own step loop: while the
-    target verifies one cohort, the draft already proposes for the other (Ray runs each worker's
-    calls in order, so the two loops interleave on every worker without changing any request's
-    own calls or draws)."""
-
-    index: int
-    running: list[RequestState] = field(default_factory=list)
-    mode: str = "any"  # the step mode last decided for the whole cohort (StepCosts.mode)
-    mode_steps: int = 0  # steps in a row in that mode (the other is probed after PLAIN_PROBE_EVERY)
 
 
 class Scheduler:
@@ -123,11 +106,8 @@ class Scheduler:
         self._wakeup: asyncio.Condition | None = None
         self._loop_tasks: list[asyncio.Task] = []
         self._notify_tasks: set[asyncio.Task] = set()
-        self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
-        self.acceptance_board = AcceptanceBoard()
-        self.mode_rates = ModeRates()
-        self.results = RequestResults(self.metrics, self.acceptance_board)
-        self.goodput = goodput
+        self.policy = StepPolicy(goodput=goodput)
+        self.results = RequestResults(self.metrics, self.policy.acceptance_board)
         self.pre_drafting = int(pre_drafting)
         #: Prompts longer than this are prefilled in chunks before their first decoding step
         #: (the workers' step budget, ``engine.max_tokens_per_step``); None: never.
@@ -136,9 +116,6 @@ class Scheduler:
         #: none waiting, its target's worker runs its iterations for up to this long per call; 0: off.
         self.burst_s = float(burst_s)
         self.bursts = 0
-        self._batch_now = 1
-        self._step_mode = "any"  # the cohort now stepping: what its gamma-auto requests do (StepCosts.mode)
-        self._step_block = 0  # and with mode speculative, the block they all draft (StepCosts.block)
 
     @property
     def running(self) -> list[RequestState]:
@@ -263,30 +240,18 @@ class Scheduler:
         """Start waiting requests in ``cohort`` while the total is under ``max_running`` and the
         cohort is not the larger one (the cohorts stay balanced)."""
         while self.waiting and len(self.running) < self.max_running:
-            if len(cohort.running) > min(len(c.running) for c in self.cohorts):
+            if not should_admit_into(cohort, self.cohorts):
                 return
             request = self.waiting.popleft()
             request.started = time.perf_counter()
-            pair = _target_verifies(request.machine)
-            if self.goodput and pair and getattr(request.machine, "chooser", None) is not None:
-                request.machine.step_costs = functools.partial(self.step_costs, request.machine)
-                self._start_from_group_acceptance(request)
-            if pair and request.machine.num_drafts == 1:
+            self.policy.admit(request)
+            if target_verifies(request.machine) and request.machine.num_drafts == 1:
                 request.machine.pre_drafting = self.pre_drafting
             if self.max_tokens_per_step is not None and len(request.prompt_ids) > self.max_tokens_per_step:
                 request.prefilling = set(request.opens)
             cohort.running.append(request)
             self.metrics.admitted(request.labels, request.clock, len(request.prompt_ids),
                                   request.started - request.submitted)
-
-    def _start_from_group_acceptance(self, request: RequestState) -> None:
-        """A gamma-auto request starts from the acceptance its pair met recently
-        (:class:`actors.coordination.step_costs.AcceptanceBoard`), when there is one, instead of the fixed prior."""
-        chooser = request.machine.chooser
-        alpha = self.acceptance_board.acceptance(board_key(request))
-        if alpha is not None:
-            chooser.settings = dataclasses.replace(chooser.settings, prior_acceptance=alpha,
-                                                   prior_weight=board_prior_weight(alpha))
 
     async def _flush_releases(self) -> None:
         calls = [self._call(model, []) for model, ids in self.releases.items() if ids]
@@ -299,10 +264,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     async def _step(self, cohort: Cohort) -> None:
         step_started = time.perf_counter()
-        # Read by the machines' needs() below, before any await (the other cohort may step meanwhile).
-        self._batch_now = len(cohort.running)
-        self._step_mode = mode = self._cohort_mode(cohort)
-        self._step_block = self._cohort_block(cohort) if mode == "speculative" else 0
+        decision = self.policy.decide(cohort)
         for request in list(cohort.running):
             if request.prefilling:
                 request.last_needs = [Prefill(model) for model in sorted(request.prefilling)]
@@ -331,17 +293,18 @@ class Scheduler:
                 reports.append(call_report(model, entries, outcomes))
         lost |= self._co_hosted(lost)  # a worker that died took every model it hosted
         if not lost:
-            self._observe_costs(cohort, placed, reports, time.perf_counter() - started)
+            needs = [entry.item.need for phases in placed.values() for phase in phases for entry in phase]
+            self.policy.observe_step(len(cohort.running), needs, reports, time.perf_counter() - started)
         for request in list(self.running):  # every cohort: their sessions on a lost worker are gone too
             if lost & request.opened:  # its sessions died with the worker, whatever this step did
                 self.results.fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
-        committed = _committed(cohort) if mode != "any" else 0
+        committed = cohort.committed()
         for request in list(cohort.running):
             outcomes = per_request[id(request)]
             self.results.advance(request, [outcomes[i] for i in range(len(request.last_needs))])
-        if mode != "any" and not lost:  # what a step of this mode yields at this batch
-            self.mode_rates.observe(mode, len(cohort.running), _committed(cohort) - committed,
-                                    time.perf_counter() - step_started)
+        if not lost:  # what a step of this mode yields at this batch
+            self.policy.observe_mode(decision, len(cohort.running), cohort.committed() - committed,
+                                     time.perf_counter() - step_started)
 
     def _co_hosted(self, models: set[str]) -> set[str]:
         """The models hosted by the same workers as ``models`` (:mod:`actors.worker.device_worker`)."""
@@ -365,9 +328,8 @@ class Scheduler:
         machine = request.machine
         target = burst_home(machine, self.hosts.get)
         live_costs = getattr(machine, "step_costs", None)
-        self._batch_now, self._step_mode, self._step_block = 1, "any", 0  # a step of this request alone
-        if live_costs is not None:  # the worker's copy and the replay read the same costs
-            machine.step_costs = FrozenStepCosts(live_costs())
+        if live_costs is not None:  # the worker's copy and the replay read the same costs, of a step alone
+            machine.step_costs = FrozenStepCosts(self.policy.costs(machine, ALONE))
         try:
             blob = pickle.dumps(machine)
             peers = {name: self.workers[name] for name in machine.streams() if name != target}
@@ -427,7 +389,7 @@ class Scheduler:
                                [o for e, o in zip(entries, record.outcomes) if e.item.need.model == model])
                    for model in dict.fromkeys(need.model for need in record.needs)]
         speculative = any(isinstance(need, ScoreVerify) for need in record.needs)
-        self.cost_model.observe_step(1, reports, record.wall_s, speculative=speculative)
+        self.policy.cost_model.observe_step(1, reports, record.wall_s, speculative=speculative)
 
     def _count_step(self, batch: int) -> None:
         self.steps += 1
@@ -447,98 +409,6 @@ class Scheduler:
             logger.exception("request %s: strategy failed to plan its iteration", request.session_id)
             self.results.fail(request, f"{type(error).__name__}: {error}")
             return False
-
-    def _observe_costs(self, cohort: Cohort, placed: dict[str, list[list[_Placed]]], reports: list[CallReport],
-                       wall_s: float) -> None:
-        """Feed the step's timings to the cost model (steps of sampling / verification needs only:
-        ensemble steps have other shapes)."""
-        needs = [entry.item.need for phases in placed.values() for phase in phases for entry in phase]
-        if not needs or not all(isinstance(need, (Sample, ScoreVerify)) for need in needs):
-            return
-        speculative = any(isinstance(need, ScoreVerify) for need in needs)
-        self.cost_model.observe_step(len(cohort.running), reports, wall_s, speculative=speculative)
-
-    def step_costs(self, machine: Any) -> StepCosts | None:
-        """The measured costs of a step of the cohort now stepping, for ``machine``'s models, with
-        the step mode decided for the cohort (:meth:`_cohort_mode`)."""
-        costs = self.cost_model.costs(machine.draft, machine.target, batch=self._batch_now,
-                                      gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
-        if costs is None:
-            return None
-        block = self._step_block if self._step_mode == "speculative" else 0
-        return dataclasses.replace(costs, mode=self._step_mode, block=min(block, machine.chooser.settings.gamma_max))
-
-    def _cohort_mode(self, cohort: Cohort) -> str:
-        """Plain or speculative for every gamma-auto request of a step of two or more requests,
-        decided once (a step whose requests split pays the draft's forwards AND the plain
-        forwards): speculative when a fixed block drafts anyway; else the mode whose whole steps
-        measured more tokens per second at this batch (:class:`actors.coordination.step_costs.ModeRates`), the
-        other probed after ``PLAIN_PROBE_EVERY`` steps in a row; before both are measured, what
-        the cost model and the pair's recent acceptance favour. ``any``: alone, or nothing
-        measured yet; each request weighs the costs itself."""
-        stepping, autos = self._cohort_autos(cohort)
-        if len(stepping) < 2 or not autos:
-            return "any"
-        if any(isinstance(r.machine, SpeculativeMachine) and r.machine.chooser is None for r in stepping):
-            return "speculative"
-        mode = self._faster_mode(autos, len(stepping))
-        if mode is None:
-            return "any"
-        if mode == cohort.mode and cohort.mode_steps >= PLAIN_PROBE_EVERY:  # probe the other mode once
-            mode = "plain" if mode == "speculative" else "speculative"
-        cohort.mode_steps = cohort.mode_steps + 1 if mode == cohort.mode else 1
-        cohort.mode = mode
-        return mode
-
-    def _cohort_block(self, cohort: Cohort) -> int:
-        """The block every gamma-auto request of a speculative step drafts: the one with the most
-        expected tokens per second at the pair's recent acceptance and the measured costs (a
-        step's draft call runs as many forwards as its longest block, its verifying forward is
-        padded to its longest row); 0 (each chooses) while nothing is measured."""
-        stepping, autos = self._cohort_autos(cohort)
-        costs = self._pair_costs(autos, len(stepping)) if len(autos) >= 2 else None
-        if costs is None:
-            return 0
-        return best_block(self._group_acceptance(autos), len(costs.verify_s), costs, allow_plain=False,
-                          tokens_by_block=self._group_tokens_by_block(autos, len(costs.verify_s)))
-
-    def _faster_mode(self, autos: list[RequestState], batch: int) -> str | None:
-        """The mode whose steps of ``batch`` requests measured faster; the unmeasured one while
-        only one is; None while neither is and the cost model has nothing."""
-        plain, speculative = self.mode_rates.rate("plain", batch), self.mode_rates.rate("speculative", batch)
-        if plain is not None and speculative is not None:
-            return "plain" if plain > speculative else "speculative"
-        if plain is not None or speculative is not None:
-            return "speculative" if plain is not None else "plain"
-        costs = self._pair_costs(autos, batch)
-        if costs is None:
-            return None
-        tokens_by_block = self._group_tokens_by_block(autos, len(costs.verify_s))
-        block = best_block(self._group_acceptance(autos), len(costs.verify_s), costs, tokens_by_block=tokens_by_block)
-        return "speculative" if block > 0 else "plain"
-
-    @staticmethod
-    def _cohort_autos(cohort: Cohort) -> tuple[list[RequestState], list[RequestState]]:
-        """The cohort's requests that step (not prefilling), and those of them choosing their
-        blocks by measured costs (gamma auto with ``goodput_gamma``)."""
-        stepping = [request for request in cohort.running if not request.prefilling]
-        return stepping, [r for r in stepping if getattr(r.machine, "step_costs", None) is not None]
-
-    def _pair_costs(self, autos: list[RequestState], batch: int) -> StepCosts | None:
-        """The measured costs of a step of ``batch`` requests for the first gamma-auto request's pair."""
-        machine = autos[0].machine
-        return self.cost_model.costs(machine.draft, machine.target, batch=batch,
-                                     gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
-
-    def _group_acceptance(self, autos: list[RequestState]) -> float:
-        """The pair's recent per-token acceptance (the board), else the requests' own mean."""
-        alpha = self.acceptance_board.acceptance(board_key(autos[0]))
-        return alpha if alpha is not None else sum(r.machine.chooser.acceptance for r in autos) / len(autos)
-
-    def _group_tokens_by_block(self, autos: list[RequestState], gamma_max: int) -> tuple[float, ...] | None:
-        """The tokens an iteration of the pair emits by block, measured over the group's recent
-        verifications (:meth:`actors.coordination.step_costs.AcceptanceBoard.expected_tokens`); None before."""
-        return self.acceptance_board.expected_tokens(board_key(autos[0]), gamma_max)
 
     def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
         """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers
@@ -726,17 +596,6 @@ def call_report(model: str, entries: list[_Placed], outcomes: list[ItemOutcome])
     return CallReport(model=model, tokens_fed=sum(timing.tokens_fed for timing in timings),
                       forwards=max(forwards, default=0), forward_s=max((t.forward_s for t in timings), default=0.0),
                       uniform=uniform, call_s=max((t.call_s for t in timings), default=0.0))
-
-
-def _committed(cohort: Cohort) -> int:
-    """Tokens the cohort's requests have committed so far."""
-    return sum(len(request.machine.committed) for request in cohort.running)
-
-
-def _target_verifies(machine: Any) -> bool:
-    """Whether ``machine`` is sd's: a draft / target pair whose target verifies (pre-drafting and
-    the pair's measured step costs apply)."""
-    return isinstance(machine, SpeculativeMachine) and machine.target_verifies
 
 
 def _is_ray_error(error: Exception) -> bool:

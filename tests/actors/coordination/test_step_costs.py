@@ -117,7 +117,7 @@ def _coordinator(goodput: bool) -> Coordinator:
     config = fake_group_config(overlap=False, goodput_gamma=goodput)
     workers = {m.name: LocalActorHandle(FunctionModelWorker(m, config.session_idle_timeout_s)) for m in config.models}
     coordinator = Coordinator(workers, config, export_to_ray=False)
-    coordinator.scheduler.cost_model = _ScheduledCosts()
+    coordinator.scheduler.policy.cost_model = _ScheduledCosts()
     return coordinator
 
 
@@ -155,7 +155,7 @@ def test_goodput_off_ignores_the_costs():
     coordinator = _coordinator(goodput=False)
     for chunks in _run(coordinator, [_request(seed, "block", temperature=1.0, max_tokens=12) for seed in range(3)]):
         assert 0 not in chunks[-1].stats.draft_lengths
-    assert coordinator.scheduler.cost_model.calls == 0
+    assert coordinator.scheduler.policy.cost_model.calls == 0
 
 
 def test_sampled_law_with_costs_choosing_plain_steps_and_blocks():
@@ -226,14 +226,14 @@ def test_a_new_auto_request_starts_from_the_groups_acceptance():
     coordinator = _coordinator(goodput=True)
     first = _run(coordinator, [_request(seed, "block", temperature=1.0, max_tokens=24) for seed in range(8)])
     assert all(chunks[-1].error is None for chunks in first)
-    board = coordinator.scheduler.acceptance_board
+    board = coordinator.scheduler.policy.acceptance_board
     alpha = board.acceptance(("draft", "target", "block", 1))
     assert alpha is not None
     state = coordinator._request_state(_request(99, "block", temperature=1.0, max_tokens=12),
                                        coordinator._plan(_request(99, "block", temperature=1.0, max_tokens=12)),
                                        list(PROMPT), 6, 64)
     assert state.machine.chooser.settings.prior_acceptance != alpha
-    coordinator.scheduler._start_from_group_acceptance(state)
+    coordinator.scheduler.policy.start_from_group_acceptance(state)
     assert state.machine.chooser.settings.prior_acceptance == pytest.approx(alpha)
     # ... counted as BOARD_PRIOR_VERIFICATIONS verifications at that rate, next to its own counts.
     assert state.machine.chooser.settings.prior_weight == pytest.approx(BOARD_PRIOR_VERIFICATIONS / (1.0 - alpha))
@@ -261,9 +261,32 @@ def test_a_cohort_steps_in_the_faster_mode_and_probes_the_other():
     for request in requests:
         request.machine.step_costs = lambda: None
         cohort.running.append(request)
-    scheduler.mode_rates.observe("plain", 3, 12, 0.1)  # 120 tok/s
-    scheduler.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
-    modes = [scheduler._cohort_mode(cohort) for _ in range(2 * (PLAIN_PROBE_EVERY + 1))]
+    scheduler.policy.mode_rates.observe("plain", 3, 12, 0.1)  # 120 tok/s
+    scheduler.policy.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
+    modes = [scheduler.policy.decide(cohort).mode for _ in range(2 * (PLAIN_PROBE_EVERY + 1))]
     assert modes.count("plain") == 2 and modes.count("speculative") == 2 * PLAIN_PROBE_EVERY
     assert modes[PLAIN_PROBE_EVERY] == "plain"  # the probe after PLAIN_PROBE_EVERY speculative steps
-    assert scheduler._cohort_mode(type(cohort)(index=9, running=cohort.running[:1])) == "any"  # alone
+    assert scheduler.policy.decide(type(cohort)(index=9, running=cohort.running[:1])).mode == "any"  # alone
+
+
+def test_the_policy_returns_its_decision_and_the_machines_read_that_one():
+    """A speculative step's decision names the block; each gamma-auto request's costs carry the
+    decision of its own step, also after the policy decided another step (the other cohort's)."""
+    coordinator = _coordinator(goodput=True)
+    policy = coordinator.scheduler.policy
+    requests = [coordinator._request_state(_request(seed, "block", temperature=1.0, max_tokens=12),
+                                           coordinator._plan(_request(seed, "block", temperature=1.0, max_tokens=12)),
+                                           list(PROMPT), 6, 64) for seed in range(4)]
+    first, second = coordinator.scheduler.cohorts[0], type(coordinator.scheduler.cohorts[0])(index=1)
+    for request in requests:
+        policy.admit(request)
+    first.running, second.running = requests[:2], requests[2:]
+    policy.mode_rates.observe("plain", 2, 4, 0.1)  # 40 tok/s
+    policy.mode_rates.observe("speculative", 2, 9, 0.05)  # 180 tok/s
+    decision = policy.decide(first)
+    assert decision.mode == "speculative" and decision.block >= 1 and decision.batch == 2
+    policy.mode_rates.observe("plain", 2, 400, 0.1)  # now plain wins: the other cohort steps plain
+    assert policy.decide(second).mode == "plain"
+    costs = requests[0].machine.step_costs()
+    assert (costs.mode, costs.block) == (decision.mode, decision.block)
+    assert requests[2].machine.step_costs().mode == "plain"

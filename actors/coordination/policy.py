@@ -1,0 +1,193 @@
+"""The step policy: what the gamma-auto requests of a step do, decided once for the whole step.
+
+A step of several requests steps in one mode (:attr:`StepDecision.mode`): a step whose requests
+split pays the draft's forwards AND the plain forwards, worse than either. Speculative steps
+draft one block for all (:attr:`StepDecision.block`): a step's draft call runs as many forwards
+as its longest block and its verifying forward is padded to its longest row. The choice reads
+the measured step costs (:class:`actors.coordination.step_costs.StepCostModel`), the tokens per
+second whole steps of each mode reached (:class:`~actors.coordination.step_costs.ModeRates`) and
+the pair's recent acceptance (:class:`~actors.coordination.step_costs.AcceptanceBoard`): the
+goodput rule of SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
+Language Models Using Goodput", arXiv 2406.14066, Sec. 4).
+
+Every input is in the past of the step, and the decision is made before any draft is sampled,
+so each request's output law stays its target's (:mod:`verifiers.adaptive`).
+
+The machines read the decision through their ``step_costs`` callable, bound by :meth:`StepPolicy.bind`
+to the step's :class:`StepDecision` (:meth:`StepPolicy.costs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from actors.coordination.cohorts import Cohort
+from actors.coordination.requests import RequestState, board_key
+from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
+from verifiers.adaptive import StepCosts, best_block
+from verifiers.machines import AR_TOKENS_PER_ITERATION, PLAIN_PROBE_EVERY, Sample, ScoreVerify, SpeculativeMachine
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What a step's gamma-auto requests do (:class:`verifiers.adaptive.StepCosts`' ``mode`` and
+    ``block``), and the number of requests in the step the costs are read at."""
+
+    mode: str = "any"  # any: each request weighs the costs itself; plain; speculative
+    block: int = 0  # with mode speculative: the block every request drafts; 0: each chooses its own
+    batch: int = 1
+
+
+#: A step of one request alone (each request's own choice; a burst's iterations).
+ALONE = StepDecision()
+
+
+def target_verifies(machine: Any) -> bool:
+    """Whether ``machine`` is sd's: a draft / target pair whose target verifies (pre-drafting and
+    the pair's measured step costs apply)."""
+    return isinstance(machine, SpeculativeMachine) and machine.target_verifies
+
+
+def chooses_by_costs(request: RequestState) -> bool:
+    """Whether ``request`` chooses its blocks by measured costs (gamma auto with ``goodput_gamma``)."""
+    return getattr(request.machine, "step_costs", None) is not None
+
+
+class StepPolicy:
+    """Decides each step's :class:`StepDecision` from what was measured, and learns from the steps
+    run (:meth:`observe_step`, :meth:`observe_mode`, the results' verifications on
+    :attr:`acceptance_board`). ``goodput``: gamma-auto requests weigh measured costs (else
+    their acceptance alone)."""
+
+    def __init__(self, *, goodput: bool = True):
+        self.goodput = goodput
+        self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
+        self.acceptance_board = AcceptanceBoard()
+        self.mode_rates = ModeRates()
+
+    # ------------------------------------------------------------------ requests
+    def admit(self, request: RequestState) -> None:
+        """A gamma-auto sd request with goodput on reads the step costs, and starts from its pair's
+        recent acceptance."""
+        machine = request.machine
+        if self.goodput and target_verifies(machine) and getattr(machine, "chooser", None) is not None:
+            self.bind(request, ALONE)
+            self.start_from_group_acceptance(request)
+
+    def start_from_group_acceptance(self, request: RequestState) -> None:
+        """A gamma-auto request starts from the acceptance its pair met recently
+        (:class:`actors.coordination.step_costs.AcceptanceBoard`), when there is one, instead of the fixed prior."""
+        chooser = request.machine.chooser
+        alpha = self.acceptance_board.acceptance(board_key(request))
+        if alpha is not None:
+            chooser.settings = dataclasses.replace(chooser.settings, prior_acceptance=alpha,
+                                                   prior_weight=board_prior_weight(alpha))
+
+    def bind(self, request: RequestState, decision: StepDecision) -> None:
+        """Point ``request``'s machine at the costs of a step decided as ``decision``."""
+        request.machine.step_costs = functools.partial(self.costs, request.machine, decision)
+
+    # ------------------------------------------------------------------ deciding
+    def decide(self, cohort: Cohort) -> StepDecision:
+        """The decision for the cohort's next step (binding every gamma-auto request to it)."""
+        mode = self._cohort_mode(cohort)
+        decision = StepDecision(mode, self._cohort_block(cohort) if mode == "speculative" else 0,
+                                len(cohort.running))
+        for request in cohort.running:
+            if chooses_by_costs(request):
+                self.bind(request, decision)
+        return decision
+
+    def costs(self, machine: Any, decision: StepDecision) -> StepCosts | None:
+        """The measured costs of a step of ``decision.batch`` requests for ``machine``'s models, with
+        the step's mode and block."""
+        costs = self.cost_model.costs(machine.draft, machine.target, batch=decision.batch,
+                                      gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+        if costs is None:
+            return None
+        block = decision.block if decision.mode == "speculative" else 0
+        return dataclasses.replace(costs, mode=decision.mode, block=min(block, machine.chooser.settings.gamma_max))
+
+    def _cohort_mode(self, cohort: Cohort) -> str:
+        """Plain or speculative for every gamma-auto request of a step of two or more requests,
+        decided once (a step whose requests split pays the draft's forwards AND the plain
+        forwards): speculative when a fixed block drafts anyway; else the mode whose whole steps
+        measured more tokens per second at this batch (:class:`actors.coordination.step_costs.ModeRates`), the
+        other probed after ``PLAIN_PROBE_EVERY`` steps in a row; before both are measured, what
+        the cost model and the pair's recent acceptance favour. ``any``: alone, or nothing
+        measured yet; each request weighs the costs itself."""
+        stepping = cohort.stepping()
+        autos = [request for request in stepping if chooses_by_costs(request)]
+        if len(stepping) < 2 or not autos:
+            return "any"
+        if any(isinstance(r.machine, SpeculativeMachine) and r.machine.chooser is None for r in stepping):
+            return "speculative"
+        mode = self._faster_mode(autos, len(stepping))
+        if mode is None:
+            return "any"
+        if mode == cohort.mode and cohort.mode_steps >= PLAIN_PROBE_EVERY:  # probe the other mode once
+            mode = "plain" if mode == "speculative" else "speculative"
+        cohort.mode_steps = cohort.mode_steps + 1 if mode == cohort.mode else 1
+        cohort.mode = mode
+        return mode
+
+    def _cohort_block(self, cohort: Cohort) -> int:
+        """The block every gamma-auto request of a speculative step drafts: the one with the most
+        expected tokens per second at the pair's recent acceptance and the measured costs (a
+        step's draft call runs as many forwards as its longest block, its verifying forward is
+        padded to its longest row); 0 (each chooses) while nothing is measured."""
+        stepping = cohort.stepping()
+        autos = [request for request in stepping if chooses_by_costs(request)]
+        costs = self._pair_costs(autos, len(stepping)) if len(autos) >= 2 else None
+        if costs is None:
+            return 0
+        return best_block(self._group_acceptance(autos), len(costs.verify_s), costs, allow_plain=False,
+                          tokens_by_block=self._group_tokens_by_block(autos, len(costs.verify_s)))
+
+    def _faster_mode(self, autos: list[RequestState], batch: int) -> str | None:
+        """The mode whose steps of ``batch`` requests measured faster; the unmeasured one while
+        only one is; None while neither is and the cost model has nothing."""
+        plain, speculative = self.mode_rates.rate("plain", batch), self.mode_rates.rate("speculative", batch)
+        if plain is not None and speculative is not None:
+            return "plain" if plain > speculative else "speculative"
+        if plain is not None or speculative is not None:
+            return "speculative" if plain is not None else "plain"
+        costs = self._pair_costs(autos, batch)
+        if costs is None:
+            return None
+        tokens_by_block = self._group_tokens_by_block(autos, len(costs.verify_s))
+        block = best_block(self._group_acceptance(autos), len(costs.verify_s), costs, tokens_by_block=tokens_by_block)
+        return "speculative" if block > 0 else "plain"
+
+    def _pair_costs(self, autos: list[RequestState], batch: int) -> StepCosts | None:
+        """The measured costs of a step of ``batch`` requests for the first gamma-auto request's pair."""
+        machine = autos[0].machine
+        return self.cost_model.costs(machine.draft, machine.target, batch=batch,
+                                     gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+
+    def _group_acceptance(self, autos: list[RequestState]) -> float:
+        """The pair's recent per-token acceptance (the board), else the requests' own mean."""
+        alpha = self.acceptance_board.acceptance(board_key(autos[0]))
+        return alpha if alpha is not None else sum(r.machine.chooser.acceptance for r in autos) / len(autos)
+
+    def _group_tokens_by_block(self, autos: list[RequestState], gamma_max: int) -> tuple[float, ...] | None:
+        """The tokens an iteration of the pair emits by block, measured over the group's recent
+        verifications (:meth:`actors.coordination.step_costs.AcceptanceBoard.expected_tokens`); None before."""
+        return self.acceptance_board.expected_tokens(board_key(autos[0]), gamma_max)
+
+    # ------------------------------------------------------------------ learning
+    def observe_step(self, batch: int, needs: list, reports: list[CallReport], wall_s: float) -> None:
+        """Feed a step's timings to the cost model (steps of sampling / verification needs only:
+        ensemble steps have other shapes)."""
+        if not needs or not all(isinstance(need, (Sample, ScoreVerify)) for need in needs):
+            return
+        speculative = any(isinstance(need, ScoreVerify) for need in needs)
+        self.cost_model.observe_step(batch, reports, wall_s, speculative=speculative)
+
+    def observe_mode(self, decision: StepDecision, batch: int, tokens: int, seconds: float) -> None:
+        """What a whole step of the decided mode yielded (steps whose mode was decided only)."""
+        if decision.mode != "any":
+            self.mode_rates.observe(decision.mode, batch, tokens, seconds)
