@@ -4,7 +4,7 @@
 client gets, on both protocols (HTTP status + OpenAI error body, gRPC status code + details):
 
 - client errors (:class:`actors.api.InvalidRequestError`, :class:`ModelNotFound`,
-  :class:`Unauthenticated`, and :class:`actors.coordination.scheduler.OverloadedError`: 429 /
+  :class:`Unauthenticated`, and :class:`actors.coordination.admission.OverloadedError`: 429 /
   ``RESOURCE_EXHAUSTED``, naming the limit) keep their message; it is cleaned of
   terminal colour codes and control characters and cut to :data:`MAX_CLIENT_MESSAGE_CHARS`;
 - server errors (a dead model group, a failure in the middle of decoding, anything
@@ -25,7 +25,7 @@ import grpc
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.api import InvalidRequestError
-from actors.coordination.scheduler import OverloadedError
+from actors.coordination.admission import OverloadedError
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError
-from actors.coordination.scheduler import OverloadedError
+from actors.coordination.admission import OverloadedError
 from cluster.errors import ModelGroupUnavailable, RequestFailed, RequestTimedOut, clean_text
 from cluster.responses import CompletionAccumulator
 from verifiers.grammar import GRAMMAR_ERROR_PREFIX

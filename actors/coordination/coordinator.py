@@ -14,7 +14,7 @@ is a state machine (:mod:`verifiers.machines`, built by :mod:`actors.coordinatio
 step each model worker gets one call with the work of every request in flight. A request
 beyond ``max_concurrent_requests`` (at most the KV cache slots of the group's smallest worker,
 :func:`running_limit`) waits its turn; beyond ``max_queued_requests`` more it is
-refused with :class:`actors.coordination.scheduler.OverloadedError` (429 / RESOURCE_EXHAUSTED). A client
+refused with :class:`actors.coordination.admission.OverloadedError` (429 / RESOURCE_EXHAUSTED). A client
 that goes away leaves at the next step. The coordinator itself holds no decoding math.
 """
 

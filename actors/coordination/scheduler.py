@@ -44,8 +44,9 @@ from actors.worker.device_worker import HostCall, host_of
 from actors.messages import UNAVAILABLE, ItemOutcome, Prefill, WorkItem
 from actors.coordination.metrics import SchedulerMetrics
 from actors.coordination.requests import RequestState
-from actors.coordination.cohorts import Cohort, should_admit_into
-from actors.coordination.policy import ALONE, StepPolicy, target_verifies
+from actors.coordination.admission import Admission
+from actors.coordination.cohorts import Cohort
+from actors.coordination.policy import ALONE, StepPolicy
 from actors.coordination.results import RequestResults
 from actors.coordination.step_costs import CallReport
 from verifiers.machines import (
@@ -58,17 +59,6 @@ from verifiers.machines import (
 )
 
 logger = logging.getLogger(__name__)
-
-class OverloadedError(RuntimeError):
-    """The scheduler's waiting line is full; retry later (HTTP 429 / RESOURCE_EXHAUSTED)."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
-
-    def __reduce__(self):
-        return (type(self), (self.message,))
-
 
 @dataclass
 class _Placed:
@@ -93,10 +83,6 @@ class Scheduler:
         self.workers = dict(workers)
         #: model -> the id of the worker hosting it with others (actors.worker.device_worker); None: its own worker
         self.hosts: dict[str, str | None] = {name: host_of(handle) for name, handle in self.workers.items()}
-        self.max_running = int(max_running)
-        self.max_waiting = int(max_waiting)
-        self.request_timeout_s = float(request_timeout_s)
-        self.waiting: deque[RequestState] = deque()
         self.cohorts = [Cohort(i) for i in range(cohorts)]
         self.releases: dict[str, list[str]] = {name: [] for name in self.workers}
         self.steps = 0
@@ -108,10 +94,10 @@ class Scheduler:
         self._notify_tasks: set[asyncio.Task] = set()
         self.policy = StepPolicy(goodput=goodput)
         self.results = RequestResults(self.metrics, self.policy.acceptance_board)
-        self.pre_drafting = int(pre_drafting)
-        #: Prompts longer than this are prefilled in chunks before their first decoding step
-        #: (the workers' step budget, ``engine.max_tokens_per_step``); None: never.
-        self.max_tokens_per_step = max_tokens_per_step
+        self.admission = Admission(self.cohorts, policy=self.policy, results=self.results, metrics=self.metrics,
+                                   release=self._release, max_running=max_running, max_waiting=max_waiting,
+                                   request_timeout_s=request_timeout_s, pre_drafting=pre_drafting,
+                                   max_tokens_per_step=max_tokens_per_step)
         #: Solo bursts (``engine.burst_ms``, :mod:`actors.worker.bursts`): with one request running and
         #: none waiting, its target's worker runs its iterations for up to this long per call; 0: off.
         self.burst_s = float(burst_s)
@@ -120,33 +106,33 @@ class Scheduler:
     @property
     def running(self) -> list[RequestState]:
         """Every running request, all cohorts."""
-        return [request for cohort in self.cohorts for request in cohort.running]
+        return self.admission.running
 
-    # ------------------------------------------------------------------ requests
+    @property
+    def waiting(self) -> deque[RequestState]:
+        return self.admission.waiting
+
+    @property
+    def max_running(self) -> int:
+        return self.admission.max_running
+
+    @max_running.setter
+    def max_running(self, value: int) -> None:
+        self.admission.max_running = int(value)
+
     def submit(self, request: RequestState) -> None:
         """Queue a request (raises OverloadedError when the waiting line is full)."""
-        running = len(self.running)
-        if len(self.waiting) >= self.max_waiting and running >= self.max_running:
-            self.metrics.refused(request.labels, "rejected")
-            raise OverloadedError(
-                f"server busy: {running} requests running (limit max_concurrent_requests="
-                f"{self.max_running}) and {len(self.waiting)} waiting (limit max_queued_requests={self.max_waiting})"
-            )
-        self.waiting.append(request)
+        self.admission.queue(request)
         self._ensure_loops()
         self._notify()
 
     def cancel(self, request: RequestState) -> None:
         """The client went away: the request leaves at the next step boundary."""
-        if not request.finished:
-            request.cancelled = True
-            self.metrics.ended(request.labels, request.clock, "cancelled", time.perf_counter(), request.submitted,
-                               admitted=bool(request.started))
-            logger.info("request %s cancelled", request.session_id)
+        if self.admission.cancel(request):
             self._notify()
 
     def active_session_ids(self) -> list[str]:
-        return [r.session_id for r in self.running] + [r.session_id for r in self.waiting]
+        return self.admission.active_session_ids()
 
     # ------------------------------------------------------------------ loops
     def _ensure_loops(self) -> None:
@@ -183,15 +169,16 @@ class Scheduler:
 
     async def _run(self, cohort: Cohort) -> None:
         while True:
-            self._expire(cohort)
-            self._drop_left(cohort)
-            self._admit(cohort)
+            self.admission.expire(cohort)
+            if self.admission.drop_left(cohort):
+                self._notify()  # an idle cohort may admit now
+            self.admission.admit(cohort)
             if not cohort.running:
                 await self._flush_releases()
                 async with self._wakeup:
-                    if not (self.waiting and len(self.running) < self.max_running):
+                    if not self.admission.can_admit():
                         try:  # a submit, a cancel or a finished request wakes it; waiting ones can expire
-                            await asyncio.wait_for(self._wakeup.wait(), timeout=self.request_timeout_s / 4)
+                            await asyncio.wait_for(self._wakeup.wait(), timeout=self.admission.request_timeout_s / 4)
                         except asyncio.TimeoutError:
                             pass
                 continue
@@ -210,48 +197,10 @@ class Scheduler:
             # loop that never yields would hold every chunk until it idles.
             await asyncio.sleep(0)
 
-    def _expire(self, cohort: Cohort) -> None:
-        """End the requests (running in this cohort, or waiting) older than the request timeout."""
-        now = time.perf_counter()
-        message = f"the request ran past limits.request_timeout_s={self.request_timeout_s:g} s"
-        for request in [*cohort.running, *self.waiting]:
-            if not request.finished and now - request.submitted > self.request_timeout_s:
-                self.results.fail(request, message, timed_out=True)
-        for request in [r for r in self.waiting if r.finished]:
-            self.waiting.remove(request)
-
-    def _drop_left(self, cohort: Cohort) -> None:
-        """Remove finished and cancelled requests; queue their sessions for release."""
-        left = [r for r in cohort.running if r.finished or r.cancelled]
-        for request in left:
-            cohort.running.remove(request)
-            self._release(request)
-        if left and self.waiting:
-            self._notify()  # an idle cohort may admit now
-        for request in [r for r in self.waiting if r.cancelled]:
-            self.waiting.remove(request)
-
     def _release(self, request: RequestState) -> None:
         for model in request.opened:
             self.releases[model].append(request.session_id)
         request.opened = set()
-
-    def _admit(self, cohort: Cohort) -> None:
-        """Start waiting requests in ``cohort`` while the total is under ``max_running`` and the
-        cohort is not the larger one (the cohorts stay balanced)."""
-        while self.waiting and len(self.running) < self.max_running:
-            if not should_admit_into(cohort, self.cohorts):
-                return
-            request = self.waiting.popleft()
-            request.started = time.perf_counter()
-            self.policy.admit(request)
-            if target_verifies(request.machine) and request.machine.num_drafts == 1:
-                request.machine.pre_drafting = self.pre_drafting
-            if self.max_tokens_per_step is not None and len(request.prompt_ids) > self.max_tokens_per_step:
-                request.prefilling = set(request.opens)
-            cohort.running.append(request)
-            self.metrics.admitted(request.labels, request.clock, len(request.prompt_ids),
-                                  request.started - request.submitted)
 
     async def _flush_releases(self) -> None:
         calls = [self._call(model, []) for model, ids in self.releases.items() if ids]

@@ -93,7 +93,7 @@ def test_clean_text():
 def test_limits_map_to_429_and_504_naming_the_limit():
     import grpc
 
-    from actors.coordination.scheduler import OverloadedError
+    from actors.coordination.admission import OverloadedError
     from cluster.errors import RequestTimedOut, client_error
 
     busy = client_error(OverloadedError("server busy: 16 running (limit max_concurrent_requests=16)"), "req-1")

@@ -24,7 +24,8 @@ from actors.coordination.metrics import (
     SchedulerMetrics,
     group_snapshot,
 )
-from actors.coordination.scheduler import OverloadedError, Scheduler
+from actors.coordination.admission import OverloadedError
+from actors.coordination.scheduler import Scheduler
 from benchmarks.runners import LocalActorHandle
 from tests.actors.fake_models import FunctionModelWorker, fake_group_config
 from verifiers.machines import AR_TOKENS_PER_ITERATION
