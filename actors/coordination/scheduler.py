@@ -36,38 +36,20 @@ import logging
 import pickle
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from actors.worker.bursts import BurstRecord, FrozenStepCosts, burst_home, burstable
-from actors.worker.device_worker import HostCall, host_of
-from actors.messages import UNAVAILABLE, ItemOutcome, Prefill, WorkItem
+from actors.messages import UNAVAILABLE, Prefill, WorkItem
 from actors.coordination.metrics import SchedulerMetrics
 from actors.coordination.requests import RequestState
 from actors.coordination.admission import Admission
 from actors.coordination.cohorts import Cohort
-from actors.coordination.policy import ALONE, StepPolicy
+from actors.coordination.policy import ALONE, StepDecision, StepPolicy
 from actors.coordination.results import RequestResults
-from actors.coordination.step_costs import CallReport
-from verifiers.machines import (
-    MODEL_FREE,
-    PRE_DRAFTED,
-    PreDraft,
-    Sample,
-    ScoreBlock,
-    ScoreVerify,
-)
+from actors.coordination.worker_calls import Placed, StepRun, WorkerCalls, call_report
+from verifiers.machines import PreDraft, Sample, ScoreVerify
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class _Placed:
-    """A need of a request placed in a worker call."""
-
-    request: RequestState
-    need_index: int
-    item: WorkItem
-    carried: tuple[Any, int] | None = None  # a ScoreVerify of a pre-drafted block: where the block is
 
 
 class Scheduler:
@@ -80,11 +62,8 @@ class Scheduler:
                  pre_drafting: int = 0, max_tokens_per_step: int | None = None, burst_s: float = 0.0):
         if cohorts not in (1, 2):
             raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
-        self.workers = dict(workers)
-        #: model -> the id of the worker hosting it with others (actors.worker.device_worker); None: its own worker
-        self.hosts: dict[str, str | None] = {name: host_of(handle) for name, handle in self.workers.items()}
+        self.calls = WorkerCalls(workers)
         self.cohorts = [Cohort(i) for i in range(cohorts)]
-        self.releases: dict[str, list[str]] = {name: [] for name in self.workers}
         self.steps = 0
         self.batch_sizes: deque[int] = deque(maxlen=256)
         self.step_seconds: deque[float] = deque(maxlen=256)
@@ -95,7 +74,7 @@ class Scheduler:
         self.policy = StepPolicy(goodput=goodput)
         self.results = RequestResults(self.metrics, self.policy.acceptance_board)
         self.admission = Admission(self.cohorts, policy=self.policy, results=self.results, metrics=self.metrics,
-                                   release=self._release, max_running=max_running, max_waiting=max_waiting,
+                                   release=self.calls.release, max_running=max_running, max_waiting=max_waiting,
                                    request_timeout_s=request_timeout_s, pre_drafting=pre_drafting,
                                    max_tokens_per_step=max_tokens_per_step)
         #: Solo bursts (``engine.burst_ms``, :mod:`actors.worker.bursts`): with one request running and
@@ -174,7 +153,7 @@ class Scheduler:
                 self._notify()  # an idle cohort may admit now
             self.admission.admit(cohort)
             if not cohort.running:
-                await self._flush_releases()
+                await self.calls.flush_releases()
                 async with self._wakeup:
                     if not self.admission.can_admit():
                         try:  # a submit, a cancel or a finished request wakes it; waiting ones can expire
@@ -197,68 +176,45 @@ class Scheduler:
             # loop that never yields would hold every chunk until it idles.
             await asyncio.sleep(0)
 
-    def _release(self, request: RequestState) -> None:
-        for model in request.opened:
-            self.releases[model].append(request.session_id)
-        request.opened = set()
-
-    async def _flush_releases(self) -> None:
-        calls = [self._call(model, []) for model, ids in self.releases.items() if ids]
-        for outcomes_ref, _ in calls:
-            try:
-                await outcomes_ref
-            except Exception as error:  # noqa: BLE001 - a dead worker has nothing left to free
-                logger.warning("releasing sessions failed: %s", error)
-
     # ------------------------------------------------------------------ one step
     async def _step(self, cohort: Cohort) -> None:
-        step_started = time.perf_counter()
+        """Schedule (the policy's decision, each request's needs), run (one call per worker), post-process
+        (outcomes to the requests, timings to the policy)."""
+        started = time.perf_counter()
+        decision = self._schedule(cohort)
+        if not cohort.running:
+            return
+        self._count_step(len(cohort.running))
+        run = await self.calls.run(cohort.running)
+        self._post_process(cohort, decision, run, started)
+
+    def _schedule(self, cohort: Cohort) -> StepDecision:
+        """The policy's decision for the step, then each request's needs (a prefilling request's
+        next prompt chunks); a request whose machine fails to plan leaves the cohort."""
         decision = self.policy.decide(cohort)
         for request in list(cohort.running):
             if request.prefilling:
                 request.last_needs = [Prefill(model) for model in sorted(request.prefilling)]
-                continue
-            if not self._plan_iteration(request):
+            elif not self._plan_iteration(request):
                 cohort.running.remove(request)
-                self._release(request)
-        if not cohort.running:
-            return
-        placed = self._place([(request, request.last_needs) for request in cohort.running])
-        self._count_step(len(cohort.running))
-        per_request: dict[int, dict[int, ItemOutcome]] = {id(r): {} for r in cohort.running}
-        lost: set[str] = set()
-        reports: list[CallReport] = []
-        started = time.perf_counter()
-        for (model, _), (ref, entries) in self._call_workers(placed).items():
-            try:
-                outcomes = await ref
-            except Exception as error:  # noqa: BLE001 - the worker call failed: its requests fail
-                logger.error("worker %s call failed (%s); its sessions are lost", model, type(error).__name__)
-                lost.add(model)
-                outcomes = [ItemOutcome(error=UNAVAILABLE.format(model=model))] * len(entries)
-            for entry, outcome in zip(entries, outcomes):
-                per_request[id(entry.request)][entry.need_index] = outcome
-            if entries:
-                reports.append(call_report(model, entries, outcomes))
-        lost |= self._co_hosted(lost)  # a worker that died took every model it hosted
-        if not lost:
-            needs = [entry.item.need for phases in placed.values() for phase in phases for entry in phase]
-            self.policy.observe_step(len(cohort.running), needs, reports, time.perf_counter() - started)
+                self.calls.release(request)
+        return decision
+
+    def _post_process(self, cohort: Cohort, decision: StepDecision, run: StepRun, started: float) -> None:
+        """Each request's outcomes through its machine and out as a chunk; the step's timings and
+        yield to the policy (not when a worker was lost: its requests fail, the others' too)."""
+        if not run.lost:
+            self.policy.observe_step(len(cohort.running), run.needs, run.reports, run.wall_s)
         for request in list(self.running):  # every cohort: their sessions on a lost worker are gone too
-            if lost & request.opened:  # its sessions died with the worker, whatever this step did
-                self.results.fail(request, UNAVAILABLE.format(model=sorted(lost & request.opened)[0]), retryable=True)
+            if run.lost & request.opened:  # its sessions died with the worker, whatever this step did
+                self.results.fail(request, UNAVAILABLE.format(model=sorted(run.lost & request.opened)[0]),
+                                  retryable=True)
         committed = cohort.committed()
         for request in list(cohort.running):
-            outcomes = per_request[id(request)]
-            self.results.advance(request, [outcomes[i] for i in range(len(request.last_needs))])
-        if not lost:  # what a step of this mode yields at this batch
+            self.results.advance(request, run.of(request))
+        if not run.lost:  # what a step of this mode yields at this batch
             self.policy.observe_mode(decision, len(cohort.running), cohort.committed() - committed,
-                                     time.perf_counter() - step_started)
-
-    def _co_hosted(self, models: set[str]) -> set[str]:
-        """The models hosted by the same workers as ``models`` (:mod:`actors.worker.device_worker`)."""
-        hosts = {self.hosts[m] for m in models} - {None}
-        return {m for m, host in self.hosts.items() if host in hosts}
+                                     time.perf_counter() - started)
 
     # ------------------------------------------------------------------ solo bursts
     def _can_burst(self, cohort: Cohort) -> bool:
@@ -275,16 +231,16 @@ class Scheduler:
         target's) for up to ``burst_s`` (:mod:`actors.worker.bursts`);
         each streamed iteration is replayed through the request's own machine as a step of its own."""
         machine = request.machine
-        target = burst_home(machine, self.hosts.get)
+        target = burst_home(machine, self.calls.hosts.get)
         live_costs = getattr(machine, "step_costs", None)
         if live_costs is not None:  # the worker's copy and the replay read the same costs, of a step alone
             machine.step_costs = FrozenStepCosts(self.policy.costs(machine, ALONE))
         try:
             blob = pickle.dumps(machine)
-            peers = {name: self.workers[name] for name in machine.streams() if name != target}
-            releases, self.releases[target] = self.releases[target], []
+            peers = {name: self.calls.workers[name] for name in machine.streams() if name != target}
+            releases, self.calls.releases[target] = self.calls.releases[target], []
             self.bursts += 1
-            stream = self.workers[target].burst.options(num_returns="streaming").remote(
+            stream = self.calls.workers[target].burst.options(num_returns="streaming").remote(
                 blob, request.session_id, peers, tuple(request.output.eos_token_ids), self.burst_s, releases,
                 request.pre_drafted)
             try:
@@ -333,7 +289,7 @@ class Scheduler:
 
     def _observe_iteration_costs(self, request: RequestState, record: BurstRecord) -> None:
         """Feed a burst's iteration to the cost model as a step of one request (one call per model)."""
-        entries = [_Placed(request, i, WorkItem(request.session_id, need)) for i, need in enumerate(record.needs)]
+        entries = [Placed(request, i, WorkItem(request.session_id, need)) for i, need in enumerate(record.needs)]
         reports = [call_report(model, [e for e in entries if e.item.need.model == model],
                                [o for e, o in zip(entries, record.outcomes) if e.item.need.model == model])
                    for model in dict.fromkeys(need.model for need in record.needs)]
@@ -358,194 +314,6 @@ class Scheduler:
             logger.exception("request %s: strategy failed to plan its iteration", request.session_id)
             self.results.fail(request, f"{type(error).__name__}: {error}")
             return False
-
-    def _place(self, work: list[tuple[RequestState, list]]) -> dict[str, list[list[_Placed]]]:
-        """Group needs into per-model item lists for phase 0 (proposers) and phase 1 (verifiers
-        and everything on a model no one waits for)."""
-        verifying = {need.model for _, needs in work for need in needs if isinstance(need, (ScoreVerify, ScoreBlock))}
-        sources = {needs[need.draft_need].model for _, needs in work for need in needs
-                   if isinstance(need, (ScoreVerify, ScoreBlock)) and need.draft_need >= 0}
-        placed: dict[str, list[list[_Placed]]] = {name: [[], []] for name in self.workers}
-        for request, needs in work:
-            positions: dict[int, tuple[str, int, int]] = {}
-            for index, need in enumerate(needs):
-                phase = 1 if (isinstance(need, (ScoreVerify, ScoreBlock, PreDraft))
-                              or (need.model in verifying and need.model not in sources)) else 0
-                open_spec = request.opens.pop(need.model, None)
-                if open_spec is not None:
-                    request.opened.add(need.model)
-                source, carried = None, None
-                if isinstance(need, ScoreVerify) and need.draft_need == PRE_DRAFTED:
-                    carried = request.pre_drafted  # the previous step's PreDraft: see _call_workers
-                    if carried is None:
-                        raise RuntimeError("a pre-drafted block to verify, but no PreDraft ran")
-                elif isinstance(need, (ScoreVerify, ScoreBlock)) and need.draft_need != MODEL_FREE:
-                    source = positions[need.draft_need]
-                item = WorkItem(session_id=request.session_id, need=need, open=open_spec,
-                                proposal_source=None if source is None else (source[0], source[2]))
-                slot_list = placed[need.model][phase]
-                positions[index] = (need.model, phase, len(slot_list))
-                slot_list.append(_Placed(request, index, item, carried))
-        return placed
-
-    def _call_workers(self, placed: dict[str, list[list[_Placed]]]) -> dict[tuple[str, int], tuple[Any, list[_Placed]]]:
-        """Submit the step's calls: ``(model, phase) -> (outcomes ref, entries)``. Models with a worker
-        of their own get one call per phase; models hosted together (:mod:`actors.worker.device_worker`) get
-        one call per host, their proposers first, when every proposal the host verifies this step is
-        its own (else one call per phase). Calls that others read go out first."""
-        calls: dict[tuple[str, int], tuple[Any, list[_Placed]]] = {}
-        payload_refs: dict[str, Any] = {}
-        hosts = self._hosted(placed)
-        whole = {host for host, models in hosts.items() if self._host_self_contained(models, placed)}
-        for model, (phase0, _) in placed.items():
-            if phase0 and self.hosts[model] is None:
-                outcomes_ref, payloads_ref = self._call(model, [e.item for e in phase0])
-                calls[(model, 0)] = (outcomes_ref, phase0)
-                payload_refs[model] = payloads_ref
-        for host, models in hosts.items():
-            phases = (0, 1) if host in whole else (0,)
-            self._call_host(models, [(m, p) for p in phases for m in models if placed[m][p]], placed, calls, payload_refs)
-        for model, (_, phase1) in placed.items():
-            if not phase1 or self.hosts[model] is not None:
-                continue
-            source_models = sorted({e.item.proposal_source[0] for e in phase1 if e.item.proposal_source})
-            sources = [payload_refs[name] for name in source_models]  # refs nested: see ModelWorker.run_step
-            index_of: dict[Any, int] = {name: i for i, name in enumerate(source_models)}
-            items = [self._phase1_item(e, index_of, sources) for e in phase1]
-            outcomes_ref, payloads_ref = self._call(model, items, sources)
-            calls[(model, 1)] = (outcomes_ref, phase1)
-            for position, entry in enumerate(phase1):
-                if isinstance(entry.item.need, PreDraft):  # the next step may verify one of its chains
-                    entry.request.pre_drafted = (payloads_ref, position)
-        for host, models in hosts.items():
-            if host not in whole:
-                self._call_host(models, [(m, 1) for m in models if placed[m][1]], placed, calls, payload_refs)
-        for model, ids in self.releases.items():
-            if ids and not any(key[0] == model for key in calls):
-                calls[(model, 0)] = (self._call(model, [])[0], [])
-        return calls
-
-    def _hosted(self, placed: dict[str, list[list[_Placed]]]) -> dict[str, list[str]]:
-        """host id -> its models with work this step (in the order of ``placed``)."""
-        hosts: dict[str, list[str]] = {}
-        for model, phases in placed.items():
-            host = self.hosts[model]
-            if host is not None and (phases[0] or phases[1]):
-                hosts.setdefault(host, []).append(model)
-        return hosts
-
-    def _host_self_contained(self, models: list[str], placed: dict[str, list[list[_Placed]]]) -> bool:
-        """Whether every proposal the host's models verify this step comes from the same host, and
-        no other worker reads one of its proposals (that worker would wait for the whole call's
-        end, the host's verification included, instead of the proposal's: the drafted ensemble's
-        members on workers of their own)."""
-        host = self.hosts[models[0]]
-        reads = [(m, e.item.proposal_source[0]) for m, phases in placed.items() for e in phases[1]
-                 if e.item.proposal_source]
-        return all(self.hosts[source] == host for m, source in reads if self.hosts[m] == host) and \
-            not any(self.hosts[source] == host and self.hosts[m] != host for m, source in reads)
-
-    def _call_host(self, models: list[str], parts: list[tuple[str, int]], placed: dict[str, list[list[_Placed]]],
-                   calls: dict[tuple[str, int], tuple[Any, list[_Placed]]], payload_refs: dict[str, Any]) -> None:
-        """One :meth:`actors.worker.device_worker.DeviceWorker.run_steps` call for ``parts`` (model, phase) of
-        one host, in that order: a verifier reads a proposer of the same call in the host's process;
-        only payloads read outside the call come back."""
-        if not parts:
-            return
-        host = self.hosts[parts[0][0]]
-        read_elsewhere = {e.item.proposal_source[0] for m, (_, phase1) in placed.items() for e in phase1
-                          if e.item.proposal_source and (m, 1) not in parts}
-        host_calls: list[HostCall] = []
-        external: list[Any] = []
-        local_index: dict[str, int] = {}
-        for model, phase in parts:
-            entries = placed[model][phase]
-            sources: list[tuple[str, int]] = []
-            index_of: dict[Any, int] = {}
-            items = [self._host_item(e, local_index, payload_refs, sources, external, index_of) for e in entries]
-            keep = (model in read_elsewhere if phase == 0
-                    else any(isinstance(e.item.need, PreDraft) for e in entries))
-            if phase == 0:
-                local_index[model] = len(host_calls)
-            host_calls.append(HostCall(model, tuple(items), tuple(sources), keep))
-        releases = {}
-        for model in self.hosts:
-            if self.hosts[model] == host and self.releases[model]:
-                releases[model], self.releases[model] = self.releases[model], []
-        refs = self.workers[parts[0][0]].host.run_steps.options(num_returns=2 * len(host_calls)).remote(
-            host_calls, source_payloads=external, releases=releases)
-        for position, (model, phase) in enumerate(parts):
-            entries = placed[model][phase]
-            outcomes_ref, payloads_ref = refs[2 * position], refs[2 * position + 1]
-            calls[(model, phase)] = (outcomes_ref, entries)
-            if phase == 0:
-                payload_refs[model] = payloads_ref
-            for index, entry in enumerate(entries):
-                if isinstance(entry.item.need, PreDraft):
-                    entry.request.pre_drafted = (payloads_ref, index)
-
-    @staticmethod
-    def _host_item(entry: _Placed, local_index: dict[str, int], payload_refs: dict[str, Any],
-                   sources: list[tuple[str, int]], external: list[Any], index_of: dict[Any, int]) -> WorkItem:
-        """``entry``'s item for a host call: its proposal source as an index into the call's
-        ``sources``, each ``("local", call)`` (a proposer of the same host call) or ``("arg", i)``
-        (``external[i]``: another worker's payloads, or an earlier step's pre-drafted chains)."""
-        item = entry.item
-        if entry.carried is not None:
-            key, position = id(entry.carried[0]), entry.carried[1]
-            if key not in index_of:
-                index_of[key] = len(sources)
-                sources.append(("arg", len(external)))
-                external.append(entry.carried[0])
-        elif item.proposal_source is not None:
-            key, position = item.proposal_source
-            if key not in index_of:
-                index_of[key] = len(sources)
-                if key in local_index:
-                    sources.append(("local", local_index[key]))
-                else:
-                    sources.append(("arg", len(external)))
-                    external.append(payload_refs[key])
-        else:
-            return item
-        return WorkItem(session_id=item.session_id, need=item.need, open=item.open,
-                        proposal_source=(index_of[key], position))
-
-    @staticmethod
-    def _phase1_item(entry: _Placed, index_of: dict[Any, int], sources: list[Any]) -> WorkItem:
-        """``entry``'s item with its proposal source as an index into ``sources``: a model of this
-        step's phase 0, or the payloads of an earlier call holding a pre-drafted block (added to
-        ``sources`` once per call)."""
-        item = entry.item
-        if entry.carried is not None:
-            payloads_ref, position = entry.carried
-            if id(payloads_ref) not in index_of:
-                index_of[id(payloads_ref)] = len(sources)
-                sources.append(payloads_ref)
-            source = (index_of[id(payloads_ref)], position)
-        elif item.proposal_source is not None:
-            source = (index_of[item.proposal_source[0]], item.proposal_source[1])
-        else:
-            return item
-        return WorkItem(session_id=item.session_id, need=item.need, open=item.open, proposal_source=source)
-
-    def _call(self, model: str, items: list[WorkItem], sources: list[Any] = ()) -> tuple[Any, Any]:
-        releases, self.releases[model] = self.releases[model], []
-        call = self.workers[model].run_step.options(num_returns=2)
-        return call.remote(items, source_payloads=list(sources), releases=releases)
-
-def call_report(model: str, entries: list[_Placed], outcomes: list[ItemOutcome]) -> CallReport:
-    """What one worker call of a step ran (for :class:`actors.coordination.step_costs.StepCostModel`)."""
-    timings = [outcome.timing for outcome in outcomes if outcome.timing is not None]
-    forwards = [timing.forward_calls for timing in timings]
-    # Steps that prefill a prompt are left out; items with different forward counts give the
-    # call's mean tokens per forward.
-    uniform = len(timings) == len(entries) and min(forwards, default=0) > 0 and all(
-        entry.item.open is None for entry in entries)
-    return CallReport(model=model, tokens_fed=sum(timing.tokens_fed for timing in timings),
-                      forwards=max(forwards, default=0), forward_s=max((t.forward_s for t in timings), default=0.0),
-                      uniform=uniform, call_s=max((t.call_s for t in timings), default=0.0))
-
 
 def _is_ray_error(error: Exception) -> bool:
     """Whether ``error`` is Ray's (an actor that died, an object lost), not the called code's."""
