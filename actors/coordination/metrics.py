@@ -386,3 +386,26 @@ class RayMetricsExporter:
             metric, tags = self._object(spec), self._tags(spec, key)
             for _ in range(weight):
                 metric.observe(value, tags=tags)
+
+
+class StepCounters:
+    """The scheduler's step counters that its stats show (steps, solo bursts, the recent steps'
+    batch sizes and durations), each step also recorded in ``metrics``."""
+
+    def __init__(self, metrics: SchedulerMetrics):
+        self.metrics = metrics
+        self.steps = 0
+        self.bursts = 0
+        self.batch_sizes: deque[int] = deque(maxlen=256)
+        self.step_seconds: deque[float] = deque(maxlen=256)
+
+    def step(self, batch: int) -> None:
+        """A step of ``batch`` requests starts."""
+        self.steps += 1
+        self.batch_sizes.append(batch)
+        self.metrics.step(batch)
+
+    def duration(self, seconds: float) -> None:
+        """A step took ``seconds``."""
+        self.step_seconds.append(seconds)
+        self.metrics.step_duration(seconds)

@@ -163,3 +163,13 @@ class RequestResults:
                 stats=stats_or_none(request),
             )
         )
+
+    def plan_iteration(self, request: RequestState) -> bool:
+        """``request.last_needs`` from its machine; False (the request failed) when it raises."""
+        try:
+            request.last_needs = request.machine.needs()
+            return True
+        except Exception as error:
+            logger.exception("request %s: strategy failed to plan its iteration", request.session_id)
+            self.fail(request, f"{type(error).__name__}: {error}")
+            return False

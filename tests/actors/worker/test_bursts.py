@@ -386,6 +386,6 @@ def test_the_scheduler_refuses_a_replay_that_differs():
                            vocab_limit=6)
     wrong = BurstRecord(needs=(Sample("target", (), 2),), outcomes=(ItemOutcome(value=Sampled(torch.tensor([[1, 2]]))),),
                         wall_s=0.01)
-    scheduler._replay(request, wrong)
+    scheduler.solo_bursts.replay(request, wrong)
     chunk = request.chunks.get_nowait()
     assert chunk.finished and "differs" in chunk.error

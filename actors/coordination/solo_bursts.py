@@ -1,0 +1,122 @@
+"""Solo bursts (``engine.burst_ms``, :mod:`actors.worker.bursts`): with one request running and
+none waiting, its target's worker runs the request's iterations for up to ``burst_s`` per call,
+streaming each back; the scheduler replays each iteration through the request's own machine as
+a step of its own (the machine must ask for exactly the needs the worker's copy ran)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+from actors.coordination.admission import Admission
+from actors.coordination.cohorts import Cohort
+from actors.coordination.metrics import StepCounters
+from actors.coordination.policy import ALONE, StepPolicy
+from actors.coordination.requests import RequestState
+from actors.coordination.results import RequestResults
+from actors.coordination.worker_calls import Placed, WorkerCalls, call_report
+from actors.messages import UNAVAILABLE, WorkItem
+from actors.worker.bursts import BurstRecord, FrozenStepCosts, burst_home, burstable
+from verifiers.machines import PreDraft, Sample, ScoreVerify
+
+logger = logging.getLogger(__name__)
+
+
+class SoloBursts:
+    """Runs a lone request's iterations as bursts in its target's worker (see the module doc);
+    ``burst_s`` 0: off."""
+
+    def __init__(self, burst_s: float, *, calls: WorkerCalls, policy: StepPolicy, results: RequestResults,
+                 admission: Admission, counters: StepCounters):
+        self.burst_s = float(burst_s)
+        self.calls = calls
+        self.policy = policy
+        self.results = results
+        self.admission = admission
+        self.counters = counters
+
+    def can_burst(self, cohort: Cohort) -> bool:
+        """One request running (in every cohort), none waiting, every session open and no prompt
+        being prefilled, and a machine whose iterations a burst can run (:func:`actors.worker.bursts.burstable`)."""
+        if self.burst_s <= 0 or len(cohort.running) != 1 or self.admission.waiting or len(self.admission.running) != 1:
+            return False
+        request = cohort.running[0]
+        return (not request.opens and not request.prefilling and not request.cancelled and not request.finished
+                and burstable(request.machine))
+
+    async def run(self, request: RequestState) -> None:
+        """Run ``request``'s iterations in its burst home's worker (:func:`actors.worker.bursts.burst_home`: its
+        target's) for up to ``burst_s`` (:mod:`actors.worker.bursts`);
+        each streamed iteration is replayed through the request's own machine as a step of its own."""
+        machine = request.machine
+        target = burst_home(machine, self.calls.hosts.get)
+        live_costs = getattr(machine, "step_costs", None)
+        if live_costs is not None:  # the worker's copy and the replay read the same costs, of a step alone
+            machine.step_costs = FrozenStepCosts(self.policy.costs(machine, ALONE))
+        try:
+            blob = pickle.dumps(machine)
+            peers = {name: self.calls.workers[name] for name in machine.streams() if name != target}
+            releases, self.calls.releases[target] = self.calls.releases[target], []
+            self.counters.bursts += 1
+            stream = self.calls.workers[target].burst.options(num_returns="streaming").remote(
+                blob, request.session_id, peers, tuple(request.output.eos_token_ids), self.burst_s, releases,
+                request.pre_drafted)
+            try:
+                async for ref in stream:
+                    record = await ref
+                    if request.finished or request.cancelled:
+                        break  # the worker stops within its budget; the session is released next call
+                    self.replay(request, record)
+            except Exception as error:  # noqa: BLE001 - the burst failed: this request only
+                self.failed(request, target, error)
+        finally:
+            if live_costs is not None:
+                machine.step_costs = live_costs
+
+    def failed(self, request: RequestState, target: str, error: Exception) -> None:
+        """A burst that raised: an exception of the burst's own code ends the request as an
+        internal error; anything else (the worker died) as a lost worker call, retryable."""
+        from ray.exceptions import RayTaskError
+
+        if isinstance(error, RayTaskError) or not _is_ray_error(error):
+            logger.error("request %s: the burst on %s failed: %s", request.session_id, target, error)
+            self.results.fail(request, f"internal error: {type(error).__name__}")
+            return
+        logger.error("worker %s burst failed (%s); its sessions are lost", target, type(error).__name__)
+        self.results.fail(request, UNAVAILABLE.format(model=target), retryable=True)
+
+    def replay(self, request: RequestState, record: BurstRecord) -> None:
+        """One iteration of a burst, as a step of one request: the request's machine must ask for
+        exactly the needs the worker's copy executed; then their outcomes go the usual way."""
+        self.counters.step(1)
+        self.counters.duration(record.wall_s)
+        if not self.results.plan_iteration(request):
+            return
+        if tuple(request.last_needs) != record.needs:
+            logger.error("request %s: a burst ran %s where the machine asks for %s", request.session_id,
+                         record.needs, request.last_needs)
+            self.results.fail(request, "internal error: a burst's iteration differs from the request's")
+            return
+        if any(isinstance(need, PreDraft) for need in request.last_needs):
+            request.pre_drafted = record.pre_drafted  # the next iteration may verify one of its chains
+        elif all(outcome.error is None for outcome in record.outcomes) and \
+                all(isinstance(need, (Sample, ScoreVerify)) for need in record.needs):
+            # like steps: not with a PreDraft, nor an ensemble's shapes
+            self.observe_iteration_costs(request, record)
+        self.results.advance(request, list(record.outcomes))
+
+    def observe_iteration_costs(self, request: RequestState, record: BurstRecord) -> None:
+        """Feed a burst's iteration to the cost model as a step of one request (one call per model)."""
+        entries = [Placed(request, i, WorkItem(request.session_id, need)) for i, need in enumerate(record.needs)]
+        reports = [call_report(model, [e for e in entries if e.item.need.model == model],
+                               [o for e, o in zip(entries, record.outcomes) if e.item.need.model == model])
+                   for model in dict.fromkeys(need.model for need in record.needs)]
+        speculative = any(isinstance(need, ScoreVerify) for need in record.needs)
+        self.policy.cost_model.observe_step(1, reports, record.wall_s, speculative=speculative)
+
+
+def _is_ray_error(error: Exception) -> bool:
+    """Whether ``error`` is Ray's (an actor that died, an object lost), not the called code's."""
+    from ray.exceptions import RayError
+
+    return isinstance(error, RayError)
