@@ -289,8 +289,10 @@ class SpeculationParams(_Frozen):
     )
     gamma: GammaValue | None = Field(
         None,
-        description='Draft block length (sd, multi_draft), or "auto": chosen before each draft from the '
-        "request's acceptance so far, in [1, gamma_max] (lossless like any fixed gamma).",
+        description='Draft block length (sd, multi_draft, se with a model proposer), or "auto": chosen before each '
+        "draft from the request's acceptance so far, in [1, gamma_max] (lossless like any fixed gamma); se with the "
+        "alternate proposer: its gammas (else 1 each), or plain ensemble steps where the measured goodput says "
+        "proposals do not pay.",
     )
     gamma_max: int | None = Field(None, ge=1, le=MAX_GAMMA, description='Largest block "auto" may draft.')
     num_drafts: int | None = Field(None, ge=1, le=MAX_DRAFTS, description="K i.i.d. drafts (multi_draft).")

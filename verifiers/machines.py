@@ -597,6 +597,15 @@ def _logprobs_under(count: int | None, tokens: Sequence[int], rows: torch.Tensor
     return [token_logprob(row, token, count) for token, row in zip(tokens, rows)]
 
 
+def _plain_ensemble_draw(law: EnsembleLaw, results: Sequence[object], committed: Sequence[int],
+                         source: RandomSource) -> tuple[int, torch.Tensor]:
+    """The plain ensemble's step: every member's next logits (``results``, one ``[V]`` each) ->
+    the ensemble row ``[V]`` (float64) and ONE ``source.categorical(row)``."""
+    member_logits = torch.stack([torch.as_tensor(logits).to(torch.float64).cpu() for logits in results])  # [n, V]
+    row = law.ensemble_rows(member_logits[:, None], [list(committed)])[0]  # [V]
+    return int(source.categorical(row)), row
+
+
 class EnsembleMachine(_EnsembleMachine):
     """``ensemble`` (``ensemble_autoregressive_generate``): every member scores every token;
     ONE ``own_source.categorical(row [V])`` per token from the ensemble row."""
@@ -605,9 +614,7 @@ class EnsembleMachine(_EnsembleMachine):
         return [NextLogits(name, self.unsent.take(name)) for name in self.members]
 
     def consume(self, results: Sequence[object]) -> list[int]:
-        member_logits = torch.stack([torch.as_tensor(logits).to(torch.float64).cpu() for logits in results])  # [n, V]
-        row = self.ensemble_rows(member_logits[:, None], [list(self.committed)])[0]  # [V]
-        token = int(self.own_source.categorical(row))
+        token, row = _plain_ensemble_draw(self.law, results, self.committed, self.own_source)
         return self._commit([token], self._logprobs_of([token], row[None]))
 
 
@@ -672,9 +679,20 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
     member with the least coverage scoring the queue, drawing its bonus token and proposing
     after it (:class:`Extend`); then every verifiable segment is verified here with the own
     stream (:func:`verifiers.ensemble.verify_segment`).
+
+    ``adaptive`` (``gamma: "auto"``): where the queue is empty, the iteration may instead be a
+    *plain step*, the plain ensemble's (every member's next row, ONE
+    ``own_source.categorical(row [V])``), when ``step_costs`` (set by the scheduler) names the
+    step's mode ``plain``: the measured goodput of the cohort's steps says proposals do not
+    pay. ``speculative``, ``any`` or no costs: the members propose. The choice is made before
+    anything of the iteration is drawn, from what is measured, never from a drawn token, and
+    at an empty queue no drawn token is pending: tokens follow the ensemble law whatever it
+    chooses (``tests/verifiers/test_ensemble.py``: exact enumeration with a scripted choice
+    sequence). ``plain_steps`` counts them.
     """
 
-    def __init__(self, members: Sequence[str], *, gammas: Sequence[int], method: str, **kwargs):
+    def __init__(self, members: Sequence[str], *, gammas: Sequence[int], method: str,
+                 adaptive: AdaptiveGammaSettings | None = None, **kwargs):
         super().__init__(members, **kwargs)
         self.gammas = list(gammas)
         self.method = method
@@ -683,10 +701,25 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
         self.pending_member: int | None = None
         self.segment_lengths: list[int] = []
         self.proposers: list[int] = []
+        self.adaptive = adaptive
+        self.step_costs: Callable[[], StepCosts | None] | None = None
+        self.plain_step = False  # this iteration is a plain ensemble step
+        self.plain_steps = 0
+
+    def _plain_now(self) -> bool:
+        """gamma "auto" at an empty queue: whether the step's measured mode is ``plain``."""
+        if self.adaptive is None or self.step_costs is None:
+            return False
+        costs = self.step_costs()
+        return costs is not None and costs.mode == "plain"
 
     def needs(self) -> list[Need]:
         queued = self.queue.tokens()
         room = self.max_new_tokens - len(self.committed) - len(queued)
+        self.plain_step = not self.queue.segments and self._plain_now()
+        if self.plain_step:
+            self.pending_member = None
+            return [NextLogits(name, self.unsent.take(name)) for name in self.members]
         if not self.queue.segments:
             member, count = self.proposer, min(self.gammas[self.proposer], room)
         else:
@@ -697,6 +730,10 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
         return [Extend(name, self.unsent.take(name), tuple(queued), count)]
 
     def consume(self, results: Sequence[object]) -> list[int]:
+        if self.plain_step:
+            self.plain_steps += 1
+            token, row = _plain_ensemble_draw(self.law, results, self.committed, self.own_source)
+            return self._commit([token], self._logprobs_of([token], row[None]))
         (block,) = results
         member, self.pending_member = self.pending_member, None
         if self.queue.segments:
@@ -815,9 +852,7 @@ class EnsembleDraftMachine(SpeculativeMachine):
         return [NextLogits(name, self.unsent.take(name)) for name in self.members]
 
     def _consume_plain(self, results: Sequence[object]) -> list[int]:
-        member_logits = torch.stack([torch.as_tensor(logits).to(torch.float64).cpu() for logits in results])  # [n, V]
-        row = self.law.ensemble_rows(member_logits[:, None], [list(self.committed)])[0]  # [V]
-        token = int(self.own_source.categorical(row))
+        token, row = _plain_ensemble_draw(self.law, results, self.committed, self.own_source)
         return self._commit([token], _logprobs_under(self.logprobs, [token], row[None]))
 
     def _block_needs(self, gamma: int) -> list[Need]:

@@ -105,7 +105,9 @@ class DecodingDefaults(BaseModel):
     gamma: GammaValue = Field(
         4,
         description='Draft block length (sd, multi_draft; se default per member), or "auto": each request chooses '
-        "its block before each draft from its own acceptance so far, in [1, gamma_max] (sd, multi_draft).",
+        "its block before each draft from its own acceptance so far, in [1, gamma_max] (sd, multi_draft, se with a "
+        "model proposer); se with the alternate proposer: gammas (else 1 each), or plain ensemble steps where "
+        "the measured goodput says proposals do not pay.",
     )
     gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description='Largest block gamma "auto" may draft.')
     draft_cost_ratio: float = Field(
@@ -165,7 +167,7 @@ class DecodingPlan:
     target / draft: model names of the verifier and the proposer (sd, multi_draft; the target
     alone for ar). members / weights / gammas: ensemble members in order (ensemble, se);
     ``gammas[i]`` is member i's proposal length (se); for contrastive, members[0] is the expert
-    and members[1] the amateur. adaptive: set when gamma is "auto" (sd, multi_draft); ``gamma``
+    and members[1] the amateur. adaptive: set when gamma is "auto" (sd, multi_draft, se); ``gamma``
     is then the largest block it may draft. proposer / ngram: sd's drafter ("draft": ``draft``;
     "ngram": prompt lookup, ``draft`` None) and the n-gram sizes of its lookups and of a
     prediction's realignment (``(max, min)``); ``prediction``: the request brought one (sd only).
@@ -388,13 +390,9 @@ def resolve_plan(
                     '(give gamma, or proposer "alternate")',
                 )
             draft = proposer
-        elif adaptive is not None and _pick(speculation.gammas, defaults.gammas) is None:
-            raise InvalidRequestError(
-                "speculation.gamma",
-                '"auto" adapts the blocks of sd and multi_draft; se takes fixed proposal lengths: '
-                "give gammas or an integer gamma",
-            )
-        gammas = _resolve_gammas(speculation.gammas, defaults.gammas, members, gamma)
+        # gamma "auto" of the alternate proposer: the request's gammas (else 1 each) where proposals
+        # pay, the plain ensemble's steps where the measured goodput says they do not
+        gammas = _resolve_gammas(speculation.gammas, defaults.gammas, members, 1 if adaptive is not None else gamma)
     return DecodingPlan(
         strategy=strategy,
         method=method,
@@ -407,7 +405,7 @@ def resolve_plan(
         weights=weights,
         mu=mu,
         gammas=gammas,
-        adaptive=adaptive if strategy in ("sd", "multi_draft") or drafted_ensemble else None,
+        adaptive=adaptive if strategy in ("sd", "multi_draft", "se") else None,
         proposer=proposer,
         ngram=ngram,
         prediction=prediction,

@@ -114,7 +114,8 @@ def _speculative_ensemble(plan: DecodingPlan, sampling: MachineSampling, seed: i
         return _drafted_ensemble(plan, sampling, seed, max_new_tokens, budget)
     seeds = stream_seeds(seed, len(plan.members) + 1)
     machine = SpeculativeEnsembleMachine(
-        plan.members, gammas=plan.gammas, method=plan.method, **_ensemble_kwargs(plan, sampling, seeds, max_new_tokens, budget)
+        plan.members, gammas=plan.gammas, method=plan.method, adaptive=plan.adaptive,
+        **_ensemble_kwargs(plan, sampling, seeds, max_new_tokens, budget)
     )
     return BuiltMachine(machine, _layout(machine, seeds))
 

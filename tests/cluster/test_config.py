@@ -178,8 +178,6 @@ def test_bad_default_proposers_are_named(args, needles):
 
 
 def test_gamma_auto_resolves_to_adaptive_settings_for_speculative_strategies():
-    with pytest.raises(ConfigError, match="defaults.gamma"):  # the default se of these args has no gammas
-        parse_app_args(_with(defaults__gamma="auto"))
     config = parse_app_args(
         _with(defaults__gamma="auto", defaults__gamma_max=6, defaults__draft_cost_ratio=0.2, defaults__gammas=[3, 3])
     ).freeze()
@@ -190,15 +188,14 @@ def test_gamma_auto_resolves_to_adaptive_settings_for_speculative_strategies():
     assert plan.adaptive.gamma_max == 3 and plan.gamma == 3
     plan = resolve_plan(SpeculationParams(gamma=5), config.defaults, config.roles)
     assert plan.adaptive is None and plan.gamma == 5
+    # the alternate proposer's gamma "auto": its gammas (else 1 each), plain ensemble steps where they do not pay
     plan = resolve_plan(SpeculationParams(strategy="se"), config.defaults, config.roles)
-    assert plan.adaptive is None and plan.gammas == (3, 3)
-    # se takes fixed proposal lengths: with gamma "auto" and no default gammas it needs them.
+    assert plan.adaptive is not None and plan.gammas == (3, 3)
     no_gammas = config.defaults.model_copy(update={"gammas": None})
-    with pytest.raises(InvalidRequestError) as raised:
-        resolve_plan(SpeculationParams(strategy="se"), no_gammas, config.roles)
-    assert raised.value.field == "speculation.gamma" and "gammas" in raised.value.message
-    plan = resolve_plan(SpeculationParams(strategy="se", gammas=[2, 3]), no_gammas, config.roles)
-    assert plan.adaptive is None and plan.gammas == (2, 3)
+    plan = resolve_plan(SpeculationParams(strategy="se"), no_gammas, config.roles)
+    assert plan.adaptive is not None and plan.gammas == (1, 1)
+    plan = resolve_plan(SpeculationParams(strategy="se", gamma=2), no_gammas, config.roles)
+    assert plan.adaptive is None and plan.gammas == (2, 2)
 
 
 @pytest.mark.parametrize("value", [0, 33, "fast", True, 2.5])

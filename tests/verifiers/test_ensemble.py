@@ -35,6 +35,7 @@ from verifiers.reference.ensemble import (
 )
 from verifiers.single_draft import verify_token
 from verifiers.types import PAD_TOKEN
+from verifiers.adaptive import AdaptiveGammaSettings, StepCosts
 
 EXACT_TV = 1e-9
 CHI_SQUARE_ALPHA = 1e-3  # fixed seeds: the outcome is deterministic; alpha bounds a false alarm
@@ -330,6 +331,76 @@ def test_speculative_ensemble_is_exact(case, method):
     expected = _ensemble_law(model_fns, length, **ensemble_args)
     law = _speculative_law(model_fns, length, gammas=gammas, method=method, **ensemble_args)
     assert total_variation(law, expected) < EXACT_TV
+
+
+def _mode(mode: str) -> StepCosts:
+    """Step costs naming the step's mode: the scheduler's decision from measured goodput."""
+    return StepCosts(draft_s=0.0, verify_s=(0.01,), overhead_s=0.0, plain_s=0.01, plain_overhead_s=0.0,
+                     plain_tokens=1, mode=mode)
+
+
+#: The scripted modes: plain ensemble steps, proposals, the request alone (``any``: proposals).
+MODE_SCRIPT = (_mode("plain"), _mode("speculative"), _mode("plain"), _mode("any"))
+
+
+class _ModeScript:
+    """The mode of each step from the script, indexed by the machine's past (steps taken and
+    tokens so far): a function of the past only, different on different branches."""
+
+    def __init__(self, machine):
+        self.machine = machine
+
+    def __call__(self) -> StepCosts:
+        machine = self.machine
+        past = machine.plain_steps + len(machine.accepted_lengths) + sum(machine.committed)
+        return MODE_SCRIPT[past % len(MODE_SCRIPT)]
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("case", [EXACT_CASES[1], EXACT_CASES[2], EXACT_CASES[5]], ids=lambda c: c[0])
+def test_gamma_auto_with_a_scripted_mode_sequence_keeps_the_ensemble_law(case, method):
+    """gamma "auto" of the alternate proposer: plain ensemble steps at empty queues where the
+    (scripted) measured mode says plain, proposals elsewhere; the law is the ensemble's."""
+    _, vocabs, gammas, length, ensemble_args, seed = case
+    model_fns = _members(vocabs, seed=seed)
+    kinds: set[str] = set()
+
+    def procedure(source) -> Hashable:
+        tokens, stats = ensemble_generate(model_fns, PROMPT, length, generator=source, gammas=gammas, method=method,
+                                          adaptive=AdaptiveGammaSettings(gamma_max=max(gammas)),
+                                          step_costs=_ModeScript, **ensemble_args)
+        kinds.update({"plain"} if stats["plain_steps"] else set())
+        kinds.update({"verified"} if stats["verifications"] else set())
+        kinds.update({"mixed"} if stats["plain_steps"] and stats["verifications"] else set())
+        return tuple(tokens)
+
+    law = exact_law(procedure, max_leaves=50_000)
+    assert kinds == {"plain", "verified", "mixed"}, kinds
+    assert total_variation(law, _ensemble_law(model_fns, length, **ensemble_args)) < EXACT_TV
+
+
+def test_negative_control_a_plain_step_from_one_member_fails(monkeypatch):
+    """Plain steps drawn from member 0's row instead of the ensemble row change the law: the
+    enumeration above can fail."""
+    import verifiers.machines as machines
+
+    _, vocabs, gammas, length, ensemble_args, seed = EXACT_CASES[1]
+    model_fns = _members(vocabs, seed=seed)
+    original = machines._plain_ensemble_draw
+
+    def first_member_draw(law, results, committed, source):
+        return original(law, [results[0]] * len(results), committed, source)
+
+    monkeypatch.setattr(machines, "_plain_ensemble_draw", first_member_draw)
+
+    def procedure(source) -> Hashable:
+        tokens, _ = ensemble_generate(model_fns, PROMPT, length, generator=source, gammas=gammas, method="token",
+                                      adaptive=AdaptiveGammaSettings(gamma_max=3), step_costs=_ModeScript,
+                                      **ensemble_args)
+        return tuple(tokens)
+
+    law = exact_law(procedure, max_leaves=50_000)
+    assert total_variation(law, _ensemble_law(model_fns, length, **ensemble_args)) > 1e-3
 
 
 @pytest.mark.parametrize("method", ["token", "block"])

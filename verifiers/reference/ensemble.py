@@ -111,6 +111,8 @@ def ensemble_generate(
     top_k: int = 0,
     top_p: float = 1.0,
     penalties: Penalties = NO_PENALTIES,
+    adaptive: AdaptiveGammaSettings | None = None,
+    step_costs: Callable[[SpeculativeEnsembleMachine], Callable[[], object]] | None = None,
 ) -> tuple[list[int], dict]:
     """Speculative ensemble (arXiv:2502.01662): lossless sampling from the ensemble law.
 
@@ -154,6 +156,11 @@ def ensemble_generate(
     (proposals and bonus tokens, in the order above) use ``sources[i]``; every verification uses
     ``sources[n]`` through :func:`verify_segment` (the registry verifier's own draw order).
 
+    ``adaptive`` (gamma "auto") with ``step_costs(machine)``, the machine's ``step_costs``
+    callable (tests script the choice through it): at an empty queue a step whose costs name
+    the mode ``plain`` is the plain ensemble's, ONE ``sources[n].categorical(row)``
+    (``stats["plain_steps"]`` counts them).
+
     Deviation from Alg. 2 as printed: after a rejection the printed pseudocode lets the scoring
     member propose ``gamma_i - 1`` tokens; the text (Sec. 3.4 / App. B.2, step 6) and this loop
     restart from the default proposer. Both are exact; see docs/ensembles.md.
@@ -167,8 +174,10 @@ def ensemble_generate(
     machine = SpeculativeEnsembleMachine(
         _member_names(model_fns), gammas=gammas, method=method, ensemble=ensemble, weights=weights, mu=mu,
         temperature=temperature, top_k=top_k, top_p=top_p, own_source=sources[-1], max_new_tokens=max_new_tokens,
-        penalties=penalties, prompt=prompt,
+        penalties=penalties, prompt=prompt, adaptive=adaptive,
     )
+    if step_costs is not None:
+        machine.step_costs = step_costs(machine)
     executor = _executor(machine, model_fns, prompt, sources, temperature, top_k, top_p, penalties)
     generated = run_machine(machine, executor)
     stats: dict = {
@@ -177,6 +186,7 @@ def ensemble_generate(
         "segment_lengths": list(machine.segment_lengths),
         "proposers": list(machine.proposers),
         "verifications": len(machine.accepted_lengths),
+        "plain_steps": machine.plain_steps,
     }
     logger.debug("ensemble_generate(%s, %s): %s", ensemble, method, stats)
     return generated, stats
