@@ -19,6 +19,8 @@ class Cohort:
     running: list[RequestState] = field(default_factory=list)
     mode: str = "any"  # the step mode last decided for the whole cohort (StepCosts.mode)
     mode_steps: int = 0  # steps in a row in that mode (the other is probed after PLAIN_PROBE_EVERY)
+    alternate_mode: str = "any"  # the alternating ensembles' mode last decided (gamma auto)
+    alternate_steps: int = 0  # steps in a row in it
 
     def stepping(self) -> list[RequestState]:
         """The requests that make a decoding iteration this step (not prefilling a prompt)."""

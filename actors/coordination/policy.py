@@ -15,6 +15,13 @@ so each request's output law stays its target's (:mod:`verifiers.adaptive`).
 
 The machines read the decision through their ``step_costs`` callable, bound by :meth:`StepPolicy.bind`
 to the step's :class:`StepDecision` (:meth:`StepPolicy.costs`).
+
+``se`` with the alternate proposer and gamma "auto" has a mode of its own
+(:attr:`StepDecision.alternate`), decided at every batch, one request included: the kind of
+step (the members' proposals, or the plain ensemble's steps) whose whole steps measured more
+tokens per second at this batch, the other probed after ``PLAIN_PROBE_EVERY`` steps in a row
+(measured on steps whose requests are all such requests). The machine follows it where its
+queue is empty (:class:`verifiers.machines.SpeculativeEnsembleMachine`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,14 @@ from actors.coordination.cohorts import Cohort
 from actors.coordination.requests import RequestState, board_key
 from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
 from verifiers.adaptive import StepCosts, best_block
-from verifiers.machines import AR_TOKENS_PER_ITERATION, PLAIN_PROBE_EVERY, Sample, ScoreVerify, SpeculativeMachine
+from verifiers.machines import (
+    AR_TOKENS_PER_ITERATION,
+    PLAIN_PROBE_EVERY,
+    Sample,
+    ScoreVerify,
+    SpeculativeEnsembleMachine,
+    SpeculativeMachine,
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,10 @@ class StepDecision:
     mode: str = "any"  # any: each request weighs the costs itself; plain; speculative
     block: int = 0  # with mode speculative: the block every request drafts; 0: each chooses its own
     batch: int = 1
+    #: The alternating ensembles' mode (gamma auto): plain, speculative (they propose), any (they propose).
+    alternate: str = "any"
+    #: Every request of the step alternates with gamma auto: the step measures ``alternate``'s rate.
+    alternate_only: bool = False
 
 
 #: A step of one request alone (each request's own choice; a burst's iterations).
@@ -51,9 +69,16 @@ def target_verifies(machine: Any) -> bool:
     return isinstance(machine, SpeculativeMachine) and machine.target_verifies
 
 
+def alternates_by_goodput(request: RequestState) -> bool:
+    """Whether ``request`` is se with the alternate proposer and gamma auto, following the measured
+    goodput (``goodput_gamma``)."""
+    machine = request.machine
+    return isinstance(machine, SpeculativeEnsembleMachine) and machine.step_costs is not None
+
+
 def chooses_by_costs(request: RequestState) -> bool:
     """Whether ``request`` chooses its blocks by measured costs (gamma auto with ``goodput_gamma``)."""
-    return getattr(request.machine, "step_costs", None) is not None
+    return getattr(request.machine, "step_costs", None) is not None and not alternates_by_goodput(request)
 
 
 class StepPolicy:
@@ -67,6 +92,7 @@ class StepPolicy:
         self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
         self.acceptance_board = AcceptanceBoard()
         self.mode_rates = ModeRates()
+        self.alternate_rates = ModeRates()  # the alternating ensembles' steps, by mode
 
     # ------------------------------------------------------------------ requests
     def admit(self, request: RequestState) -> None:
@@ -76,6 +102,8 @@ class StepPolicy:
         if self.goodput and target_verifies(machine) and getattr(machine, "chooser", None) is not None:
             self.bind(request, ALONE)
             self.start_from_group_acceptance(request)
+        elif self.goodput and isinstance(machine, SpeculativeEnsembleMachine) and machine.adaptive is not None:
+            self.bind(request, ALONE)
 
     def start_from_group_acceptance(self, request: RequestState) -> None:
         """A gamma-auto request starts from the acceptance its pair met recently
@@ -88,18 +116,40 @@ class StepPolicy:
 
     def bind(self, request: RequestState, decision: StepDecision) -> None:
         """Point ``request``'s machine at the costs of a step decided as ``decision``."""
-        request.machine.step_costs = functools.partial(self.costs, request.machine, decision)
+        if isinstance(request.machine, SpeculativeEnsembleMachine):
+            request.machine.step_costs = functools.partial(alternate_costs, decision)
+        else:
+            request.machine.step_costs = functools.partial(self.costs, request.machine, decision)
 
     # ------------------------------------------------------------------ deciding
     def decide(self, cohort: Cohort) -> StepDecision:
         """The decision for the cohort's next step (binding every gamma-auto request to it)."""
         mode = self._cohort_mode(cohort)
+        alternating = [request for request in cohort.stepping() if alternates_by_goodput(request)]
         decision = StepDecision(mode, self._cohort_block(cohort) if mode == "speculative" else 0,
-                                len(cohort.running))
+                                len(cohort.running), self._alternate_mode(cohort, alternating),
+                                bool(alternating) and len(alternating) == len(cohort.running))
         for request in cohort.running:
-            if chooses_by_costs(request):
+            if chooses_by_costs(request) or alternates_by_goodput(request):
                 self.bind(request, decision)
         return decision
+
+    def _alternate_mode(self, cohort: Cohort, alternating: list[RequestState]) -> str:
+        """The alternating ensembles' mode for the step: the faster measured at this batch (the
+        unmeasured one first), the other probed after ``PLAIN_PROBE_EVERY`` steps in a row."""
+        if not alternating:
+            return "any"
+        batch = len(cohort.running)
+        plain, speculative = self.alternate_rates.rate("plain", batch), self.alternate_rates.rate("speculative", batch)
+        if plain is None or speculative is None:
+            mode = "plain" if speculative is not None else "speculative"
+        else:
+            mode = "plain" if plain > speculative else "speculative"
+            if mode == cohort.alternate_mode and cohort.alternate_steps >= PLAIN_PROBE_EVERY:
+                mode = "plain" if mode == "speculative" else "speculative"
+        cohort.alternate_steps = cohort.alternate_steps + 1 if mode == cohort.alternate_mode else 1
+        cohort.alternate_mode = mode
+        return mode
 
     def costs(self, machine: Any, decision: StepDecision) -> StepCosts | None:
         """The measured costs of a step of ``decision.batch`` requests for ``machine``'s models, with
@@ -191,3 +241,12 @@ class StepPolicy:
         """What a whole step of the decided mode yielded (steps whose mode was decided only)."""
         if decision.mode != "any":
             self.mode_rates.observe(decision.mode, batch, tokens, seconds)
+        if decision.alternate_only and decision.alternate != "any":
+            self.alternate_rates.observe(decision.alternate, batch, tokens, seconds)
+
+
+def alternate_costs(decision: StepDecision) -> StepCosts:
+    """What an alternating ensemble with gamma auto reads: the step's mode for it (the costs
+    themselves are not its business: the policy compared whole steps)."""
+    return StepCosts(draft_s=0.0, verify_s=(0.0,), overhead_s=0.0, plain_s=0.0, plain_overhead_s=0.0, plain_tokens=1,
+                     mode=decision.alternate)
