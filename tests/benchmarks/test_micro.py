@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from benchmarks import engine_load, forward_micro
+from benchmarks import engine_load, forward_micro, forward_profile
 
 
 def test_forward_micro_prints_every_case(capsys):
@@ -14,8 +14,18 @@ def test_forward_micro_prints_every_case(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
     cases = [row.split("|")[1].strip() for row in rows[1:]]
     assert cases[0].startswith("decode run: 2 x 1")
-    assert "2 x 5, every other slot (gathered)" in cases and "prefill of 131 tokens" in cases
+    assert "2 x 5, lean, every other slot (gathered)" in cases and "prefill of 131 tokens, lean" in cases
+    assert {"1 x 1, lean, slots in a run (in place)", "1 x 1, model, slots in a run (in place)"} <= set(cases)
     assert all(float(row.split("|")[2]) > 0 for row in rows[1:])
+
+
+def test_forward_profile_splits_every_forward(capsys):
+    assert forward_profile.main(["--shapes", "2x1", "--context", "8", "--repeats", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[2].strip() for row in rows[1:]] == ["lean", "model"]
+    for row in rows[1:]:
+        shares = [float(cell.strip().rstrip("%")) for cell in row.split("|")[4:-1]]  # [5] percent of the wall time
+        assert len(shares) == len(forward_profile.COLUMNS) and shares[0] > 0 and 90 <= sum(shares) <= 110
 
 
 def test_engine_load_generates_every_token(capsys):
