@@ -115,13 +115,9 @@ def _build_request(args: argparse.Namespace):
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "max_tokens": args.max_tokens,
         "stop": args.stop, "ignore_eos": args.ignore_eos, "seed": args.seed,
     }
-    return GenerationRequest(
-        request_id=f"cli-{uuid.uuid4().hex[:8]}",
-        prompt=args.prompt,
-        prompt_ids=args.prompt_ids,
-        sampling=sampling,
-        speculation=speculation,
-    )
+    fields = {"request_id": f"cli-{uuid.uuid4().hex[:8]}", "prompt": args.prompt, "prompt_ids": args.prompt_ids,
+              "sampling": sampling, "speculation": speculation}
+    return GenerationRequest.parse(fields)  # a bad value: InvalidRequestError naming the field
 
 
 def _only_used_models(config, request):

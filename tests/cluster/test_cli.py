@@ -87,6 +87,7 @@ def test_gamma_argument_takes_an_integer_or_auto(capsys):
     [
         (["--strategy", "sd", "--method", "spectr"], "speculation.method"),
         (["--strategy", "se", "--members", "target,ghost"], "speculation.members"),
+        (["--temperature", "nan"], "sampling.temperature: must be a finite number"),
     ],
 )
 def test_generate_rejects_a_bad_request_before_starting_models(tiny_yaml, extra, message, capsys, caplog):
