@@ -17,8 +17,8 @@ from actors.api import (
     InvalidRequestError,
     StructuredOutput,
     TopLogprobs,
-    check_value,
 )
+from actors.request_errors import check_value
 from cluster.config import DEFAULT_MAX_PROMPT_CHARS
 from cluster.generation_requests import (
     ChoiceSpec,

@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from actors.api import MAX_TOP_LOGPROBS, InvalidRequestError, StructuredOutput, TopLogprobs, shortened
+from actors.api import MAX_TOP_LOGPROBS, InvalidRequestError, StructuredOutput, TopLogprobs
+from actors.request_errors import shortened
 from cluster.chat_prompt import check_template_kwargs, render_chat_prompt
 from cluster.schemas.fields import GenerationFields, pydantic_check, text_content
 from cluster.schemas.structured import parse_tool_choice, parse_tools, tool_call_schema

@@ -7,7 +7,8 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from actors.api import MAX_TOP_LOGPROBS, InvalidRequestError, TopLogprobs, check_value
+from actors.api import MAX_TOP_LOGPROBS, InvalidRequestError, TopLogprobs
+from actors.request_errors import check_value
 from cluster.schemas.fields import MAX_CHOICES, SampleCount, GenerationFields, pydantic_check
 
 

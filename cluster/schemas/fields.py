@@ -16,9 +16,8 @@ from actors.api import (
     InvalidRequestError,
     SpeculationParams,
     StructuredOutput,
-    invalid_request,
-    shortened,
 )
+from actors.request_errors import invalid_request, shortened
 from cluster.schemas.structured import parse_response_format, parse_structured_outputs
 
 #: Most choices one request may ask for (``n`` times the number of prompts); each is its own

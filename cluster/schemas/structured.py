@@ -7,7 +7,8 @@ import json
 import re
 from typing import Any
 
-from actors.api import InvalidRequestError, StructuredOutput, shortened
+from actors.api import InvalidRequestError, StructuredOutput
+from actors.request_errors import shortened
 
 
 def parse_response_format(value: Any) -> StructuredOutput | None:
