@@ -173,7 +173,7 @@ def all_sections() -> list[Section]:
 
 HEADER = f"""# Configuration reference
 
-Generated from the pydantic models that validate each setting (`cluster/config.py`,
+Generated from the pydantic models that validate each setting (`cluster/config/`,
 `actors/coordination/plan.py`, `actors/api.py`); do not edit by hand. Regenerate with
 `{REGENERATE}` (`tests/cluster/test_config_reference.py` fails when this page is stale).
 

@@ -1,0 +1,159 @@
+"""``engine``: how each worker runs its model (KV cache memory, batching, precision, the
+simulated device of benchmarks)."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from cluster.config.base import Frozen
+
+#: Units of a memory size (lower case): kB..TB are powers of 1000, KiB..TiB of 1024.
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                 "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MEMORY_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(value: Any) -> int | float:
+    """``engine.kv_cache_memory`` (``actors.model.kv_budget``): bytes (int) or a GPU fraction (float in (0, 1]).
+
+    Accepts an int (bytes, >= 1), a float in (0, 1] (a fraction) or a string: a size with a unit
+    (``"4GiB"``, ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``; KiB/MiB/GiB/TiB are powers of 1024,
+    kB/MB/GB/TB of 1000, no unit: bytes). Raises ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected bytes (e.g. 4294967296 or '4GiB') or a fraction in (0, 1], got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"a size in bytes must be >= 1, got {value}")
+        return value
+    if isinstance(value, float):
+        if not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise ValueError(
+                f"a fraction of GPU memory must be in (0, 1], got {value!r}; give bytes as an int or e.g. '4GiB'"
+            )
+        return value
+    if isinstance(value, str):
+        match = _MEMORY_SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _MEMORY_UNITS:
+            raise ValueError(f"cannot read {value!r} as a size: expected e.g. '4GiB', '512MiB', '2GB' or a byte count")
+        size = int(float(match.group(1)) * _MEMORY_UNITS[unit])
+        if size < 1:
+            raise ValueError(f"a size must be at least 1 byte, got {value!r}")
+        return size
+    raise ValueError(f"expected bytes (int or e.g. '4GiB') or a fraction in (0, 1], got {type(value).__name__}")
+
+
+#: ``engine.kv_cache_memory``: bytes (an int, or a string such as "4GiB") or a fraction in (0, 1].
+MemoryBudget = Annotated[int | float, BeforeValidator(parse_memory)]
+
+
+class SimulatedDeviceArgs(Frozen):
+    """A modelled accelerator's time for one forward of a model (benchmarks only)."""
+
+    fixed_ms: float = Field(..., ge=0.0, description="Milliseconds every forward costs, whatever its size.")
+    per_token_ms: float = Field(..., ge=0.0, description="Milliseconds each new token of a forward adds.")
+    device: str | None = Field(
+        None, min_length=1, max_length=64,
+        description="Models given the same id share one modelled device: their modelled forwards never overlap in "
+        "time (queued first come, first served, like two models time-slicing one GPU; the workers of one node "
+        "share the device clock). Unset: the model has a device of its own.",
+    )
+
+
+class EngineArgs(Frozen):
+    """How the step scheduler runs the requests in flight (docs/design.md), and the KV cache
+    each worker holds (docs/models.md, "KV cache memory")."""
+
+    kv_cache_memory: MemoryBudget | None = Field(
+        None,
+        description="KV cache memory of each model worker: bytes (an int, or a string such as '4GiB', '512MiB', "
+        "'2GB') or, on a GPU, a fraction in (0, 1] of the device memory free once the weights are loaded. The worker "
+        "holds as many whole-context slots (one per running request) as fit, and the group runs at most as many "
+        "requests at once as its smallest worker holds (the rest wait); a budget that cannot hold one request of "
+        "max_model_len tokens is refused at start-up. Unset: 0.9 on a GPU; on CPU 2 x "
+        "limits.max_concurrent_requests + 4 slots.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=2,
+        description="The most context one request may use (prompt + max_tokens) in this group; each KV cache slot "
+        "holds this many tokens (plus scratch columns for drafts). At most every model's context "
+        "(models.<name>.max_context, default its max_position_embeddings); unset: each model's own, so the group's "
+        "limit is the smallest model's. Requests past it get HTTP 400.",
+    )
+
+    max_tokens_per_step: int = Field(
+        512, ge=8,
+        description="Tokens one model worker feeds in one step at most: the rows of the running requests "
+        "(decoding, verification) first, what is left to the prefill of new prompts. A prompt longer than this is "
+        "prefilled in chunks over several steps (chunked prefill), so the running streams keep producing tokens "
+        "while it arrives; the output is unchanged. Lower: steadier inter-token latency while long prompts "
+        "arrive, a slower first token for them; on a GPU 2048-8192 suit better (docs/strategies.md).",
+    )
+    overlap: bool | Literal["auto"] = Field(
+        "auto",
+        description="Two alternating cohorts of requests, so the draft proposes for one while the target verifies "
+        "the other (every request's tokens are the same either way); false: one cohort, every request in every step; "
+        "auto: on when every model worker has its own GPU, off on CPU, where the workers share the cores and the "
+        "halved batches cost more than the overlap gains (docs/benchmarks.md).",
+    )
+    lean_forward: bool = Field(
+        True,
+        description="Llama-shaped models (llama, mistral, qwen2, qwen3) run the engine's lean decoder forward: the "
+        "model's own operations over packed q/k/v and gate/up weights, without transformers' per-layer dispatch; "
+        "logits equal the model's own forward to float32 rounding, and each worker checks that at load (a model "
+        "that differs runs its own forward, with a warning naming it). false: every model runs its transformers "
+        "decoder module (docs/design.md).",
+    )
+    prefix_caching: bool = Field(
+        True,
+        description="A new request's session copies the keys/values of the longest prefix of its prompt that its "
+        "model worker already holds (an open request's context, or a finished request's parked slot) instead of "
+        "computing them again; the output is unchanged (docs/design.md).",
+    )
+    sampling_precision: Literal["auto", "float32", "float64"] = Field(
+        "auto",
+        description="What the model workers compute the rows they draw tokens from and verify against in (the "
+        "one sampling path: penalties, temperature, top-k / top-p, draws, token and block verification). float64: "
+        "what the exactness proofs enumerate; float32: the law up to float32 rounding (bounded in the tests), the "
+        "precision a GPU computes fast; auto: float32 when a model worker has a GPU, else float64. The speculative "
+        "ensemble's rows and the multi-draft rules compute in float64 either way (docs/strategies.md).",
+    )
+    goodput_gamma: bool = Field(
+        True,
+        description="gamma \"auto\" also weighs the measured cost of a step at the current batch (draft and target "
+        "forwards, per-step overhead) and may take plain steps (no draft) when they yield more tokens per second "
+        "(the law is unchanged; seeded tokens then depend on timings); false: the block follows the request's "
+        "acceptance alone, seeded tokens reproducible (docs/verifiers.md).",
+    )
+    pre_drafting: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="sd with a single-draft rule: while the target verifies a block, the draft drafts the next "
+        "block after each of this many candidate bonus tokens (its most likely ones), and the next step verifies "
+        "that chain when the block is accepted in full and the bonus is a candidate, so the draft's forwards leave "
+        "the critical path where draft and target have devices of their own. 0: off. The law is unchanged (exact "
+        "enumeration); seeded tokens differ from those with it off (docs/verifiers.md).",
+    )
+    burst_ms: float = Field(
+        100.0,
+        ge=0.0,
+        le=10_000.0,
+        description="Solo bursts: while exactly one request is running and none waits, its target's worker runs "
+        "its steps (ar; sd and multi_draft without pre_drafting; se with a draft proposer, in a scoring member's "
+        "worker) for up to this many milliseconds per call, calling the draft's (and the other members') worker "
+        "directly and streaming each step's tokens, instead of one scheduler round trip per step. A request "
+        "arriving meanwhile starts after the burst (at most this much later). Tokens are the same "
+        "either way; 0: off (docs/design.md).",
+    )
+    simulated_device: dict[str, SimulatedDeviceArgs] = Field(
+        default_factory=dict,
+        description="Benchmarks only (default: none): model name -> {fixed_ms, per_token_ms}; that model's worker "
+        "runs each real forward, then waits until fixed_ms + per_token_ms x (tokens in the forward) has passed since "
+        "it began, releasing the CPU, as a host waiting on a device would (tokens unchanged; docs/benchmarks.md, "
+        "'Modelled devices').",
+    )

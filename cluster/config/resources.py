@@ -1,0 +1,97 @@
+"""``resources``: CPUs, GPUs, custom Ray resources and placement of the workers and the
+coordinator."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field
+
+from cluster.config.base import Frozen
+
+
+#: Ray resource names a ``resources`` mapping may not use: CPUs and GPUs have their own fields,
+#: memory is not a placement label.
+RESERVED_RESOURCE_NAMES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+#: Smallest non-zero resource quantity Ray accepts.
+MIN_RESOURCE_QUANTITY = 0.0001
+
+
+def check_custom_resources(resources: dict[str, float]) -> dict[str, float]:
+    """``resources`` if every name is a usable custom Ray resource and every quantity is a
+    finite number >= 0.0001, else ValueError naming the bad resource."""
+    for name, quantity in resources.items():
+        if not name or any(ch.isspace() for ch in name):
+            raise ValueError(f"resource {name!r}: a resource name must be non-empty, without spaces")
+        if name in RESERVED_RESOURCE_NAMES:
+            hint = " (use cpus / gpus)" if name in ("CPU", "GPU") else ""
+            raise ValueError(f"resource {name!r} is not a custom resource{hint}")
+        if not math.isfinite(quantity) or quantity < MIN_RESOURCE_QUANTITY:
+            raise ValueError(
+                f"resource {name!r}: the quantity must be a finite number >= {MIN_RESOURCE_QUANTITY}, got {quantity!r}"
+            )
+    return resources
+
+
+#: A custom-resources mapping, checked by :func:`check_custom_resources`.
+CustomResources = Annotated[dict[str, float], AfterValidator(check_custom_resources)]
+
+
+class ModelResourceArgs(Frozen):
+    """Resource override for one model."""
+
+    gpus: float | None = Field(None, ge=0.0, description="GPUs for this model's worker.")
+    cpus: float | None = Field(None, ge=0.0, description="CPUs for this model's worker.")
+    resources: CustomResources = Field(
+        default_factory=dict,
+        description="Custom Ray resources this model's worker asks for, e.g. {node_draft: 0.01}: the worker "
+        "(and its placement-group bundle) then goes only on nodes started with that resource "
+        "(`ray start --resources='{\"node_draft\": 1}'`). Names other than CPU, GPU, memory, object_store_memory; "
+        "quantities >= 0.0001. Empty: any node.",
+    )
+
+
+class CoordinatorResourceArgs(Frozen):
+    """What the coordinator actor of a model group asks Ray for (part of ``resources``)."""
+
+    coordinator_cpus: float = Field(0.0, ge=0.0, description="CPUs reserved for the coordinator actor.")
+    coordinator_resources: CustomResources = Field(
+        default_factory=dict,
+        description="Custom Ray resources the coordinator asks for, e.g. {node_coordinator: 0.01}: it then goes only "
+        "on nodes started with that resource (in a Serve replica: in a bundle of its own holding them). Same rules "
+        "as per_model.<name>.resources. Empty: any node.",
+    )
+
+
+class PlacementArgs(Frozen):
+    """Which models share a worker process (part of ``resources``; :mod:`cluster.placement`)."""
+
+    placement: Literal["auto", "separate"] | dict[str, Annotated[int, Field(ge=0)]] = Field(
+        "auto",
+        description="Models placed on devices: a mapping model -> device id (an int >= 0; every model placed), the "
+        "models given one id hosted by ONE worker process (one CUDA context on a GPU), each keeping its own KV cache "
+        "slots and sessions, their step's calls in one call; 'separate': a worker per model; 'auto': a worker per "
+        "model when GPUs or nodes are set by hand (gpus_per_model a number, per_model gpus or resources) or the Ray "
+        "cluster has a GPU for each, otherwise the draft shares its target's worker and every "
+        "other model has its own, workers dealt round-robin onto the GPUs when there are fewer (docs/serving.md, "
+        "'Placement'). The rule is printed at start-up.",
+    )
+
+
+class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
+    """What each actor of a model group asks Ray for."""
+
+    gpus_per_model: float | Literal["auto"] = Field(
+        "auto",
+        description="GPUs per worker; 'auto': one GPU per worker when the Ray cluster has GPUs, else none (with "
+        "placement auto, models share workers when there are fewer GPUs than models). A group that asks for more "
+        "GPUs than the cluster has is refused at start-up.",
+    )
+    cpus_per_model: float = Field(
+        0.25, ge=0.0, description="CPUs per model worker (small on CPU so a whole group fits on 2 cores)."
+    )
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU model worker.")
+    per_model: dict[str, ModelResourceArgs] = Field(
+        default_factory=dict, description="Per-model overrides keyed by model name (gpus, cpus, custom resources)."
+    )
