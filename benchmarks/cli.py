@@ -136,8 +136,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                       "YAML as it is (on unless it says otherwise).")
     load.add_argument("--se-proposers", type=lambda text: tuple(p.strip() for p in text.split(",") if p.strip()),
                       default=None, help='se cases, one per proposer: alternate and/or model names (default alternate).')
-    load.add_argument("--se-gamma", type=int, default=None,
-                      help="Proposal length of the alternate se's second member (the first proposes 1; default 1).")
+    load.add_argument("--se-gamma", type=lambda text: text if text == "auto" else int(text), default=None,
+                      help="Proposal length of the alternate se's second member (the first proposes 1; default 1), "
+                      "or auto (gamma auto).")
     load.add_argument("--se-draft-gamma", type=lambda text: text if text == "auto" else int(text), default=None,
                       help='Block length of se with a model proposer, or auto (default 4).')
     load.add_argument("--bare-limit", choices=("on", "off"), default=None,

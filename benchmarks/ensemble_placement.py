@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--se-proposers", default="draft",
                         help="Comma-separated se proposers: alternate and/or model names.")
-    parser.add_argument("--se-gamma", type=int, default=1, help="The alternate proposer's second member's gamma.")
+    parser.add_argument("--se-gamma", type=_gamma, default=1,
+                        help="The alternate proposer's second member's gamma, or auto (gamma auto).")
     parser.add_argument("--se-draft-gamma", type=_gamma, default=4, help="A model proposer's block, or auto.")
     parser.add_argument("--gamma-max", type=int, default=8, help="Largest block of gamma auto.")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="Directory of the server log (a temp dir).")

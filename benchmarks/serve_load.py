@@ -103,7 +103,9 @@ class ServeLoadSettings(BaseModel):
     num_drafts: int = Field(2, ge=1)
     multi_draft_gamma: int = Field(4, ge=1)
     se_method: str = "token"
-    se_gamma: int = Field(1, ge=1, description="Proposal length of se's non-first member (the first proposes 1).")
+    se_gamma: int | Literal["auto"] = Field(
+        1, description='Proposal length of the alternate se\'s non-first member (the first proposes 1), or "auto": '
+        "gamma auto (gammas 1 each, plain ensemble steps where the measured goodput says proposals do not pay).")
     se_proposers: tuple[str, ...] = Field(
         ("alternate",), min_length=1,
         description='se cases, one per proposer: "alternate" (the members in turn, gammas [1, se_gamma]) or a model '
@@ -194,9 +196,9 @@ def _se_case(settings: ServeLoadSettings, proposer: str, ensemble: dict[str, Any
     """se with ``proposer``: the alternate proposer (gammas [1, se_gamma]) or a model drafting
     blocks of ``se_draft_gamma`` for the ensemble law."""
     if proposer == "alternate":
+        lengths = {"gamma": "auto"} if settings.se_gamma == "auto" else {"gammas": [1, settings.se_gamma]}
         return LoadCase("se", f"se/weighted/n2/g{settings.se_gamma}",
-                        {"strategy": "se", "method": settings.se_method, "proposer": "alternate",
-                         "gammas": [1, settings.se_gamma], **ensemble})
+                        {"strategy": "se", "method": settings.se_method, "proposer": "alternate", **lengths, **ensemble})
     speculation = {"strategy": "se", "method": settings.se_draft_method, "proposer": proposer,
                    "gamma": settings.se_draft_gamma, **ensemble}
     if settings.se_draft_gamma == "auto":
@@ -727,7 +729,8 @@ def level_shape(settings: ServeLoadSettings, strategy: str, concurrency: int, la
     """The shapes of a level's iteration (its strategy's gamma as this run sends it; an sd case
     of gamma auto, whose blocks vary, gets the shapes of its measured mean block, rounded, when
     the server reported it, else those of ``sd_gamma``)."""
-    gamma = {"sd": settings.sd_gamma, "multi_draft": settings.multi_draft_gamma, "se": settings.se_gamma}.get(strategy, 1)
+    se_gamma = 1 if settings.se_gamma == "auto" else settings.se_gamma
+    gamma = {"sd": settings.sd_gamma, "multi_draft": settings.multi_draft_gamma, "se": se_gamma}.get(strategy, 1)
     block = label.rsplit("/g", 1)[-1]
     if strategy == "sd" and block.isdigit():
         gamma = int(block)

@@ -81,6 +81,9 @@ def test_strategies_send_the_requested_speculation():
     assert cases["sd"].speculation == {"strategy": "sd", "method": "block", "gamma": 4}
     assert cases["multi_draft"].speculation == {"strategy": "multi_draft", "method": "spectr", "num_drafts": 2, "gamma": 4}
     assert cases["se"].speculation["members"] == ["target", "partner"] and cases["se"].speculation["gammas"] == [1, 1]
+    assert cases["se"].speculation["proposer"] == "alternate"
+    (auto,) = serve_load_cases(ServeLoadSettings(strategies=("se",), se_gamma="auto"), ROLES)
+    assert auto.speculation["gamma"] == "auto" and "gammas" not in auto.speculation and auto.label.endswith("/gauto")
     assert settings.requests_for(1) == 32 and settings.requests_for(32) == 128
     with pytest.raises(ValueError, match="peer"):
         ServeLoadSettings(strategies=("peer",))
