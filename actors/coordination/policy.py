@@ -38,7 +38,10 @@ from verifiers.adaptive import StepCosts, best_block
 from verifiers.machines import (
     AR_TOKENS_PER_ITERATION,
     PLAIN_PROBE_EVERY,
+    EnsembleDraftMachine,
+    NextLogits,
     Sample,
+    ScoreBlock,
     ScoreVerify,
     SpeculativeEnsembleMachine,
     SpeculativeMachine,
@@ -67,6 +70,27 @@ def target_verifies(machine: Any) -> bool:
     """Whether ``machine`` is sd's: a draft / target pair whose target verifies (pre-drafting and
     the pair's measured step costs apply)."""
     return isinstance(machine, SpeculativeMachine) and machine.target_verifies
+
+
+def costed_step(needs: list) -> bool | None:
+    """Whether a step of ``needs`` is speculative (a draft call, then verifying or scoring calls:
+    sd's ScoreVerify, a drafted ensemble's ScoreBlock) or plain (a target's Samples, the members'
+    NextLogits); None for steps of other shapes, which the cost model does not learn from."""
+    if not needs or not all(isinstance(need, (Sample, ScoreVerify, ScoreBlock, NextLogits)) for need in needs):
+        return None
+    return any(isinstance(need, (ScoreVerify, ScoreBlock)) for need in needs)
+
+
+def costed_models(machine: Any, forwards: dict) -> tuple[str, str] | None:
+    """``(draft, verifier)`` whose measured forwards price ``machine``'s steps: sd's pair; for a
+    drafted ensemble the proposer and its slowest measured scoring member (the members score in
+    parallel); None before any is measured."""
+    if not isinstance(machine, EnsembleDraftMachine):
+        return machine.draft, machine.target
+    measured = [name for name in machine.scorers if name in forwards]
+    if not measured:
+        return None
+    return machine.draft, max(measured, key=lambda name: forwards[name].estimate(1) or 0.0)
 
 
 def alternates_by_goodput(request: RequestState) -> bool:
@@ -99,7 +123,8 @@ class StepPolicy:
         """A gamma-auto sd request with goodput on reads the step costs, and starts from its pair's
         recent acceptance."""
         machine = request.machine
-        if self.goodput and target_verifies(machine) and getattr(machine, "chooser", None) is not None:
+        drafted = isinstance(machine, EnsembleDraftMachine)
+        if self.goodput and (target_verifies(machine) or drafted) and getattr(machine, "chooser", None) is not None:
             self.bind(request, ALONE)
             self.start_from_group_acceptance(request)
         elif self.goodput and isinstance(machine, SpeculativeEnsembleMachine) and machine.adaptive is not None:
@@ -154,8 +179,7 @@ class StepPolicy:
     def costs(self, machine: Any, decision: StepDecision) -> StepCosts | None:
         """The measured costs of a step of ``decision.batch`` requests for ``machine``'s models, with
         the step's mode and block."""
-        costs = self.cost_model.costs(machine.draft, machine.target, batch=decision.batch,
-                                      gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+        costs = self._measured(machine, decision.batch)
         if costs is None:
             return None
         block = decision.block if decision.mode == "speculative" else 0
@@ -214,9 +238,20 @@ class StepPolicy:
 
     def _pair_costs(self, autos: list[RequestState], batch: int) -> StepCosts | None:
         """The measured costs of a step of ``batch`` requests for the first gamma-auto request's pair."""
-        machine = autos[0].machine
-        return self.cost_model.costs(machine.draft, machine.target, batch=batch,
-                                     gamma_max=machine.chooser.settings.gamma_max, num_drafts=machine.num_drafts)
+        return self._measured(autos[0].machine, batch)
+
+    def _measured(self, machine: Any, batch: int) -> StepCosts | None:
+        """The measured costs of a step of ``batch`` requests for ``machine``'s models (a drafted
+        ensemble's plain step is the plain ensemble's: one token per request)."""
+        forwards = self.cost_model.forwards if isinstance(machine, EnsembleDraftMachine) else {}
+        models = costed_models(machine, forwards)
+        if models is None:
+            return None
+        costs = self.cost_model.costs(*models, batch=batch, gamma_max=machine.chooser.settings.gamma_max,
+                                      num_drafts=machine.num_drafts)
+        if costs is not None and isinstance(machine, EnsembleDraftMachine):
+            costs = dataclasses.replace(costs, plain_tokens=1)
+        return costs
 
     def _group_acceptance(self, autos: list[RequestState]) -> float:
         """The pair's recent per-token acceptance (the board), else the requests' own mean."""
@@ -230,12 +265,11 @@ class StepPolicy:
 
     # ------------------------------------------------------------------ learning
     def observe_step(self, batch: int, needs: list, reports: list[CallReport], wall_s: float) -> None:
-        """Feed a step's timings to the cost model (steps of sampling / verification needs only:
-        ensemble steps have other shapes)."""
-        if not needs or not all(isinstance(need, (Sample, ScoreVerify)) for need in needs):
-            return
-        speculative = any(isinstance(need, ScoreVerify) for need in needs)
-        self.cost_model.observe_step(batch, reports, wall_s, speculative=speculative)
+        """Feed a step's timings to the cost model (:func:`costed_step`: steps of other shapes, the
+        alternating ensemble's, are left out)."""
+        speculative = costed_step(needs)
+        if speculative is not None:
+            self.cost_model.observe_step(batch, reports, wall_s, speculative=speculative)
 
     def observe_mode(self, decision: StepDecision, batch: int, tokens: int, seconds: float) -> None:
         """What a whole step of the decided mode yielded (steps whose mode was decided only)."""

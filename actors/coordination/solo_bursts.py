@@ -11,13 +11,13 @@ import pickle
 from actors.coordination.admission import Admission
 from actors.coordination.cohorts import Cohort
 from actors.coordination.metrics import StepCounters
-from actors.coordination.policy import ALONE, StepPolicy
+from actors.coordination.policy import ALONE, StepPolicy, costed_step
 from actors.coordination.requests import RequestState
 from actors.coordination.results import RequestResults
 from actors.coordination.worker_calls import Placed, WorkerCalls, call_report
 from actors.messages import UNAVAILABLE, WorkItem
 from actors.worker.bursts import BurstRecord, FrozenStepCosts, burst_home, burstable
-from verifiers.machines import PreDraft, Sample, ScoreVerify
+from verifiers.machines import PreDraft
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +99,8 @@ class SoloBursts:
             return
         if any(isinstance(need, PreDraft) for need in request.last_needs):
             request.pre_drafted = record.pre_drafted  # the next iteration may verify one of its chains
-        elif all(outcome.error is None for outcome in record.outcomes) and \
-                all(isinstance(need, (Sample, ScoreVerify)) for need in record.needs):
-            # like steps: not with a PreDraft, nor an ensemble's shapes
-            self.observe_iteration_costs(request, record)
+        elif all(outcome.error is None for outcome in record.outcomes) and costed_step(list(record.needs)) is not None:
+            self.observe_iteration_costs(request, record)  # like steps: not with a PreDraft
         self.results.advance(request, list(record.outcomes))
 
     def observe_iteration_costs(self, request: RequestState, record: BurstRecord) -> None:
@@ -111,8 +109,7 @@ class SoloBursts:
         reports = [call_report(model, [e for e in entries if e.item.need.model == model],
                                [o for e, o in zip(entries, record.outcomes) if e.item.need.model == model])
                    for model in dict.fromkeys(need.model for need in record.needs)]
-        speculative = any(isinstance(need, ScoreVerify) for need in record.needs)
-        self.policy.cost_model.observe_step(1, reports, record.wall_s, speculative=speculative)
+        self.policy.cost_model.observe_step(1, reports, record.wall_s, speculative=costed_step(list(record.needs)))
 
 
 def _is_ray_error(error: Exception) -> bool:
