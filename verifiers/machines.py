@@ -680,15 +680,16 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
     after it (:class:`Extend`); then every verifiable segment is verified here with the own
     stream (:func:`verifiers.ensemble.verify_segment`).
 
-    ``adaptive`` (``gamma: "auto"``): where the queue is empty, the iteration may instead be a
-    *plain step*, the plain ensemble's (every member's next row, ONE
-    ``own_source.categorical(row [V])``), when ``step_costs`` (set by the scheduler) names the
-    step's mode ``plain``: the measured goodput of the cohort's steps says proposals do not
-    pay. ``speculative``, ``any`` or no costs: the members propose. The choice is made before
-    anything of the iteration is drawn, from what is measured, never from a drawn token, and
-    at an empty queue no drawn token is pending: tokens follow the ensemble law whatever it
-    chooses (``tests/verifiers/test_ensemble.py``: exact enumeration with a scripted choice
-    sequence). ``plain_steps`` counts them.
+    ``adaptive`` (``gamma: "auto"``): the iteration may instead be a *plain step*, the plain
+    ensemble's (every member's next row, ONE ``own_source.categorical(row [V])``), when
+    ``step_costs`` (set by the scheduler) names the step's mode ``plain``: the measured goodput
+    of the cohort's steps says proposals do not pay. Unverified queued tokens are then dropped
+    (as after a rejection, without a correction). ``speculative``, ``any`` or no costs: the
+    members propose. The choice is made before anything of the iteration is drawn, from what is
+    measured and committed, never from a queued token's value: tokens follow the ensemble law
+    whatever it chooses (``tests/verifiers/test_ensemble.py``: exact enumeration with a
+    scripted choice sequence, queues dropped). ``plain_steps`` counts them, ``dropped_tokens`` the
+    queued tokens they dropped.
     """
 
     def __init__(self, members: Sequence[str], *, gammas: Sequence[int], method: str,
@@ -705,21 +706,24 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
         self.step_costs: Callable[[], StepCosts | None] | None = None
         self.plain_step = False  # this iteration is a plain ensemble step
         self.plain_steps = 0
+        self.dropped_tokens = 0  # queued tokens dropped by plain steps
 
     def _plain_now(self) -> bool:
-        """gamma "auto" at an empty queue: whether the step's measured mode is ``plain``."""
+        """gamma "auto": whether the step's measured mode is ``plain``."""
         if self.adaptive is None or self.step_costs is None:
             return False
         costs = self.step_costs()
         return costs is not None and costs.mode == "plain"
 
     def needs(self) -> list[Need]:
-        queued = self.queue.tokens()
-        room = self.max_new_tokens - len(self.committed) - len(queued)
-        self.plain_step = not self.queue.segments and self._plain_now()
+        self.plain_step = self._plain_now()
         if self.plain_step:
+            self.dropped_tokens += len(self.queue.tokens())
+            self.queue.clear()  # unverified proposals dropped: decided without reading them
             self.pending_member = None
             return [NextLogits(name, self.unsent.take(name)) for name in self.members]
+        queued = self.queue.tokens()
+        room = self.max_new_tokens - len(self.committed) - len(queued)
         if not self.queue.segments:
             member, count = self.proposer, min(self.gammas[self.proposer], room)
         else:

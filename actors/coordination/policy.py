@@ -19,9 +19,9 @@ to the step's :class:`StepDecision` (:meth:`StepPolicy.costs`).
 ``se`` with the alternate proposer and gamma "auto" has a mode of its own
 (:attr:`StepDecision.alternate`), decided at every batch, one request included: the kind of
 step (the members' proposals, or the plain ensemble's steps) whose whole steps measured more
-tokens per second at this batch, the other probed after ``PLAIN_PROBE_EVERY`` steps in a row
-(measured on steps whose requests are all such requests). The machine follows it where its
-queue is empty (:class:`verifiers.machines.SpeculativeEnsembleMachine`).
+tokens per second at this batch, the other probed now and then (measured on steps whose
+requests are all such requests). The machine follows it, a plain step dropping unverified
+proposals (:class:`verifiers.machines.SpeculativeEnsembleMachine`).
 """
 
 from __future__ import annotations
@@ -61,6 +61,11 @@ class StepDecision:
     #: Every request of the step alternates with gamma auto: the step measures ``alternate``'s rate.
     alternate_only: bool = False
 
+
+#: The alternating ensembles' gamma auto: steps in a row a mode is tried (probed), and steps the
+#: faster one runs before the slower is probed again.
+ALTERNATE_PROBE_STEPS = 4
+ALTERNATE_EXPLOIT_STEPS = 32
 
 #: A step of one request alone (each request's own choice; a burst's iterations).
 ALONE = StepDecision()
@@ -160,19 +165,28 @@ class StepPolicy:
         return decision
 
     def _alternate_mode(self, cohort: Cohort, alternating: list[RequestState]) -> str:
-        """The alternating ensembles' mode for the step: the faster measured at this batch (the
-        unmeasured one first), the other probed after ``PLAIN_PROBE_EVERY`` steps in a row."""
+        """The alternating ensembles' mode for the step: each mode is tried for
+        ``ALTERNATE_PROBE_STEPS`` steps in a row (a proposal's tokens are committed only steps
+        later), then the faster measured at this batch runs ``ALTERNATE_EXPLOIT_STEPS`` steps
+        before the slower is probed again."""
         if not alternating:
             return "any"
         batch = len(cohort.running)
         plain, speculative = self.alternate_rates.rate("plain", batch), self.alternate_rates.rate("speculative", batch)
+        current, steps = cohort.alternate_mode, cohort.alternate_steps
         if plain is None or speculative is None:
-            mode = "plain" if speculative is not None else "speculative"
+            unmeasured = "speculative" if speculative is None else "plain"
+            mode = current if current == unmeasured and steps < ALTERNATE_PROBE_STEPS else unmeasured
+            if current == unmeasured and steps >= ALTERNATE_PROBE_STEPS:
+                mode = "plain" if unmeasured == "speculative" else "speculative"
         else:
-            mode = "plain" if plain > speculative else "speculative"
-            if mode == cohort.alternate_mode and cohort.alternate_steps >= PLAIN_PROBE_EVERY:
-                mode = "plain" if mode == "speculative" else "speculative"
-        cohort.alternate_steps = cohort.alternate_steps + 1 if mode == cohort.alternate_mode else 1
+            faster = "plain" if plain > speculative else "speculative"
+            slower = "speculative" if faster == "plain" else "plain"
+            if current == slower:  # probing
+                mode = slower if steps < ALTERNATE_PROBE_STEPS else faster
+            else:
+                mode = faster if steps < ALTERNATE_EXPLOIT_STEPS else slower
+        cohort.alternate_steps = steps + 1 if mode == current else 1
         cohort.alternate_mode = mode
         return mode
 

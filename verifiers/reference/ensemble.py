@@ -159,7 +159,8 @@ def ensemble_generate(
     ``adaptive`` (gamma "auto") with ``step_costs(machine)``, the machine's ``step_costs``
     callable (tests script the choice through it): at an empty queue a step whose costs name
     the mode ``plain`` is the plain ensemble's, ONE ``sources[n].categorical(row)``
-    (``stats["plain_steps"]`` counts them).
+    (``stats["plain_steps"]`` counts them), unverified queued tokens dropped
+    (``stats["dropped_tokens"]``).
 
     Deviation from Alg. 2 as printed: after a rejection the printed pseudocode lets the scoring
     member propose ``gamma_i - 1`` tokens; the text (Sec. 3.4 / App. B.2, step 6) and this loop
@@ -187,6 +188,7 @@ def ensemble_generate(
         "proposers": list(machine.proposers),
         "verifications": len(machine.accepted_lengths),
         "plain_steps": machine.plain_steps,
+        "dropped_tokens": machine.dropped_tokens,
     }
     logger.debug("ensemble_generate(%s, %s): %s", ensemble, method, stats)
     return generated, stats
