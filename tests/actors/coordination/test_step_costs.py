@@ -220,6 +220,12 @@ def test_the_board_measures_what_blocks_yield_where_requests_differ():
     assert tokens[3] - tokens[2] == pytest.approx(survival_2 * rate * rate)
 
 
+def _state(coordinator, seed: int):
+    """The scheduler's state of a block request of ``seed`` (not submitted)."""
+    request = _request(seed, "block", temperature=1.0, max_tokens=12)
+    return coordinator.preparer.request_state(request, coordinator.preparer.plan(request), list(PROMPT), 6, 64)
+
+
 def test_a_new_auto_request_starts_from_the_groups_acceptance():
     """With goodput on, requests admitted after the pair was verified often enough start from the
     board's rate (fixed at admission, before their first draft); the first ones from the settings' prior."""
@@ -229,9 +235,7 @@ def test_a_new_auto_request_starts_from_the_groups_acceptance():
     board = coordinator.scheduler.policy.acceptance_board
     alpha = board.acceptance(("draft", "target", "block", 1))
     assert alpha is not None
-    state = coordinator._request_state(_request(99, "block", temperature=1.0, max_tokens=12),
-                                       coordinator._plan(_request(99, "block", temperature=1.0, max_tokens=12)),
-                                       list(PROMPT), 6, 64)
+    state = _state(coordinator, 99)
     assert state.machine.chooser.settings.prior_acceptance != alpha
     coordinator.scheduler.policy.start_from_group_acceptance(state)
     assert state.machine.chooser.settings.prior_acceptance == pytest.approx(alpha)
@@ -254,9 +258,7 @@ def test_mode_rates_read_the_nearest_measured_batch():
 def test_a_cohort_steps_in_the_faster_mode_and_probes_the_other():
     coordinator = _coordinator(goodput=True)
     scheduler = coordinator.scheduler
-    requests = [coordinator._request_state(_request(seed, "block", temperature=1.0, max_tokens=12),
-                                           coordinator._plan(_request(seed, "block", temperature=1.0, max_tokens=12)),
-                                           list(PROMPT), 6, 64) for seed in range(3)]
+    requests = [_state(coordinator, seed) for seed in range(3)]
     cohort = scheduler.cohorts[0]
     for request in requests:
         request.machine.step_costs = lambda: None
@@ -274,9 +276,7 @@ def test_the_policy_returns_its_decision_and_the_machines_read_that_one():
     decision of its own step, also after the policy decided another step (the other cohort's)."""
     coordinator = _coordinator(goodput=True)
     policy = coordinator.scheduler.policy
-    requests = [coordinator._request_state(_request(seed, "block", temperature=1.0, max_tokens=12),
-                                           coordinator._plan(_request(seed, "block", temperature=1.0, max_tokens=12)),
-                                           list(PROMPT), 6, 64) for seed in range(4)]
+    requests = [_state(coordinator, seed) for seed in range(4)]
     first, second = coordinator.scheduler.cohorts[0], type(coordinator.scheduler.cohorts[0])(index=1)
     for request in requests:
         policy.admit(request)
