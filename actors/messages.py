@@ -54,6 +54,7 @@ class WorkerInfo:
     pid: int = 0
     tokenizer: Any = None  # actors.vocabulary.TokenizerIdentity of the model directory's tokenizer; None: none
     kv_slots: int | None = None  # KV cache slots (sessions it can hold at once); None: not reported
+    forward_path: str = ""  # which decoder forward its model runs, in words (SlotBackend.forward_path); "": not reported
 
 
 @dataclass(frozen=True)

@@ -303,6 +303,7 @@ def start_model_group(
             group.shutdown()
             raise
         for info in infos:
-            logger.info("worker %s (%s): vocab %d, context %d, %s KV cache slots, %s %s", info.name, info.role,
-                        info.vocab_size, info.max_context, info.kv_slots, info.device, list(info.gpu_ids))
+            logger.info("worker %s (%s): vocab %d, context %d, %s KV cache slots, %s %s, forward: %s", info.name,
+                        info.role, info.vocab_size, info.max_context, info.kv_slots, info.device, list(info.gpu_ids),
+                        info.forward_path or "not reported")
     return group

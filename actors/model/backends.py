@@ -95,7 +95,8 @@ class SlotBackend:
         self.lm_head = model.get_output_embeddings()
         self.name = name
         # The lean decoder (actors.model.lean_decoder) where asked for and covered; None: the model's own.
-        self.lean = build_lean_decoder(model, self.architecture, name) if lean_forward else None
+        self.lean, self.forward_path = (build_lean_decoder(model, self.architecture, name) if lean_forward
+                                        else (None, "its own decoder (engine.lean_forward is off)"))
         # By default every slot is allocated up front: growing a large cache under load stalls a
         # step (measured: 1.9 s to grow the embedded target from 4 to 32 slots mid-request), and
         # the worker's memory is then known at start-up.
@@ -218,6 +219,7 @@ class SlotBackend:
                 logger.warning("%s: the lean decoder failed (%s: %s); running the model's own decoder from now on",
                                self.name, type(error).__name__, error)
                 self.lean = None
+                self.forward_path = f"its own decoder (the lean decoder failed: {type(error).__name__})"
         output = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                               past_key_values=self.cache, use_cache=True)
         return output.last_hidden_state

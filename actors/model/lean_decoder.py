@@ -272,26 +272,27 @@ def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach()
 
 
-def build_lean_decoder(model: Any, architecture: Architecture, name: str) -> LeanDecoder | None:
+def build_lean_decoder(model: Any, architecture: Architecture, name: str) -> tuple[LeanDecoder | None, str]:
     """The lean decoder of ``model`` (``name`` names it in logs), or None when the model's own
     decoder must run: a family or shape the lean path does not cover (logged), or a failure while
-    building it (a warning naming the model; the model's own decoder gives the same law)."""
+    building it (a warning naming the model; the model's own decoder gives the same law); and the
+    path it runs, in words (for the start-up log)."""
     reason = lean_support(model, architecture)
     if reason is not None:
         logger.info("%s runs its own decoder forward (lean path: %s)", name, reason)
-        return None
+        return None, f"its own decoder ({reason})"
     try:
         decoder = LeanDecoder(model, architecture)
         difference = decoder.self_check(model)
     except Exception as error:  # noqa: BLE001 - any failure means the model's own forward, never a crash
         logger.warning("%s: the lean decoder could not be built (%s: %s); running the model's own decoder",
                        name, type(error).__name__, error)
-        return None
+        return None, f"its own decoder (the lean decoder failed to build: {type(error).__name__})"
     tolerance = SELF_CHECK_TOLERANCE.get(model.dtype, SELF_CHECK_TOLERANCE_16_BIT)
     if not difference <= tolerance:  # NaN included
         logger.warning("%s: the lean decoder's hidden states differ from the model's own by %.3g (over %g); "
                        "running the model's own decoder", name, difference, tolerance)
-        return None
+        return None, f"its own decoder (the lean decoder differed by {difference:.3g} at load)"
     logger.info("%s runs the lean decoder forward (%s, packed q/k/v and gate/up weights)", name,
                 architecture.model_type)
-    return decoder
+    return decoder, f"the lean decoder ({architecture.model_type})"

@@ -178,6 +178,7 @@ class ModelWorker:
             node_id=node_id,
             pid=os.getpid(),
             tokenizer=self.tokenizer_identity,
+            forward_path=str(getattr(self.backend, "forward_path", "")),
         )
 
     # ------------------------------------------------------------------ the step

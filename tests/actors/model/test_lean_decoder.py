@@ -78,6 +78,7 @@ def test_lean_logits_equal_transformers(family):
     reference = _rows_against_full_forward(_backend(_model(LEAN_CASES[family]), lean_forward=False), model)
     lean = _backend(model, lean_forward=True)
     assert lean.lean is not None, f"{family} should run the lean decoder"
+    assert lean.forward_path == f"the lean decoder ({family})"
     for got, own in zip(_rows_against_full_forward(lean, model), reference):
         torch.testing.assert_close(got, own, atol=ATOL, rtol=0)
 
@@ -86,7 +87,7 @@ def test_lean_logits_equal_transformers(family):
 def test_other_families_run_their_own_decoder(case):
     model = _model(case)
     backend = _backend(model, lean_forward=True)
-    assert backend.lean is None
+    assert backend.lean is None and backend.forward_path.startswith("its own decoder (")
     _rows_against_full_forward(backend, model)
 
 
@@ -99,7 +100,7 @@ def test_a_variant_the_lean_path_does_not_reproduce_runs_its_own_decoder(caplog)
     norm.forward = lambda hidden: original(hidden) * (1.0 + norm.weight) / norm.weight
     with caplog.at_level(logging.WARNING, logger="actors.model.lean_decoder"):
         backend = _backend(model, lean_forward=True)
-    assert backend.lean is None
+    assert backend.lean is None and "differed" in backend.forward_path
     assert any("LlamaForCausalLM" in record.getMessage() and "differ" in record.getMessage()
                for record in caplog.records)
     _rows_against_full_forward(backend, model)
