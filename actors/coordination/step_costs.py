@@ -6,7 +6,8 @@ model keeps
 
 * per model, the seconds of one forward by the tokens it runs, with the worker's own work around
   it (the call's seconds over its forwards: sampling, verification, row building; a
-  :class:`CostTable`: a running mean per bucket of token counts, interpolated between buckets;
+  :class:`CostTable`: the median of recent observations per bucket of token counts, interpolated
+  between buckets;
   forwards of steps that opened a session, i.e. prefilled a prompt, are left out);
 * per kind of step (speculative: a draft call then a verifying call; plain: the target alone),
   the seconds a step pays besides its worker calls (hops, the scheduler's own work), by the
@@ -30,6 +31,8 @@ before the draft (see :mod:`verifiers.adaptive` for why any such choice is lossl
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -38,8 +41,19 @@ from verifiers.adaptive import StepCosts
 #: Bucket edges of token / request counts (a count falls in the bucket of the largest edge <= it).
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096)
 
-#: Weight of a new observation in a bucket's running mean.
+#: Weight of a new observation in a running mean (:class:`ModeRates`).
 SMOOTHING = 0.2
+
+#: Observations a :class:`CostTable` bucket keeps (its most recent); the bucket reads as their
+#: median. A forward that the machine's other work delayed (a preempted process: several times
+#: its usual seconds) moves a median not at all, where it moved a running mean for many steps;
+#: and a table's buckets are read through a monotone envelope, so one inflated bucket raised
+#: every larger count's cost with it.
+WINDOW = 15
+
+#: A bucket with fewer observations is read only while no bucket has this many (a count seen
+#: once, e.g. a request's last, shorter block, would otherwise stand on one timing).
+MIN_OBSERVATIONS = 3
 
 #: Outside the measured range a forward is scaled as a fixed cost of this many token positions
 #: plus one per token (the CPU value of ``actors.model.backends.FORWARD_OVERHEAD_TOKENS``).
@@ -53,31 +67,38 @@ def _bucket(count: float) -> int:
 
 @dataclass
 class CostTable:
-    """Seconds by a count (tokens of a forward, requests of a step): a running mean per bucket,
-    linear interpolation between the measured buckets, proportional scaling outside them."""
+    """Seconds by a count (tokens of a forward, requests of a step): per bucket the median of its
+    recent observations (:data:`WINDOW`), linear interpolation between the measured buckets,
+    proportional scaling outside them."""
 
-    means: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean count, mean seconds)
+    samples: dict[int, deque] = field(default_factory=dict)  # bucket -> recent (count, seconds)
+    _points: list[tuple[float, float]] | None = field(default=None, repr=False)  # cached, by count
 
     def observe(self, count: float, seconds: float) -> None:
         if count <= 0 or seconds < 0:
             return
-        bucket = _bucket(count)
-        if bucket not in self.means:
-            self.means[bucket] = (float(count), float(seconds))
-            return
-        mean_count, mean_seconds = self.means[bucket]
-        self.means[bucket] = (mean_count + SMOOTHING * (count - mean_count),
-                              mean_seconds + SMOOTHING * (seconds - mean_seconds))
+        self.samples.setdefault(_bucket(count), deque(maxlen=WINDOW)).append((float(count), float(seconds)))
+        self._points = None
 
     @property
     def measured(self) -> bool:
-        return bool(self.means)
+        return bool(self.samples)
+
+    def points(self) -> list[tuple[float, float]]:
+        """(count, seconds) per bucket read (see :data:`MIN_OBSERVATIONS`), by count, monotone."""
+        if self._points is None:
+            buckets = [kept for kept in self.samples.values() if len(kept) >= MIN_OBSERVATIONS]
+            buckets = buckets or list(self.samples.values())
+            medians = [(statistics.median(c for c, _ in kept), statistics.median(s for _, s in kept))
+                       for kept in buckets]
+            self._points = _monotone(sorted(medians))
+        return self._points
 
     def estimate(self, count: float) -> float | None:
         """The seconds at ``count`` (None before any observation)."""
-        if not self.means:
+        if not self.samples:
             return None
-        points = _monotone(sorted(self.means.values()))  # (count, seconds) by count
+        points = self.points()
         counts = [c for c, _ in points]
         i = bisect.bisect_left(counts, count)
         if i < len(points) and counts[i] == count:

@@ -17,6 +17,8 @@ from actors.coordination.step_costs import (
     BOARD_PRIOR_VERIFICATIONS,
     AcceptanceBoard,
     CallReport,
+    MIN_OBSERVATIONS,
+    WINDOW,
     CostTable,
     ModeRates,
     StepCostModel,
@@ -45,11 +47,36 @@ def test_cost_table_interpolates_between_measured_counts_and_scales_outside():
     assert table.estimate(160) > table.estimate(80)
 
 
-def test_cost_table_keeps_a_running_mean_per_bucket():
+def test_cost_table_reads_the_median_of_a_buckets_recent_observations():
     table = CostTable()
     table.observe(5, 0.010)
     table.observe(5, 0.020)
     assert 0.010 < table.estimate(5) < 0.020
+    for _ in range(WINDOW):
+        table.observe(5, 0.012)
+    table.observe(5, 0.200)  # a forward the machine's other work delayed
+    assert table.estimate(5) == pytest.approx(0.012)
+
+
+def test_a_delayed_forward_does_not_raise_the_longer_forwards():
+    """Buckets are read through a monotone envelope: one slow short forward must not make every
+    longer forward look as slow (that favoured some blocks by noise)."""
+    table = CostTable()
+    for _ in range(4):
+        table.observe(2, 0.010)
+        table.observe(9, 0.020)
+    table.observe(2, 0.080)
+    assert table.estimate(2) == pytest.approx(0.010)
+    assert table.estimate(9) == pytest.approx(0.020)
+
+
+def test_a_bucket_seen_fewer_than_min_observations_times_is_not_read_beside_measured_ones():
+    table = CostTable()
+    for _ in range(MIN_OBSERVATIONS):
+        table.observe(2, 0.010)
+        table.observe(16, 0.030)
+    table.observe(6, 0.090)  # seen once
+    assert table.estimate(6) == pytest.approx(0.010 + 0.020 * (6 - 2) / (16 - 2))
 
 
 def _report(model: str, tokens: int, forwards: int, seconds: float, uniform: bool = True) -> CallReport:
@@ -290,3 +317,4 @@ def test_the_policy_returns_its_decision_and_the_machines_read_that_one():
     costs = requests[0].machine.step_costs()
     assert (costs.mode, costs.block) == (decision.mode, decision.block)
     assert requests[2].machine.step_costs().mode == "plain"
+
