@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,8 @@ from verifiers.machines import (
     SpeculativeMachine,
 )
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class StepDecision:
@@ -60,6 +63,9 @@ class StepDecision:
     alternate: str = "any"
     #: Every request of the step alternates with gamma auto: the step measures ``alternate``'s rate.
     alternate_only: bool = False
+    #: Whether the step's yield stands for its mode (:meth:`StepPolicy.observe_mode`): not a
+    #: speculative step right after a plain one, whose draft first feeds the plain steps' tokens.
+    representative: bool = True
 
 
 #: The alternating ensembles' gamma auto: steps in a row a mode is tried (probed), and steps the
@@ -69,6 +75,13 @@ ALTERNATE_EXPLOIT_STEPS = 32
 
 #: A step of one request alone (each request's own choice; a burst's iterations).
 ALONE = StepDecision()
+
+#: Steps a probe of each mode runs (gamma auto, a cohort of two or more): a speculative probe
+#: after plain steps runs two, the first of which feeds the draft every token the plain steps
+#: made (its yield is not the mode's), the second measures the mode. Charged to the speculative
+#: mode, that catch-up made every probe of it after plain steps look slower than speculative
+#: steps are, and a cohort that once went plain stayed plain where speculative steps were faster.
+PROBE_STEPS = {"plain": 1, "speculative": 2}
 
 
 def target_verifies(machine: Any) -> bool:
@@ -154,11 +167,14 @@ class StepPolicy:
     # ------------------------------------------------------------------ deciding
     def decide(self, cohort: Cohort) -> StepDecision:
         """The decision for the cohort's next step (binding every gamma-auto request to it)."""
+        previous = cohort.mode
         mode = self._cohort_mode(cohort)
         alternating = [request for request in cohort.stepping() if alternates_by_goodput(request)]
         decision = StepDecision(mode, self._cohort_block(cohort) if mode == "speculative" else 0,
                                 len(cohort.running), self._alternate_mode(cohort, alternating),
-                                bool(alternating) and len(alternating) == len(cohort.running))
+                                bool(alternating) and len(alternating) == len(cohort.running),
+                                representative=not (mode == "speculative" and previous == "plain"))
+        logger.debug("cohort %d, %d requests: %s", cohort.index, len(cohort.running), decision)
         for request in cohort.running:
             if chooses_by_costs(request) or alternates_by_goodput(request):
                 self.bind(request, decision)
@@ -204,20 +220,25 @@ class StepPolicy:
         decided once (a step whose requests split pays the draft's forwards AND the plain
         forwards): speculative when a fixed block drafts anyway; else the mode whose whole steps
         measured more tokens per second at this batch (:class:`actors.coordination.step_costs.ModeRates`), the
-        other probed after ``PLAIN_PROBE_EVERY`` steps in a row; before both are measured, what
-        the cost model and the pair's recent acceptance favour. ``any``: alone, or nothing
-        measured yet; each request weighs the costs itself."""
+        other probed after ``PLAIN_PROBE_EVERY`` steps in a row (for :data:`PROBE_STEPS`); before
+        both are measured, what the cost model and the pair's recent acceptance favour. ``any``:
+        alone, or nothing measured yet; each request weighs the costs itself."""
         stepping = cohort.stepping()
         autos = [request for request in stepping if chooses_by_costs(request)]
         if len(stepping) < 2 or not autos:
             return "any"
         if any(isinstance(r.machine, SpeculativeMachine) and r.machine.chooser is None for r in stepping):
             return "speculative"
-        mode = self._faster_mode(autos, len(stepping))
-        if mode is None:
-            return "any"
-        if mode == cohort.mode and cohort.mode_steps >= PLAIN_PROBE_EVERY:  # probe the other mode once
-            mode = "plain" if mode == "speculative" else "speculative"
+        if cohort.probe_steps_left > 0:  # a probe goes on
+            cohort.probe_steps_left -= 1
+            mode = cohort.mode
+        else:
+            mode = self._faster_mode(autos, len(stepping))
+            if mode is None:
+                return "any"
+            if mode == cohort.mode and cohort.mode_steps >= PLAIN_PROBE_EVERY:  # probe the other mode
+                mode = "plain" if mode == "speculative" else "speculative"
+                cohort.probe_steps_left = PROBE_STEPS[mode] - 1
         cohort.mode_steps = cohort.mode_steps + 1 if mode == cohort.mode else 1
         cohort.mode = mode
         return mode
@@ -286,8 +307,9 @@ class StepPolicy:
             self.cost_model.observe_step(batch, reports, wall_s, speculative=speculative)
 
     def observe_mode(self, decision: StepDecision, batch: int, tokens: int, seconds: float) -> None:
-        """What a whole step of the decided mode yielded (steps whose mode was decided only)."""
-        if decision.mode != "any":
+        """What a whole step of the decided mode yielded (steps whose mode was decided and whose
+        yield stands for it only)."""
+        if decision.mode != "any" and decision.representative:
             self.mode_rates.observe(decision.mode, batch, tokens, seconds)
         if decision.alternate_only and decision.alternate != "any":
             self.alternate_rates.observe(decision.alternate, batch, tokens, seconds)

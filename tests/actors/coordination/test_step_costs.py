@@ -318,3 +318,25 @@ def test_the_policy_returns_its_decision_and_the_machines_read_that_one():
     assert (costs.mode, costs.block) == (decision.mode, decision.block)
     assert requests[2].machine.step_costs().mode == "plain"
 
+
+def test_a_speculative_probe_after_plain_steps_runs_two_steps_and_only_the_second_counts():
+    """The first speculative step after plain ones feeds the draft the plain steps' tokens: its
+    yield is not the mode's (counted, it kept a cohort plain where speculative steps were faster)."""
+    coordinator = _coordinator(goodput=True)
+    policy = coordinator.scheduler.policy
+    cohort = coordinator.scheduler.cohorts[0]
+    for seed in range(3):
+        request = _state(coordinator, seed)
+        policy.admit(request)
+        cohort.running.append(request)
+    policy.mode_rates.observe("plain", 3, 12, 0.05)  # 240 tok/s
+    policy.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
+    decisions = [policy.decide(cohort) for _ in range(PLAIN_PROBE_EVERY + 3)]
+    assert [d.mode for d in decisions] == ["plain"] * PLAIN_PROBE_EVERY + ["speculative", "speculative", "plain"]
+    assert [d.representative for d in decisions[PLAIN_PROBE_EVERY:]] == [False, True, True]
+    before = policy.mode_rates.rate("speculative", 3)
+    policy.observe_mode(decisions[PLAIN_PROBE_EVERY], 3, 3, 0.05)  # the catch-up step: not counted
+    assert policy.mode_rates.rate("speculative", 3) == before
+    policy.observe_mode(decisions[PLAIN_PROBE_EVERY + 1], 3, 15, 0.05)
+    assert policy.mode_rates.rate("speculative", 3) > before
+
