@@ -83,6 +83,12 @@ ALONE = StepDecision()
 #: steps are, and a cohort that once went plain stayed plain where speculative steps were faster.
 PROBE_STEPS = {"plain": 1, "speculative": 2}
 
+#: Every this many speculative steps of a cohort draft a neighbour of the best block (the next
+#: longer, then the next shorter, in turn): the costs of the token counts the choice avoids are
+#: measured again, so a count measured only when it was slow (the first forwards of a shape, or
+#: a moment the machine was busy) is not avoided for good.
+EXPLORE_EVERY = 8
+
 
 def target_verifies(machine: Any) -> bool:
     """Whether ``machine`` is sd's: a draft / target pair whose target verifies (pre-drafting and
@@ -247,14 +253,22 @@ class StepPolicy:
         """The block every gamma-auto request of a speculative step drafts: the one with the most
         expected tokens per second at the pair's recent acceptance and the measured costs (a
         step's draft call runs as many forwards as its longest block, its verifying forward is
-        padded to its longest row); 0 (each chooses) while nothing is measured."""
+        padded to its longest row), but every :data:`EXPLORE_EVERY`-th a neighbour of it; 0 (each
+        chooses) while nothing is measured."""
         stepping = cohort.stepping()
         autos = [request for request in stepping if chooses_by_costs(request)]
         costs = self._pair_costs(autos, len(stepping)) if len(autos) >= 2 else None
         if costs is None:
             return 0
-        return best_block(self._group_acceptance(autos), len(costs.verify_s), costs, allow_plain=False,
-                          tokens_by_block=self._group_tokens_by_block(autos, len(costs.verify_s)))
+        gamma_max = len(costs.verify_s)
+        block = best_block(self._group_acceptance(autos), gamma_max, costs, allow_plain=False,
+                           tokens_by_block=self._group_tokens_by_block(autos, gamma_max))
+        cohort.blocks_chosen += 1
+        if cohort.blocks_chosen % EXPLORE_EVERY == 0:
+            longer = cohort.blocks_chosen % (2 * EXPLORE_EVERY) == EXPLORE_EVERY
+            neighbour = block + 1 if longer else block - 1
+            block = neighbour if 1 <= neighbour <= gamma_max else block
+        return block
 
     def _faster_mode(self, autos: list[RequestState], batch: int) -> str | None:
         """The mode whose steps of ``batch`` requests measured faster; the unmeasured one while

@@ -112,12 +112,18 @@ class CostTable:
 
 
 def _monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Points whose seconds never fall as the count grows (a noisy bucket below a larger count's
-    mean is raised to the running maximum): more work never looks cheaper."""
-    result, ceiling = [], 0.0
+    """Points whose seconds never fall as the count grows (a noisy bucket below a smaller count's
+    is raised to it: more work never looks cheaper) and never grow faster than the count (a bucket
+    above the smaller count's seconds scaled by the counts' ratio is lowered to that: a forward of
+    more tokens never costs more per token). The second bound keeps a bucket measured only on
+    a slow start (the first forwards of a shape) from reading as a cliff that the choice then
+    avoids, and so never measures again."""
+    result: list[tuple[float, float]] = []
     for count, seconds in points:
-        ceiling = max(ceiling, seconds)
-        result.append((count, ceiling))
+        if result:
+            previous_count, previous_seconds = result[-1]
+            seconds = min(max(seconds, previous_seconds), previous_seconds * count / previous_count)
+        result.append((count, seconds))
     return result
 
 

@@ -25,6 +25,7 @@ from actors.coordination.step_costs import (
 )
 from benchmarks.runners import LocalActorHandle
 from verifiers.adaptive import expected_tokens
+from actors.coordination.policy import EXPLORE_EVERY
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config, run_in_process
 from tests.verifiers.test_adaptive import LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
@@ -340,3 +341,24 @@ def test_a_speculative_probe_after_plain_steps_runs_two_steps_and_only_the_secon
     policy.observe_mode(decisions[PLAIN_PROBE_EVERY + 1], 3, 15, 0.05)
     assert policy.mode_rates.rate("speculative", 3) > before
 
+
+def test_every_explore_every_th_speculative_step_drafts_a_neighbour_of_the_best_block():
+    """The token counts the choice avoids are measured again now and then (the next longer block,
+    then the next shorter one); the other steps draft the best block."""
+    coordinator = _coordinator(goodput=True)
+    policy = coordinator.scheduler.policy
+    policy.cost_model = StepCostModel(plain_tokens=4)
+    for _ in range(MIN_OBSERVATIONS):  # a draft forward 1 ms, a verifying forward 10 ms + 1 ms per token
+        for tokens in (3, 9, 15, 24):
+            policy.cost_model.observe_step(3, [_report("draft", 3, 1, 0.001), _report("target", tokens, 1, 0.010 + 0.001 * tokens)],
+                                           0.02 + 0.001 * tokens, speculative=True)
+    cohort = coordinator.scheduler.cohorts[0]
+    for seed in range(3):
+        request = _state(coordinator, seed)
+        policy.admit(request)
+        cohort.running.append(request)
+    blocks = [policy._cohort_block(cohort) for _ in range(2 * EXPLORE_EVERY)]
+    best = blocks[0]
+    assert 1 < best < len(policy.cost_model.costs("draft", "target", batch=3, gamma_max=8).verify_s)
+    assert blocks[EXPLORE_EVERY - 1] == best + 1 and blocks[2 * EXPLORE_EVERY - 1] == best - 1
+    assert all(block == best for i, block in enumerate(blocks) if (i + 1) % EXPLORE_EVERY)
