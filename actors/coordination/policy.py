@@ -71,7 +71,7 @@ class StepDecision:
 #: The alternating ensembles' gamma auto: steps in a row a mode is tried (probed), and steps the
 #: faster one runs before the slower is probed again.
 ALTERNATE_PROBE_STEPS = 4
-ALTERNATE_EXPLOIT_STEPS = 32
+ALTERNATE_EXPLOIT_STEPS = 96
 
 #: A step of one request alone (each request's own choice; a burst's iterations).
 ALONE = StepDecision()
