@@ -16,7 +16,7 @@ from actors.coordination.requests import RequestState
 from actors.coordination.results import RequestResults
 from actors.coordination.worker_calls import Placed, WorkerCalls, call_report
 from actors.messages import UNAVAILABLE, WorkItem
-from actors.worker.bursts import BurstRecord, FrozenStepCosts, burst_home, burstable
+from actors.worker.bursts import BurstRecord, FrozenStepCosts, burstable
 from verifiers.machines import PreDraft
 
 logger = logging.getLogger(__name__)
@@ -45,11 +45,10 @@ class SoloBursts:
                 and burstable(request.machine))
 
     async def run(self, request: RequestState) -> None:
-        """Run ``request``'s iterations in its burst home's worker (:func:`actors.worker.bursts.burst_home`: its
-        target's) for up to ``burst_s`` (:mod:`actors.worker.bursts`);
+        """Run ``request``'s iterations in its target's worker for up to ``burst_s`` (:mod:`actors.worker.bursts`);
         each streamed iteration is replayed through the request's own machine as a step of its own."""
         machine = request.machine
-        target = burst_home(machine, self.calls.hosts.get)
+        target = machine.target
         live_costs = getattr(machine, "step_costs", None)
         if live_costs is not None:  # the worker's copy and the replay read the same costs, of a step alone
             machine.step_costs = FrozenStepCosts(self.policy.costs(machine, ALONE))

@@ -27,13 +27,8 @@ With pre-drafting (``engine.pre_drafting``) an iteration's PreDraft is sent to t
 worker right after its Sample and runs there while the target verifies here; the next iteration
 verifies a pre-drafted chain from that call's payloads, so the draft's forwards leave the
 critical path as in step-by-step scheduling (each record carries the PreDraft payloads' ref, so a
-later step or burst reads them the same way). ``se`` with a draft proposer bursts too, on a
-scoring member's worker (:func:`burst_home`: the one hosting the draft when there is one): the
-draft's block is fetched first, the other members' scoring calls go out with it (a call that
-reads another's payload), the home member scores it meanwhile, and the copy of the machine
-verifies against the ensemble law here. ``ar``, ``sd``, ``multi_draft`` and that ``se`` burst
-(:func:`burstable`); the plain ensemble and the alternate proposer do not (their members are
-peers of equal rank, with no block to hand from one to the others).
+later step or burst reads them the same way). Only ``ar``, ``sd`` and ``multi_draft`` burst
+(:func:`burstable`); the ensembles' members are peers of equal rank.
 """
 
 from __future__ import annotations
@@ -51,12 +46,9 @@ from verifiers.machines import (
     PRE_DRAFTED,
     AutoregressiveMachine,
     DecodeMachine,
-    EnsembleDraftMachine,
     Need,
-    NextLogits,
     PreDraft,
     Sample,
-    ScoreBlock,
     ScoreVerify,
     SpeculativeMachine,
 )
@@ -66,9 +58,8 @@ logger = logging.getLogger(__name__)
 #: A burst never runs more iterations than this, whatever its time budget.
 MAX_BURST_ITERATIONS = 64
 
-#: ``(model, items, source payload lists) -> (outcomes ref, payloads ref)``: submit one call on
-#: another model's worker; items with a ``proposal_source`` read the source lists given.
-PeerSubmit = Callable[[str, list[WorkItem], list[Any]], tuple[Any, Any]]
+#: ``(model, items) -> (outcomes ref, payloads ref)``: submit one call on another model's worker.
+PeerSubmit = Callable[[str, list[WorkItem]], tuple[Any, Any]]
 #: ``refs -> values``: wait for calls' returns (Ray ObjectRefs, or resolved in-process futures).
 Fetch = Callable[[Sequence[Any]], list[Any]]
 #: ``(items, source payload lists) -> (outcomes, payloads)``: one call of this worker's engine.
@@ -100,23 +91,11 @@ class FrozenStepCosts:
 
 
 def burstable(machine: DecodeMachine) -> bool:
-    """Whether a burst can run ``machine``'s iterations: Samples, a ScoreVerify on its target and
-    PreDrafts (``ar``, ``sd``, ``multi_draft``), or a drafted block every member scores
-    (:class:`EnsembleDraftMachine`); not the plain ensemble nor the alternate proposer."""
+    """Whether ``machine``'s needs are Samples, a ScoreVerify on its target and PreDrafts only
+    (``ar``, ``sd``, ``multi_draft``; not the ensembles, whose members are peers of equal rank)."""
     if isinstance(machine, SpeculativeMachine):
-        return machine.target_verifies or isinstance(machine, EnsembleDraftMachine)
+        return machine.target_verifies  # an ensemble target's members are peers too
     return isinstance(machine, AutoregressiveMachine)
-
-
-def burst_home(machine: DecodeMachine, host_of: Callable[[str], str | None]) -> str:
-    """The model whose worker runs ``machine``'s bursts: the target; for a drafted ensemble the
-    first scoring member hosted with the draft (``host_of``: a model's host id, None for a
-    worker of its own), else the first scoring member."""
-    if not isinstance(machine, EnsembleDraftMachine):
-        return machine.target
-    draft_host = host_of(machine.draft)
-    together = [name for name in machine.scorers if draft_host is not None and host_of(name) == draft_host]
-    return (together or machine.scorers)[0]
 
 
 def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_step: LocalStep,
@@ -160,29 +139,23 @@ def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_s
 
 @dataclass(frozen=True)
 class PeerCalls:
-    """One iteration's calls on other models' workers: the calls submitted now, that the local
-    needs wait for (``first``) and its PreDrafts (``ahead``), each as ``model -> (need indices,
-    refs)``; and the needs on other models that read a proposal of ``first`` (``reading``: a
-    drafted ensemble's other members scoring the block), ``model -> need indices``, submitted
-    once that proposal is here."""
+    """One iteration's calls on other models' workers, submitted: the calls its local needs wait
+    for (``first``) and its PreDrafts (``ahead``), each as ``model -> (need indices, refs)``."""
 
     first: dict[str, tuple[list[int], tuple[Any, Any]]]
     ahead: dict[str, tuple[list[int], tuple[Any, Any]]]
-    reading: dict[str, list[int]]
-    submit: PeerSubmit  # how ``reading`` goes out
 
 
 def submit_peer_calls(needs: Sequence[Need], session_id: str, local_model: str, peer_submit: PeerSubmit) -> PeerCalls:
     """Submit one iteration's needs on other models (one call per model), the PreDrafts last: each
-    queues right behind its worker's first call (a worker runs its calls in order). The calls
-    that read a proposal wait for :func:`finish_needs`."""
-    first, ahead, reading = _peer_calls(needs, local_model)
+    queues right behind its worker's first call (a worker runs its calls in order)."""
+    first, ahead = _peer_calls(needs, local_model)
 
     def submit(indices_by_model: dict[str, list[int]]) -> dict[str, tuple[list[int], tuple[Any, Any]]]:
-        return {model: (indices, peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices], []))
+        return {model: (indices, peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices]))
                 for model, indices in indices_by_model.items()}
 
-    return PeerCalls(submit(first), submit(ahead), reading, peer_submit)  # in this order
+    return PeerCalls(submit(first), submit(ahead))  # in this order
 
 
 def finish_needs(needs: Sequence[Need], calls: PeerCalls, session_id: str, local_model: str, local_step: LocalStep,
@@ -197,18 +170,12 @@ def finish_needs(needs: Sequence[Need], calls: PeerCalls, session_id: str, local
     where: dict[int, tuple[int, int]] = {}  # need index -> (source, position) of its payload
     for model, (indices, refs) in calls.first.items():
         _place_results(indices, _await_peer(model, refs, fetch, len(indices)), outcomes, where, sources)
-    reading = {model: (indices, calls.submit(model, [WorkItem(session_id, needs[i], proposal_source=where[
-        needs[i].draft_need]) for i in indices], list(sources))) for model, indices in calls.reading.items()}
     local = [i for i, need in enumerate(needs) if need.model == local_model]
     if local:
         items = [_local_item(session_id, needs[i], where, sources, pre_drafted, fetch) for i in local]
         local_outcomes, _ = local_step(items, sources)
         for index, outcome in zip(local, local_outcomes):
             outcomes[index] = outcome
-    for model, (indices, refs) in reading.items():
-        peer_outcomes, _ = _await_peer(model, refs, fetch, len(indices))
-        for position, index in enumerate(indices):
-            outcomes[index] = peer_outcomes[position]
     drafted_ahead = None
     for model, (indices, refs) in calls.ahead.items():
         peer_outcomes, _ = _await_peer(model, refs, fetch, len(indices))
@@ -218,25 +185,15 @@ def finish_needs(needs: Sequence[Need], calls: PeerCalls, session_id: str, local
     return outcomes, drafted_ahead  # type: ignore[return-value]
 
 
-def _peer_calls(needs: Sequence[Need], local_model: str
-                ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, list[int]]]:
-    """Indices of the needs on other models, per model: those the local needs wait for, the
-    PreDrafts, which run while the local needs do, and those reading another need's proposal."""
+def _peer_calls(needs: Sequence[Need], local_model: str) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Indices of the needs on other models, per model: those the local needs wait for, and the
+    PreDrafts, which run while the local needs do."""
     first: dict[str, list[int]] = {}
     ahead: dict[str, list[int]] = {}
-    reading: dict[str, list[int]] = {}
     for index, need in enumerate(needs):
-        if need.model == local_model:
-            continue
-        if isinstance(need, PreDraft):
-            ahead.setdefault(need.model, []).append(index)
-        elif isinstance(need, (ScoreBlock, ScoreVerify)) and need.draft_need >= 0:
-            reading.setdefault(need.model, []).append(index)
-        else:
-            first.setdefault(need.model, []).append(index)
-    if any(model in first for model in reading):
-        raise RuntimeError("a burst's peer both proposes and reads a proposal in one iteration")
-    return first, ahead, reading
+        if need.model != local_model:
+            (ahead if isinstance(need, PreDraft) else first).setdefault(need.model, []).append(index)
+    return first, ahead
 
 
 def _await_peer(model: str, refs: tuple[Any, Any], fetch: Fetch, count: int) -> tuple[list[ItemOutcome], list[Any]]:
@@ -275,9 +232,8 @@ def _local_item(session_id: str, need: Need, where: dict[int, tuple[int, int]], 
         return WorkItem(session_id, need, proposal_source=(len(sources) - 1, position))
     if isinstance(need, ScoreVerify) and need.draft_need == MODEL_FREE:  # the block travels in the need
         return WorkItem(session_id, need)
-    if isinstance(need, (ScoreVerify, ScoreBlock)):
+    if isinstance(need, ScoreVerify):
         return WorkItem(session_id, need, proposal_source=where[need.draft_need])
-    if not isinstance(need, (Sample, NextLogits)):
-        raise TypeError(f"a burst runs Sample, ScoreVerify, ScoreBlock, NextLogits and PreDraft needs only, "
-                        f"got {type(need).__name__}")
+    if not isinstance(need, Sample):
+        raise TypeError(f"a burst runs Sample, ScoreVerify and PreDraft needs only, got {type(need).__name__}")
     return WorkItem(session_id, need)

@@ -214,13 +214,10 @@ class ModelWorker:
         def local_step(items: list[WorkItem], sources: list[Any]) -> tuple[list[ItemOutcome], list[Any]]:
             return self.engine.run_step(items, (), sources)
 
-        def peer_submit(model: str, items: list[WorkItem], sources: list[Any]) -> tuple[Any, ...]:
+        def peer_submit(model: str, items: list[WorkItem]) -> tuple[Any, ...]:
             if model in local_peers:
-                outcomes, payloads = local_peers[model].engine.run_step(items, (), sources)
+                outcomes, payloads = local_peers[model].engine.run_step(items, (), ())
                 return Resolved(outcomes), Resolved(payloads)
-            if sources:  # a call reading a proposal: its payloads travel with it (the link carries none)
-                return tuple(peers[model].run_step.options(num_returns=2).remote(items, source_payloads=sources,
-                                                                                  releases=[]))
             link = self._peer_link(peers[model]) if use_links else None
             if link is not None:
                 try:

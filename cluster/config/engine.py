@@ -144,10 +144,9 @@ class EngineArgs(Frozen):
         ge=0.0,
         le=10_000.0,
         description="Solo bursts: while exactly one request is running and none waits, its target's worker runs "
-        "its steps (ar; sd and multi_draft without pre_drafting; se with a draft proposer, in a scoring member's "
-        "worker) for up to this many milliseconds per call, calling the draft's (and the other members') worker "
-        "directly and streaming each step's tokens, instead of one scheduler round trip per step. A request "
-        "arriving meanwhile starts after the burst (at most this much later). Tokens are the same "
+        "its steps (ar; sd and multi_draft without pre_drafting) for up to this many milliseconds per call, calling "
+        "the draft's worker directly and streaming each step's tokens, instead of one scheduler round trip per "
+        "step. A request arriving meanwhile starts after the burst (at most this much later). Tokens are the same "
         "either way; 0: off (docs/design.md).",
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(

@@ -20,17 +20,15 @@ import pytest
 import torch
 
 from actors.api import GenerationRequest
-from actors.worker.bursts import (BurstRecord, FrozenStepCosts, burst_home, burstable, finish_needs, run_burst,
-                                  submit_peer_calls)
+from actors.worker.bursts import BurstRecord, FrozenStepCosts, burstable, finish_needs, run_burst, submit_peer_calls
 from actors.messages import CallTiming, ItemOutcome
 from actors.coordination.plan import DecodingDefaults
 from cluster.bringup import start_model_group
-from tests.actors.fake_models import CO_LOCATED, FAKE_MODELS, FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from verifiers.adaptive import AdaptiveGammaSettings, StepCosts
 from verifiers.machines import AutoregressiveMachine, Sample, Sampled, ScoreVerify, SpeculativeMachine, Verified
 from verifiers.reference import autoregressive_generate, speculative_generate
-from verifiers.reference.ensemble import ensemble_draft_generate
 
 PROMPT = (1, 2, 3)
 MAX_TOKENS = 14
@@ -138,39 +136,6 @@ def test_speculation_in_bursts_equals_the_reference(burst_group, strategy, metho
         assert chunks[-1].stats.target_calls == stats["target_calls"]
 
 
-def _drafted_se_in_bursts(group, members: list[str], proposer: str, seeds=(0, 1, 2)) -> None:
-    """se with a model proposer, one request at a time (bursts on a scoring member's worker): the
-    reference loop's tokens, acceptances and blocks."""
-    speculation = {"strategy": "se", "method": "block", "members": members, "proposer": proposer, "gamma": 3}
-    before = _bursts(group)
-    results = _run_one_at_a_time(group, [_request(seed, speculation) for seed in seeds])
-    assert _bursts(group) >= before + len(seeds)
-    for seed, chunks in zip(seeds, results):
-        expected, stats = ensemble_draft_generate(
-            [FAKE_MODELS[m] for m in members], PROMPT, MAX_TOKENS, gamma=3, method="block",
-            proposer=members.index(proposer) if proposer in members else FAKE_MODELS[proposer],
-            generator=torch.Generator().manual_seed(seed))
-        assert _tokens(chunks) == expected
-        assert chunks[-1].stats.accepted_lengths == stats["accepted"]
-
-
-@pytest.mark.parametrize("members,proposer", [(["target", "partner"], "draft"),
-                                              (["target", "partner", "partner2"], "partner")])
-def test_drafted_ensemble_in_bursts_equals_the_reference(burst_group, members, proposer):
-    _drafted_se_in_bursts(burst_group, members, proposer)
-
-
-def test_drafted_ensemble_bursts_on_the_draft_host_with_the_reference_tokens(ray_session):
-    """The draft hosted with the target (placement): the burst runs on that host, the draft's block
-    in-process, the partner's scoring a call reading it."""
-    group = start_model_group(fake_group_config(overlap=False, burst_ms=5_000, placement=CO_LOCATED),
-                              worker_cls=FunctionModelWorker)
-    try:
-        _drafted_se_in_bursts(group, ["partner", "target"], "draft", seeds=(3, 4))
-    finally:
-        group.shutdown()
-
-
 def test_bursts_call_the_draft_over_the_peer_link_and_keep_its_tokens(burst_group):
     """Workers of one node: a burst's draft calls go over the direct link (actors/worker/peer_link.py),
     not Ray calls, and the tokens stay the reference's."""
@@ -243,7 +208,7 @@ def _ar_step(tokens_per_call: list[list[int]]):
     return local_step
 
 
-def _no_peer(model, items, sources=()):
+def _no_peer(model, items):
     raise AssertionError("ar makes no call to another worker")
 
 
@@ -292,7 +257,7 @@ def test_an_unreachable_draft_fails_its_iteration_as_retryable():
     machine = SpeculativeMachine("draft", "target", method="block", gamma=3, num_drafts=1, max_new_tokens=20)
     needs = machine.needs()
 
-    def dead_peer(model, items, sources):
+    def dead_peer(model, items):
         return "outcomes ref", "payloads ref"
 
     def fetch(refs):
@@ -317,7 +282,7 @@ def test_the_next_iterations_draft_call_goes_out_before_the_record_and_none_afte
     machine = SpeculativeMachine("draft", "target", method="block", gamma=2, num_drafts=1, max_new_tokens=9)
     events: list[str] = []
 
-    def draft_peer(model, items, sources):
+    def draft_peer(model, items):
         (item,) = items
         assert model == "draft" and isinstance(item.need, Sample)
         events.append("draft call")
@@ -336,17 +301,9 @@ def test_the_next_iterations_draft_call_goes_out_before_the_record_and_none_afte
                       "record of 3 tokens"]
 
 
-def test_ar_sd_multi_draft_and_the_drafted_ensemble_burst_the_others_do_not():
-    from verifiers.machines import EnsembleDraftMachine, EnsembleMachine, SpeculativeEnsembleMachine
+def test_ar_sd_and_multi_draft_burst_the_ensembles_do_not():
+    from verifiers.machines import EnsembleMachine
     from verifiers.randomness import TorchRandomSource
-
-    law = {"ensemble": "weighted", "weights": None, "mu": 0.1, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-           "own_source": TorchRandomSource(torch.Generator()), "max_new_tokens": 4}
-    drafted = EnsembleDraftMachine("draft", ["target", "partner"], method="block", gamma=3, num_drafts=1, **law)
-    assert burstable(drafted)
-    assert burst_home(drafted, {"draft": "0", "target": None, "partner": "0"}.get) == "partner"  # the draft's host
-    assert burst_home(drafted, lambda model: None) == "target"
-    assert not burstable(SpeculativeEnsembleMachine(["target", "partner"], gammas=[1, 2], method="token", **law))
 
     assert burstable(AutoregressiveMachine("target", max_new_tokens=4))
     assert burstable(SpeculativeMachine("draft", "target", method="block", gamma=3, num_drafts=1, max_new_tokens=4,
