@@ -41,8 +41,8 @@ from verifiers.adaptive import StepCosts
 #: Bucket edges of token / request counts (a count falls in the bucket of the largest edge <= it).
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096)
 
-#: Weight of a new observation in a running mean (:class:`ModeRates`).
-SMOOTHING = 0.2
+#: Whole steps a :class:`ModeRates` bucket keeps (its most recent); it reads as their median.
+MODE_WINDOW = 7
 
 #: Observations a :class:`CostTable` bucket keeps (its most recent); the bucket reads as their
 #: median. A forward that the machine's other work delayed (a preempted process: several times
@@ -276,21 +276,23 @@ class AcceptanceBoard:
 @dataclass
 class ModeRates:
     """Tokens per second of whole steps by mode (``plain``, ``speculative``) and by requests in
-    the step: a running mean per bucket (:data:`SMOOTHING`), read at the nearest measured bucket."""
+    the step: per bucket the median of its last :data:`MODE_WINDOW` steps, read at the nearest
+    measured bucket. A median, not a running mean: the mode a cohort avoids is measured only on
+    its probes, and a running mean kept a slow first step (a server's first steps of a shape) for
+    most of a run, so that mode went on looking slower than it was."""
 
-    means: dict[str, dict[int, float]] = field(default_factory=dict)
+    rates: dict[str, dict[int, deque]] = field(default_factory=dict)  # mode -> bucket -> recent rates
 
     def observe(self, mode: str, batch: int, tokens: int, seconds: float) -> None:
         if batch < 1 or seconds <= 0:
             return
-        buckets = self.means.setdefault(mode, {})
-        bucket, rate = _bucket(batch), tokens / seconds
-        buckets[bucket] = rate if bucket not in buckets else buckets[bucket] + SMOOTHING * (rate - buckets[bucket])
+        buckets = self.rates.setdefault(mode, {})
+        buckets.setdefault(_bucket(batch), deque(maxlen=MODE_WINDOW)).append(tokens / seconds)
 
     def rate(self, mode: str, batch: int) -> float | None:
         """The measured rate of ``mode`` for a step of ``batch`` requests; None before any."""
-        buckets = self.means.get(mode)
+        buckets = self.rates.get(mode)
         if not buckets:
             return None
         bucket = _bucket(batch)
-        return buckets[min(buckets, key=lambda measured: (abs(measured - bucket), measured))]
+        return statistics.median(buckets[min(buckets, key=lambda measured: (abs(measured - bucket), measured))])

@@ -18,6 +18,7 @@ from actors.coordination.step_costs import (
     AcceptanceBoard,
     CallReport,
     MIN_OBSERVATIONS,
+    MODE_WINDOW,
     WINDOW,
     CostTable,
     ModeRates,
@@ -278,8 +279,11 @@ def test_mode_rates_read_the_nearest_measured_batch():
     rates.observe("speculative", 4, 30, 0.1)
     assert rates.rate("plain", 16) == pytest.approx(640.0)
     assert rates.rate("plain", 2) == pytest.approx(640.0)  # the only measured bucket
-    rates.observe("plain", 16, 32, 0.1)  # a running mean
-    assert rates.rate("plain", 16) == pytest.approx(640.0 + 0.2 * (320.0 - 640.0))
+    rates.observe("plain", 16, 32, 0.1)
+    assert rates.rate("plain", 16) == pytest.approx((640.0 + 320.0) / 2)  # the median of the recent steps
+    for _ in range(MODE_WINDOW - 1):
+        rates.observe("plain", 16, 90, 0.1)
+    assert rates.rate("plain", 16) == pytest.approx(900.0)  # a slow first step is outvoted, then forgotten
     assert rates.rate("speculative", 3) == pytest.approx(300.0)
 
 
