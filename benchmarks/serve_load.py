@@ -438,6 +438,21 @@ class ServerProcess:
     def working_directory(self) -> pathlib.Path:
         return REPO
 
+    def ready_line(self) -> str | None:
+        """The line the server prints once every application and proxy is up (None: /health alone)."""
+        return "specserve is serving"
+
+    def _ready(self, client: Any, health: str) -> bool:
+        """/health answers 200 and the server has said it is ready: /health answers as soon as the
+        application runs, while `specserve serve` still waits for its proxies before it says so."""
+        try:
+            if client.get(health).status_code != 200:
+                return False
+        except Exception:  # noqa: BLE001 - any transport error: not up yet
+            return False
+        line = self.ready_line()
+        return line is None or line in self.log_path.read_text(errors="replace")
+
     def start(self, route_prefix: str) -> None:
         import httpx
 
@@ -455,11 +470,8 @@ class ServerProcess:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"the server exited with code {self.process.returncode} while starting:\n"
                                        f"{self.log_tail()}")
-                try:
-                    if client.get(health).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
+                if self._ready(client, health):
+                    break
                 if time.perf_counter() > deadline:
                     raise RuntimeError(f"the server did not answer {health} within {self.start_timeout_s:.0f} s:\n"
                                        f"{self.log_tail()}")

@@ -213,6 +213,9 @@ class VllmServer(ServerProcess):
             env["LD_PRELOAD"] = os.pathsep.join(p for p in (str(iomp), env.get("LD_PRELOAD", "")) if p)
         return env
 
+    def ready_line(self) -> None:
+        return None  # vLLM's server is ready when /health answers
+
     def working_directory(self) -> pathlib.Path:
         return self.log_path.parent  # not the repository: its packages must not shadow vLLM's imports
 
