@@ -445,10 +445,12 @@ class ServerProcess:
     def _ready(self, client: Any, health: str) -> bool:
         """/health answers 200 and the server has said it is ready: /health answers as soon as the
         application runs, while `specserve serve` still waits for its proxies before it says so."""
+        import httpx
+
         try:
             if client.get(health).status_code != 200:
                 return False
-        except Exception:  # noqa: BLE001 - any transport error: not up yet
+        except httpx.HTTPError:  # not listening yet
             return False
         line = self.ready_line()
         return line is None or line in self.log_path.read_text(errors="replace")
