@@ -8,13 +8,15 @@ and the sections it holds), the ``speculation`` object of a request
 (:class:`actors.api.SpeculationParams`) and the ``speculation`` statistics of a response
 (:class:`actors.api.RequestStats`). The HTTP and gRPC request fields, whose accepted ranges are
 checked outside their schemas, are tabulated in ``docs/serving.md``. This module walks those
-models and prints one table per section; ``tests/cluster/test_config_reference.py`` fails when the
-committed page differs from what it prints, or when a field has no description.
+models and prints one table per section, a row per field (its key without the section's prefix);
+``tests/cluster/test_config_reference.py`` fails when the committed page differs from what it
+prints, or when a field has no description.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 import typing
@@ -49,6 +51,7 @@ class Section:
     title: str
     summary: str
     rows: tuple[Row, ...]
+    prefix: str = ""  # the dotted key of the section (``engine.``); its rows print without it
 
 
 def _model_in(annotation: object) -> type[BaseModel] | None:
@@ -128,10 +131,11 @@ def default_text(field: FieldInfo) -> str:
 
 
 def _cell(text: str) -> str:
-    """Text that stays inside one table cell: one line, ``|`` escaped, and ``<`` outside code spans
-    escaped so that a placeholder such as ``embedded:<name>`` is not read as an HTML tag."""
+    """Text that stays inside one table cell: one line, ``|`` escaped, and a ``<`` that opens a tag
+    outside code spans escaped so that a placeholder such as ``embedded:<name>`` is not read as
+    HTML (``<= 32`` stays as it is)."""
     parts = " ".join(text.split()).replace("|", "\\|").split("`")
-    return "`".join(part if i % 2 else part.replace("<", "&lt;") for i, part in enumerate(parts))
+    return "`".join(part if i % 2 else re.sub(r"<(?=[A-Za-z/!?])", "&lt;", part) for i, part in enumerate(parts))
 
 
 def _row(key: str, field: FieldInfo) -> Row:
@@ -158,7 +162,8 @@ def model_sections(model: type[BaseModel], title: str, prefix: str, summary: str
             nested.append((f"{key}.<name>", mapped, field.description or ""))
             continue
         rows.append(_row(f"`{key}`", field))
-    yield Section(title=title, summary=summary or (model.__doc__ or "").strip().split("\n\n")[0], rows=tuple(rows))
+    yield Section(title=title, summary=summary or (model.__doc__ or "").strip().split("\n\n")[0], rows=tuple(rows),
+                  prefix=prefix)
     for key, inner, description in nested:
         yield from model_sections(inner, f"`{key}`", f"{key}.", description)
 
@@ -173,24 +178,21 @@ def all_sections() -> list[Section]:
 
 HEADER = f"""# Configuration reference
 
-Generated from the pydantic models that validate each setting (`cluster/config/`,
-`actors/coordination/plan.py`, `actors/api.py`); do not edit by hand. Regenerate with
-`{REGENERATE}` (`tests/cluster/test_config_reference.py` fails when this page is stale).
+Generated from the pydantic models that validate each setting; do not edit by hand: regenerate
+with `{REGENERATE}` (a test fails when this page is stale).
 
-A deployment is a Ray Serve YAML file (`deploy/*.yaml`). Ray Serve's own keys (`http_options`,
-`grpc_options`, `proxy_location`, `deployments` with `num_replicas` or `autoscaling_config`) are
-described in [serving.md](serving.md#deployment-files); specserve's settings are the `args` of
-each application, below. Every section refuses unknown keys, and a bad value stops the deployment
-with a message naming the key. A request chooses its strategy with the `speculation` object
-(HTTP: a body field; gRPC: `SpeculationOptions`), whose unset fields come from `args.defaults`;
-the sampling fields and their accepted ranges are in [serving.md](serving.md#http-api). Every
-response carries the request's `speculation` statistics (last section).
+A deployment is a Ray Serve YAML file ([serving.md](serving.md#deployment-files)); specserve's
+settings are the `args` of each application, one table per section below (the key `max_model_len`
+of section `engine` is `engine: {{max_model_len: ...}}` in the YAML). Unknown keys are refused, and
+a bad value stops the deployment with a message naming the key. A request's `speculation` object
+(gRPC `SpeculationOptions`) takes its unset fields from `args.defaults`; the sampling fields are in
+[serving.md](serving.md#http-api). Every response carries the `speculation` statistics (last section).
 
 ```yaml
 applications:
   - name: specserve                  # the model id clients send
     import_path: cluster.app:build_app
-    args:                            # the sections below
+    args:
       models: {{target: {{path: "embedded:target", role: target}}, draft: {{path: "embedded:draft", role: draft}}}}
       defaults: {{strategy: sd, method: block, gamma: 4}}
       resources: {{gpus_per_model: auto}}
@@ -201,14 +203,20 @@ applications:
 """
 
 
+def _short_key(key: str, prefix: str) -> str:
+    """A row's key without its section's prefix (the section's title names it): ``engine.overlap``
+    prints as ``overlap`` under ``engine``."""
+    return key.replace(f"`{prefix}", "`", 1) if prefix else key
+
+
 def render_section(section: Section) -> str:
     lines = [f"## {section.title}", ""]
     if section.summary:
         lines += [_cell(section.summary), ""]
     if section.rows:
         lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
-        lines += [f"| {row.key} | {_cell(row.type)} | {_cell(row.default)} | {_cell(row.description)} |"
-                  for row in section.rows]
+        lines += [f"| {_short_key(row.key, section.prefix)} | {_cell(row.type)} | {_cell(row.default)} | "
+                  f"{_cell(row.description)} |" for row in section.rows]
         lines.append("")
     return "\n".join(lines)
 

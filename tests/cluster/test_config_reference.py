@@ -45,3 +45,9 @@ def test_a_description_changed_in_the_code_makes_the_page_stale(monkeypatch):
     monkeypatch.setattr(field, "description", "Requests decoded together.")
     assert "Requests decoded together." in render_reference()
     assert PAGE.read_text(encoding="utf-8") != render_reference()
+
+
+def test_rows_print_their_key_without_the_section_prefix():
+    page = render_reference()
+    engine = page[page.index("## `engine`\n"):page.index("## `engine.simulated_device.<name>`")]
+    assert "| `overlap` |" in engine and "`engine.overlap`" not in engine
