@@ -267,10 +267,9 @@ class SpeculationParams(_Frozen):
     )
     gamma: GammaValue | None = Field(
         None,
-        description='Draft block length (sd, multi_draft, se with a model proposer), or "auto": chosen before each '
-        "draft from the request's acceptance so far, in [1, gamma_max] (lossless like any fixed gamma); se with the "
-        "alternate proposer: its gammas (else 1 each), or plain ensemble steps where the measured goodput says "
-        "proposals do not pay.",
+        description='Draft block length (sd, multi_draft, se with a model proposer), or "auto": chosen before each draft '
+        "from the request's acceptance so far, in [1, gamma_max]; se with the alternate proposer: its gammas "
+        "(else 1 each), or plain ensemble steps where proposals do not pay.",
     )
     gamma_max: int | None = Field(None, ge=1, le=MAX_GAMMA, description='Largest block "auto" may draft.')
     num_drafts: int | None = Field(None, ge=1, le=MAX_DRAFTS, description="K i.i.d. drafts (multi_draft).")
@@ -288,11 +287,10 @@ class SpeculationParams(_Frozen):
         None, max_length=MAX_LIST_ITEMS, description="Names of the ensemble members to use, in order (distinct)."
     )
     proposer: str | None = Field(
-        None, max_length=MAX_NAME_CHARS, description='Who drafts. sd: "draft" (the deployment\'s draft model) or "ngram" (prompt lookup: '
-        "drafts copied from the prompt and the output, no model; plain steps where nothing matches). se: "
-        '"alternate" (the members in turn, each verified by the others) or the name of a deployment model (a '
-        "draft, or one of the members) whose blocks every member scores in one forward and the ensemble law "
-        "verifies with the request's method. Unset: the deployment's defaults.proposers.",
+        None, max_length=MAX_NAME_CHARS,
+        description='Who drafts. sd: "draft" (the draft model) or "ngram" (prompt lookup: copied from the prompt and '
+        'the output, no model). se: "alternate" (the members in turn) or a deployment model (a draft or a member) '
+        "whose blocks every member scores in one forward. Unset: the deployment's defaults.proposers.",
     )
     prompt_lookup_max: int | None = Field(
         None, ge=1, le=MAX_NGRAM, description="Longest n-gram prompt lookup and prediction realignment look up."

@@ -104,17 +104,16 @@ class DecodingDefaults(BaseModel):
     )
     gamma: GammaValue = Field(
         4,
-        description='Draft block length (sd, multi_draft; se default per member), or "auto": each request chooses '
-        "its block before each draft from its own acceptance so far, in [1, gamma_max] (sd, multi_draft, se with a "
-        "model proposer); se with the alternate proposer: gammas (else 1 each), or plain ensemble steps where "
-        "the measured goodput says proposals do not pay.",
+        description='Draft block length (sd, multi_draft; se default per member), or "auto": each request chooses its '
+        "block before each draft from its own acceptance so far, in [1, gamma_max]; se with the alternate "
+        "proposer: gammas (else 1 each), or plain ensemble steps where proposals do not pay.",
     )
     gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description='Largest block gamma "auto" may draft.')
     draft_cost_ratio: float = Field(
         0.07, ge=0.0, le=10.0,
-        description='Time one more drafted token adds to an iteration, over the time of an iteration without drafts '
-        '(target verification and coordination), used by gamma "auto" to weigh longer blocks. 0.07: the embedded '
-        "family served on Ray (docs/verifiers.md: the ms/iter of sd at gamma 4 and 8); measure yours the same way.",
+        description='Time one more drafted token adds to an iteration, over an iteration without drafts; gamma "auto" '
+        "weighs longer blocks with it when it has no measured costs. 0.07: the embedded family served on Ray; "
+        "measure yours from the ms/iter of sd at two gammas (docs/benchmarks.md).",
     )
     num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")
     ensemble: EnsembleKind = Field("weighted", description="weighted | contrastive (ensemble, se).")
@@ -131,10 +130,8 @@ class DecodingDefaults(BaseModel):
     )
     proposer: str | None = Field(
         None,
-        description='Proposer of the default strategy: "draft" (the draft model) or "ngram" (prompt lookup, no '
-        'model) for sd; "alternate" (the members in turn) or a deployment model (a draft, or a member: its blocks '
-        "every member scores at once, the ensemble law verifies) for se. Unset: proposers.<strategy>. Set, it must "
-        "agree with proposers.<strategy> when that is set too.",
+        description='Proposer of the default strategy: "draft" or "ngram" for sd; "alternate" or a deployment model for '
+        "se. Unset: proposers.<strategy>; set, it must agree with proposers.<strategy> when that is set too.",
     )
     proposers: StrategyProposers = Field(
         default_factory=StrategyProposers,

@@ -58,9 +58,8 @@ class SimulatedDeviceArgs(Frozen):
     per_token_ms: float = Field(..., ge=0.0, description="Milliseconds each new token of a forward adds.")
     device: str | None = Field(
         None, min_length=1, max_length=64,
-        description="Models given the same id share one modelled device: their modelled forwards never overlap in "
-        "time (queued first come, first served, like two models time-slicing one GPU; the workers of one node "
-        "share the device clock). Unset: the model has a device of its own.",
+        description="Models given the same id share one modelled device: their modelled forwards never overlap in time "
+        "(like two models time-slicing one GPU). Unset: a device of its own.",
     )
 
 
@@ -70,12 +69,11 @@ class EngineArgs(Frozen):
 
     kv_cache_memory: MemoryBudget | None = Field(
         None,
-        description="KV cache memory of each model worker: bytes (an int, or a string such as '4GiB', '512MiB', "
-        "'2GB') or, on a GPU, a fraction in (0, 1] of the device memory free once the weights are loaded. The worker "
-        "holds as many whole-context slots (one per running request) as fit, and the group runs at most as many "
-        "requests at once as its smallest worker holds (the rest wait); a budget that cannot hold one request of "
-        "max_model_len tokens is refused at start-up. Unset: 0.9 on a GPU; on CPU 2 x "
-        "limits.max_concurrent_requests + 4 slots.",
+        description="KV cache memory of each model worker: bytes (an int, or a string such as '4GiB', '512MiB', '2GB') "
+        "or, on a GPU, a fraction in (0, 1] of the device memory free once the weights are loaded. The worker "
+        "holds as many whole-context slots (one per running request) as fit; the group runs at most as many "
+        "requests at once as its smallest worker holds (the rest wait). A budget below one slot is refused at "
+        "start-up. Unset: 0.9 on a GPU; on CPU 2 x limits.max_concurrent_requests + 4 slots (docs/models.md).",
     )
     max_model_len: int | None = Field(
         None, ge=2,
@@ -87,72 +85,66 @@ class EngineArgs(Frozen):
 
     max_tokens_per_step: int = Field(
         512, ge=8,
-        description="Tokens one model worker feeds in one step at most: the rows of the running requests "
-        "(decoding, verification) first, what is left to the prefill of new prompts. A prompt longer than this is "
-        "prefilled in chunks over several steps (chunked prefill), so the running streams keep producing tokens "
-        "while it arrives; the output is unchanged. Lower: steadier inter-token latency while long prompts "
-        "arrive, a slower first token for them; on a GPU 2048-8192 suit better (docs/strategies.md).",
+        description="Tokens one model worker feeds in one step at most: the running requests' rows first, the rest to the "
+        "prefill of new prompts; a longer prompt is prefilled in chunks over several steps, so the running "
+        "streams keep producing tokens (output unchanged). Lower: steadier inter-token latency, a slower "
+        "first token for long prompts; 2048-8192 suit a GPU.",
     )
     overlap: bool | Literal["auto"] = Field(
         "auto",
-        description="Two alternating cohorts of requests, so the draft proposes for one while the target verifies "
-        "the other (every request's tokens are the same either way); false: one cohort, every request in every step; "
-        "auto: on when every model worker has its own GPU, off on CPU, where the workers share the cores and the "
-        "halved batches cost more than the overlap gains (docs/benchmarks.md).",
+        description="Two alternating cohorts of requests, so the draft proposes for one while the target verifies the "
+        "other (tokens unchanged); false: one cohort; auto: on when every model worker has its own GPU, off "
+        "on CPU (docs/benchmarks.md).",
     )
     lean_forward: bool = Field(
         True,
-        description="Llama-shaped models (llama, mistral, qwen2, qwen3) run the engine's lean decoder forward: the "
-        "model's own operations over packed q/k/v and gate/up weights, without transformers' per-layer dispatch; "
-        "logits equal the model's own forward to float32 rounding, and each worker checks that at load (a model "
-        "that differs runs its own forward, with a warning naming it). false: every model runs its transformers "
-        "decoder module (docs/design.md).",
+        description="Llama-shaped models (llama, mistral, qwen2, qwen3) run the engine's lean decoder forward (packed "
+        "q/k/v and gate/up weights, no per-layer dispatch); its logits equal the model's own forward to "
+        "float32 rounding, checked at load (a model that differs runs its own forward, with a warning). "
+        "false: every model runs its transformers decoder (docs/design.md).",
     )
     prefix_caching: bool = Field(
         True,
-        description="A new request's session copies the keys/values of the longest prefix of its prompt that its "
-        "model worker already holds (an open request's context, or a finished request's parked slot) instead of "
-        "computing them again; the output is unchanged (docs/design.md).",
+        description="A new request copies the keys/values of the longest prefix of its prompt that its model worker holds "
+        "(an open request's, or a finished request's parked slot) instead of computing them; output "
+        "unchanged.",
     )
     sampling_precision: Literal["auto", "float32", "float64"] = Field(
         "auto",
-        description="What the model workers compute the rows they draw tokens from and verify against in (the "
-        "one sampling path: penalties, temperature, top-k / top-p, draws, token and block verification). float64: "
-        "what the exactness proofs enumerate; float32: the law up to float32 rounding (bounded in the tests), the "
-        "precision a GPU computes fast; auto: float32 when a model worker has a GPU, else float64. The speculative "
-        "ensemble's rows and the multi-draft rules compute in float64 either way (docs/strategies.md).",
+        description="Precision of the rows the workers draw tokens from and verify against. float64: what the exactness "
+        "proofs enumerate; float32: the law up to float32 rounding (bounded in the tests), what a GPU "
+        "computes fast; auto: float32 when a model worker has a GPU, else float64. Ensemble rows and "
+        "multi-draft rules are float64 either way (docs/strategies.md).",
     )
     goodput_gamma: bool = Field(
         True,
-        description="gamma \"auto\" also weighs the measured cost of a step at the current batch (draft and target "
-        "forwards, per-step overhead) and may take plain steps (no draft) when they yield more tokens per second "
-        "(the law is unchanged; seeded tokens then depend on timings); false: the block follows the request's "
-        "acceptance alone, seeded tokens reproducible (docs/verifiers.md).",
+        description='gamma "auto" also weighs the measured cost of a step at the current batch and may take plain steps '
+        "(no draft) when they yield more tokens per second (law unchanged; seeded tokens then depend on "
+        "timings); false: the block follows the request's acceptance alone, seeded tokens reproducible "
+        "(docs/verifiers.md).",
     )
     pre_drafting: int = Field(
         0,
         ge=0,
         le=8,
-        description="sd with a single-draft rule: while the target verifies a block, the draft drafts the next "
-        "block after each of this many candidate bonus tokens (its most likely ones), and the next step verifies "
-        "that chain when the block is accepted in full and the bonus is a candidate, so the draft's forwards leave "
-        "the critical path where draft and target have devices of their own. 0: off. The law is unchanged (exact "
-        "enumeration); seeded tokens differ from those with it off (docs/verifiers.md).",
+        description="sd with a single-draft rule: while the target verifies a block, the draft drafts the next block "
+        "after each of this many likeliest bonus tokens; the next step verifies that chain when the block is "
+        "accepted in full and the bonus is a candidate, taking the draft off the critical path where draft "
+        "and target have devices of their own. 0: off. Law unchanged; seeded tokens differ from those with it "
+        "off.",
     )
     burst_ms: float = Field(
         100.0,
         ge=0.0,
         le=10_000.0,
-        description="Solo bursts: while exactly one request is running and none waits, its target's worker runs "
-        "its steps (ar; sd and multi_draft without pre_drafting) for up to this many milliseconds per call, calling "
-        "the draft's worker directly and streaming each step's tokens, instead of one scheduler round trip per "
-        "step. A request arriving meanwhile starts after the burst (at most this much later). Tokens are the same "
-        "either way; 0: off (docs/design.md).",
+        description="Solo bursts: while exactly one request runs and none waits, its target's worker runs its steps (ar; "
+        "sd and multi_draft without pre_drafting) for up to this many milliseconds per call, calling the "
+        "draft's worker directly, instead of one scheduler round trip per step; a request arriving meanwhile "
+        "waits at most this long. Tokens unchanged; 0: off.",
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,
-        description="Benchmarks only (default: none): model name -> {fixed_ms, per_token_ms}; that model's worker "
-        "runs each real forward, then waits until fixed_ms + per_token_ms x (tokens in the forward) has passed since "
-        "it began, releasing the CPU, as a host waiting on a device would (tokens unchanged; docs/benchmarks.md, "
-        "'Modelled devices').",
+        description="Benchmarks only (default: none): model name -> {fixed_ms, per_token_ms}; that model's worker runs "
+        "each real forward, then waits until fixed_ms + per_token_ms x (tokens in the forward) has passed, as "
+        "a host waiting on a device would (tokens unchanged; docs/benchmarks.md).",
     )

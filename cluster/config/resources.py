@@ -69,13 +69,11 @@ class PlacementArgs(Frozen):
 
     placement: Literal["auto", "separate"] | dict[str, Annotated[int, Field(ge=0)]] = Field(
         "auto",
-        description="Models placed on devices: a mapping model -> device id (an int >= 0; every model placed), the "
-        "models given one id hosted by ONE worker process (one CUDA context on a GPU), each keeping its own KV cache "
-        "slots and sessions, their step's calls in one call; 'separate': a worker per model; 'auto': a worker per "
-        "model when GPUs or nodes are set by hand (gpus_per_model a number, per_model gpus or resources) or the Ray "
-        "cluster has a GPU for each, otherwise the draft shares its target's worker and every "
-        "other model has its own, workers dealt round-robin onto the GPUs when there are fewer (docs/serving.md, "
-        "'Placement'). The rule is printed at start-up.",
+        description="Models placed on devices: a mapping model -> device id (an int >= 0; every model placed), the models "
+        "given one id hosted by ONE worker process; 'separate': a worker per model; 'auto': a worker per "
+        "model when GPUs or nodes are set by hand or the Ray cluster has a GPU for each, otherwise the draft "
+        "shares its target's worker and every other model has its own, dealt round-robin onto the GPUs "
+        "(docs/serving.md). The rule is printed at start-up.",
     )
 
 
