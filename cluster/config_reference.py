@@ -181,25 +181,12 @@ HEADER = f"""# Configuration reference
 Generated from the pydantic models that validate each setting; do not edit by hand: regenerate
 with `{REGENERATE}` (a test fails when this page is stale).
 
-A deployment is a Ray Serve YAML file ([serving.md](serving.md#deployment-files)); specserve's
-settings are the `args` of each application, one table per section below (the key `max_model_len`
-of section `engine` is `engine: {{max_model_len: ...}}` in the YAML). Unknown keys are refused, and
-a bad value stops the deployment with a message naming the key. A request's `speculation` object
-(gRPC `SpeculationOptions`) takes its unset fields from `args.defaults`; the sampling fields are in
-[serving.md](serving.md#http-api). Every response carries the `speculation` statistics (last section).
-
-```yaml
-applications:
-  - name: specserve                  # the model id clients send
-    import_path: cluster.app:build_app
-    args:
-      models: {{target: {{path: "embedded:target", role: target}}, draft: {{path: "embedded:draft", role: draft}}}}
-      defaults: {{strategy: sd, method: block, gamma: 4}}
-      resources: {{gpus_per_model: auto}}
-      limits: {{max_concurrent_requests: 16}}
-      engine: {{kv_cache_memory: 40GiB, max_model_len: 8192}}
-      security: {{api_key: ...}}
-```
+A deployment is a Ray Serve YAML file whose applications' `args` hold the sections below
+([example](serving.md#deployment-files)); a row's key is written inside its section
+(`engine: {{max_model_len: 8192}}`). Unknown keys are refused, and a bad value stops the deployment
+naming the key. A request's `speculation` object (gRPC `SpeculationOptions`) takes its unset fields
+from `args.defaults`; the sampling fields are in [serving.md](serving.md#http-api). Every response
+carries the `speculation` statistics (last section).
 """
 
 

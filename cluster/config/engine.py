@@ -69,26 +69,25 @@ class EngineArgs(Frozen):
 
     kv_cache_memory: MemoryBudget | None = Field(
         None,
-        description="KV cache memory of each model worker: bytes (an int, or a string such as '4GiB', '512MiB', '2GB') "
-        "or, on a GPU, a fraction in (0, 1] of the device memory free once the weights are loaded. The worker "
-        "holds as many whole-context slots (one per running request) as fit; the group runs at most as many "
-        "requests at once as its smallest worker holds (the rest wait). A budget below one slot is refused at "
-        "start-up. Unset: 0.9 on a GPU; on CPU 2 x limits.max_concurrent_requests + 4 slots (docs/models.md).",
+        description="KV cache memory of each model worker: bytes (an int, or '4GiB', '512MiB', '2GB') or, on a GPU, a "
+        "fraction in (0, 1] of the memory free once the weights are loaded. The worker holds as many "
+        "whole-context slots (one per running request) as fit, and at most that many requests run at once; "
+        "less than one slot is refused at start-up. Unset: 0.9 on a GPU; on CPU 2 x "
+        "limits.max_concurrent_requests + 4 slots (docs/models.md).",
     )
     max_model_len: int | None = Field(
         None, ge=2,
-        description="The most context one request may use (prompt + max_tokens) in this group; each KV cache slot "
-        "holds this many tokens (plus scratch columns for drafts). At most every model's context "
-        "(models.<name>.max_context, default its max_position_embeddings); unset: each model's own, so the group's "
-        "limit is the smallest model's. Requests past it get HTTP 400.",
+        description="The most context one request may use (prompt + max_tokens; longer: HTTP 400); each KV cache slot "
+        "holds this many tokens. At most every model's context (models.<name>.max_context); unset: the "
+        "smallest model's context.",
     )
 
     max_tokens_per_step: int = Field(
         512, ge=8,
-        description="Tokens one model worker feeds in one step at most: the running requests' rows first, the rest to the "
-        "prefill of new prompts; a longer prompt is prefilled in chunks over several steps, so the running "
-        "streams keep producing tokens (output unchanged). Lower: steadier inter-token latency, a slower "
-        "first token for long prompts; 2048-8192 suit a GPU.",
+        description="Tokens one model worker feeds in one step at most: the running requests' rows first, the rest to new "
+        "prompts, so a longer prompt is prefilled in chunks while the running streams go on (output "
+        "unchanged). Lower: steadier inter-token latency, a slower first token for long prompts; 2048-8192 "
+        "suit a GPU.",
     )
     overlap: bool | Literal["auto"] = Field(
         "auto",
@@ -98,10 +97,10 @@ class EngineArgs(Frozen):
     )
     lean_forward: bool = Field(
         True,
-        description="Llama-shaped models (llama, mistral, qwen2, qwen3) run the engine's lean decoder forward (packed "
-        "q/k/v and gate/up weights, no per-layer dispatch); its logits equal the model's own forward to "
-        "float32 rounding, checked at load (a model that differs runs its own forward, with a warning). "
-        "false: every model runs its transformers decoder (docs/design.md).",
+        description="Llama-shaped models (llama, mistral, qwen2, qwen3) run the engine's lean decoder (packed weights, no "
+        "per-layer dispatch), whose logits equal the model's own forward to float32 rounding, checked at load "
+        "(a model that differs runs its own, with a warning). false: every model runs its transformers "
+        "decoder (docs/design.md).",
     )
     prefix_caching: bool = Field(
         True,
@@ -111,10 +110,10 @@ class EngineArgs(Frozen):
     )
     sampling_precision: Literal["auto", "float32", "float64"] = Field(
         "auto",
-        description="Precision of the rows the workers draw tokens from and verify against. float64: what the exactness "
-        "proofs enumerate; float32: the law up to float32 rounding (bounded in the tests), what a GPU "
-        "computes fast; auto: float32 when a model worker has a GPU, else float64. Ensemble rows and "
-        "multi-draft rules are float64 either way (docs/strategies.md).",
+        description="Precision of the rows tokens are drawn from and verified against. float64: what the exactness proofs "
+        "enumerate; float32: the law up to float32 rounding (bounded in the tests), what a GPU computes fast; "
+        "auto: float32 on a GPU, else float64. Ensemble rows and multi-draft rules are float64 either way "
+        "(docs/strategies.md).",
     )
     goodput_gamma: bool = Field(
         True,
@@ -128,10 +127,9 @@ class EngineArgs(Frozen):
         ge=0,
         le=8,
         description="sd with a single-draft rule: while the target verifies a block, the draft drafts the next block "
-        "after each of this many likeliest bonus tokens; the next step verifies that chain when the block is "
-        "accepted in full and the bonus is a candidate, taking the draft off the critical path where draft "
-        "and target have devices of their own. 0: off. Law unchanged; seeded tokens differ from those with it "
-        "off.",
+        "after each of this many likeliest bonus tokens, used when the block is accepted in full and the "
+        "bonus is one of them (for a draft and target on devices of their own). 0: off. Law unchanged; seeded "
+        "tokens differ from those with it off.",
     )
     burst_ms: float = Field(
         100.0,
@@ -139,8 +137,7 @@ class EngineArgs(Frozen):
         le=10_000.0,
         description="Solo bursts: while exactly one request runs and none waits, its target's worker runs its steps (ar; "
         "sd and multi_draft without pre_drafting) for up to this many milliseconds per call, calling the "
-        "draft's worker directly, instead of one scheduler round trip per step; a request arriving meanwhile "
-        "waits at most this long. Tokens unchanged; 0: off.",
+        "draft directly; a request arriving meanwhile waits at most this long. Tokens unchanged; 0: off.",
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,
