@@ -139,9 +139,14 @@ def _cell(text: str) -> str:
 
 
 def _row(key: str, field: FieldInfo) -> Row:
+    """A field's row; a field whose default is null prints its type without ``| null`` (the default says it)."""
     bounds = _bounds(field)
-    type_text = type_name(field.annotation) + (f" ({bounds})" if bounds else "")
-    return Row(key=key, type=type_text, default=default_text(field), description=field.description or "")
+    default = default_text(field)
+    type_text = type_name(field.annotation)
+    if default == "null" and type_text.endswith(" | null"):
+        type_text = type_text.removesuffix(" | null")
+    type_text += f" ({bounds})" if bounds else ""
+    return Row(key=key, type=type_text, default=default, description=field.description or "")
 
 
 def model_sections(model: type[BaseModel], title: str, prefix: str, summary: str = "") -> Iterator[Section]:
@@ -183,8 +188,8 @@ with `{REGENERATE}` (a test fails when this page is stale).
 
 A deployment is a Ray Serve YAML file whose applications' `args` hold the sections below
 ([example](serving.md#deployment-files)); a row's key is written inside its section
-(`engine: {{max_model_len: 8192}}`). Unknown keys are refused, and a bad value stops the deployment
-naming the key. A request's `speculation` object (gRPC `SpeculationOptions`) takes its unset fields
+(`engine: {{max_model_len: 8192}}`); a default of null means unset. Unknown keys are refused, and a
+bad value stops the deployment naming the key. A request's `speculation` object (gRPC `SpeculationOptions`) takes its unset fields
 from `args.defaults`; the sampling fields are in [serving.md](serving.md#http-api). Every response
 carries the `speculation` statistics (last section).
 """
