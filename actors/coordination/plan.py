@@ -81,8 +81,8 @@ class StrategyProposers(BaseModel):
     sd: SdProposer = Field("draft", description='sd: "draft" (the draft model) or "ngram" (prompt lookup, no model).')
     se: str = Field(
         ALTERNATE,
-        description='se: "alternate" (the members in turn, each verified by the others) or a deployment model '
-        "(a draft, or a member) whose blocks every member scores at once and the ensemble law verifies.",
+        description='se: "alternate" (the members in turn) or a deployment model (a draft or a member) whose '
+        "blocks every member scores in one forward.",
     )
 
     def of(self, strategy: str) -> str:

@@ -45,10 +45,9 @@ class ModelResourceArgs(Frozen):
     cpus: float | None = Field(None, ge=0.0, description="CPUs for this model's worker.")
     resources: CustomResources = Field(
         default_factory=dict,
-        description="Custom Ray resources this model's worker asks for, e.g. {node_draft: 0.01}: the worker "
-        "(and its placement-group bundle) then goes only on nodes started with that resource "
-        "(`ray start --resources='{\"node_draft\": 1}'`). Names other than CPU, GPU, memory, object_store_memory; "
-        "quantities >= 0.0001. Empty: any node.",
+        description="Custom Ray resources this model's worker asks for, e.g. {node_draft: 0.01}: it then runs only on "
+        "nodes started with that resource (ray start --resources='{\"node_draft\": 1}'). Not CPU, GPU, memory "
+        "or object_store_memory; quantities >= 0.0001. Empty: any node.",
     )
 
 
@@ -58,9 +57,8 @@ class CoordinatorResourceArgs(Frozen):
     coordinator_cpus: float = Field(0.0, ge=0.0, description="CPUs reserved for the coordinator actor.")
     coordinator_resources: CustomResources = Field(
         default_factory=dict,
-        description="Custom Ray resources the coordinator asks for, e.g. {node_coordinator: 0.01}: it then goes only "
-        "on nodes started with that resource (in a Serve replica: in a bundle of its own holding them). Same rules "
-        "as per_model.<name>.resources. Empty: any node.",
+        description="Custom Ray resources the coordinator asks for, e.g. {node_coordinator: 0.01}: it then runs only on "
+        "nodes started with that resource (rules as per_model.<name>.resources). Empty: any node.",
     )
 
 
@@ -69,11 +67,11 @@ class PlacementArgs(Frozen):
 
     placement: Literal["auto", "separate"] | dict[str, Annotated[int, Field(ge=0)]] = Field(
         "auto",
-        description="Models placed on devices: a mapping model -> device id (an int >= 0; every model placed), the models "
-        "given one id hosted by ONE worker process; 'separate': a worker per model; 'auto': a worker per "
-        "model when GPUs or nodes are set by hand or the Ray cluster has a GPU for each, otherwise the draft "
-        "shares its target's worker and every other model has its own, dealt round-robin onto the GPUs "
-        "(docs/serving.md). The rule is printed at start-up.",
+        description="Models placed on devices: a mapping model -> device id (every model placed; the models given one id "
+        "share ONE worker process), 'separate' (a worker per model) or 'auto': a worker per model when GPUs "
+        "or nodes are set by hand or the Ray cluster has a GPU for each, otherwise the draft shares its "
+        "target's worker and every other model has its own (docs/serving.md). The rule is printed at "
+        "start-up.",
     )
 
 
@@ -82,9 +80,8 @@ class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
 
     gpus_per_model: float | Literal["auto"] = Field(
         "auto",
-        description="GPUs per worker; 'auto': one GPU per worker when the Ray cluster has GPUs, else none (with "
-        "placement auto, models share workers when there are fewer GPUs than models). A group that asks for more "
-        "GPUs than the cluster has is refused at start-up.",
+        description="GPUs per worker; 'auto': one GPU per worker when the Ray cluster has GPUs, else none. A group that "
+        "asks for more GPUs than the cluster has is refused at start-up.",
     )
     cpus_per_model: float = Field(
         0.25, ge=0.0, description="CPUs per model worker (small on CPU so a whole group fits on 2 cores)."

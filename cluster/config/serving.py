@@ -25,8 +25,8 @@ class LimitsArgs(Frozen):
     )
     request_timeout_s: float = Field(
         600.0, gt=0.0, le=86400.0,
-        description="A request still unfinished this long after it arrived (waiting included) ends with HTTP 504 / "
-        "gRPC DEADLINE_EXCEEDED and its sessions are freed; bounds the work of clients that vanished unnoticed.",
+        description="A request unfinished this long after it arrived (waiting included) ends with HTTP 504 / gRPC "
+        "DEADLINE_EXCEEDED, its sessions freed.",
     )
     max_prompt_chars: int = Field(
         DEFAULT_MAX_PROMPT_CHARS,
