@@ -7,7 +7,7 @@ tokens sampled from the draft rows, a draft that resembles the target). Methods 
 interleaved within each repeat and the median (and interquartile range) is reported, as the
 performance doctrine asks; stateful rules are timed with a state from a previous call.
 
-    python -m benchmarks.verify_micro                # writes docs/verify-benchmark.md
+    python -m benchmarks.verify_micro                # writes bench-out/verify-benchmark.md
     python -m benchmarks.verify_micro --repeats 5 --out /tmp/verify.md
 """
 
@@ -154,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes B")
     parser.add_argument("--num-drafts", type=int, default=2, help="K for multi-draft rules")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--out", type=Path, default=Path("docs/verify-benchmark.md"), help="markdown output")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/verify-benchmark.md"), help="markdown output")
     return parser.parse_args(argv)
 
 
