@@ -15,6 +15,7 @@ prints, or when a field has no description.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -52,6 +53,7 @@ class Section:
     summary: str
     rows: tuple[Row, ...]
     prefix: str = ""  # the dotted key of the section (``engine.``); its rows print without it
+    show_defaults: bool = True  # False for a request's fields (unset: the deployment's) and a response's
 
 
 def _model_in(annotation: object) -> type[BaseModel] | None:
@@ -176,8 +178,9 @@ def model_sections(model: type[BaseModel], title: str, prefix: str, summary: str
 def all_sections() -> list[Section]:
     """Every section of the reference, in page order."""
     sections = list(model_sections(SpecServeArgs, "Application `args`", ""))
-    sections += list(model_sections(SpeculationParams, "Request: `speculation`", "speculation."))
-    sections += list(model_sections(RequestStats, "Response: `speculation` statistics", "speculation."))
+    request = model_sections(SpeculationParams, "Request: `speculation`", "speculation.")
+    response = model_sections(RequestStats, "Response: `speculation` statistics", "speculation.")
+    sections += [dataclasses.replace(section, show_defaults=False) for section in (*request, *response)]
     return sections
 
 
@@ -205,10 +208,15 @@ def render_section(section: Section) -> str:
     lines = [f"## {section.title}", ""]
     if section.summary:
         lines += [_cell(section.summary), ""]
-    if section.rows:
+    if section.rows and section.show_defaults:
         lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
         lines += [f"| {_short_key(row.key, section.prefix)} | {_cell(row.type)} | {_cell(row.default)} | "
                   f"{_cell(row.description)} |" for row in section.rows]
+        lines.append("")
+    elif section.rows:
+        lines += ["| key | type | description |", "| --- | --- | --- |"]
+        lines += [f"| {_short_key(row.key, section.prefix)} | {_cell(row.type)} | {_cell(row.description)} |"
+                  for row in section.rows]
         lines.append("")
     return "\n".join(lines)
 
