@@ -186,15 +186,12 @@ def all_sections() -> list[Section]:
 
 HEADER = f"""# Configuration reference
 
-Generated from the pydantic models that validate each setting; do not edit by hand: regenerate
-with `{REGENERATE}` (a test fails when this page is stale).
-
-A deployment is a Ray Serve YAML file whose applications' `args` hold the sections below
-([example](serving.md#deployment-files)); a row's key is written inside its section
-(`engine: {{max_model_len: 8192}}`); a default of null means unset. Unknown keys are refused, and a
-bad value stops the deployment naming the key. A request's `speculation` object (gRPC `SpeculationOptions`) takes its unset fields
-from `args.defaults`; the sampling fields are in [serving.md](serving.md#http-api). Every response
-carries the `speculation` statistics (last section).
+Generated from the pydantic models that validate each setting by `{REGENERATE}` (a test fails
+when this page is stale). A deployment's YAML ([example](serving.md#deployment-files)) holds the
+sections below in each application's `args`, a row's key inside its section (`engine:
+{{max_model_len: 8192}}`); a null default means unset, unknown keys are refused, and a bad value
+stops the deployment naming the key. A request's `speculation` object takes its unset fields from
+`args.defaults`; the sampling fields are in [serving.md](serving.md#http-api).
 """
 
 

@@ -99,14 +99,11 @@ class DecodingDefaults(BaseModel):
     strategy: Strategy = Field("sd", description="ar | sd | multi_draft | ensemble | se.")
     method: str | None = Field(
         None,
-        description="Verification rule of the default strategy: token | block | greedy_block (sd), "
-        "spectr | sequential_gbv | spectr_gbv (multi_draft), token | block (se). Unset: the strategy's first rule.",
+        description="Verification rule of the default strategy (as speculation.method). Unset: the strategy's first rule.",
     )
     gamma: GammaValue = Field(
         4,
-        description='Draft block length (sd, multi_draft; se default per member), or "auto": each request chooses its '
-        "block before each draft from its own acceptance so far, in [1, gamma_max]; se with the alternate "
-        "proposer: gammas (else 1 each), or plain ensemble steps where proposals do not pay.",
+        description='Draft block length, or "auto" (as speculation.gamma); se: the default proposal length of each member.',
     )
     gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description='Largest block gamma "auto" may draft.')
     draft_cost_ratio: float = Field(
@@ -130,8 +127,8 @@ class DecodingDefaults(BaseModel):
     )
     proposer: str | None = Field(
         None,
-        description='Proposer of the default strategy: "draft" or "ngram" for sd; "alternate" or a deployment model for '
-        "se. Unset: proposers.<strategy>; set, it must agree with proposers.<strategy> when that is set too.",
+        description="Proposer of the default strategy (as speculation.proposer). Unset: proposers.<strategy>; set, it "
+        "must agree with proposers.<strategy> when that is set too.",
     )
     proposers: StrategyProposers = Field(
         default_factory=StrategyProposers,
