@@ -186,12 +186,14 @@ def all_sections() -> list[Section]:
 
 HEADER = f"""# Configuration reference
 
-Generated from the pydantic models that validate each setting by `{REGENERATE}` (a test fails
-when this page is stale). A deployment's YAML ([example](serving.md#deployment-files)) holds the
-sections below in each application's `args`, a row's key inside its section (`engine:
-{{max_model_len: 8192}}`); a null default means unset, unknown keys are refused, and a bad value
-stops the deployment naming the key. A request's `speculation` object takes its unset fields from
-`args.defaults`; the sampling fields are in [serving.md](serving.md#http-api).
+Generated from the pydantic models that validate each setting; a test fails when this page is
+stale (regenerate: `{REGENERATE}`).
+
+A deployment's YAML ([example](serving.md#deployment-files)) holds the sections below in each
+application's `args`, a row's key inside its section (`engine: {{max_model_len: 8192}}`); a null
+default means unset, unknown keys are refused, and a bad value stops the deployment naming the
+key. A request's `speculation` object takes its unset fields from `args.defaults`; the sampling
+fields are in [serving.md](serving.md#http-api).
 """
 
 
