@@ -28,7 +28,7 @@ from models import embedded_model_path
 
 #: aten op name -> the column it is counted in (every other op: "other ops").
 KINDS = {
-    "aten::mm": "GEMMs", "aten::addmm": "GEMMs", "aten::bmm": "GEMMs",
+    "aten::mm": "GEMMs", "aten::addmm": "GEMMs", "aten::bmm": "GEMMs", "mkldnn::_linear_pointwise": "GEMMs",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "aten::_scaled_dot_product_attention_math": "attention",
     "aten::_index_put_impl_": "cache writes", "aten::index_select": "cache writes",

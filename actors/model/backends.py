@@ -200,7 +200,8 @@ class SlotBackend:
         finally:
             self.cache.unbind()
         kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.keep_index)  # [N_keep, hidden]
-        logits = apply_head(self.architecture, self.lm_head(kept)).float()  # [N_keep, V]: the model's own head
+        head = self.lm_head(kept) if self.lean is None else self.lean.head(self.lm_head, kept)  # [N_keep, V]
+        logits = apply_head(self.architecture, head).float()  # [N_keep, V]: the model's own head
         per_row: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
         for index, row_logits in zip(batch.row_order, logits.split(batch.keep_counts)):
             per_row[index] = row_logits  # [len(keep), V]

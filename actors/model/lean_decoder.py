@@ -16,8 +16,13 @@ runs the same computation with less around it:
 * each layer is two plain functions over its packed weights (norm + q/k/v + rotary; o_proj +
   residual + norm + MLP + residual) around the cache write and attention.
 
-What that buys on CPU is the Python and dispatch work around the ops (``python -m
-benchmarks.forward_micro --paths model,lean``, ``docs/benchmarks.md``); the GEMMs and the
+* on CPU in float32, a GEMM of two or more rows (and the head's, :meth:`LeanDecoder.head`) goes
+  through oneDNN's matmul (:func:`_linear`) instead of the BLAS behind ``F.linear``: the same
+  float32 product, 2.3-2.5x faster from 16 rows on this machine's AMD cores, what vLLM's CPU build
+  runs too; one row stays on ``F.linear`` (as fast there).
+
+What that buys on CPU is the Python and dispatch work around the ops and the faster GEMMs
+(``python -m benchmarks.forward_micro --paths model,lean``, ``docs/benchmarks.md``); the
 attention's reads of the cache are the same. TorchInductor over the two dense halves (dynamic
 token count) measured no faster here: the elementwise work it fuses is small next to the
 GEMMs, and its guards cost what the fusion saves; so the path runs eager.
@@ -49,6 +54,11 @@ logger = logging.getLogger(__name__)
 #: rounding; a 16-bit model's GEMMs may round differently when packed (3 significant digits).
 SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
 SELF_CHECK_TOLERANCE_16_BIT = 2e-2
+
+#: Fewest rows (tokens) of a float32 CPU GEMM that go through oneDNN (:func:`_linear`): at one row
+#: the BLAS GEMV is as fast (``python -m benchmarks.forward_micro``).
+ONEDNN_MIN_ROWS = 2
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 #: transformers model types whose decoder layer is the Llama shape described in the module doc.
 LEAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -143,6 +153,13 @@ class LeanDecoder:
             hidden = _after_attention(hidden, attended.reshape(batch, length, -1), *layer.after)  # [B, L, hidden]
         return _rms_norm(hidden, *self.final_norm)
 
+    def head(self, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head(hidden)`` (``[N, hidden]`` -> ``[N, V]``), through :func:`_linear` when it is a
+        plain ``nn.Linear``."""
+        if type(lm_head) is torch.nn.Linear:
+            return _linear(hidden, lm_head.weight, lm_head.bias)
+        return lm_head(hidden)
+
     @torch.inference_mode()
     def self_check(self, model: Any, tokens: int = 6) -> float:
         """Run ``tokens`` new tokens through this path and through ``model``'s own decoder over a
@@ -181,6 +198,16 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor,
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=module.scaling).transpose(1, 2)
 
 
+def _linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(inputs, weight, bias)``; a float32 CPU product of ``ONEDNN_MIN_ROWS`` rows or more
+    through oneDNN's matmul over the same dense weight (the same float32 GEMM, faster than the BLAS
+    on this machine; no weight copied or repacked)."""
+    if (_ONEDNN and inputs.dtype is torch.float32 and inputs.device.type == "cpu"
+            and inputs.numel() >= ONEDNN_MIN_ROWS * inputs.shape[-1]):
+        return torch.ops.mkldnn._linear_pointwise(inputs, weight, bias, "none", [], "")
+    return F.linear(inputs, weight, bias)
+
+
 @dataclass(frozen=True)
 class _HeadShape:
     heads: int  # H
@@ -208,7 +235,7 @@ def _before_attention_fn(shape: _HeadShape, apply_rotary: Callable) -> Callable[
         """``hidden`` ``[B, L, hidden]`` -> rotated queries ``[B, H, L, d]``, rotated keys and values
         ``[B, H_kv, L, d]``: the input norm, one q/k/v GEMM, the optional per-head norms, rotary."""
         batch, length, _ = hidden.shape
-        qkv = F.linear(_rms_norm(hidden, norm_weight, eps), qkv_weight, qkv_bias)  # [B, L, (H + 2 H_kv) d]
+        qkv = _linear(_rms_norm(hidden, norm_weight, eps), qkv_weight, qkv_bias)  # [B, L, (H + 2 H_kv) d]
         query, key, value = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
         query = query.view(batch, length, heads, head_dim)  # [B, L, H, d]
         key = key.view(batch, length, kv_heads, head_dim)  # [B, L, H_kv, d]
@@ -229,10 +256,10 @@ def _after_attention(
 ) -> torch.Tensor:
     """The rest of the layer: ``hidden + o_proj(attended)``, then ``+ down(silu(gate) * up)`` of its
     norm. ``hidden`` ``[B, L, hidden]``, ``attended`` ``[B, L, H d]`` -> ``[B, L, hidden]``."""
-    hidden = hidden + F.linear(attended, o_weight, o_bias)
+    hidden = hidden + _linear(attended, o_weight, o_bias)
     normed = _rms_norm(hidden, norm_weight, eps)
-    gate, up = F.linear(normed, gate_up_weight, gate_up_bias).chunk(2, dim=-1)  # [B, L, I] each
-    return hidden + F.linear(F.silu(gate) * up, down_weight, down_bias)
+    gate, up = _linear(normed, gate_up_weight, gate_up_bias).chunk(2, dim=-1)  # [B, L, I] each
+    return hidden + _linear(F.silu(gate) * up, down_weight, down_bias)
 
 
 def _pack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
