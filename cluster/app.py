@@ -180,6 +180,10 @@ class SpecServeIngress(GrpcMethods):
         model name and this replica's id) names the coordinator so ``GET /metrics`` finds it."""
         if start_group is None:
             from cluster.bringup import start_model_group as start_group
+        if _replica_id():  # a Serve replica: its bring-up lines (workers' slots, forward paths) in the serve log
+            from cluster.bringup import show_startup_logs
+
+            show_startup_logs()
 
         self._args: SpecServeArgs = parse_app_args(args)
         self._config: GroupConfig = self._args.freeze()

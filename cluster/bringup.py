@@ -41,6 +41,29 @@ SERVE_PROXY_READY_TIMEOUT_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
 SERVE_PROXY_READY_TIMEOUT_S = 30.0
 
 
+#: Loggers whose INFO lines are start-up only (placement, and each worker's KV cache slots and forward
+#: path): a Serve replica shows them (:func:`show_startup_logs`).
+STARTUP_LOGGERS = ("cluster.bringup",)
+STARTUP_LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+def show_startup_logs(stream: Any = None) -> None:
+    """Let the :data:`STARTUP_LOGGERS`' INFO lines out of this process: their level set to INFO,
+    and, when the root logger has no handler (a Ray Serve replica: Serve configures only its own
+    ``ray.serve`` logger), a handler writing them to ``stream`` (stderr, which Ray forwards to the
+    ``specserve serve`` output). The root logger and every other logger are left as they are, so
+    request-time INFO lines (``cluster.app``, ``cluster.streams``) stay out of the log."""
+    handled = bool(logging.getLogger().handlers)
+    for name in STARTUP_LOGGERS:
+        startup = logging.getLogger(name)
+        startup.setLevel(logging.INFO)
+        if not handled and not any(getattr(handler, "specserve_startup", False) for handler in startup.handlers):
+            handler = logging.StreamHandler(stream)
+            handler.setFormatter(logging.Formatter(STARTUP_LOG_FORMAT))
+            handler.specserve_startup = True  # type: ignore[attr-defined]
+            startup.addHandler(handler)
+
+
 def set_slow_start_defaults(environ: Any = None) -> None:
     """Default Ray Serve's proxy readiness timeout to :data:`SERVE_PROXY_READY_TIMEOUT_S` in
     ``environ`` (``os.environ``) unless it is set; must run before a local Ray starts (its

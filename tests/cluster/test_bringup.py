@@ -67,3 +67,37 @@ def test_each_worker_gets_its_own_gpu():
     assert report["placed"]["tokens"] == report["auto"]["tokens"]  # same seed, same output
     assert all(bundle.get("GPU") == 1.0 for bundle in report["auto_bundles"])
     assert all(bundle.get("GPU") == 1.0 for bundle in report["bundles"].values())
+
+
+def test_startup_logs_show_in_a_replica_and_requests_stay_quiet():
+    """A Serve replica's root logger has no handler (Serve configures only ``ray.serve``), so
+    bring-up's INFO lines (each worker's slots and forward path) were lost: ``show_startup_logs``
+    (run by each replica) lets them out once, and leaves request-time INFO lines of other
+    ``cluster`` loggers out. Where the root logger has a handler, it adds none (no line twice)."""
+    import io
+    import logging
+
+    from cluster.bringup import STARTUP_LOGGERS, show_startup_logs
+
+    root, loggers = logging.getLogger(), [logging.getLogger(name) for name in STARTUP_LOGGERS]
+    saved_root, saved = root.handlers[:], [(each.level, each.handlers[:]) for each in loggers]
+    stream = io.StringIO()
+    try:
+        root.handlers.clear()
+        show_startup_logs(stream)
+        show_startup_logs(stream)
+        logging.getLogger("cluster.bringup").info("worker target (target): forward: the lean decoder (llama)")
+        logging.getLogger("cluster.app").info("request r1: user 'someone'")
+        logging.getLogger("cluster.streams").info("request r1: client went away")
+        root.handlers[:] = saved_root
+        for each in loggers:
+            each.handlers.clear()
+        show_startup_logs(stream)
+        added_under_a_handled_root = [handler for each in loggers for handler in each.handlers]
+    finally:
+        root.handlers[:] = saved_root
+        for each, (level, handlers) in zip(loggers, saved):
+            each.setLevel(level)
+            each.handlers[:] = handlers
+    assert stream.getvalue().splitlines() == ["INFO cluster.bringup: worker target (target): forward: the lean decoder (llama)"]
+    assert added_under_a_handled_root == []
