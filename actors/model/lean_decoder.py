@@ -7,19 +7,22 @@ SiLU-gated MLP -> residual" (:data:`LEAN_FAMILIES`: Llama, Mistral, Qwen2, Qwen3
 runs the same computation with less around it:
 
 * the q/k/v projections are one GEMM over packed weights, and so are the MLP's gate and up
-  projections (the model's own ``nn.Linear`` weights become views into the packed tensors, so
-  no weight is held twice and the model's own forward still works);
+  projections (the model's own ``nn.Linear`` weights become views into the packed tensors, and
+  the model's own forward still works);
 * the rotary cos/sin are computed once per forward by the model's own rotary module, the
   per-layer masks come ready from :func:`actors.model.layer_masks.layer_masks`, and attention is
   :func:`actors.model.grouped_attention.grouped_sdpa_forward` (no mask conversion, no per-call
   dispatch through transformers' attention and mask interfaces);
 * each layer is two plain functions over its packed weights (norm + q/k/v + rotary; o_proj +
-  residual + norm + MLP + residual) around the cache write and attention.
-
-* on CPU in float32, a GEMM of two or more rows (and the head's, :meth:`LeanDecoder.head`) goes
-  through oneDNN's matmul (:func:`_linear`) instead of the BLAS behind ``F.linear``: the same
-  float32 product, 2.3-2.5x faster from 16 rows on this machine's AMD cores, what vLLM's CPU build
-  runs too; one row stays on ``F.linear`` (as fast there).
+  residual + norm + MLP + residual) around the cache write and attention;
+* on CPU in float32 the layers' GEMMs go through oneDNN's matmul (:func:`_linear`) over a copy of
+  their weights reordered into oneDNN's blocked layout, what vLLM's CPU build runs too: the same
+  float32 product, 2.5x faster than the BLAS (MKL) behind ``F.linear`` at 16 rows on this
+  machine's AMD cores, and faster at one row too, where the weights are read from memory
+  (``python -m benchmarks.forward_micro``, ``docs/benchmarks.md``). That copy is the one weight
+  held twice (the model's own ``nn.Linear`` weights stay, for its own forward, the load-time check
+  and the fall-back): the layers' weights, 40.5 MiB for the embedded target. The head's GEMM of two
+  or more rows (:meth:`LeanDecoder.head`) uses oneDNN over the model's own weight (no copy).
 
 What that buys on CPU is the Python and dispatch work around the ops and the faster GEMMs
 (``python -m benchmarks.forward_micro --paths model,lean``, ``docs/benchmarks.md``); the
@@ -55,10 +58,13 @@ logger = logging.getLogger(__name__)
 SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
 SELF_CHECK_TOLERANCE_16_BIT = 2e-2
 
-#: Fewest rows (tokens) of a float32 CPU GEMM that go through oneDNN (:func:`_linear`): at one row
-#: the BLAS GEMV is as fast (``python -m benchmarks.forward_micro``).
+#: Fewest rows (tokens) of a float32 CPU GEMM over a plain weight (the head's) that go through
+#: oneDNN (:func:`_linear`): at one row the BLAS GEMV is as fast over a plain weight.
 ONEDNN_MIN_ROWS = 2
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+#: The batch size oneDNN lays the layers' weights out for (any row count runs on that layout).
+ONEDNN_LAYOUT_ROWS = 16
+_ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+           and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 #: transformers model types whose decoder layer is the Llama shape described in the module doc.
 LEAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -126,7 +132,9 @@ class LeanDecoder:
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
         self.final_norm = (decoder.norm.weight, float(decoder.norm.variance_epsilon))
-        self.layers = [_pack_layer(layer, kind) for layer, kind in zip(decoder.layers, architecture.layer_types)]
+        # oneDNN's layout for the layers' GEMMs: on CPU in float32 (see the module doc).
+        self.onednn = _ONEDNN and self.embed_tokens.weight.device.type == "cpu" and model.dtype == torch.float32
+        self.layers = [_pack_layer(layer, kind, self.onednn) for layer, kind in zip(decoder.layers, architecture.layer_types)]
         attention = decoder.layers[0].self_attn
         shape = _HeadShape(int(model.config.num_attention_heads),
                            int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
@@ -199,13 +207,18 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor,
 
 
 def _linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(inputs, weight, bias)``; a float32 CPU product of ``ONEDNN_MIN_ROWS`` rows or more
-    through oneDNN's matmul over the same dense weight (the same float32 GEMM, faster than the BLAS
-    on this machine; no weight copied or repacked)."""
-    if (_ONEDNN and inputs.dtype is torch.float32 and inputs.device.type == "cpu"
-            and inputs.numel() >= ONEDNN_MIN_ROWS * inputs.shape[-1]):
+    """``F.linear(inputs, weight, bias)``: oneDNN's matmul over a weight in its layout
+    (:func:`_onednn_weight`), and over a plain float32 CPU weight from ``ONEDNN_MIN_ROWS`` rows;
+    the same float32 GEMM either way. ``inputs`` ``[..., in]`` -> ``[..., out]``."""
+    if weight.is_mkldnn or (_ONEDNN and inputs.dtype is torch.float32 and inputs.device.type == "cpu"
+                            and inputs.numel() >= ONEDNN_MIN_ROWS * inputs.shape[-1]):
         return torch.ops.mkldnn._linear_pointwise(inputs, weight, bias, "none", [], "")
     return F.linear(inputs, weight, bias)
+
+
+def _onednn_weight(weight: torch.Tensor, reorder: bool) -> torch.Tensor:
+    """``weight`` ``[out, in]`` copied into oneDNN's blocked layout when ``reorder``, else itself."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_LAYOUT_ROWS) if reorder else weight
 
 
 @dataclass(frozen=True)
@@ -280,18 +293,21 @@ def _pack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-def _pack_layer(layer: Any, kind: str) -> _LeanLayer:
+def _pack_layer(layer: Any, kind: str, reorder: bool) -> _LeanLayer:
+    """One layer's :class:`_LeanLayer`; its four GEMM weights in oneDNN's layout when ``reorder``."""
     attention, mlp = layer.self_attn, layer.mlp
     qkv_weight, qkv_bias = _pack([attention.q_proj, attention.k_proj, attention.v_proj])
     gate_up_weight, gate_up_bias = _pack([mlp.gate_proj, mlp.up_proj])
+    qkv_weight, gate_up_weight = _onednn_weight(qkv_weight, reorder), _onednn_weight(gate_up_weight, reorder)
     q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
     before = (layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon), qkv_weight,
               qkv_bias, None if q_norm is None else q_norm.weight.detach(),
               None if k_norm is None else k_norm.weight.detach(),
               0.0 if q_norm is None else float(q_norm.variance_epsilon))
-    after = (attention.o_proj.weight.detach(), _detached(attention.o_proj.bias),
+    after = (_onednn_weight(attention.o_proj.weight.detach(), reorder), _detached(attention.o_proj.bias),
              layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
-             gate_up_weight, gate_up_bias, mlp.down_proj.weight.detach(), _detached(mlp.down_proj.bias))
+             gate_up_weight, gate_up_bias, _onednn_weight(mlp.down_proj.weight.detach(), reorder),
+             _detached(mlp.down_proj.bias))
     return _LeanLayer(attention=attention, before=before, after=after, kind=kind)
 
 
@@ -320,6 +336,6 @@ def build_lean_decoder(model: Any, architecture: Architecture, name: str) -> tup
         logger.warning("%s: the lean decoder's hidden states differ from the model's own by %.3g (over %g); "
                        "running the model's own decoder", name, difference, tolerance)
         return None, f"its own decoder (the lean decoder differed by {difference:.3g} at load)"
-    logger.info("%s runs the lean decoder forward (%s, packed q/k/v and gate/up weights)", name,
-                architecture.model_type)
+    logger.info("%s runs the lean decoder forward (%s, packed q/k/v and gate/up weights%s)", name,
+                architecture.model_type, ", oneDNN's layout" if decoder.onednn else "")
     return decoder, f"the lean decoder ({architecture.model_type})"

@@ -63,9 +63,12 @@ def _rows_against_full_forward(backend: SlotBackend, model) -> list[torch.Tensor
     for k, chain in enumerate(chains):
         expected = _full_logits(model, prompt + chain)[len(prompt):]  # [4, V]
         torch.testing.assert_close(chain_logits[4 * k: 4 * (k + 1)], expected, atol=ATOL, rtol=0)
+    token = int(torch.randint(1, VOCAB, (1,), generator=generator))  # one row of one token: a decode step
+    (step_logits,) = backend.forward([linear_row(slots[1], len(prompts[1]), [token], len(prompts[1]), [0])])
+    torch.testing.assert_close(step_logits, _full_logits(model, prompts[1] + [token])[-1:], atol=ATOL, rtol=0)
     for slot in slots:
         backend.free(slot)
-    return [*prefill, chain_logits]
+    return [*prefill, chain_logits, step_logits]
 
 
 def test_every_lean_family_is_tested():
