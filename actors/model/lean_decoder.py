@@ -15,14 +15,13 @@ runs the same computation with less around it:
   dispatch through transformers' attention and mask interfaces);
 * each layer is two plain functions over its packed weights (norm + q/k/v + rotary; o_proj +
   residual + norm + MLP + residual) around the cache write and attention;
-* on CPU in float32 the layers' GEMMs go through oneDNN's matmul (:func:`_linear`) over a copy of
-  their weights reordered into oneDNN's blocked layout, what vLLM's CPU build runs too: the same
-  float32 product, 2.5x faster than the BLAS (MKL) behind ``F.linear`` at 16 rows on this
-  machine's AMD cores, and faster at one row too, where the weights are read from memory
+* on CPU in float32 the layers' and the head's GEMMs go through oneDNN's matmul (:func:`_linear`)
+  over a copy of their weights reordered into oneDNN's blocked layout, what vLLM's CPU build runs
+  too: the same float32 product, 2.5x faster than the BLAS (MKL) behind ``F.linear`` at 16 rows
+  on this machine's AMD cores, and faster at one row too, where the weights are read from memory
   (``python -m benchmarks.forward_micro``, ``docs/benchmarks.md``). That copy is the one weight
   held twice (the model's own ``nn.Linear`` weights stay, for its own forward, the load-time check
-  and the fall-back): the layers' weights, 40.5 MiB for the embedded target. The head's GEMM of two
-  or more rows (:meth:`LeanDecoder.head`) uses oneDNN over the model's own weight (no copy).
+  and the fall-back): 46.5 MiB for the embedded target.
 
 What that buys on CPU is the Python and dispatch work around the ops and the faster GEMMs
 (``python -m benchmarks.forward_micro --paths model,lean``, ``docs/benchmarks.md``); the
@@ -58,8 +57,8 @@ logger = logging.getLogger(__name__)
 SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
 SELF_CHECK_TOLERANCE_16_BIT = 2e-2
 
-#: Fewest rows (tokens) of a float32 CPU GEMM over a plain weight (the head's) that go through
-#: oneDNN (:func:`_linear`): at one row the BLAS GEMV is as fast over a plain weight.
+#: Fewest rows (tokens) of a float32 CPU GEMM over a plain weight that go through oneDNN
+#: (:func:`_linear`): at one row the BLAS GEMV is as fast over a plain weight.
 ONEDNN_MIN_ROWS = 2
 #: The batch size oneDNN lays the layers' weights out for (any row count runs on that layout).
 ONEDNN_LAYOUT_ROWS = 16
@@ -135,6 +134,9 @@ class LeanDecoder:
         # oneDNN's layout for the layers' GEMMs: on CPU in float32 (see the module doc).
         self.onednn = _ONEDNN and self.embed_tokens.weight.device.type == "cpu" and model.dtype == torch.float32
         self.layers = [_pack_layer(layer, kind, self.onednn) for layer, kind in zip(decoder.layers, architecture.layer_types)]
+        head = model.get_output_embeddings()
+        self._head = head if type(head) is torch.nn.Linear else None
+        self._head_weight = None if self._head is None else _onednn_weight(self._head.weight.detach(), self.onednn)
         attention = decoder.layers[0].self_attn
         shape = _HeadShape(int(model.config.num_attention_heads),
                            int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
@@ -162,10 +164,10 @@ class LeanDecoder:
         return _rms_norm(hidden, *self.final_norm)
 
     def head(self, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """``lm_head(hidden)`` (``[N, hidden]`` -> ``[N, V]``), through :func:`_linear` when it is a
-        plain ``nn.Linear``."""
-        if type(lm_head) is torch.nn.Linear:
-            return _linear(hidden, lm_head.weight, lm_head.bias)
+        """``lm_head(hidden)`` (``[N, hidden]`` -> ``[N, V]``), through :func:`_linear` over the
+        weight in oneDNN's layout when ``lm_head`` is the model's plain ``nn.Linear`` head."""
+        if lm_head is self._head:
+            return _linear(hidden, self._head_weight, lm_head.bias)
         return lm_head(hidden)
 
     @torch.inference_mode()
