@@ -12,6 +12,8 @@ efficiency from the responses' ``speculation`` stats.
 
     python -m benchmarks.ensemble_placement --config deploy/simulated-gpu.yaml --concurrency 1 \\
         --se-proposers draft --rounds 3 --requests 6
+
+``--se-draft-gamma 4,5,auto`` compares a model proposer's blocks in the same rounds.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from benchmarks.prompts import PROMPTS_PATH, load_prompts
 from benchmarks.serve_load_report import ServeLoadResults
 from benchmarks.serve_load import (
     LevelPlan,
+    LoadCase,
     LoadClient,
     MemoryProbe,
     ServeLoadSettings,
@@ -43,6 +46,10 @@ def _gamma(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
+def _gammas(text: str) -> tuple[int | str, ...]:
+    return tuple(_gamma(part) for part in text.split(",") if part)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="deploy/simulated-gpu.yaml", help="Ray Serve YAML of the placement.")
@@ -54,10 +61,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Comma-separated se proposers: alternate and/or model names.")
     parser.add_argument("--se-gamma", type=_gamma, default=1,
                         help="The alternate proposer's second member's gamma, or auto (gamma auto).")
-    parser.add_argument("--se-draft-gamma", type=_gamma, default=4, help="A model proposer's block, or auto.")
+    parser.add_argument("--se-draft-gamma", type=_gammas, default=(4,),
+                        help="A model proposer's block, or auto; comma-separated: one case per block, interleaved.")
     parser.add_argument("--gamma-max", type=int, default=8, help="Largest block of gamma auto.")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="Directory of the server log (a temp dir).")
     return parser.parse_args(argv)
+
+
+def placement_cases(settings: ServeLoadSettings, roles: dict[str, str],
+                    draft_gammas: tuple[int | str, ...]) -> list[LoadCase]:
+    """The plain ensemble, then the se cases (``benchmarks.serve_load.serve_load_cases``) once per
+    block of a model proposer in ``draft_gammas`` (the alternate proposer's case once)."""
+    cases: list[LoadCase] = []
+    for gamma in draft_gammas:
+        for case in serve_load_cases(settings.model_copy(update={"se_draft_gamma": gamma}), roles):
+            if case.label not in {known.label for known in cases}:
+                cases.append(case)
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServeLoadSettings(
         concurrency=(args.concurrency,), strategies=("ensemble", "se"), max_tokens=args.max_tokens,
         requests_per_level=args.requests, bare_limit=False, se_gamma=args.se_gamma, gamma_max=args.gamma_max,
-        se_proposers=tuple(p for p in args.se_proposers.split(",") if p), se_draft_gamma=args.se_draft_gamma,
+        se_proposers=tuple(p for p in args.se_proposers.split(",") if p), se_draft_gamma=args.se_draft_gamma[0],
     )
     config = pathlib.Path(args.config)
     application = select_application(read_serve_config(config), None, str(config))
-    cases = serve_load_cases(settings, load_app_args(config).freeze().roles)
+    cases = placement_cases(settings, load_app_args(config).freeze().roles, args.se_draft_gamma)
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="ensemble-placement-"))
     out.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(config, out / "server.log", settings.start_timeout_s)
