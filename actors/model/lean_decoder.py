@@ -57,9 +57,6 @@ logger = logging.getLogger(__name__)
 SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
 SELF_CHECK_TOLERANCE_16_BIT = 2e-2
 
-#: Fewest rows (tokens) of a float32 CPU GEMM over a plain weight that go through oneDNN
-#: (:func:`_linear`): at one row the BLAS GEMV is as fast over a plain weight.
-ONEDNN_MIN_ROWS = 2
 #: The batch size oneDNN lays the layers' weights out for (any row count runs on that layout).
 ONEDNN_LAYOUT_ROWS = 16
 _ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -209,11 +206,9 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor,
 
 
 def _linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(inputs, weight, bias)``: oneDNN's matmul over a weight in its layout
-    (:func:`_onednn_weight`), and over a plain float32 CPU weight from ``ONEDNN_MIN_ROWS`` rows;
-    the same float32 GEMM either way. ``inputs`` ``[..., in]`` -> ``[..., out]``."""
-    if weight.is_mkldnn or (_ONEDNN and inputs.dtype is torch.float32 and inputs.device.type == "cpu"
-                            and inputs.numel() >= ONEDNN_MIN_ROWS * inputs.shape[-1]):
+    """``F.linear(inputs, weight, bias)``, as oneDNN's matmul when ``weight`` is in its layout
+    (:func:`_onednn_weight`): the same float32 GEMM. ``inputs`` ``[..., in]`` -> ``[..., out]``."""
+    if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(inputs, weight, bias, "none", [], "")
     return F.linear(inputs, weight, bias)
 
