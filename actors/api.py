@@ -269,7 +269,8 @@ class SpeculationParams(_Frozen):
         None,
         description='Draft block length (sd, multi_draft, se with a model proposer), or "auto": chosen before each draft '
         "from the request's acceptance so far, in [1, gamma_max]; se with the alternate proposer: its gammas "
-        "(else 1 each), or plain ensemble steps where proposals do not pay.",
+        "(else 1 each), or plain ensemble steps where proposals do not pay. Unset: the deployment's defaults.gamma "
+        "(se with a model proposer: defaults.se_draft_gamma when set).",
     )
     gamma_max: int | None = Field(None, ge=1, le=MAX_GAMMA, description='Largest block "auto" may draft.')
     num_drafts: int | None = Field(None, ge=1, le=MAX_DRAFTS, description="K i.i.d. drafts (multi_draft).")

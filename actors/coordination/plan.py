@@ -105,6 +105,12 @@ class DecodingDefaults(BaseModel):
         4,
         description='Draft block length, or "auto" (as speculation.gamma); se: the default proposal length of each member.',
     )
+    se_draft_gamma: GammaValue | None = Field(
+        None,
+        description='Block length, or "auto", of se with a model proposer (a draft, or a member) when a request gives '
+        "no gamma. Unset: gamma. Its blocks cost an iteration more than sd's (every member scores them), so a longer "
+        "block can pay where sd's would not (docs/ensembles.md).",
+    )
     gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description='Largest block gamma "auto" may draft.')
     draft_cost_ratio: float = Field(
         0.07, ge=0.0, le=10.0,
@@ -266,11 +272,13 @@ def _resolve_gammas(requested, default, members: tuple[str, ...], gamma: int) ->
 
 
 def _resolve_gamma(
-    speculation: SpeculationParams, defaults: DecodingDefaults
+    speculation: SpeculationParams, defaults: DecodingDefaults, drafted_ensemble: bool = False
 ) -> tuple[int, AdaptiveGammaSettings | None]:
     """``(gamma, adaptive)``: a fixed block, or for ``"auto"`` the settings of
-    :mod:`verifiers.adaptive` and its largest block."""
-    gamma = _pick(speculation.gamma, defaults.gamma)
+    :mod:`verifiers.adaptive` and its largest block. ``drafted_ensemble``: se with a model
+    proposer, whose default is ``defaults.se_draft_gamma`` when set."""
+    default = defaults.se_draft_gamma if drafted_ensemble and defaults.se_draft_gamma is not None else defaults.gamma
+    gamma = _pick(speculation.gamma, default)
     if gamma != "auto":  # both models validate gamma as GammaValue: an int or "auto"
         return gamma, None
     gamma_max = _pick(speculation.gamma_max, defaults.gamma_max)
@@ -360,7 +368,7 @@ def resolve_plan(
     prediction = prediction and strategy == "sd"
     if prediction or proposer == "ngram":
         method = _model_free_method(method, speculation.method)
-    gamma, adaptive = _resolve_gamma(speculation, defaults)
+    gamma, adaptive = _resolve_gamma(speculation, defaults, drafted_ensemble)
     num_drafts = _pick(speculation.num_drafts, defaults.num_drafts)
     mu = float(_pick(speculation.mu, defaults.mu))
     target = draft = ensemble = weights = None

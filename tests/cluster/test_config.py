@@ -165,6 +165,26 @@ def test_each_strategy_keeps_its_own_default_proposer():
     assert resolve_plan(SpeculationParams(strategy="sd"), se_default.defaults, se_default.roles).proposer == "draft"
 
 
+def test_se_with_a_model_proposer_has_its_own_default_block():
+    """defaults.se_draft_gamma: the block of se with a model proposer when a request gives none;
+    sd, multi_draft and the alternate proposer keep defaults.gamma; a request's gamma wins."""
+    default_yaml = load_app_args(REPO / "deploy" / "default.yaml").freeze()
+    defaults, roles = default_yaml.defaults, default_yaml.roles
+    assert (defaults.gamma, defaults.se_draft_gamma) == (4, 5)
+    assert resolve_plan(SpeculationParams(strategy="se"), defaults, roles).gamma == 5
+    assert resolve_plan(SpeculationParams(strategy="se", gamma=3), defaults, roles).gamma == 3
+    assert resolve_plan(SpeculationParams(strategy="sd"), defaults, roles).gamma == 4
+    assert resolve_plan(SpeculationParams(strategy="se", proposer="alternate"), defaults, roles).gammas == (4, 4)
+    auto = defaults.model_copy(update={"se_draft_gamma": "auto", "gamma_max": 6})
+    plan = resolve_plan(SpeculationParams(strategy="se"), auto, roles)
+    assert plan.adaptive is not None and plan.gamma == 6
+    unset = parse_app_args(BASE_ARGS).freeze()
+    assert unset.defaults.se_draft_gamma is None
+    assert resolve_plan(SpeculationParams(strategy="se", proposer="draft"), unset.defaults, unset.roles).gamma == 4
+    with pytest.raises(ConfigError, match="se_draft_gamma"):
+        parse_app_args(_with(defaults__se_draft_gamma=0))
+
+
 @pytest.mark.parametrize(("args", "needles"), [
     (_with(defaults__proposers={"se": "ghost"}), ["defaults.proposers.se", "ghost"]),
     (_with(defaults__proposers={"sd": "lookup"}), ["defaults.proposers.sd", "lookup"]),
