@@ -1,7 +1,9 @@
 """Solo bursts (``engine.burst_ms``, :mod:`actors.worker.bursts`): with one request running and
 none waiting, its target's worker runs the request's iterations for up to ``burst_s`` per call,
 streaming each back; the scheduler replays each iteration through the request's own machine as
-a step of its own (the machine must ask for exactly the needs the worker's copy ran)."""
+a step of its own (the machine must ask for exactly the needs the worker's copy ran). A request
+admitted alone starts in a burst: the burst opens its sessions (its prompt's prefill runs in the
+first iteration), with no scheduler step and no round trip before it."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from actors.coordination.policy import ALONE, StepPolicy, costed_step
 from actors.coordination.requests import RequestState
 from actors.coordination.results import RequestResults
 from actors.coordination.worker_calls import Placed, WorkerCalls, call_report
-from actors.messages import UNAVAILABLE, WorkItem
+from actors.messages import UNAVAILABLE, OpenSession, WorkItem
 from actors.worker.bursts import BurstRecord, FrozenStepCosts, burstable
 from verifiers.machines import PreDraft
 
@@ -36,17 +38,20 @@ class SoloBursts:
         self.counters = counters
 
     def can_burst(self, cohort: Cohort) -> bool:
-        """One request running (in every cohort), none waiting, every session open and no prompt
-        being prefilled, and a machine whose iterations a burst can run (:func:`actors.worker.bursts.burstable`)."""
+        """One request running (in every cohort), none waiting, no prompt being prefilled in chunks
+        nor scored for its log-probabilities, and a machine whose iterations a burst can run
+        (:func:`actors.worker.bursts.burstable`)."""
         if self.burst_s <= 0 or len(cohort.running) != 1 or self.admission.waiting or len(self.admission.running) != 1:
             return False
         request = cohort.running[0]
-        return (not request.opens and not request.prefilling and not request.cancelled and not request.finished
-                and burstable(request.machine))
+        return (not request.prefilling and not request.cancelled and not request.finished
+                and not any(spec.prompt_logits for spec in request.opens.values()) and burstable(request.machine))
 
     async def run(self, request: RequestState) -> None:
         """Run ``request``'s iterations in its target's worker for up to ``burst_s`` (:mod:`actors.worker.bursts`);
-        each streamed iteration is replayed through the request's own machine as a step of its own."""
+        each streamed iteration is replayed through the request's own machine as a step of its own.
+        Sessions not open yet open in the burst; they count as opened from the call on, so they
+        are released whatever becomes of the burst (releasing a session never opened is a no-op)."""
         machine = request.machine
         target = machine.target
         live_costs = getattr(machine, "step_costs", None)
@@ -54,12 +59,17 @@ class SoloBursts:
             machine.step_costs = FrozenStepCosts(self.policy.costs(machine, ALONE))
         try:
             blob = pickle.dumps(machine)
-            peers = {name: self.calls.workers[name] for name in machine.streams() if name != target}
+            # A peer hosted with the target is called in its process: its name is enough (no handle to send).
+            with_target = self.calls.co_hosted({target})
+            peers = {name: None if name in with_target else self.calls.workers[name]
+                     for name in machine.streams() if name != target}
             releases, self.calls.releases[target] = self.calls.releases[target], []
+            opens = dict(request.opens)
+            request.opened |= set(opens)
             self.counters.bursts += 1
             stream = self.calls.workers[target].burst.options(num_returns="streaming").remote(
                 blob, request.session_id, peers, tuple(request.output.eos_token_ids), self.burst_s, releases,
-                request.pre_drafted)
+                request.pre_drafted, opens=opens)
             try:
                 async for ref in stream:
                     record = await ref
@@ -96,15 +106,20 @@ class SoloBursts:
                          record.needs, request.last_needs)
             self.results.fail(request, "internal error: a burst's iteration differs from the request's")
             return
+        opened = {model: request.opens.pop(model) for model in record.opened if model in request.opens}
         if any(isinstance(need, PreDraft) for need in request.last_needs):
             request.pre_drafted = record.pre_drafted  # the next iteration may verify one of its chains
         elif all(outcome.error is None for outcome in record.outcomes) and costed_step(list(record.needs)) is not None:
-            self.observe_iteration_costs(request, record)  # like steps: not with a PreDraft
+            self.observe_iteration_costs(request, record, opened)  # like steps: not with a PreDraft
         self.results.advance(request, list(record.outcomes))
 
-    def observe_iteration_costs(self, request: RequestState, record: BurstRecord) -> None:
-        """Feed a burst's iteration to the cost model as a step of one request (one call per model)."""
-        entries = [Placed(request, i, WorkItem(request.session_id, need)) for i, need in enumerate(record.needs)]
+    def observe_iteration_costs(self, request: RequestState, record: BurstRecord,
+                                opened: dict[str, OpenSession] | None = None) -> None:
+        """Feed a burst's iteration to the cost model as a step of one request (one call per model;
+        a call that opened a session, with its prompt's prefill, is marked so, as in a step)."""
+        opened = dict(opened or {})
+        entries = [Placed(request, i, WorkItem(request.session_id, need, open=opened.pop(need.model, None)))
+                   for i, need in enumerate(record.needs)]
         reports = [call_report(model, [e for e in entries if e.item.need.model == model],
                                [o for e, o in zip(entries, record.outcomes) if e.item.need.model == model])
                    for model in dict.fromkeys(need.model for need in record.needs)]

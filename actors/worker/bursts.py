@@ -14,6 +14,10 @@ pickled: the same I/O-free machine, a copy) to the target worker, which runs
 iteration after iteration, streaming each one's needs and outcomes back (a :class:`BurstRecord`
 per iteration, over a Ray streaming generator), until the machine is done, an iteration emits an
 EOS token or fails, or ``budget_s`` has passed. An ``ar`` burst makes no hop between iterations.
+A request's first burst may open its sessions (``opens``): each model's first need in the burst
+carries that model's :class:`~actors.messages.OpenSession` (its prompt's prefill is the need's
+first row, as in a step), so a lone request runs from its prompt to its end in bursts, with no
+scheduler step before them; each record names the models whose session its iteration opened.
 
 The scheduler replays every record through ITS machine as a step of one request (``needs()``
 must equal the record's, then the record's outcomes go the usual way: ``consume``, output, stop
@@ -35,11 +39,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from actors.messages import UNAVAILABLE, FailedSource, ItemOutcome, WorkItem
+from actors.messages import UNAVAILABLE, FailedSource, ItemOutcome, OpenSession, WorkItem
 from verifiers.adaptive import StepCosts
 from verifiers.machines import (
     MODEL_FREE,
@@ -77,6 +81,8 @@ class BurstRecord:
     #: With a PreDraft need: (the ref of its call's payloads, its position there), as the
     #: scheduler keeps it for the next iteration's ScoreVerify of a pre-drafted chain.
     pre_drafted: tuple[Any, int] | None = None
+    #: The models whose session this iteration opened (their first need carried the OpenSession).
+    opened: tuple[str, ...] = ()
 
 
 class FrozenStepCosts:
@@ -100,21 +106,29 @@ def burstable(machine: DecodeMachine) -> bool:
 
 def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_step: LocalStep,
               peer_submit: PeerSubmit, fetch: Fetch, *, eos_token_ids: Sequence[int] = (), budget_s: float,
-              pre_drafted: tuple[Any, int] | None = None,
-              max_iterations: int = MAX_BURST_ITERATIONS) -> Iterator[BurstRecord]:
+              pre_drafted: tuple[Any, int] | None = None, opens: Mapping[str, OpenSession] | None = None,
+              ahead: bool = True, max_iterations: int = MAX_BURST_ITERATIONS) -> Iterator[BurstRecord]:
     """Drive ``machine`` (a copy: this consumes its outcomes) iteration after iteration; yield
     each one's :class:`BurstRecord`. Stops after the iteration that finishes the machine, emits
     one of ``eos_token_ids``, fails, or ends past ``budget_s`` seconds (or ``max_iterations``).
     ``pre_drafted``: where the chains of the request's last PreDraft are, when the first
-    iteration verifies one."""
+    iteration verifies one. ``opens``: model -> how to open the request's session there, for
+    the models whose session is not open yet (each opens with the model's first need).
+    ``ahead``: submit the next iteration's peer calls before the record goes out (peers in other
+    processes work while it streams); False where every peer runs in this process, where a
+    submitted call runs at once and would only hold the record back."""
     eos = frozenset(int(t) for t in eos_token_ids)
+    unopened = dict(opens or {})
     started = iteration_started = time.perf_counter()
     needs = machine.needs()
-    calls = submit_peer_calls(needs, session_id, local_model, peer_submit)
+    opening = _take_opens(needs, unopened)
+    calls = submit_peer_calls(needs, session_id, local_model, peer_submit, opening)
     for iteration in range(max_iterations):
-        outcomes, drafted_ahead = finish_needs(needs, calls, session_id, local_model, local_step, fetch, pre_drafted)
+        outcomes, drafted_ahead = finish_needs(needs, calls, session_id, local_model, local_step, fetch, pre_drafted,
+                                               opening.get(local_model))
         pre_drafted = drafted_ahead or pre_drafted
-        record = BurstRecord(tuple(needs), tuple(outcomes), time.perf_counter() - iteration_started, drafted_ahead)
+        record = BurstRecord(tuple(needs), tuple(outcomes), time.perf_counter() - iteration_started, drafted_ahead,
+                             tuple(opening))
         tokens: list[int] = []
         failed = any(outcome.error is not None for outcome in outcomes)
         if not failed:
@@ -124,17 +138,28 @@ def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_s
                 failed = True
         last = (failed or machine.done or bool(eos.intersection(tokens)) or iteration + 1 == max_iterations
                 or time.perf_counter() - started >= budget_s)
-        if not last:
+        if not last and ahead:
             # The next iteration's peer calls go out before this record does: the draft drafts
             # while the record is serialized and streamed (they are the calls the next iteration
             # makes anyway, in the same order: the generator is only closed early when the
             # request ends, and then its sessions are released).
             iteration_started = time.perf_counter()
             needs = machine.needs()
-            calls = submit_peer_calls(needs, session_id, local_model, peer_submit)
+            opening = _take_opens(needs, unopened)
+            calls = submit_peer_calls(needs, session_id, local_model, peer_submit, opening)
         yield record
         if last:
             return
+        if not ahead:
+            iteration_started = time.perf_counter()
+            needs = machine.needs()
+            opening = _take_opens(needs, unopened)
+            calls = submit_peer_calls(needs, session_id, local_model, peer_submit, opening)
+
+
+def _take_opens(needs: Sequence[Need], unopened: dict[str, OpenSession]) -> dict[str, OpenSession]:
+    """The sessions this iteration opens (taken from ``unopened``): those of its needs' models."""
+    return {model: unopened.pop(model) for model in dict.fromkeys(need.model for need in needs) if model in unopened}
 
 
 @dataclass(frozen=True)
@@ -146,25 +171,31 @@ class PeerCalls:
     ahead: dict[str, tuple[list[int], tuple[Any, Any]]]
 
 
-def submit_peer_calls(needs: Sequence[Need], session_id: str, local_model: str, peer_submit: PeerSubmit) -> PeerCalls:
+def submit_peer_calls(needs: Sequence[Need], session_id: str, local_model: str, peer_submit: PeerSubmit,
+                      opens: Mapping[str, OpenSession] | None = None) -> PeerCalls:
     """Submit one iteration's needs on other models (one call per model), the PreDrafts last: each
-    queues right behind its worker's first call (a worker runs its calls in order)."""
+    queues right behind its worker's first call (a worker runs its calls in order). ``opens``: the
+    sessions to open, each with its model's first item."""
     first, ahead = _peer_calls(needs, local_model)
+    unopened = dict(opens or {})
 
     def submit(indices_by_model: dict[str, list[int]]) -> dict[str, tuple[list[int], tuple[Any, Any]]]:
-        return {model: (indices, peer_submit(model, [WorkItem(session_id, needs[i]) for i in indices]))
+        return {model: (indices, peer_submit(model, [WorkItem(session_id, needs[i], open=unopened.pop(model, None)
+                                                              if position == 0 else None)
+                                                     for position, i in enumerate(indices)]))
                 for model, indices in indices_by_model.items()}
 
     return PeerCalls(submit(first), submit(ahead))  # in this order
 
 
 def finish_needs(needs: Sequence[Need], calls: PeerCalls, session_id: str, local_model: str, local_step: LocalStep,
-                 fetch: Fetch, pre_drafted: tuple[Any, int] | None = None,
+                 fetch: Fetch, pre_drafted: tuple[Any, int] | None = None, local_open: OpenSession | None = None,
                  ) -> tuple[list[ItemOutcome], tuple[Any, int] | None]:
     """The rest of one iteration whose peer ``calls`` were submitted: the first calls awaited (the
     local ScoreVerify reads their payloads), the local needs run here while the PreDrafts run
     there, and the PreDrafts awaited. Returns the outcomes aligned with ``needs`` (a peer that
-    cannot be reached fails its needs, retryable) and, with a PreDraft, where its payloads are."""
+    cannot be reached fails its needs, retryable) and, with a PreDraft, where its payloads are.
+    ``local_open``: the local model's session to open, with its first item."""
     outcomes: list[ItemOutcome | None] = [None] * len(needs)
     sources: list[Any] = []  # per source, a payload list
     where: dict[int, tuple[int, int]] = {}  # need index -> (source, position) of its payload
@@ -173,6 +204,8 @@ def finish_needs(needs: Sequence[Need], calls: PeerCalls, session_id: str, local
     local = [i for i, need in enumerate(needs) if need.model == local_model]
     if local:
         items = [_local_item(session_id, needs[i], where, sources, pre_drafted, fetch) for i in local]
+        if local_open is not None:
+            items[0] = replace(items[0], open=local_open)
         local_outcomes, _ = local_step(items, sources)
         for index, outcome in zip(local, local_outcomes):
             outcomes[index] = outcome

@@ -34,7 +34,7 @@ from typing import Any
 from actors.worker.bursts import BurstRecord
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP
 from actors.model.kv_budget import KVCacheBudgetError, budget_bytes, worker_kv_cache_memory
-from actors.messages import ItemOutcome, WorkerInfo, WorkItem
+from actors.messages import ItemOutcome, OpenSession, WorkerInfo, WorkItem
 from actors.worker.model_worker import ModelWorker, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -165,13 +165,13 @@ class DeviceWorker:
 
     def burst(self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),
               budget_s: float = 0.1, releases: Sequence[str] = (), pre_drafted: tuple[Any, int] | None = None,
-              model: str | None = None) -> Iterator[BurstRecord]:
+              opens: dict[str, OpenSession] | None = None, model: str | None = None) -> Iterator[BurstRecord]:
         """A solo burst on ``model`` (:meth:`actors.worker.model_worker.ModelWorker.burst`); its peers hosted
         here are called in this process."""
         worker = self._model(model)
         local = {name: self.models[name] for name in peers if name in self.models}
         yield from worker.burst(machine_blob, session_id, peers, eos_token_ids, budget_s, releases, pre_drafted,
-                                local_peers=local)
+                                local_peers=local, opens=opens)
 
 
 class HostedModel:

@@ -29,7 +29,7 @@ from actors.model.backends import SlotBackend
 from actors.worker.bursts import BurstRecord, run_burst
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
-from actors.messages import FailedSource, ItemOutcome, WorkerInfo, WorkItem
+from actors.messages import FailedSource, ItemOutcome, OpenSession, WorkerInfo, WorkItem
 from actors.worker.peer_link import LinkCall, PeerLink, PeerLinkAddress, PeerLinkError, PeerLinkServer
 from actors.model.simulated_device import on_simulated_device
 from actors.vocabulary import load_tokenizer_identity
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 REAPER_PERIOD_S = 5.0
 SCRATCH_COLUMNS = 288  # cache columns past the context per slot: K x gamma drafts, queued segments
 LINK_RETRY_S = 30.0  # a peer link that could not open: Ray calls, then try again after this long
+LINK_RESTART_RETRY_S = 1.0  # ... or after this long when the peer was restarting (it listens again soon)
 
 
 class Resolved:
@@ -194,12 +195,13 @@ class ModelWorker:
     def burst(
         self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),
         budget_s: float = 0.1, releases: Sequence[str] = (), pre_drafted: tuple[Any, int] | None = None,
-        local_peers: dict[str, ModelWorker] | None = None,
+        local_peers: dict[str, ModelWorker] | None = None, opens: dict[str, OpenSession] | None = None,
     ) -> Iterator[BurstRecord]:
         """Run one request's iterations here for up to ``budget_s`` seconds (:mod:`actors.worker.bursts`):
         ``machine_blob`` is its pickled machine, ``peers`` the handles of the other models'
-        workers it uses (called directly, one ``run_step`` call per iteration and model),
-        ``pre_drafted`` where its last PreDraft's chains are; ``local_peers``: the peers hosted in this
+        workers it uses, called directly, one ``run_step`` call per iteration and model (None for a
+        model of ``local_peers``), ``pre_drafted`` where its last PreDraft's chains are; ``opens`` the request's sessions to open
+        (model -> OpenSession; each with its model's first need); ``local_peers``: the peers hosted in this
         process (:mod:`actors.worker.device_worker`), whose engines run their calls at once, here. A generator:
         call it with ``.options(num_returns="streaming")``; one :class:`~actors.worker.bursts.BurstRecord` per iteration."""
         local_peers = local_peers or {}
@@ -229,7 +231,8 @@ class ModelWorker:
 
         try:
             yield from run_burst(machine, session_id, self.spec.name, local_step, peer_submit, _fetch,
-                                 eos_token_ids=eos_token_ids, budget_s=budget_s, pre_drafted=pre_drafted)
+                                 eos_token_ids=eos_token_ids, budget_s=budget_s, pre_drafted=pre_drafted, opens=opens,
+                                 ahead=any(model not in local_peers for model in peers))
         finally:
             for call in link_calls:
                 if not call.done:  # closed early with a call in flight: its reply is not wanted
@@ -248,8 +251,10 @@ class ModelWorker:
     def _peer_link(self, handle: Any) -> PeerLink | None:
         """The link to the worker behind Ray actor ``handle``: opened on first use when it runs on
         this node (and again after it broke: a restarted worker listens anew); None (use Ray calls)
-        elsewhere, for in-process handles, and for ``LINK_RETRY_S`` after it could not open."""
+        elsewhere, for in-process handles, and for ``LINK_RETRY_S`` after it could not open
+        (``LINK_RESTART_RETRY_S`` when the peer was restarting)."""
         import ray
+        from ray.exceptions import ActorUnavailableError
 
         if not isinstance(handle, ray.actor.ActorHandle):
             return None
@@ -260,21 +265,22 @@ class ModelWorker:
                 return link
             if time.monotonic() < self._link_retry_at.get(key, 0.0):
                 return None
-        link, permanent = None, True
+        link, permanent, retry_s = None, True, LINK_RETRY_S
         try:
             address = ray.get(handle.peer_link_address.remote(), timeout=LINK_RETRY_S)
             if address.node_id and address.node_id == self._node_id():
                 link = PeerLink(address)
         except Exception as error:  # noqa: BLE001 - Ray calls for now; try again later
             permanent = False
+            retry_s = LINK_RESTART_RETRY_S if isinstance(error, ActorUnavailableError) else LINK_RETRY_S
             logger.warning("%s: no direct link to a peer worker (%s); bursts call it through Ray for %.0f s",
-                           self.spec.name, type(error).__name__, LINK_RETRY_S)
+                           self.spec.name, type(error).__name__, retry_s)
         with self._links_lock:
             if permanent:
                 self._links[key] = link  # a link, or None for a peer on another node
             else:
                 self._links.pop(key, None)
-                self._link_retry_at[key] = time.monotonic() + LINK_RETRY_S
+                self._link_retry_at[key] = time.monotonic() + retry_s
         return link
 
     # ------------------------------------------------------------------ sessions

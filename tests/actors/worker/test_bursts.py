@@ -2,8 +2,8 @@
 change no token.
 
 Through real Ray actors on the deterministic fake workers (tests/actors/fake_models.py): one
-request at a time, so every step after the first is a burst, equals the reference loop token for
-token for every burstable strategy and rule; gamma "auto" with measured (frozen) step costs keeps
+request at a time, so every iteration runs in a burst (the first opens the sessions), equals the
+reference loop token for token for every burstable strategy and rule; gamma "auto" with measured (frozen) step costs keeps
 the target's law (chi-square); a request cancelled mid-burst leaves no session behind. In
 process: the burst loop stops where it must (done, EOS, a failed iteration, its time budget), a
 peer that cannot be reached fails its needs as retryable, and the scheduler refuses a replay
@@ -149,9 +149,9 @@ def test_bursts_call_the_draft_over_the_peer_link_and_keep_its_tokens(burst_grou
                                            method="block", num_drafts=1, generator=torch.Generator().manual_seed(5))
     assert _tokens(chunks) == expected
     calls = ray.get(draft.engine_stats.remote())["peer_link_calls"] - before
-    # one draft call per iteration over the link: every iteration but the first, which the
-    # scheduler runs as a step (the request is still being prefilled then)
-    assert calls == stats["target_calls"] - 1
+    # one draft call per iteration over the link, the first included: the request starts in a
+    # burst, which opens its sessions (no scheduler step before it)
+    assert calls == stats["target_calls"]
 
 
 def test_goodput_auto_in_bursts_keeps_the_target_law(ray_session):
@@ -299,6 +299,40 @@ def test_the_next_iterations_draft_call_goes_out_before_the_record_and_none_afte
     assert machine.done
     assert events == ["draft call", "draft call", "record of 3 tokens", "draft call", "record of 3 tokens",
                       "record of 3 tokens"]
+
+    # A draft in this process (ahead=False): its call would run at once, so the record goes out first.
+    machine = SpeculativeMachine("draft", "target", method="block", gamma=2, num_drafts=1, max_new_tokens=9)
+    events.clear()
+    for record in run_burst(machine, "s", "target", local_step, draft_peer, _fetch, budget_s=60, ahead=False):
+        events.append(f"record of {len(record.outcomes[1].value.emitted)} tokens")
+    assert machine.done
+    assert events == ["draft call", "record of 3 tokens"] * 3
+
+
+def test_a_burst_opens_each_session_with_its_models_first_need_once():
+    """A request that starts in a burst: the first iteration's draft and target items carry their
+    model's OpenSession (the prompt's prefill), later ones none, and each record names what it opened."""
+    from actors.messages import OpenSession, RowSampling
+
+    machine = SpeculativeMachine("draft", "target", method="block", gamma=2, num_drafts=1, max_new_tokens=6)
+    opens = {model: OpenSession(PROMPT, RowSampling(vocab_limit=11), {"own": index})
+             for index, model in enumerate(("draft", "target"))}
+    sent: list[tuple[str, object]] = []
+
+    def draft_peer(model, items):
+        (item,) = items
+        sent.append((model, item.open))
+        sampled = Sampled(torch.tensor([[7] * item.need.count]), torch.zeros(1, item.need.count, 11))
+        return [ItemOutcome(value=sampled)], [sampled]
+
+    def local_step(items, sources):
+        (item,) = items
+        sent.append(("target", item.open))
+        return [ItemOutcome(value=Verified(emitted=[7, 7, 5], num_accepted=2))], [None]
+
+    records = list(run_burst(machine, "s", "target", local_step, draft_peer, _fetch, budget_s=60, opens=opens))
+    assert [record.opened for record in records] == [("draft", "target"), ()]
+    assert sent == [("draft", opens["draft"]), ("target", opens["target"]), ("draft", None), ("target", None)]
 
 
 def test_ar_sd_and_multi_draft_burst_the_ensembles_do_not():
