@@ -163,9 +163,13 @@ class Scheduler:
                 await self.calls.flush_releases()
                 async with self._wakeup:
                     if not self.admission.can_admit():
-                        try:  # a submit, a cancel or a finished request wakes it; waiting ones can expire
-                            await asyncio.wait_for(self._wakeup.wait(), timeout=self.admission.request_timeout_s / 4)
-                        except asyncio.TimeoutError:
+                        # A submit, a cancel or a finished request wakes it; waiting ones can expire. (Not
+                        # wait_for: on Python 3.11 it drops a cancel that comes as the wait ends, and
+                        # close() then waits out the whole timeout.)
+                        try:
+                            async with asyncio.timeout(self.admission.request_timeout_s / 4):
+                                await self._wakeup.wait()
+                        except TimeoutError:
                             pass
                 continue
             started = time.perf_counter()
