@@ -18,8 +18,8 @@ def _request(request_id: str, seed: int) -> GenerationRequest:
                              sampling={"max_tokens": 10, "seed": seed, "temperature": 1.0, "ignore_eos": True})
 
 
-def _serve(requests: list[GenerationRequest]) -> list[list]:
-    config = fake_group_config(overlap=False)
+def _serve(requests: list[GenerationRequest], **engine) -> list[list]:
+    config = fake_group_config(overlap=False, **engine)
     coordinator = Coordinator({m.name: LocalActorHandle(FunctionModelWorker(m, 60.0)) for m in config.models}, config,
                               export_to_ray=False)
 
@@ -49,7 +49,7 @@ def test_a_failing_step_still_ends_every_stream_when_stats_fail_too(monkeypatch)
     error chunk (before, the second exception escaped the scheduler's loop and the streams hung)."""
     monkeypatch.setattr(request_stats, "request_stats", lambda request: (_ for _ in ()).throw(RuntimeError("stats broke")))
     monkeypatch.setattr(scheduler.Scheduler, "_step", _raising_step)
-    chunks = _serve([_request("a", 1)])[0]
+    chunks = _serve([_request("a", 1)], burst_ms=0)[0]  # a lone request would run in bursts, not steps
     assert chunks[-1].finished and chunks[-1].finish_reason == "error" and "internal error" in chunks[-1].error
 
 
