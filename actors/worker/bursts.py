@@ -119,10 +119,16 @@ def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_s
     submitted call runs at once and would only hold the record back."""
     eos = frozenset(int(t) for t in eos_token_ids)
     unopened = dict(opens or {})
-    started = iteration_started = time.perf_counter()
-    needs = machine.needs()
-    opening = _take_opens(needs, unopened)
-    calls = submit_peer_calls(needs, session_id, local_model, peer_submit, opening)
+
+    def begin_iteration() -> tuple[float, list[Need], dict[str, OpenSession], PeerCalls]:
+        """The next iteration's start time, needs, the sessions it opens, and its submitted peer calls."""
+        began = time.perf_counter()
+        needs = machine.needs()
+        opening = _take_opens(needs, unopened)
+        return began, needs, opening, submit_peer_calls(needs, session_id, local_model, peer_submit, opening)
+
+    iteration_started, needs, opening, calls = begin_iteration()
+    started = iteration_started
     for iteration in range(max_iterations):
         outcomes, drafted_ahead = finish_needs(needs, calls, session_id, local_model, local_step, fetch, pre_drafted,
                                                opening.get(local_model))
@@ -143,18 +149,12 @@ def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_s
             # while the record is serialized and streamed (they are the calls the next iteration
             # makes anyway, in the same order: the generator is only closed early when the
             # request ends, and then its sessions are released).
-            iteration_started = time.perf_counter()
-            needs = machine.needs()
-            opening = _take_opens(needs, unopened)
-            calls = submit_peer_calls(needs, session_id, local_model, peer_submit, opening)
+            iteration_started, needs, opening, calls = begin_iteration()
         yield record
         if last:
             return
         if not ahead:
-            iteration_started = time.perf_counter()
-            needs = machine.needs()
-            opening = _take_opens(needs, unopened)
-            calls = submit_peer_calls(needs, session_id, local_model, peer_submit, opening)
+            iteration_started, needs, opening, calls = begin_iteration()
 
 
 def _take_opens(needs: Sequence[Need], unopened: dict[str, OpenSession]) -> dict[str, OpenSession]:
