@@ -55,6 +55,7 @@ class WorkerInfo:
     tokenizer: Any = None  # actors.vocabulary.TokenizerIdentity of the model directory's tokenizer; None: none
     kv_slots: int | None = None  # KV cache slots (sessions it can hold at once); None: not reported
     forward_path: str = ""  # which decoder forward its model runs, in words (SlotBackend.forward_path); "": not reported
+    cpu_cores: tuple[int, ...] = ()  # the cores its process runs on (resources.cpu_affinity); (): not reported
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from actors.worker.device_worker import DeviceWorker, HostedModel
 from actors.coordination.metrics import COORDINATOR_NAMESPACE, GroupIdentity
 from actors.worker.model_worker import ModelWorker
 from cluster.config import ConfigError, GroupConfig, SpecServeArgs, parse_app_args
+from cluster.cpu_affinity import CpuPlan, cores_from_env, describe_plan, plan_cpu_affinity
 from cluster.placement import configured_workers, describe_workers
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,14 @@ def worker_resources(config: GroupConfig, models: Sequence[str]) -> tuple[float,
     return sum(float(spec.num_cpus) for spec in specs), worker_gpus(config, models), custom
 
 
+def group_cpu_plan(config: GroupConfig) -> CpuPlan:
+    """Each settled worker's cores under ``resources.cpu_affinity`` (:mod:`cluster.cpu_affinity`), on the
+    host's cores as ``specserve serve`` recorded them (none recorded: ``auto`` binds nothing)."""
+    workers = [list(w) for w in config.workers]
+    return plan_cpu_affinity(config.cpu_affinity, workers, config.roles, [worker_gpus(config, w) for w in workers],
+                             max(model.torch_threads for model in config.models), cores_from_env())
+
+
 def describe_placement(config: GroupConfig) -> str:
     """The settled workers and the rule that chose them, as printed at start-up."""
     workers = [list(w) for w in config.workers or [(m.name,) for m in config.models]]
@@ -286,6 +295,8 @@ def start_model_group(
     workers: dict[str, Any] = {}
     actors: list[Any] = []
     logger.info("placement: %s", describe_placement(config))
+    cpu_plan = group_cpu_plan(config)
+    logger.info("cpu affinity: %s", describe_plan(cpu_plan, config.workers))
     for index, models in enumerate(config.workers):
         cpus, gpus, custom = worker_resources(config, models)
         # A dead worker is restarted in place (same handle, empty sessions): the requests it held
@@ -297,6 +308,8 @@ def start_model_group(
         worker_args = dict(max_sessions=worker_sessions(config), prefix_caching=config.prefix_caching,
                            kv_cache_memory=config.kv_cache_memory, max_model_len=config.max_model_len,
                            max_tokens_per_step=config.max_tokens_per_step)
+        if cpu_plan.workers[index] is not None:
+            worker_args["cpu_cores"] = cpu_plan.workers[index]
         if len(models) == 1:
             handle = ray.remote(worker_cls).options(**options).remote(
                 config.model(models[0]), config.session_idle_timeout_s, **worker_args)
@@ -326,7 +339,7 @@ def start_model_group(
             group.shutdown()
             raise
         for info in infos:
-            logger.info("worker %s (%s): vocab %d, context %d, %s KV cache slots, %s %s, forward: %s", info.name,
-                        info.role, info.vocab_size, info.max_context, info.kv_slots, info.device, list(info.gpu_ids),
-                        info.forward_path or "not reported")
+            logger.info("worker %s (%s): vocab %d, context %d, %s KV cache slots, %s %s, forward: %s, pid %d on cores %s",
+                        info.name, info.role, info.vocab_size, info.max_context, info.kv_slots, info.device,
+                        list(info.gpu_ids), info.forward_path or "not reported", info.pid, list(info.cpu_cores))
     return group

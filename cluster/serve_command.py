@@ -9,6 +9,9 @@ and controller ``apply_config``; deployments sections, replicas and autoscaling 
   ``http_options`` / ``grpc_options``, the first specserve application's ``args.server``, and the
   defaults (127.0.0.1, 8000, 9000); the SpecServe gRPC servicer is always registered;
 - Ray is started locally unless ``RAY_ADDRESS`` names a cluster (:func:`cluster.bringup.init_ray`);
+- before it starts Ray locally, it binds itself to the cores that ``resources.cpu_affinity`` leaves
+  to the serving processes, which every process Ray starts inherits (:func:`bind_serving_processes`,
+  :mod:`cluster.cpu_affinity`);
 - it waits until every application is RUNNING and every proxy HEALTHY (a proxy slow to start on
   a busy machine is waited for, not a failure), prints the addresses, blocks until Ctrl-C (or
   SIGTERM), then shuts Serve down (and Ray, when it started it).
@@ -28,9 +31,12 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
+from actors.worker.cpu_binding import bind_process, current_cores
 from cluster.config import API_KEY_ENV, ConfigError, parse_app_args, read_serve_config, resolve_api_key
+from cluster.cpu_affinity import CPU_CORES_ENV, serving_cores
 from cluster.security import grpc_all_interfaces_warning
 
 logger = logging.getLogger(__name__)
@@ -291,6 +297,63 @@ def placement_lines(document: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _model_groups(app: dict[str, Any]) -> int | None:
+    """Model groups (replicas) an application starts; None: not fixed (autoscaling)."""
+    groups = 0
+    for deployment in app.get("deployments") or [{}]:
+        replicas = deployment.get("num_replicas", 1)
+        if deployment.get("autoscaling_config") is not None or not isinstance(replicas, int):
+            return None
+        groups += replicas
+    return groups
+
+
+def serving_binding(document: dict[str, Any], cores: Sequence[int], gpu_host: bool) -> tuple[tuple[int, ...] | None, str]:
+    """The cores ``specserve serve`` binds the serving processes to before it starts Ray (every process
+    Ray starts inherits them; :mod:`cluster.cpu_affinity`), and why, for the specserve applications'
+    ``resources.cpu_affinity`` on a host with ``cores``: the cores no application's workers take.
+    ``auto`` takes part only where the document starts one model group (several would put their
+    targets' workers on the same cores)."""
+    reserved: set[int] = set()
+    reasons = []
+    apps = _specserve_apps(document)
+    groups = [_model_groups(app) for app in apps]
+    single = len(apps) == 1 and groups[0] == 1
+    for app in apps:
+        resources = parse_app_args(app.get("args") or {}, f"{app['name']}.args").resources
+        setting = resources.cpu_affinity
+        if setting == "auto" and not single:
+            reasons.append(f"{app['name']}: auto binds nothing with several model groups")
+            continue
+        gpus = resources.gpus_per_model
+        rest = serving_cores(setting, resources.torch_threads, cores, gpu_host or (gpus != "auto" and gpus > 0))
+        if rest is not None:
+            reserved |= set(cores) - set(rest)
+    serving = tuple(core for core in sorted(set(cores)) if core not in reserved)
+    if not reserved or not serving:
+        return None, "; ".join(reasons) or "no worker takes a core of its own"
+    return serving, f"workers' cores {sorted(reserved)}"
+
+
+def bind_serving_processes(document: dict[str, Any]) -> None:
+    """Before this process starts Ray: bind it to the cores :func:`serving_binding` leaves to the serving
+    processes and record the host's cores in :data:`cluster.cpu_affinity.CPU_CORES_ENV` (Ray's processes
+    inherit both; the workers bind themselves to their own cores at start)."""
+    import torch
+
+    cores = current_cores()
+    if not cores:
+        return
+    serving, why = serving_binding(document, cores, gpu_host=torch.cuda.is_available())
+    if serving is None:
+        logger.info("cpu affinity: serving processes not bound (%s)", why)
+        return
+    if bind_process(serving, "serving processes (Ray, Serve, coordinator)") is None:
+        return
+    os.environ[CPU_CORES_ENV] = ",".join(str(core) for core in cores)
+    print(f"cpu affinity: Ray, Serve and the coordinators on cores {list(serving)}; {why}", flush=True)
+
+
 def run_serve(
     config_path: str,
     host: str | None = None,
@@ -317,6 +380,8 @@ def run_serve(
         logger.error("%s", error)
         return 2
 
+    if not joining_cluster:
+        bind_serving_processes(document)
     init_ray()
     try:
         for line in placement_lines(document):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.worker.bursts import BurstRecord
+from actors.worker.cpu_binding import bind_process
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP
 from actors.model.kv_budget import KVCacheBudgetError, budget_bytes, worker_kv_cache_memory
 from actors.messages import ItemOutcome, OpenSession, WorkerInfo, WorkItem
@@ -78,15 +79,18 @@ class DeviceWorker:
     """Hosts the models of one device; use as a Ray actor: ``ray.remote(DeviceWorker).options(...)
     .remote(specs, ...)``. ``specs``: the :class:`cluster.config.ModelSpec` of each model (the
     ModelWorker arguments otherwise); ``worker_cls``: the class each model is hosted as (tests
-    substitute fake models)."""
+    substitute fake models); ``cpu_cores``: bind the process to these cores at start
+    (``resources.cpu_affinity``; None: not bound)."""
 
     def __init__(self, specs: Sequence[Any], idle_timeout_s: float = 300.0, max_sessions: int = 64,
                  prefix_caching: bool = True, *, kv_cache_memory: int | float | None = None,
                  max_model_len: int | None = None, max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP,
-                 worker_cls: type = ModelWorker):
+                 worker_cls: type = ModelWorker, cpu_cores: Sequence[int] | None = None):
         if not specs:
             raise ValueError("a DeviceWorker hosts at least one model")
         self.names = [spec.name for spec in specs]
+        if cpu_cores:  # resources.cpu_affinity (cluster.cpu_affinity): the whole process, its models included
+            bind_process(cpu_cores, f"worker {'+'.join(self.names)}")
         self.models: dict[str, ModelWorker] = {}
         budget = None
         for spec in specs:

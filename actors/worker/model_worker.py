@@ -27,6 +27,7 @@ import torch
 
 from actors.model.backends import SlotBackend
 from actors.worker.bursts import BurstRecord, run_burst
+from actors.worker.cpu_binding import bind_process, current_cores
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
 from actors.messages import FailedSource, ItemOutcome, OpenSession, WorkerInfo, WorkItem
@@ -94,12 +95,17 @@ class ModelWorker:
     columns (:mod:`actors.model.kv_budget`). ``prefix_caching`` lets a new session copy the longest
     prefix of its prompt the worker already holds (:mod:`actors.worker.prefix_cache`).
     ``max_tokens_per_step``: the tokens one step feeds at most, prompts' prefill chunks
-    included (:mod:`actors.worker.engine`, chunked prefill).
+    included (:mod:`actors.worker.engine`, chunked prefill). ``cpu_cores``: bind this process to
+    these cores at start (``resources.cpu_affinity``, :mod:`actors.worker.cpu_binding`; None: not
+    bound).
     """
 
     def __init__(self, spec: Any, idle_timeout_s: float = 300.0, max_sessions: int = 64, prefix_caching: bool = True,
                  *, kv_cache_memory: int | float | None = None, max_model_len: int | None = None,
-                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, shared_kv_budget: bool = False):
+                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, shared_kv_budget: bool = False,
+                 cpu_cores: Sequence[int] | None = None):
+        if cpu_cores:  # resources.cpu_affinity (cluster.cpu_affinity): this process, before any model work
+            bind_process(cpu_cores, f"worker {spec.name}")
         self.spec = spec
         # shared_kv_budget: hosted with other models (actors.worker.device_worker), whose worker sizes one
         # budget for all of them once every model is loaded: one slot until then.
@@ -180,6 +186,7 @@ class ModelWorker:
             pid=os.getpid(),
             tokenizer=self.tokenizer_identity,
             forward_path=str(getattr(self.backend, "forward_path", "")),
+            cpu_cores=current_cores(),
         )
 
     # ------------------------------------------------------------------ the step

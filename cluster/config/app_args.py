@@ -61,6 +61,10 @@ class SpecServeArgs(Frozen):
             unplaced = sorted(set(self.models) - set(placement))
             raise ValueError(f"resources.placement: every model needs a device id; unknown models {unknown}, "
                              f"models without one {unplaced}")
+        if isinstance(self.resources.cpu_affinity, dict):
+            unknown = sorted(set(self.resources.cpu_affinity) - set(self.models))
+            if unknown:
+                raise ValueError(f"resources.cpu_affinity: unknown models {unknown}; models are {list(self.models)}")
         unknown = [name for name in self.engine.simulated_device if name not in self.models]
         if unknown:
             raise ValueError(f"engine.simulated_device: unknown models {unknown}; models are {list(self.models)}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, NonNegativeInt
 
 from cluster.config.base import Frozen
 
@@ -16,6 +16,20 @@ from cluster.config.base import Frozen
 RESERVED_RESOURCE_NAMES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 #: Smallest non-zero resource quantity Ray accepts.
 MIN_RESOURCE_QUANTITY = 0.0001
+
+
+def check_core_lists(cores: dict[str, list[int]]) -> dict[str, list[int]]:
+    """``cores`` if every model's list names at least one core, each once, else ValueError naming the model."""
+    for name, ids in cores.items():
+        if not ids:
+            raise ValueError(f"model {name!r}: a core list names at least one core")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"model {name!r}: core {sorted(i for i in ids if ids.count(i) > 1)[0]} is listed twice")
+    return cores
+
+
+#: ``cpu_affinity`` as a mapping: model name -> the CPU cores of the worker hosting it.
+CoreLists = Annotated[dict[str, list[NonNegativeInt]], AfterValidator(check_core_lists)]
 
 
 def check_custom_resources(resources: dict[str, float]) -> dict[str, float]:
@@ -72,6 +86,16 @@ class PlacementArgs(Frozen):
         "or nodes are set by hand or the Ray cluster has a GPU for each, otherwise the draft shares its "
         "target's worker and every other model has its own (docs/serving.md). The rule is printed at "
         "start-up.",
+    )
+    cpu_affinity: Literal["auto", "off"] | CoreLists = Field(
+        "auto",
+        description="CPU cores the workers run on (docs/serving.md, \"CPU binding\"). 'auto': on a host without GPUs "
+        "where `specserve serve` started Ray, the worker hosting the target gets torch_threads cores of its own "
+        "(the last ones) when the host has more, every other process of the server (Ray, Serve, the "
+        "coordinator) runs on the rest, and the other workers on any core; otherwise nothing is bound. 'off': nothing is bound. A "
+        "mapping model -> core ids (e.g. {target: [1], partner: [0]}): the worker hosting a listed model runs on "
+        "those cores (the union of its models' lists), GPU workers too; with `specserve serve` the other "
+        "processes run on the cores no model lists. Where binding is unavailable, a warning and no binding.",
     )
 
 

@@ -4,12 +4,14 @@ is a plain class that Ray wraps as an actor); the Ray path is covered by the coo
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 
 from actors.messages import OpenSession, RowSampling, WorkItem
+from actors.worker.cpu_binding import bind_process
 from actors.worker.model_worker import ModelWorker
 from actors.worker.sessions import SessionNotFoundError
 from cluster.config import ModelSpec
@@ -229,3 +231,26 @@ def test_rows_after_a_prefix_reuse_equal_a_full_forward(worker, full_logits):
         cache.enabled = True
         for session_id in ("pc1", "pc2", "pc3"):
             worker.release(session_id)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="CPU binding needs Linux affinity and two cores")
+def test_a_worker_started_with_cores_runs_on_them_and_reports_them(tiny_checkpoints):
+    """``cpu_cores`` (resources.cpu_affinity) binds the worker's whole process at start; in process
+    here, so the test's own threads are bound back afterwards."""
+    original = sorted(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    spec = ModelSpec(name="draft", path=str(tiny_checkpoints["draft"]), role="draft", num_gpus=0, num_cpus=0.25,
+                     torch_threads=1, resources={})
+    try:
+        info = ModelWorker(spec, max_sessions=1, cpu_cores=[original[-1]]).info()
+        assert info.cpu_cores == (original[-1],)
+        tasks = os.listdir("/proc/self/task")
+        assert all(os.sched_getaffinity(int(tid)) == {original[-1]} for tid in tasks)  # every thread, not only this one
+        assert torch.get_num_threads() == 1  # the configured thread count is kept
+        unbound = ModelWorker(spec, max_sessions=1, cpu_cores=[10_000])  # no such core: a warning, not a failure
+        assert unbound.info().cpu_cores == (original[-1],)
+    finally:
+        bind_process(original, "test process")
+        torch.set_num_threads(threads)
+    assert sorted(os.sched_getaffinity(0)) == original
