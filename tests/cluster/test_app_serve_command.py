@@ -1,6 +1,6 @@
 """`specserve serve` end to end, in a subprocess with its own Ray (the session Ray is untouched):
-it starts Ray, deploys a Serve YAML, prints the addresses, serves HTTP and gRPC, and shuts down
-cleanly on Ctrl-C (SIGINT)."""
+it starts Ray, deploys a Serve YAML, prints the addresses (and the CPU binding), serves HTTP and
+gRPC, and shuts down cleanly on Ctrl-C (SIGINT)."""
 
 from __future__ import annotations
 
@@ -91,6 +91,14 @@ def test_serve_command_serves_until_ctrl_c(tmp_path, tiny_checkpoints):
     except queue.Empty:  # a Ray child may still hold the pipe; what was logged is enough
         pass
     assert any("stopped" in line for line in stderr), "".join(stderr[-20:])
+    # resources.cpu_affinity auto (docs/serving.md, "CPU binding"): with a core to spare, the target's
+    # worker reports a core of its own, the last one, and every other process runs on the rest.
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= 2:
+        rest = ", ".join(str(core) for core in cores[:-1])
+        assert f"cpu affinity: Ray, Serve and the coordinators on cores [{rest}]; workers' cores [{cores[-1]}]" in printed
+        assert any("worker target (target)" in line and line.rstrip().endswith(f"on cores [{cores[-1]}]")
+                   for line in stderr), "".join(line for line in stderr if "worker target" in line)
     # No API key configured: the start-up warning says gRPC listens on every interface.
     assert any("no API key for application 'specserve'" in line and "every interface" in line for line in stderr), (
         "".join(stderr[-20:])

@@ -12,6 +12,7 @@ import torch
 
 from actors.messages import OpenSession, RowSampling, WorkItem
 from actors.worker.cpu_binding import bind_process
+from actors.worker.device_worker import DeviceWorker
 from actors.worker.model_worker import ModelWorker
 from actors.worker.sessions import SessionNotFoundError
 from cluster.config import ModelSpec
@@ -236,8 +237,8 @@ def test_rows_after_a_prefix_reuse_equal_a_full_forward(worker, full_logits):
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="CPU binding needs Linux affinity and two cores")
 def test_a_worker_started_with_cores_runs_on_them_and_reports_them(tiny_checkpoints):
-    """``cpu_cores`` (resources.cpu_affinity) binds the worker's whole process at start; in process
-    here, so the test's own threads are bound back afterwards."""
+    """``cpu_cores`` (resources.cpu_affinity) binds the worker's whole process at start (a ModelWorker's,
+    a DeviceWorker's); in process here, so the test's own threads are bound back afterwards."""
     original = sorted(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
     spec = ModelSpec(name="draft", path=str(tiny_checkpoints["draft"]), role="draft", num_gpus=0, num_cpus=0.25,
@@ -250,6 +251,8 @@ def test_a_worker_started_with_cores_runs_on_them_and_reports_them(tiny_checkpoi
         assert torch.get_num_threads() == 1  # the configured thread count is kept
         unbound = ModelWorker(spec, max_sessions=1, cpu_cores=[10_000])  # no such core: a warning, not a failure
         assert unbound.info().cpu_cores == (original[-1],)
+        hosted = DeviceWorker([spec], max_sessions=1, cpu_cores=[original[0]])  # models sharing a worker: its process
+        assert hosted.info("draft").cpu_cores == (original[0],)
     finally:
         bind_process(original, "test process")
         torch.set_num_threads(threads)
