@@ -133,7 +133,9 @@ class _LocalMethod:
 
 class _LocalStream:
     """An in-process stand-in for Ray's ObjectRefGenerator: each item of a generator method, run
-    step by step in the caller's loop, as a resolved future."""
+    step by step in the caller's loop, as a resolved future. The loop runs its other tasks before
+    each item (as the items of a Ray stream arrive while the caller's loop runs): a request that
+    arrives meanwhile is submitted, and a burst's stop signal reaches the generator."""
 
     def __init__(self, generator: Any):
         self._generator = generator
@@ -142,6 +144,7 @@ class _LocalStream:
         return self
 
     async def __anext__(self) -> asyncio.Future:
+        await asyncio.sleep(0)
         try:
             value = next(self._generator)
         except StopIteration:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.coordination.coordinator import Coordinator
+from actors.worker.bursts import BURST_CONTROL_GROUP
 from actors.worker.device_worker import DeviceWorker, HostedModel
 from actors.coordination.metrics import COORDINATOR_NAMESPACE, GroupIdentity
 from actors.worker.model_worker import ModelWorker
@@ -263,6 +264,14 @@ def worker_sessions(config: GroupConfig) -> int:
     return 2 * config.max_concurrent_requests + 4
 
 
+def _worker_actor(cls: type) -> Any:
+    """``cls`` as a Ray actor class whose ``stop_burst`` runs in a concurrency group of its own,
+    beside a busy burst call (:mod:`actors.worker.bursts`, the stop signal)."""
+    import ray
+
+    return ray.remote(concurrency_groups={BURST_CONTROL_GROUP: 1})(cls)
+
+
 def start_model_group(
     args: SpecServeArgs | GroupConfig | dict[str, Any],
     placement_group: Any = None,
@@ -311,11 +320,11 @@ def start_model_group(
         if cpu_plan.workers[index] is not None:
             worker_args["cpu_cores"] = cpu_plan.workers[index]
         if len(models) == 1:
-            handle = ray.remote(worker_cls).options(**options).remote(
+            handle = _worker_actor(worker_cls).options(**options).remote(
                 config.model(models[0]), config.session_idle_timeout_s, **worker_args)
             workers[models[0]] = handle
         else:
-            handle = ray.remote(DeviceWorker).options(**options).remote(
+            handle = _worker_actor(DeviceWorker).options(**options).remote(
                 [config.model(name) for name in models], config.session_idle_timeout_s, worker_cls=worker_cls,
                 **worker_args)
             for name in models:

@@ -109,12 +109,14 @@ class Scheduler:
     def submit(self, request: RequestState) -> None:
         """Queue a request (raises OverloadedError when the waiting line is full)."""
         self.admission.queue(request)
+        self.solo_bursts.stop()  # a running burst ends after its current iteration: this one is admitted
         self._ensure_loops()
         self._notify()
 
     def cancel(self, request: RequestState) -> None:
         """The client went away: the request leaves at the next step boundary."""
         if self.admission.cancel(request):
+            self.solo_bursts.stop()
             self._notify()
 
     def active_session_ids(self) -> list[str]:

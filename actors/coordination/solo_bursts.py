@@ -3,12 +3,19 @@ none waiting, its target's worker runs the request's iterations for up to ``burs
 streaming each back; the scheduler replays each iteration through the request's own machine as
 a step of its own (the machine must ask for exactly the needs the worker's copy ran). A request
 admitted alone starts in a burst: the burst opens its sessions (its prompt's prefill runs in the
-first iteration), with no scheduler step and no round trip before it."""
+first iteration), with no scheduler step and no round trip before it.
+
+The stop signal: a request that arrives (or one that is cancelled) while a burst runs tells the
+burst's worker to end it after its current iteration (:meth:`SoloBursts.stop`, the worker's
+``stop_burst`` in its own concurrency group); so does a burst whose request ended in the
+coordinator first (a stop string). A newcomer waits one iteration, not ``burst_s``, and the
+budget can be long."""
 
 from __future__ import annotations
 
 import logging
 import pickle
+from typing import Any
 
 from actors.coordination.admission import Admission
 from actors.coordination.cohorts import Cohort
@@ -18,10 +25,26 @@ from actors.coordination.requests import RequestState
 from actors.coordination.results import RequestResults
 from actors.coordination.worker_calls import Placed, WorkerCalls, call_report
 from actors.messages import UNAVAILABLE, OpenSession, WorkItem
-from actors.worker.bursts import BurstRecord, FrozenStepCosts, burstable
+from actors.worker.bursts import BURST_CONTROL_GROUP, BurstRecord, FrozenStepCosts, burstable
 from verifiers.machines import PreDraft
 
 logger = logging.getLogger(__name__)
+
+
+class RunningBurst:
+    """A burst whose call is out: its worker's handle and the id a stop names (sent once)."""
+
+    def __init__(self, worker: Any, burst_id: str):
+        self.worker = worker
+        self.burst_id = burst_id
+        self.stopped = False
+
+    def stop(self) -> None:
+        """Tell the worker to end this burst after its current iteration (fire and forget: the
+        burst's stream says when it ended)."""
+        if not self.stopped:
+            self.stopped = True
+            self.worker.stop_burst.options(concurrency_group=BURST_CONTROL_GROUP).remote(self.burst_id)
 
 
 class SoloBursts:
@@ -36,6 +59,12 @@ class SoloBursts:
         self.results = results
         self.admission = admission
         self.counters = counters
+        self.running: list[RunningBurst] = []
+
+    def stop(self) -> None:
+        """End every running burst after its current iteration: a request arrived or left."""
+        for burst in self.running:
+            burst.stop()
 
     def can_burst(self, cohort: Cohort) -> bool:
         """One request running (in every cohort), none waiting, no prompt being prefilled in chunks
@@ -67,17 +96,22 @@ class SoloBursts:
             opens = dict(request.opens)
             request.opened |= set(opens)
             self.counters.bursts += 1
+            burst = RunningBurst(self.calls.workers[target], f"{request.session_id}/{self.counters.bursts}")
             stream = self.calls.workers[target].burst.options(num_returns="streaming").remote(
                 blob, request.session_id, peers, tuple(request.output.eos_token_ids), self.burst_s, releases,
-                request.pre_drafted, opens=opens)
+                request.pre_drafted, opens=opens, burst_id=burst.burst_id)
+            self.running.append(burst)
             try:
                 async for ref in stream:
                     record = await ref
                     if request.finished or request.cancelled:
-                        break  # the worker stops within its budget; the session is released next call
+                        burst.stop()  # ends after its current iteration; the session is released next call
+                        break
                     self.replay(request, record)
             except Exception as error:  # noqa: BLE001 - the burst failed: this request only
                 self.failed(request, target, error)
+            finally:
+                self.running.remove(burst)
         finally:
             if live_costs is not None:
                 machine.step_costs = live_costs

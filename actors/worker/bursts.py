@@ -13,7 +13,8 @@ pickled: the same I/O-free machine, a copy) to the target worker, which runs
 
 iteration after iteration, streaming each one's needs and outcomes back (a :class:`BurstRecord`
 per iteration, over a Ray streaming generator), until the machine is done, an iteration emits an
-EOS token or fails, or ``budget_s`` has passed. An ``ar`` burst makes no hop between iterations.
+EOS token or fails, ``budget_s`` has passed, or the scheduler told it to stop. An ``ar`` burst
+makes no hop between iterations.
 A request's first burst may open its sessions (``opens``): each model's first need in the burst
 carries that model's :class:`~actors.messages.OpenSession` (its prompt's prefill is the need's
 first row, as in a step), so a lone request runs from its prompt to its end in bursts, with no
@@ -27,6 +28,14 @@ the same order as step by step: a seeded request's tokens are the same with burs
 (``tests/actors/worker/test_bursts.py``). ``gamma: "auto"`` with measured step costs reads the costs
 frozen when the burst starts (:class:`FrozenStepCosts`), in the worker's copy and in the replay.
 
+The stop signal: when another request arrives (or the bursting request is cancelled, its
+client gone, or its stop string met) the scheduler calls the worker's ``stop_burst(burst_id)``,
+which runs in its own Ray concurrency group (:data:`BURST_CONTROL_GROUP`) beside the busy burst
+call and marks the burst in the worker's :class:`BurstStops`; the burst ends after its current
+iteration (with its next iteration's draft calls already submitted, after that one: they are
+consumed, never dropped, so every session stays where the replay expects it). The budget can
+then be long (one call per request) without a newcomer waiting for it.
+
 With pre-drafting (``engine.pre_drafting``) an iteration's PreDraft is sent to the draft's
 worker right after its Sample and runs there while the target verifies here; the next iteration
 verifies a pre-drafted chain from that call's payloads, so the draft's forwards leave the
@@ -38,7 +47,9 @@ later step or burst reads them the same way). Only ``ar``, ``sd`` and ``multi_dr
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -61,6 +72,9 @@ logger = logging.getLogger(__name__)
 
 #: A burst never runs more iterations than this, whatever its time budget.
 MAX_BURST_ITERATIONS = 64
+
+#: The Ray concurrency group of a worker's ``stop_burst``: it runs while the burst's call is busy.
+BURST_CONTROL_GROUP = "burst_control"
 
 #: ``(model, items) -> (outcomes ref, payloads ref)``: submit one call on another model's worker.
 PeerSubmit = Callable[[str, list[WorkItem]], tuple[Any, Any]]
@@ -85,6 +99,31 @@ class BurstRecord:
     opened: tuple[str, ...] = ()
 
 
+class BurstStops:
+    """The bursts a worker was told to stop (by id), thread-safe: ``stop`` runs in the control
+    group's thread while the burst reads ``stopped`` between iterations. A stop may arrive before
+    its burst starts (the two calls run in different threads) or after it ended; the ids of ended
+    bursts are dropped, and at most ``keep`` stray ones are kept."""
+
+    def __init__(self, keep: int = 256):
+        self.keep = keep
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def stop(self, burst_id: str) -> None:
+        with self._lock:
+            self._ids[burst_id] = None
+            while len(self._ids) > self.keep:
+                self._ids.popitem(last=False)
+
+    def stopped(self, burst_id: str | None) -> bool:
+        return burst_id is not None and burst_id in self._ids
+
+    def ended(self, burst_id: str | None) -> None:
+        with self._lock:
+            self._ids.pop(burst_id, None)
+
+
 class FrozenStepCosts:
     """A picklable stand-in for a machine's ``step_costs`` callable: the costs measured when the
     burst started (the choice stays a function of what was fixed before each block is drafted)."""
@@ -107,10 +146,12 @@ def burstable(machine: DecodeMachine) -> bool:
 def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_step: LocalStep,
               peer_submit: PeerSubmit, fetch: Fetch, *, eos_token_ids: Sequence[int] = (), budget_s: float,
               pre_drafted: tuple[Any, int] | None = None, opens: Mapping[str, OpenSession] | None = None,
-              ahead: bool = True, max_iterations: int = MAX_BURST_ITERATIONS) -> Iterator[BurstRecord]:
+              ahead: bool = True, max_iterations: int = MAX_BURST_ITERATIONS,
+              stop: Callable[[], bool] | None = None) -> Iterator[BurstRecord]:
     """Drive ``machine`` (a copy: this consumes its outcomes) iteration after iteration; yield
     each one's :class:`BurstRecord`. Stops after the iteration that finishes the machine, emits
-    one of ``eos_token_ids``, fails, or ends past ``budget_s`` seconds (or ``max_iterations``).
+    one of ``eos_token_ids``, fails, or ends past ``budget_s`` seconds (or ``max_iterations``),
+    or once ``stop()`` is true (the scheduler's stop signal, read after each iteration).
     ``pre_drafted``: where the chains of the request's last PreDraft are, when the first
     iteration verifies one. ``opens``: model -> how to open the request's session there, for
     the models whose session is not open yet (each opens with the model's first need).
@@ -143,7 +184,7 @@ def run_burst(machine: DecodeMachine, session_id: str, local_model: str, local_s
             except Exception:  # noqa: BLE001 - the scheduler's replay raises it again and ends the request
                 failed = True
         last = (failed or machine.done or bool(eos.intersection(tokens)) or iteration + 1 == max_iterations
-                or time.perf_counter() - started >= budget_s)
+                or time.perf_counter() - started >= budget_s or (stop is not None and stop()))
         if not last and ahead:
             # The next iteration's peer calls go out before this record does: the draft drafts
             # while the record is serialized and streamed (they are the calls the next iteration

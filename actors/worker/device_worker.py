@@ -169,13 +169,19 @@ class DeviceWorker:
 
     def burst(self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),
               budget_s: float = 0.1, releases: Sequence[str] = (), pre_drafted: tuple[Any, int] | None = None,
-              opens: dict[str, OpenSession] | None = None, model: str | None = None) -> Iterator[BurstRecord]:
+              opens: dict[str, OpenSession] | None = None, model: str | None = None,
+              burst_id: str | None = None) -> Iterator[BurstRecord]:
         """A solo burst on ``model`` (:meth:`actors.worker.model_worker.ModelWorker.burst`); its peers hosted
         here are called in this process."""
         worker = self._model(model)
         local = {name: self.models[name] for name in peers if name in self.models}
         yield from worker.burst(machine_blob, session_id, peers, eos_token_ids, budget_s, releases, pre_drafted,
-                                local_peers=local, opens=opens)
+                                local_peers=local, opens=opens, burst_id=burst_id)
+
+    def stop_burst(self, burst_id: str, model: str | None = None) -> None:
+        """End the burst ``burst_id`` on ``model`` after its current iteration
+        (:meth:`actors.worker.model_worker.ModelWorker.stop_burst`; its own concurrency group)."""
+        self._model(model).stop_burst(burst_id)
 
 
 class HostedModel:

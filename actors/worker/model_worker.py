@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from actors.model.backends import SlotBackend
-from actors.worker.bursts import BurstRecord, run_burst
+from actors.worker.bursts import BurstRecord, BurstStops, run_burst
 from actors.worker.cpu_binding import bind_process, current_cores
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
@@ -127,6 +127,7 @@ class ModelWorker:
         self._links: dict[str, PeerLink | None] = {}  # peer actor id -> link (None: another node, Ray calls)
         self._link_retry_at: dict[str, float] = {}  # peer actor id -> when to try opening a link again
         self._links_lock = threading.Lock()
+        self._burst_stops = BurstStops()  # written by stop_burst, in its own concurrency group
 
     # ------------------------------------------------------------------ set-up
     def _pick_device(self) -> str:
@@ -203,13 +204,15 @@ class ModelWorker:
         self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),
         budget_s: float = 0.1, releases: Sequence[str] = (), pre_drafted: tuple[Any, int] | None = None,
         local_peers: dict[str, ModelWorker] | None = None, opens: dict[str, OpenSession] | None = None,
+        burst_id: str | None = None,
     ) -> Iterator[BurstRecord]:
         """Run one request's iterations here for up to ``budget_s`` seconds (:mod:`actors.worker.bursts`):
         ``machine_blob`` is its pickled machine, ``peers`` the handles of the other models'
         workers it uses, called directly, one ``run_step`` call per iteration and model (None for a
         model of ``local_peers``), ``pre_drafted`` where its last PreDraft's chains are; ``opens`` the request's sessions to open
         (model -> OpenSession; each with its model's first need); ``local_peers``: the peers hosted in this
-        process (:mod:`actors.worker.device_worker`), whose engines run their calls at once, here. A generator:
+        process (:mod:`actors.worker.device_worker`), whose engines run their calls at once, here; ``burst_id``: the
+        id a :meth:`stop_burst` names to end it after its current iteration. A generator:
         call it with ``.options(num_returns="streaming")``; one :class:`~actors.worker.bursts.BurstRecord` per iteration."""
         local_peers = local_peers or {}
         machine = pickle.loads(machine_blob)
@@ -239,11 +242,20 @@ class ModelWorker:
         try:
             yield from run_burst(machine, session_id, self.spec.name, local_step, peer_submit, _fetch,
                                  eos_token_ids=eos_token_ids, budget_s=budget_s, pre_drafted=pre_drafted, opens=opens,
-                                 ahead=any(model not in local_peers for model in peers))
+                                 ahead=any(model not in local_peers for model in peers),
+                                 stop=lambda: self._burst_stops.stopped(burst_id))
         finally:
+            self._burst_stops.ended(burst_id)
             for call in link_calls:
                 if not call.done:  # closed early with a call in flight: its reply is not wanted
                     call.link.close()
+
+    def stop_burst(self, burst_id: str) -> None:
+        """End the burst ``burst_id`` after its current iteration (:mod:`actors.worker.bursts`, the stop
+        signal). Call it in the :data:`~actors.worker.bursts.BURST_CONTROL_GROUP` concurrency group, so it
+        runs while the burst's call is busy; a stop that comes before its burst starts stops it after
+        its first iteration."""
+        self._burst_stops.stop(burst_id)
 
     # ------------------------------------------------------------------ peer links
     def peer_link_address(self) -> PeerLinkAddress:

@@ -4,10 +4,13 @@ change no token.
 Through real Ray actors on the deterministic fake workers (tests/actors/fake_models.py): one
 request at a time, so every iteration runs in a burst (the first opens the sessions), equals the
 reference loop token for token for every burstable strategy and rule; gamma "auto" with measured (frozen) step costs keeps
-the target's law (chi-square); a request cancelled mid-burst leaves no session behind. In
-process: the burst loop stops where it must (done, EOS, a failed iteration, its time budget), a
-peer that cannot be reached fails its needs as retryable, and the scheduler refuses a replay
-whose needs differ from the worker's.
+the target's law (chi-square); a request cancelled mid-burst leaves no session behind; a request
+that arrives during a long burst stops it (the stop signal) and starts before the burst would
+have ended, with a draft on its own worker or hosted with the target. In process: the burst loop
+stops where it must (done, EOS, a failed iteration, its time budget, the stop signal), a peer
+that cannot be reached fails its needs as retryable, the scheduler refuses a replay whose needs
+differ from the worker's, and a request arriving mid-burst is admitted after one iteration
+through the real scheduler (and, as a control, waits for the whole burst without the signal).
 """
 
 from __future__ import annotations
@@ -20,11 +23,19 @@ import pytest
 import torch
 
 from actors.api import GenerationRequest
-from actors.worker.bursts import BurstRecord, FrozenStepCosts, burstable, finish_needs, run_burst, submit_peer_calls
+from actors.worker.bursts import (
+    BurstRecord,
+    BurstStops,
+    FrozenStepCosts,
+    burstable,
+    finish_needs,
+    run_burst,
+    submit_peer_calls,
+)
 from actors.messages import CallTiming, ItemOutcome
 from actors.coordination.plan import DecodingDefaults
 from cluster.bringup import start_model_group
-from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import CO_LOCATED, FAKE_MODELS, FunctionModelWorker, fake_group_config
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from verifiers.adaptive import AdaptiveGammaSettings, StepCosts
 from verifiers.machines import AutoregressiveMachine, Sample, Sampled, ScoreVerify, SpeculativeMachine, Verified
@@ -193,6 +204,92 @@ def test_a_request_cancelled_mid_burst_leaves_no_session(burst_group):
     assert _tokens(_run_one_at_a_time(burst_group, [_request(6, {"strategy": "ar"})])[0])
 
 
+SLOW_FORWARD_S = 0.02
+#: A request long enough that its burst (budget below) would run for a second or more, alone.
+LONG = {"strategy": "sd", "method": "block", "gamma": 3}
+LONG_TOKENS = 60
+LONG_BURST_MS = 10_000
+
+
+class SlowTargetWorker(FunctionModelWorker):
+    """The fake models, each forward of the target lasting ``SLOW_FORWARD_S`` more: a long burst
+    takes long, so a request that waited for it would wait visibly."""
+
+    def _load_backend(self):
+        backend = super()._load_backend()
+        if self.spec.name == "target":
+            forward = backend.forward
+
+            def slow_forward(rows):
+                time.sleep(SLOW_FORWARD_S)
+                return forward(rows)
+
+            backend.forward = slow_forward
+        return backend
+
+
+def _arrival_mid_burst(generate, close=None) -> list[tuple[str, object]]:
+    """Request "a" (long) alone, then "b" as soon as "a"'s first chunk is out; every chunk as it
+    reached its reader, in order. ``generate(request)``: an async iterator of the request's chunks;
+    ``close``: a coroutine function awaited at the end, in the same event loop."""
+
+    async def run() -> list[tuple[str, object]]:
+        events: list[tuple[str, object]] = []
+
+        async def collect(name: str, request: GenerationRequest) -> None:
+            async for chunk in generate(request):
+                events.append((name, chunk))
+
+        first = asyncio.create_task(collect("a", _request(11, LONG, max_tokens=LONG_TOKENS)))
+        while not events:
+            await asyncio.sleep(0.001)
+        second = asyncio.create_task(collect("b", _request(12, {"strategy": "ar"}, max_tokens=8)))
+        try:
+            await asyncio.wait_for(asyncio.gather(first, second), timeout=120)
+        finally:
+            if close is not None:
+                await close()
+        return events
+
+    return asyncio.run(run())
+
+
+def _check_arrival_tokens(events) -> tuple[int, int]:
+    """Both requests' tokens equal the reference loop's; returns (index of b's first chunk, index
+    of a's last)."""
+    a_chunks = [chunk for name, chunk in events if name == "a"]
+    b_chunks = [chunk for name, chunk in events if name == "b"]
+    expected_a, _ = speculative_generate(FAKE_MODELS["draft"], FAKE_MODELS["target"], PROMPT, LONG_TOKENS, gamma=3,
+                                         method="block", generator=torch.Generator().manual_seed(11))
+    expected_b, _ = autoregressive_generate(FAKE_MODELS["target"], PROMPT, 8, generator=torch.Generator().manual_seed(12))
+    assert _tokens(a_chunks) == expected_a
+    assert _tokens(b_chunks) == expected_b
+    names = [name for name, _ in events]
+    return names.index("b"), len(names) - 1 - names[::-1].index("a")
+
+
+@pytest.mark.parametrize("placement", ["separate", CO_LOCATED], ids=["separate", "co_located"])
+def test_a_request_arriving_mid_burst_stops_it_and_starts_before_it_would_end(ray_session, placement):
+    """A budget of ten seconds: the lone request's burst would run to its end; the request arriving
+    meanwhile stops it after an iteration, both continue in batched steps, tokens unchanged."""
+    import ray
+
+    group = start_model_group(fake_group_config(overlap=False, burst_ms=LONG_BURST_MS, placement=placement),
+                              worker_cls=SlowTargetWorker)
+    try:
+        async def generate(request):
+            async for ref in group.coordinator.generate.options(num_returns="streaming").remote(request):
+                yield await ref
+
+        events = _arrival_mid_burst(generate)
+        stats = ray.get(group.coordinator.engine_stats.remote())
+    finally:
+        group.shutdown()
+    b_first, a_last = _check_arrival_tokens(events)
+    assert b_first < a_last, [name for name, _ in events]
+    assert stats["bursts"] >= 1 and 2 in stats["batch_sizes"], stats
+
+
 # ------------------------------------------------------------------------------ in process
 def _ar_step(tokens_per_call: list[list[int]]):
     """A local step that answers each Sample with the next list of tokens."""
@@ -241,6 +338,59 @@ def test_a_burst_stops_at_its_time_budget():
 
     records = list(run_burst(machine, "s", "target", slow_step, _no_peer, _fetch, budget_s=0.05))
     assert 2 <= len(records) <= 4
+
+
+def test_a_burst_told_to_stop_ends_after_its_current_iteration():
+    machine = AutoregressiveMachine("target", max_new_tokens=400, tokens_per_iteration=4)
+    inner = _ar_step([[1, 2, 3, 4]] * 100)
+    stops = BurstStops()
+    calls = []
+
+    def step(items, sources):
+        calls.append(items)
+        if len(calls) == 3:
+            stops.stop("r/1")  # arrives while the third iteration runs
+        return inner(items, sources)
+
+    records = list(run_burst(machine, "s", "target", step, _no_peer, _fetch, budget_s=60,
+                             stop=lambda: stops.stopped("r/1")))
+    assert len(records) == 3 and len(calls) == 3
+    assert not machine.done
+
+
+def test_burst_stops_hold_a_stop_that_comes_first_and_forget_ended_bursts():
+    stops = BurstStops(keep=2)
+    stops.stop("early")  # before its burst started: the burst still sees it
+    assert stops.stopped("early") and not stops.stopped("other") and not stops.stopped(None)
+    stops.ended("early")
+    assert not stops.stopped("early")
+    for burst_id in ("x", "y", "z"):  # stops of bursts that had ended: only the last ``keep`` stay
+        stops.stop(burst_id)
+    assert [stops.stopped(b) for b in ("x", "y", "z")] == [False, True, True]
+
+
+@pytest.mark.parametrize("signal", [True, False], ids=["stop_signal", "control_without_it"])
+def test_a_request_arriving_mid_burst_is_admitted_after_an_iteration_in_process(monkeypatch, signal):
+    """Through the real scheduler and workers in this process, a ten-second budget: with the stop
+    signal the arriving request starts while the long one still runs (then both in steps, tokens
+    unchanged); without it (the control) it waits for the whole burst."""
+    from actors.coordination import solo_bursts
+    from actors.coordination.coordinator import Coordinator
+    from benchmarks.runners import LocalActorHandle
+
+    if not signal:
+        monkeypatch.setattr(solo_bursts.RunningBurst, "stop", lambda self: None)
+    config = fake_group_config(overlap=False, burst_ms=LONG_BURST_MS)
+    coordinator = Coordinator({m.name: LocalActorHandle(FunctionModelWorker(m, 60.0)) for m in config.models}, config,
+                              export_to_ray=False)
+
+    events = _arrival_mid_burst(coordinator.generate, close=coordinator.scheduler.close)
+    b_first, a_last = _check_arrival_tokens(events)
+    assert coordinator.scheduler.bursts >= 1
+    if signal:
+        assert b_first < a_last and 2 in coordinator.scheduler.batch_sizes
+    else:
+        assert b_first > a_last and 2 not in coordinator.scheduler.batch_sizes
 
 
 def test_a_burst_stops_after_a_failed_iteration():
