@@ -132,12 +132,13 @@ class EngineArgs(Frozen):
         "tokens differ from those with it off.",
     )
     burst_ms: float = Field(
-        100.0,
+        1000.0,
         ge=0.0,
         le=10_000.0,
         description="Solo bursts: while exactly one request runs and none waits, its target's worker runs its steps (ar; "
-        "sd and multi_draft without pre_drafting) for up to this many milliseconds per call, calling the "
-        "draft directly; a request arriving meanwhile waits at most this long. Tokens unchanged; 0: off.",
+        "sd and multi_draft) for up to this many milliseconds per call, calling the draft directly. A request "
+        "arriving meanwhile (or a cancel) tells the burst to end after its current iteration, so it waits "
+        "about one iteration, not the budget. Tokens unchanged; 0: off.",
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,
