@@ -247,11 +247,27 @@ class SlotKVCache(Cache):
         self._write_columns = write_columns.to(self.device)  # [B, L]
         self.kv_length = kv_length
         self._first_slot = first_slot
+        self._write_index = self._bind_write_index()  # [layers, 2 B L H]
+
+    def _bind_write_index(self) -> torch.Tensor:
+        """For each layer, the rows of ``storage.view(-1, D)`` that the bound rows' new keys and
+        values go to, in ``[2 (keys, values), B, L, H]`` order: ``[layers, 2 B L H]``. One
+        ``index_copy_`` per layer then writes both (padded tokens all write their slot's trash
+        column; nothing reads it, so which of them lands there does not matter)."""
+        layers, slots = len(self.layers), self.num_slots
+        heads, columns, _ = self._shape
+        head_offsets = torch.arange(heads, device=self.device) * columns  # [H]
+        within_layer = (self._slots[:, None, None] * (heads * columns) + head_offsets
+                        + self._write_columns[:, :, None])  # [B, L, H]
+        layer_offsets = (torch.arange(2, device=self.device)[None, :] * layers
+                         + torch.arange(layers, device=self.device)[:, None]) * (slots * heads * columns)  # [layers, 2]
+        return (layer_offsets[:, :, None, None, None] + within_layer).view(layers, -1)
 
     def unbind(self) -> None:
         """Forget the bound rows (``update`` then refuses to run)."""
         self._slots: torch.Tensor | None = None
         self._write_columns: torch.Tensor | None = None
+        self._write_index: torch.Tensor | None = None
         self.kv_length = 0
         self._first_slot: int | None = None
 
@@ -265,12 +281,14 @@ class SlotKVCache(Cache):
         if key_states.shape[0] != self._slots.shape[0] or key_states.shape[2] != self._write_columns.shape[1]:
             raise ValueError(f"update: key_states {tuple(key_states.shape)} do not match the bound rows "
                              f"[B={self._slots.shape[0]}, L={self._write_columns.shape[1]}]")
-        rows = self._slots[:, None]  # [B, 1]
-        batch = rows.shape[0]
+        batch = self._slots.shape[0]
+        # Keys and values in one copy: [2, B, L, H, D] rows of storage's [..., D] rows (see _bind_write_index).
+        written = torch.stack((key_states.transpose(1, 2), value_states.transpose(1, 2))).to(self.dtype)
+        self.storage.view(-1, self.storage.shape[-1]).index_copy_(
+            0, self._write_index[layer_idx], written.view(-1, written.shape[-1]))
         read = []
-        for kind, states in enumerate((key_states, value_states)):
+        for kind in range(2):
             layer = self.storage[kind, layer_idx]  # [S, H, capacity + 1, D]
-            layer[rows, :, self._write_columns] = states.transpose(1, 2).to(self.dtype)  # [B, L, H, D]
             if self._first_slot is not None:  # a view: no copy
                 read.append(layer[self._first_slot : self._first_slot + batch, :, : self.kv_length])  # [B, H, T_kv, D]
             else:

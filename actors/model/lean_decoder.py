@@ -9,27 +9,34 @@ runs the same computation with less around it:
 * the q/k/v projections are one GEMM over packed weights, and so are the MLP's gate and up
   projections (the model's own ``nn.Linear`` weights become views into the packed tensors, and
   the model's own forward still works);
-* the rotary cos/sin are computed once per forward by the model's own rotary module, the
-  per-layer masks come ready from :func:`actors.model.layer_masks.layer_masks`, and attention is
-  :func:`actors.model.grouped_attention.grouped_sdpa_forward` (no mask conversion, no per-call
-  dispatch through transformers' attention and mask interfaces);
+* the rotary cos/sin are computed once per forward by the model's own rotary module and applied to
+  the queries and keys in one pass (they are adjacent in the q/k/v GEMM's output; transformers'
+  ``q * cos + rotate_half(q) * sin`` with the sign of ``rotate_half`` folded into ``sin``, checked
+  against the model module's ``apply_rotary_pos_emb`` at load); the norms are ``F.rms_norm``;
+* on CPU attention is two batched matmuls over the keys/values where they lie, under an additive
+  mask built once per forward (:func:`_bmm_attention`: fewer passes over the cached keys/values than
+  sdpa's flash kernel at a few query positions per row); elsewhere sdpa
+  (:func:`actors.model.grouped_attention.grouped_sdpa_forward` for grouped heads); the per-layer
+  masks come ready from :func:`actors.model.layer_masks.layer_masks`;
 * each layer is two plain functions over its packed weights (norm + q/k/v + rotary; o_proj +
-  residual + norm + MLP + residual) around the cache write and attention;
+  residual + norm + MLP + residual) around the cache write (keys and values in one copy,
+  :meth:`actors.model.kv_cache.SlotKVCache.write_and_gather`) and attention;
 * on CPU in float32 the layers' and the head's GEMMs go through oneDNN's matmul (:func:`_linear`)
   over a copy of their weights reordered into oneDNN's blocked layout, what vLLM's CPU build runs
   too: the same float32 product, 2.5x faster than the BLAS (MKL) behind ``F.linear`` at 16 rows
   on this machine's AMD cores, and faster at one row too, where the weights are read from memory
-  (``python -m benchmarks.forward_micro``, ``docs/benchmarks.md``). That copy is the one weight
-  held twice (the model's own ``nn.Linear`` weights stay, for its own forward, the load-time check
-  and the fall-back): 46.5 MiB for the embedded target.
+  (``python -m benchmarks.forward_micro``, ``docs/benchmarks.md``); the residual adds after
+  o_proj and down_proj are that matmul's own post-op (:func:`_linear_add`). That copy is the one
+  weight held twice (the model's own ``nn.Linear`` weights stay, for its own forward, the
+  load-time check and the fall-back): 46.5 MiB for the embedded target.
 
-What that buys on CPU is the Python and dispatch work around the ops and the faster GEMMs
-(``python -m benchmarks.forward_micro --paths model,lean``, ``docs/benchmarks.md``); the
-attention's reads of the cache are the same. TorchInductor over the two dense halves (dynamic
-token count) measured no faster here: the elementwise work it fuses is small next to the
-GEMMs, and its guards cost what the fusion saves; so the path runs eager.
+What that buys on CPU is the Python and dispatch work around the ops, the faster GEMMs and a
+faster attention at 16 rows (``python -m benchmarks.forward_micro --rows 1,16 --context 150``:
+the embedded target's forward FIGURES; ``docs/benchmarks.md``). TorchInductor over the two dense
+halves (dynamic token count) measured no faster here: the elementwise work it fuses is small next
+to the GEMMs, and its guards cost what the fusion saves; so the path runs eager.
 
-Every operation is the model's own (its RMSNorm and rotary modules, its activation, the same
+Every operation computes the model's own formula (its RMSNorm, rotary and activation, the same
 float32 GEMMs): logits equal transformers' own forward to float32 rounding
 (``tests/actors/model/test_lean_decoder.py``). A model that does not match this shape exactly is
 not taken (:func:`lean_support` says why) and runs its own decoder.
@@ -72,9 +79,16 @@ class _LeanLayer:
     (``num_key_value_groups``, ``scaling``) and its mask kind (FULL_ATTENTION / SLIDING_ATTENTION)."""
 
     attention: torch.nn.Module
-    before: tuple  # norm weight [hidden], eps, q/k/v weight [(H + 2 H_kv) d, hidden], bias, q/k norm weights [d], eps
+    before: tuple  # norm weight [hidden], eps, q/k/v weight [(H + 2 H_kv) d, hidden], bias, q/k norm weight [H + H_kv, d], eps
     after: tuple  # o weight [hidden, H d], bias, norm weight, eps, gate/up weight [2 I, hidden], bias, down weight, bias
     kind: str
+
+
+@dataclass(frozen=True)
+class _HeadShape:
+    heads: int  # H
+    kv_heads: int  # H_kv
+    head_dim: int  # d
 
 
 def lean_support(model: Any, architecture: Architecture) -> str | None:
@@ -139,8 +153,11 @@ class LeanDecoder:
                            int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
                            int(attention.head_dim))
         # The model's own rotary application (q * cos + rotate_half(q) * sin), from its module.
-        apply_rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
-        self._before_attention = _before_attention_fn(shape, apply_rotary)
+        self._shape = shape
+        _check_rotary(sys.modules[type(attention).__module__].apply_rotary_pos_emb, shape.head_dim)
+        self._before_attention = _before_attention_fn(shape)
+        # Attention as two batched matmuls where they beat sdpa's kernel (CPU; see _bmm_attention).
+        self._bmm_attention = self.embed_tokens.weight.device.type == "cpu"
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, masks: torch.Tensor | dict[str, torch.Tensor],
@@ -151,14 +168,33 @@ class LeanDecoder:
         the final-normed hidden states ``[B, L, hidden]``; every layer's new keys/values are written."""
         hidden = self.embed_tokens(input_ids)  # [B, L, hidden]
         cos, sin = self.rotary_emb(hidden, position_ids)  # [B, L, d] each
+        rotary = _rotary_factors(cos, sin)
         batch, length = input_ids.shape
+        attend = self._attention_masks(masks)  # per layer kind: the mask attention takes
         for index, layer in enumerate(self.layers):
-            mask = masks[layer.kind] if isinstance(masks, dict) else masks  # [B, 1, L, T_kv]
-            query, key, value = self._before_attention(hidden, cos, sin, *layer.before)  # [B, H|H_kv, L, d]
-            keys, values = cache.write_and_gather(index, key, value)  # [B, H_kv, T_kv, d] each
-            attended = _attention(layer.attention, query, keys, values, mask)  # [B, L, H, d]
-            hidden = _after_attention(hidden, attended.reshape(batch, length, -1), *layer.after)  # [B, L, hidden]
+            query, key, value = self._before_attention(hidden, rotary, *layer.before)  # [B, L, H|H_kv, d]
+            keys, values = cache.write_and_gather(index, key.transpose(1, 2), value.transpose(1, 2))  # [B, H_kv, T_kv, d]
+            attended = self._attend(layer.attention, query, keys, values, attend[layer.kind])  # [B, L, H d]
+            hidden = _after_attention(hidden, attended, *layer.after)  # [B, L, hidden]
         return _rms_norm(hidden, *self.final_norm)
+
+    def _attention_masks(self, masks: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each layer kind's bool mask ``[B, 1, L, T_kv]`` in the form :meth:`_attend` takes, built
+        once per forward: for :func:`_bmm_attention`, additive ``[B H_kv, G L, T_kv]``."""
+        by_kind = masks if isinstance(masks, dict) else {kind: masks for kind in set(self.architecture.layer_types)}
+        if not self._bmm_attention:
+            return by_kind
+        return {kind: _additive_grouped_mask(mask, self._shape, self.embed_tokens.weight.dtype)
+                for kind, mask in by_kind.items()}
+
+    def _attend(self, module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """Attention of ``query`` ``[B, L, H, d]`` over ``keys`` / ``values`` ``[B, H_kv, T_kv, d]``
+        -> ``[B, L, H d]``: two batched matmuls on CPU (:func:`_bmm_attention`), sdpa elsewhere."""
+        batch, length = query.shape[:2]
+        if self._bmm_attention:
+            return _bmm_attention(query, keys, values, mask, module.scaling)
+        return _sdpa_attention(module, query.transpose(1, 2), keys, values, mask).reshape(batch, length, -1)
 
     def head(self, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(hidden)`` (``[N, hidden]`` -> ``[N, V]``), through :func:`_linear` over the
@@ -196,13 +232,47 @@ class LeanDecoder:
         return float((lean - own).abs().max() / own.abs().max().clamp_min(1e-6))
 
 
-def _attention(module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
+def _sdpa_attention(module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
     """sdpa of ``query`` ``[B, H, L, d]`` over ``keys`` / ``values`` ``[B, H_kv, T_kv, d]`` under the
     bool ``mask`` ``[B, 1, L, T_kv]`` -> ``[B, L, H, d]``; grouped heads read in place."""
     if module.num_key_value_groups > 1:
         return grouped_sdpa_forward(module, query, keys, values, mask, scaling=module.scaling)[0]
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=module.scaling).transpose(1, 2)
+
+
+def _additive_grouped_mask(mask: torch.Tensor, shape: _HeadShape, dtype: torch.dtype) -> torch.Tensor:
+    """The bool ``mask`` ``[B, 1, L, T_kv]`` (True: attend) as the additive mask of
+    :func:`_bmm_attention`, ``[B H_kv, G L, T_kv]`` (0 where attended, the dtype's lowest value
+    elsewhere, as transformers' own additive masks): query head ``h`` reads key/value head ``h // G``."""
+    batch, _, length, columns = mask.shape
+    groups = shape.heads // shape.kv_heads
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        mask.logical_not(), torch.finfo(dtype).min)  # [B, 1, L, T_kv]
+    return additive.expand(batch, shape.kv_heads * groups, length, columns).reshape(
+        batch * shape.kv_heads, groups * length, columns)
+
+
+def _bmm_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+    """``softmax(scaling q k^T + mask) v`` as two batched matmuls over the keys/values where they
+    lie (the slot cache's in-place view or the gathered buffer; no copy of them), the query heads
+    of each key/value head packed together (grouped heads read their key/value head once).
+    ``query`` ``[B, L, H, d]``, ``keys`` / ``values`` ``[B, H_kv, T_kv, d]``, ``mask`` from
+    :func:`_additive_grouped_mask` ``[B H_kv, G L, T_kv]`` -> ``[B, L, H d]``.
+
+    On this CPU the products read each row's keys and values once with fewer passes than sdpa's
+    flash kernel, which at a handful of query positions per row runs below its block size: one
+    layer of 16 rows x 1 new token over 150 cached columns, its keys/values read from memory, 0.51 ms
+    against 0.56-0.64 ms with sdpa (``docs/benchmarks.md``)."""
+    batch, length, heads, size = query.shape
+    kv_heads, columns = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
+    packed = query.transpose(1, 2).reshape(batch * kv_heads, groups * length, size)  # [B H_kv, G L, d]
+    scores = torch.baddbmm(mask, packed, keys.reshape(batch * kv_heads, columns, size).transpose(1, 2),
+                           alpha=scaling)  # [B H_kv, G L, T_kv]
+    attended = torch.bmm(scores.softmax(-1), values.reshape(batch * kv_heads, columns, size))  # [B H_kv, G L, d]
+    return attended.view(batch, heads, length, size).transpose(1, 2).reshape(batch, length, heads * size)
 
 
 def _linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -213,48 +283,72 @@ def _linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(inputs, weight, bias)
 
 
+def _linear_add(inputs: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``residual + F.linear(inputs, weight, bias)``; in oneDNN's layout the add is the matmul's
+    own post-op (one op, the same float32 sum). ``inputs`` ``[..., in]``, ``residual`` ``[..., out]``."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise.binary(inputs, residual, weight, bias, "add")
+    return residual + F.linear(inputs, weight, bias)
+
+
 def _onednn_weight(weight: torch.Tensor, reorder: bool) -> torch.Tensor:
     """``weight`` ``[out, in]`` copied into oneDNN's blocked layout when ``reorder``, else itself."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_LAYOUT_ROWS) if reorder else weight
 
 
-@dataclass(frozen=True)
-class _HeadShape:
-    heads: int  # H
-    kv_heads: int  # H_kv
-    head_dim: int  # d
+def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm ``weight * (h * rsqrt(mean(h^2) + eps))`` over the last dim, as
+    torch's one fused op (float32 inside, as the model's module computes it)."""
+    return F.rms_norm(hidden, hidden.shape[-1:], weight, eps)
 
 
-def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm, op for op: ``weight * (h * rsqrt(mean(h^2) + eps))`` in float32."""
-    dtype = hidden.dtype
-    hidden = hidden.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return weight * (hidden * torch.rsqrt(variance + eps)).to(dtype)
+def _rotary_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary module's ``cos`` / ``sin`` ``[B, L, d]`` -> ``cos`` and ``sin`` with the first
+    half negated, each ``[B, L, 1, d]``, so that for ``x`` ``[B, L, heads, d]``
+    ``x * cos + x.roll(d / 2, -1) * signed_sin`` is transformers' ``x * cos + rotate_half(x) * sin``
+    (``rotate_half(x) = cat(-x2, x1)``; ``-x2 * s == x2 * -s`` exactly)."""
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((sin[..., :half].neg(), sin[..., half:]), dim=-1)  # [B, L, d]
+    return cos.unsqueeze(2), signed_sin.unsqueeze(2)
 
 
-def _before_attention_fn(shape: _HeadShape, apply_rotary: Callable) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """The first half of a layer for one head shape and rotary function (constants of the graph)."""
+def _rotate(states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary position embedding of ``states`` ``[B, L, heads, d]`` (queries and keys together)."""
+    cos, signed_sin = rotary
+    return states * cos + states.roll(states.shape[-1] // 2, -1) * signed_sin
+
+
+def _check_rotary(apply_rotary: Callable, head_dim: int) -> None:
+    """Raise unless :func:`_rotate` equals the model module's ``apply_rotary_pos_emb`` (the
+    half-split rotation every :data:`LEAN_FAMILIES` module has; checked on random values at load)."""
+    generator = torch.Generator().manual_seed(0)
+    states, cos, sin = (torch.randn(2, 3, 4, head_dim, generator=generator, dtype=torch.float64) for _ in range(3))
+    expected, _ = apply_rotary(states.transpose(1, 2), states.transpose(1, 2), cos[:, :, 0], sin[:, :, 0])
+    ours = _rotate(states, _rotary_factors(cos[:, :, 0], sin[:, :, 0]))  # [2, 3, 4, d]
+    if not torch.allclose(ours, expected.transpose(1, 2), rtol=0, atol=1e-12):
+        raise ValueError("the model's apply_rotary_pos_emb is not the half-split rotation")
+
+
+def _before_attention_fn(shape: _HeadShape) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The first half of a layer for one head shape (constants of the graph)."""
     heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
 
     def before_attention(
-        hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-        qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, q_norm_weight: torch.Tensor | None,
-        k_norm_weight: torch.Tensor | None, head_eps: float,
+        hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], norm_weight: torch.Tensor, eps: float,
+        qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, qk_norm_weight: torch.Tensor | None, head_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``hidden`` ``[B, L, hidden]`` -> rotated queries ``[B, H, L, d]``, rotated keys and values
-        ``[B, H_kv, L, d]``: the input norm, one q/k/v GEMM, the optional per-head norms, rotary."""
+        """``hidden`` ``[B, L, hidden]`` -> rotated queries ``[B, L, H, d]``, rotated keys and
+        values ``[B, L, H_kv, d]``: the input norm, one q/k/v GEMM, the optional per-head norms
+        and the rotary embedding, each over queries and keys at once (adjacent in the GEMM's output)."""
         batch, length, _ = hidden.shape
-        qkv = _linear(_rms_norm(hidden, norm_weight, eps), qkv_weight, qkv_bias)  # [B, L, (H + 2 H_kv) d]
-        query, key, value = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
-        query = query.view(batch, length, heads, head_dim)  # [B, L, H, d]
-        key = key.view(batch, length, kv_heads, head_dim)  # [B, L, H_kv, d]
-        if q_norm_weight is not None:
-            query = _rms_norm(query, q_norm_weight, head_eps)
-            key = _rms_norm(key, k_norm_weight, head_eps)
-        value = value.view(batch, length, kv_heads, head_dim).transpose(1, 2)  # [B, H_kv, L, d]
-        query, key = apply_rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-        return query, key, value
+        qkv = _linear(_rms_norm(hidden, norm_weight, eps), qkv_weight, qkv_bias).view(
+            batch, length, heads + 2 * kv_heads, head_dim)  # [B, L, H + 2 H_kv, d]
+        query_key = qkv[:, :, : heads + kv_heads]  # [B, L, H + H_kv, d]
+        if qk_norm_weight is not None:  # q_norm's weight on the query heads, k_norm's on the key heads
+            query_key = _rms_norm(query_key, None, head_eps) * qk_norm_weight  # [H + H_kv, d] weight
+        query_key = _rotate(query_key, rotary)
+        return query_key[:, :, :heads], query_key[:, :, heads:], qkv[:, :, heads + kv_heads :]
 
     return before_attention
 
@@ -266,10 +360,9 @@ def _after_attention(
 ) -> torch.Tensor:
     """The rest of the layer: ``hidden + o_proj(attended)``, then ``+ down(silu(gate) * up)`` of its
     norm. ``hidden`` ``[B, L, hidden]``, ``attended`` ``[B, L, H d]`` -> ``[B, L, hidden]``."""
-    hidden = hidden + _linear(attended, o_weight, o_bias)
-    normed = _rms_norm(hidden, norm_weight, eps)
-    gate, up = _linear(normed, gate_up_weight, gate_up_bias).chunk(2, dim=-1)  # [B, L, I] each
-    return hidden + _linear(F.silu(gate) * up, down_weight, down_bias)
+    hidden = _linear_add(attended, hidden, o_weight, o_bias)
+    gate, up = _linear(_rms_norm(hidden, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, dim=-1)  # [B, L, I]
+    return _linear_add(F.silu(gate).mul_(up), hidden, down_weight, down_bias)
 
 
 def _pack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -297,10 +390,16 @@ def _pack_layer(layer: Any, kind: str, reorder: bool) -> _LeanLayer:
     gate_up_weight, gate_up_bias = _pack([mlp.gate_proj, mlp.up_proj])
     qkv_weight, gate_up_weight = _onednn_weight(qkv_weight, reorder), _onednn_weight(gate_up_weight, reorder)
     q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    qk_norm_weight, head_eps = None, 0.0
+    if q_norm is not None:
+        if float(q_norm.variance_epsilon) != float(k_norm.variance_epsilon):
+            raise ValueError("q_norm and k_norm have different epsilons")
+        heads, kv_heads = attention.q_proj.weight.shape[0] // attention.head_dim, attention.k_proj.weight.shape[0] // attention.head_dim
+        qk_norm_weight = torch.cat([q_norm.weight.detach().expand(heads, -1),
+                                    k_norm.weight.detach().expand(kv_heads, -1)])  # [H + H_kv, d]
+        head_eps = float(q_norm.variance_epsilon)
     before = (layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon), qkv_weight,
-              qkv_bias, None if q_norm is None else q_norm.weight.detach(),
-              None if k_norm is None else k_norm.weight.detach(),
-              0.0 if q_norm is None else float(q_norm.variance_epsilon))
+              qkv_bias, qk_norm_weight, head_eps)
     after = (_onednn_weight(attention.o_proj.weight.detach(), reorder), _detached(attention.o_proj.bias),
              layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
              gate_up_weight, gate_up_bias, _onednn_weight(mlp.down_proj.weight.detach(), reorder),
