@@ -69,6 +69,11 @@ class CallTiming:
     #: The whole call's seconds in the worker (forwards, sampling, verification, row building),
     #: what the step cost model charges per forward; 0: not measured (forward_s then stands in).
     call_s: float = 0.0
+    #: The call's seconds up to the end of its first forward round (rows, forward, sampling): with
+    #: ``call_s``, what a call of several forwards pays once (its first round, slower: the call's
+    #: set-up, the tokens the last verification accepted, caches the other models' forwards
+    #: evicted) apart from each further round; 0: not measured.
+    first_round_s: float = 0.0
 
 
 @dataclass(frozen=True)

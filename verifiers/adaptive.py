@@ -35,9 +35,11 @@ positions (a block that stopped before its end counts one rejection).
 
 With measured step costs (:func:`best_block`, the goodput rule of SmartSpec, Liu et al. 2024,
 arXiv 2406.14066, Sec. 4: the block that maximises the batch's expected tokens per second of
-the step) the rate of a block is ``E[tokens](gamma) / (gamma * draft_s + verify_s(gamma) +
-overhead_s)`` and a plain step's is ``plain_tokens / (plain_tokens * plain_s + plain_overhead_s)``,
-every time taken at the current batch size.
+the step) the rate of a block is ``E[tokens](gamma) / (draft_first_s + (gamma - 1) * draft_s +
+verify_s(gamma) + overhead_s)`` (the draft call's first forward round, which pays the call's
+fixed costs, then one further round per draft) and a plain step's is
+``plain_tokens / (plain_tokens * plain_s + plain_overhead_s)``, every time taken at the current
+batch size.
 """
 
 from __future__ import annotations
@@ -101,9 +103,11 @@ def best_gamma(alpha: float, gamma_max: int, draft_cost_ratio: float) -> int:
 class StepCosts:
     """What a step costs at the current batch (seconds), as the scheduler measured it.
 
-    draft_s: one draft forward (every request's next draft token) with the worker's sampling
-    around it. verify_s: the target's scoring forward with the verification, by block,
-    ``verify_s[g]`` for a block of ``g`` drafts (``g + 1`` tokens per request), g in
+    draft_s: one further draft forward (every request's next draft token) with the worker's
+    sampling around it; draft_first_s: the draft call's first forward round, which also pays what
+    the call pays once (None: as draft_s), so a block of ``g`` drafts costs
+    ``draft_first_s + (g - 1) * draft_s``. verify_s: the target's scoring forward with the
+    verification, by block, ``verify_s[g]`` for a block of ``g`` drafts (``g + 1`` tokens per request), g in
     ``[1, gamma_max]``. overhead_s: what a speculative step pays once besides its worker calls
     (hops, coordination). plain_s: one plain target forward with its sampling (one token per
     request); plain_overhead_s: what a plain step pays once besides its worker call;
@@ -123,13 +127,15 @@ class StepCosts:
     #: With mode ``speculative``: the block every request of the step drafts (a step's draft call
     #: runs as many forwards as its longest block); 0: each request chooses its own.
     block: int = 0
+    draft_first_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in STEP_MODES:
             raise ValueError(f"StepCosts.mode must be one of {STEP_MODES}, got {self.mode!r}")
         if self.block < 0 or (self.block and self.mode != "speculative"):
             raise ValueError(f"StepCosts.block must be >= 0, and set only with mode speculative, got {self.block!r}")
-        values = (self.draft_s, *self.verify_s, self.overhead_s, self.plain_s, self.plain_overhead_s)
+        values = (self.draft_s, self.draft_seconds(1), *self.verify_s, self.overhead_s, self.plain_s,
+                  self.plain_overhead_s)
         if any(not value >= 0.0 for value in values):
             raise ValueError(f"step costs must be >= 0 seconds, got {self}")
         if not self.verify_s:
@@ -137,11 +143,16 @@ class StepCosts:
         if self.plain_tokens < 1:
             raise ValueError(f"StepCosts.plain_tokens must be >= 1, got {self.plain_tokens}")
 
+    def draft_seconds(self, gamma: int) -> float:
+        """The draft call of a block of ``gamma`` drafts: its first round, then ``gamma - 1`` more."""
+        first = self.draft_s if self.draft_first_s is None else self.draft_first_s
+        return first + (gamma - 1) * self.draft_s
+
     def speculative_rate(self, alpha: float, gamma: int, tokens: float | None = None) -> float:
         """Expected tokens per second of one request's speculative step with ``gamma`` drafts:
         ``tokens`` per iteration when given (a measured expectation), else the geometric
         expectation at per-token acceptance ``alpha``."""
-        seconds = gamma * self.draft_s + self.verify_s[gamma - 1] + self.overhead_s
+        seconds = self.draft_seconds(gamma) + self.verify_s[gamma - 1] + self.overhead_s
         expected = expected_tokens(alpha, gamma) if tokens is None else tokens
         return expected / max(seconds, 1e-12)
 

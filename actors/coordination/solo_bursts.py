@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from typing import Any
 
 from actors.coordination.admission import Admission
@@ -102,12 +103,15 @@ class SoloBursts:
                 request.pre_drafted, opens=opens, burst_id=burst.burst_id)
             self.running.append(burst)
             try:
+                previous = None  # when the burst's previous record arrived
                 async for ref in stream:
                     record = await ref
+                    arrived = time.perf_counter()
                     if request.finished or request.cancelled:
                         burst.stop()  # ends after its current iteration; the session is released next call
                         break
-                    self.replay(request, record)
+                    self.replay(request, record, None if previous is None else arrived - previous)
+                    previous = arrived
             except Exception as error:  # noqa: BLE001 - the burst failed: this request only
                 self.failed(request, target, error)
             finally:
@@ -128,9 +132,10 @@ class SoloBursts:
         logger.error("worker %s burst failed (%s); its sessions are lost", target, type(error).__name__)
         self.results.fail(request, UNAVAILABLE.format(model=target), retryable=True)
 
-    def replay(self, request: RequestState, record: BurstRecord) -> None:
+    def replay(self, request: RequestState, record: BurstRecord, period_s: float | None = None) -> None:
         """One iteration of a burst, as a step of one request: the request's machine must ask for
-        exactly the needs the worker's copy executed; then their outcomes go the usual way."""
+        exactly the needs the worker's copy executed; then their outcomes go the usual way.
+        ``period_s``: the time since the burst's previous record arrived (None: the first)."""
         self.counters.step(1)
         self.counters.duration(record.wall_s)
         if not self.results.plan_iteration(request):
@@ -144,20 +149,25 @@ class SoloBursts:
         if any(isinstance(need, PreDraft) for need in request.last_needs):
             request.pre_drafted = record.pre_drafted  # the next iteration may verify one of its chains
         elif all(outcome.error is None for outcome in record.outcomes) and costed_step(list(record.needs)) is not None:
-            self.observe_iteration_costs(request, record, opened)  # like steps: not with a PreDraft
+            self.observe_iteration_costs(request, record, opened, period_s)  # like steps: not with a PreDraft
         self.results.advance(request, list(record.outcomes))
 
     def observe_iteration_costs(self, request: RequestState, record: BurstRecord,
-                                opened: dict[str, OpenSession] | None = None) -> None:
+                                opened: dict[str, OpenSession] | None = None, period_s: float | None = None) -> None:
         """Feed a burst's iteration to the cost model as a step of one request (one call per model;
-        a call that opened a session, with its prompt's prefill, is marked so, as in a step)."""
+        a call that opened a session, with its prompt's prefill, is marked so, as in a step). The
+        step's wall time is the iteration's period as records arrive (``period_s``), when longer
+        than its time in the worker: an iteration also pays handing its record out (serialized,
+        streamed) before the next one starts, ~1 ms served on this CPU, a fixed cost per
+        iteration that its ``wall_s`` leaves out and that makes short blocks dearer."""
         opened = dict(opened or {})
         entries = [Placed(request, i, WorkItem(request.session_id, need, open=opened.pop(need.model, None)))
                    for i, need in enumerate(record.needs)]
         reports = [call_report(model, [e for e in entries if e.item.need.model == model],
                                [o for e, o in zip(entries, record.outcomes) if e.item.need.model == model])
                    for model in dict.fromkeys(need.model for need in record.needs)]
-        self.policy.cost_model.observe_step(1, reports, record.wall_s, speculative=costed_step(list(record.needs)))
+        wall_s = max(record.wall_s, period_s or 0.0)
+        self.policy.cost_model.observe_step(1, reports, wall_s, speculative=costed_step(list(record.needs)))
 
 
 def _is_ray_error(error: Exception) -> bool:

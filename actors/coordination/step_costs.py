@@ -5,10 +5,15 @@ call, the tokens it fed, its forwards and their seconds, and the step's wall tim
 model keeps
 
 * per model, the seconds of one forward by the tokens it runs, with the worker's own work around
-  it (the call's seconds over its forwards: sampling, verification, row building; a
-  :class:`CostTable`: the median of recent observations per bucket of token counts, interpolated
-  between buckets;
-  forwards of steps that opened a session, i.e. prefilled a prompt, are left out);
+  it (sampling, verification, row building; a :class:`CostTable`: the median of recent
+  observations per bucket of token counts, interpolated between buckets; forwards of steps that
+  opened a session, i.e. prefilled a prompt, are left out): a call's first forward round
+  (:attr:`StepCostModel.forwards`) apart from each further round of a call of several
+  (:attr:`StepCostModel.later_forwards`, a draft's block). A call pays its first round once
+  (the call's set-up, the tokens the last verification accepted, caches the other model's
+  forwards evicted: served on this CPU ~1.4x a further round); spread over the block's rounds,
+  that cost read as a per-token one, larger the shorter the blocks measured, so that blocks
+  chosen short made long ones look dear;
 * per kind of step (speculative: a draft call then a verifying call; plain: the target alone),
   the seconds a step pays besides its worker calls (hops, the scheduler's own work), by the
   number of requests in the step.
@@ -137,6 +142,7 @@ class CallReport:
     forward_s: float  # seconds in those forwards
     uniform: bool  # every item ran as many forwards and none opened a session (clean per-forward figures)
     call_s: float = 0.0  # the whole call's seconds in the worker (>= forward_s; 0: use forward_s)
+    first_round_s: float = 0.0  # the call's seconds to the end of its first forward round (0: not measured)
 
 
 def _call_seconds(call: CallReport) -> float:
@@ -153,7 +159,8 @@ class StepCostModel:
 
     def __init__(self, plain_tokens: int):
         self.plain_tokens = int(plain_tokens)
-        self.forwards: dict[str, CostTable] = {}
+        self.forwards: dict[str, CostTable] = {}  # per model: a call's first forward round
+        self.later_forwards: dict[str, CostTable] = {}  # per model: each further round of a call
         self.speculative_overhead = CostTable()  # by requests in the step
         self.plain_overhead = CostTable()
 
@@ -161,10 +168,21 @@ class StepCostModel:
         """A finished step of ``batch`` requests: its worker calls and its wall time."""
         for call in calls:
             if call.uniform and call.forwards > 0 and call.tokens_fed > 0:
-                self.forwards.setdefault(call.model, CostTable()).observe(
-                    call.tokens_fed / call.forwards, _call_seconds(call) / call.forwards)
+                self._observe_call(call)
         outside = max(0.0, wall_s - sum(_call_seconds(call) for call in calls))
         (self.speculative_overhead if speculative else self.plain_overhead).observe(batch, outside)
+
+    def _observe_call(self, call: CallReport) -> None:
+        """A call's first round into :attr:`forwards`, its further rounds' mean into
+        :attr:`later_forwards`; without a measured first round, the call's seconds over its forwards
+        into :attr:`forwards` (every round then costs the same)."""
+        tokens, seconds = call.tokens_fed / call.forwards, _call_seconds(call)
+        if call.forwards > 1 and 0.0 < call.first_round_s <= seconds:
+            self.forwards.setdefault(call.model, CostTable()).observe(tokens, call.first_round_s)
+            self.later_forwards.setdefault(call.model, CostTable()).observe(
+                tokens, (seconds - call.first_round_s) / (call.forwards - 1))
+        else:
+            self.forwards.setdefault(call.model, CostTable()).observe(tokens, seconds / call.forwards)
 
     def costs(self, draft: str, target: str, *, batch: int, gamma_max: int, num_drafts: int = 1) -> StepCosts | None:
         """The costs of a step of ``batch`` requests drafting on ``draft`` (``num_drafts`` chains)
@@ -177,8 +195,11 @@ class StepCostModel:
         plain_overhead = self.plain_overhead.estimate(batch)
         if plain_overhead is None:  # no plain step yet: one worker call instead of two
             plain_overhead = overhead / 2
+        draft_first = draft_table.estimate(batch * num_drafts)
+        later_table = self.later_forwards.get(draft)
         return StepCosts(
-            draft_s=draft_table.estimate(batch * num_drafts),
+            draft_s=later_table.estimate(batch * num_drafts) if later_table is not None else draft_first,
+            draft_first_s=draft_first,
             verify_s=tuple(target_table.estimate(batch * (num_drafts * gamma + 1)) for gamma in range(1, gamma_max + 1)),
             overhead_s=overhead,
             plain_s=target_table.estimate(batch),

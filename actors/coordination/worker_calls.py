@@ -287,4 +287,5 @@ def call_report(model: str, entries: list[Placed], outcomes: list[ItemOutcome]) 
         entry.item.open is None for entry in entries)
     return CallReport(model=model, tokens_fed=sum(timing.tokens_fed for timing in timings),
                       forwards=max(forwards, default=0), forward_s=max((t.forward_s for t in timings), default=0.0),
-                      uniform=uniform, call_s=max((t.call_s for t in timings), default=0.0))
+                      uniform=uniform, call_s=max((t.call_s for t in timings), default=0.0),
+                      first_round_s=max((t.first_round_s for t in timings), default=0.0))

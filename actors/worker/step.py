@@ -129,9 +129,9 @@ class Step:
         """Feed every task, then (outcomes, payloads), both aligned with the items."""
         self._grant_prefills()
         started = time.perf_counter()
-        forward_s = self._run_forwards()
+        forward_s, first_round_s = self._run_forwards(started)
         self.engine.steps += 1
-        return self._outcomes(forward_s, time.perf_counter() - started)
+        return self._outcomes(forward_s, time.perf_counter() - started, first_round_s)
 
     def fail(self, i: int, error: Exception) -> None:
         """Item ``i`` failed with ``error``: its task is dropped, its session freed and its outcome
@@ -174,9 +174,10 @@ class Step:
             task.grant = grant
 
     # ------------------------------------------------------------------ the forwards
-    def _run_forwards(self) -> float:
-        """Forward rounds until no task needs a row; returns the seconds spent in forwards."""
-        forward_s = 0.0
+    def _run_forwards(self, started: float) -> tuple[float, float]:
+        """Forward rounds until no task needs a row; returns the seconds spent in forwards and the
+        seconds from ``started`` to the end of the first round (its rows, forward and sampling)."""
+        forward_s, first_round_s = 0.0, 0.0
         while live := [i for i, task in enumerate(self.tasks) if task is not None and task.active]:
             rows = self._rows(live)
             started = time.perf_counter()
@@ -185,7 +186,8 @@ class Step:
             forward_s += elapsed
             self.engine.forward_seconds_total += elapsed
             self._take(rows, logits)
-        return forward_s
+            first_round_s = first_round_s or time.perf_counter() - started
+        return forward_s, first_round_s
 
     def _rows(self, live: list[int]) -> dict[int, RowWork]:
         """The next row of each task in ``live`` (with the prompt's positions where its logits are kept)."""
@@ -282,7 +284,8 @@ class Step:
             )
 
     # ------------------------------------------------------------------ the outcomes
-    def _outcomes(self, forward_s: float, call_s: float = 0.0) -> tuple[list[ItemOutcome], list[Any]]:
+    def _outcomes(self, forward_s: float, call_s: float = 0.0, first_round_s: float = 0.0,
+                  ) -> tuple[list[ItemOutcome], list[Any]]:
         outcomes: list[ItemOutcome] = []
         payloads: list[Any] = []
         for index, task in enumerate(self.tasks):
@@ -293,7 +296,7 @@ class Step:
                 continue
             summary, payload = task.outcome()
             timing = CallTiming(forward_s=forward_s, verify_s=task.verify_s, forward_calls=task.forwards,
-                                tokens_fed=task.tokens_fed, call_s=call_s)
+                                tokens_fed=task.tokens_fed, call_s=call_s, first_round_s=first_round_s)
             outcomes.append(ItemOutcome(value=summary, timing=timing, prompt_logits=task.prompt_logits))
             payloads.append(payload)
         return outcomes, payloads

@@ -286,13 +286,29 @@ def test_best_block_maximises_the_measured_rate():
         assert rates[chosen] == max(rates)
 
 
+def test_a_drafts_first_round_is_paid_once_per_block():
+    """A draft call whose first round costs more than each further one (its set-up, paid once):
+    a block of g drafts costs first + (g - 1) further rounds, so a long block pays the set-up
+    once over more tokens. Charged per token instead (the same seconds at the block the costs
+    were measured on, 2 here), the longest block loses to a short one at the same acceptance."""
+    first, later, measured_at = 0.004, 0.0005, 2
+    once = dataclasses.replace(_costs(plain_s=0.05, draft_s=later, verify_per_token_s=0.0005, gamma_max=8),
+                               draft_first_s=first)
+    per_token = dataclasses.replace(once, draft_s=(first + (measured_at - 1) * later) / measured_at, draft_first_s=None)
+    assert once.draft_seconds(measured_at) == pytest.approx(per_token.draft_seconds(measured_at))
+    assert [once.draft_seconds(g) for g in (1, 4)] == pytest.approx([first, first + 3 * later])
+    assert best_block(0.85, 8, once, allow_plain=False) == 8
+    assert best_block(0.85, 8, per_token, allow_plain=False) < 8
+
+
 @pytest.mark.parametrize("field,kwargs", [
     ("draft_s", dict(draft_s=-1.0)), ("verify_s", dict(verify_s=())), ("plain_tokens", dict(plain_tokens=0)),
+    ("draft_first_s", dict(draft_first_s=-1.0)),
 ])
 def test_bad_step_costs_name_the_field(field, kwargs):
     values = dict(draft_s=0.001, verify_s=(0.01,), overhead_s=0.0, plain_s=0.01, plain_overhead_s=0.0, plain_tokens=4)
     values.update(kwargs)
-    with pytest.raises(ValueError, match=field if field != "draft_s" else ">= 0"):
+    with pytest.raises(ValueError, match=field if field not in ("draft_s", "draft_first_s") else ">= 0"):
         StepCosts(**values)
 
 

@@ -114,6 +114,47 @@ def test_a_calls_own_work_is_charged_to_its_forwards_not_to_the_step():
     assert costs.overhead_s == pytest.approx(0.003)
 
 
+def _draft_call(forwards: int, first_s: float, later_s: float) -> CallReport:
+    """A draft call of ``forwards`` rounds: the first ``first_s``, each further one ``later_s``."""
+    seconds = first_s + (forwards - 1) * later_s
+    return CallReport(model="draft", tokens_fed=forwards, forwards=forwards, forward_s=0.8 * seconds, uniform=True,
+                      call_s=seconds, first_round_s=first_s)
+
+
+def test_a_drafts_first_round_is_priced_once_per_block_not_per_token():
+    """Served, a draft call's first round costs more than each further one (the call's set-up,
+    the accepted tokens it feeds, caches the target's forward evicted). Spread over the block's
+    forwards, it made the per-token draft cost depend on the blocks measured: 2-token blocks
+    read 1.3 ms a draft, 8-token blocks 0.8 ms, and a chooser that drafted short blocks saw long
+    ones as dear. Priced as first round + (g - 1) further rounds, the costs are the same
+    whichever blocks were measured."""
+    first_s, later_s = 0.0016, 0.0006
+    estimates = []
+    for blocks in ((2,), (8,), (2, 8, 3)):
+        model = StepCostModel(plain_tokens=4)
+        for _ in range(MIN_OBSERVATIONS):
+            for block in blocks:
+                target = _report("target", block + 1, 1, 0.004)
+                model.observe_step(1, [_draft_call(block, first_s, later_s), target], 0.02, speculative=True)
+        costs = model.costs("draft", "target", batch=1, gamma_max=8)
+        assert costs.draft_first_s == pytest.approx(first_s)
+        assert costs.draft_s == pytest.approx(later_s)
+        estimates.append([costs.draft_seconds(g) for g in range(1, 9)])
+    for gamma, seconds in enumerate(estimates[0], start=1):
+        assert seconds == pytest.approx(first_s + (gamma - 1) * later_s)
+    assert estimates[1] == pytest.approx(estimates[0])
+    assert estimates[2] == pytest.approx(estimates[0])
+
+
+def test_a_single_forward_draft_call_is_a_first_round():
+    model = StepCostModel(plain_tokens=4)
+    model.observe_step(1, [_draft_call(4, 0.0016, 0.0006), _report("target", 5, 1, 0.004)], 0.02, speculative=True)
+    model.observe_step(1, [_draft_call(1, 0.0016, 0.0006), _report("target", 2, 1, 0.004)], 0.02, speculative=True)
+    costs = model.costs("draft", "target", batch=1, gamma_max=4)
+    assert costs.draft_first_s == pytest.approx(0.0016)
+    assert costs.draft_s == pytest.approx(0.0006)
+
+
 def test_plain_overhead_defaults_to_half_the_speculative_one():
     model = StepCostModel(plain_tokens=4)
     model.observe_step(1, [_report("draft", 4, 4, 0.004), _report("target", 5, 1, 0.008)], 0.015, speculative=True)

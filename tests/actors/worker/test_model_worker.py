@@ -257,3 +257,19 @@ def test_a_worker_started_with_cores_runs_on_them_and_reports_them(tiny_checkpoi
         bind_process(original, "test process")
         torch.set_num_threads(threads)
     assert sorted(os.sched_getaffinity(0)) == original
+
+
+def test_a_call_reports_its_first_forward_round_apart(worker):
+    """A call of several forwards times its first round (rows, forward, sampling) apart from the
+    whole call; a call of one forward has only that round. The step cost model prices a draft's
+    block as its first round plus one further round per draft from these."""
+    try:
+        _run(worker, WorkItem("rounds", Sample("target", (), 1), open=_open()))
+        several = _run(worker, WorkItem("rounds", Sample("target", (), 4)))[0][0].timing
+        assert several.forward_calls == 4
+        assert 0.0 < several.first_round_s < several.call_s
+        single = _run(worker, WorkItem("rounds", Sample("target", (), 1)))[0][0].timing
+        assert single.forward_calls == 1
+        assert 0.0 < single.first_round_s <= single.call_s
+    finally:
+        worker.release("rounds")
