@@ -4,7 +4,8 @@ On a CPU host the target's worker computes most of the time, and everything else
 (Ray's own processes, the Serve HTTP proxy and replica, the coordinator, the other workers)
 together keeps about half a core busy while it does. Left to the scheduler, those processes run
 on the worker's core as often as on the other ones, and the forward slows by sharing its core
-and caches with them. With ``cpu_affinity: auto`` the target's worker gets a core of its own
+and caches with them. With ``cpu_affinity: auto`` (not the default: for a host the server has to
+itself; bound processes cannot move off cores that other programs load) the target's worker gets a core of its own
 (``torch_threads`` cores, the last ones), every other process runs on the rest, and the other
 workers (ensemble members, which compute in parallel with the target in an ensemble step) may
 run on any core: packed onto the rest with the serving processes, they slowed ensemble steps

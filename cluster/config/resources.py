@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, NonNegativeInt
+from pydantic import AfterValidator, Field, NonNegativeInt, field_validator
 
 from cluster.config.base import Frozen
 
@@ -88,15 +88,22 @@ class PlacementArgs(Frozen):
         "start-up.",
     )
     cpu_affinity: Literal["auto", "off"] | CoreLists = Field(
-        "auto",
-        description="CPU cores the workers run on (docs/serving.md, \"CPU binding\"). 'auto': on a host without GPUs "
+        "off",
+        description="CPU cores the workers run on (docs/serving.md, \"CPU binding\"). 'off' (default): nothing is "
+        "bound. 'auto', for a host the server has to itself: on a host without GPUs "
         "where `specserve serve` started Ray, the worker hosting the target gets torch_threads cores of its own "
         "(the last ones) when the host has more, every other process of the server (Ray, Serve, the "
-        "coordinator) runs on the rest, and the other workers on any core; otherwise nothing is bound. 'off': nothing is bound. A "
+        "coordinator) runs on the rest, and the other workers on any core; otherwise nothing is bound. A "
         "mapping model -> core ids (e.g. {target: [1], partner: [0]}): the worker hosting a listed model runs on "
         "those cores (the union of its models' lists), GPU workers too; with `specserve serve` the other "
         "processes run on the cores no model lists. Where binding is unavailable, a warning and no binding.",
     )
+
+    @field_validator("cpu_affinity", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        """YAML reads an unquoted ``off`` as false: that is ``off``."""
+        return "off" if value is False else value
 
 
 class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):

@@ -39,7 +39,7 @@ def test_serve_command_serves_until_ctrl_c(tmp_path, tiny_checkpoints):
             "draft": {"path": str(tiny_checkpoints["draft"]), "role": "draft"},
         },
         "defaults": {"strategy": "sd", "method": "block", "gamma": 4},
-        "resources": {"cpus_per_model": 0.25, "torch_threads": 1},
+        "resources": {"cpus_per_model": 0.25, "torch_threads": 1, "cpu_affinity": "auto"},
     }
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump(serve_document([specserve_application("specserve", "/", args)])))
@@ -91,7 +91,7 @@ def test_serve_command_serves_until_ctrl_c(tmp_path, tiny_checkpoints):
     except queue.Empty:  # a Ray child may still hold the pipe; what was logged is enough
         pass
     assert any("stopped" in line for line in stderr), "".join(stderr[-20:])
-    # resources.cpu_affinity auto (docs/serving.md, "CPU binding"): with a core to spare, the target's
+    # resources.cpu_affinity: auto (docs/serving.md, "CPU binding"): with a core to spare, the target's
     # worker reports a core of its own, the last one, and every other process runs on the rest.
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cores) >= 2:

@@ -25,9 +25,10 @@ def _args(**resources):
     return parse_app_args({"models": MODELS, "resources": resources}, "app.args")
 
 
-def test_the_setting_defaults_to_auto_and_takes_off_or_core_lists():
-    assert _args().resources.cpu_affinity == "auto"
-    assert _args(cpu_affinity="off").resources.cpu_affinity == "off"
+def test_the_setting_defaults_to_off_and_takes_auto_or_core_lists():
+    assert _args().resources.cpu_affinity == "off"
+    assert _args(cpu_affinity="auto").resources.cpu_affinity == "auto"
+    assert _args(cpu_affinity=False).resources.cpu_affinity == "off"  # YAML's unquoted off
     assert _args(cpu_affinity={"target": [1], "partner": [0]}).resources.cpu_affinity == {"target": [1], "partner": [0]}
 
 
@@ -82,6 +83,8 @@ def test_serving_cores_and_the_recorded_host_cores():
 
 def test_specserve_serve_binds_the_serving_processes_off_the_workers_cores():
     document = read_serve_config(str(DEFAULT_YAML))
+    assert serving_binding(document, (0, 1), gpu_host=False)[0] is None  # off by default
+    document["applications"][0]["args"]["resources"]["cpu_affinity"] = "auto"
     assert serving_binding(document, (0, 1), gpu_host=False)[0] == (0,)
     assert serving_binding(document, (0,), gpu_host=False)[0] is None
     assert serving_binding(document, (0, 1), gpu_host=True)[0] is None
