@@ -99,7 +99,7 @@ class SoloBursts:
             self.counters.bursts += 1
             burst = RunningBurst(self.calls.workers[target], f"{request.session_id}/{self.counters.bursts}")
             stream = self.calls.workers[target].burst.options(num_returns="streaming").remote(
-                blob, request.session_id, peers, tuple(request.output.eos_token_ids), self.burst_s, releases,
+                blob, request.session_id, peers, tuple(request.output.eos_token_ids), self.budget_s(request), releases,
                 request.pre_drafted, opens=opens, burst_id=burst.burst_id)
             self.running.append(burst)
             try:
@@ -119,6 +119,13 @@ class SoloBursts:
         finally:
             if live_costs is not None:
                 machine.step_costs = live_costs
+
+    def budget_s(self, request: RequestState) -> float:
+        """The burst's time budget: ``burst_s``, cut to what is left of the request's
+        ``limits.request_timeout_s`` (a burst never runs a request past its timeout; once it is
+        past, the burst runs one iteration and the next step ends the request as timed out)."""
+        left = request.submitted + self.admission.request_timeout_s - time.perf_counter()
+        return max(0.0, min(self.burst_s, left))
 
     def failed(self, request: RequestState, target: str, error: Exception) -> None:
         """A burst that raised: an exception of the burst's own code ends the request as an

@@ -50,3 +50,18 @@ def test_a_burst_iteration_costs_its_period_as_records_arrive(period_s, overhead
     costs = model.costs("draft", "target", batch=1, gamma_max=4)
     assert costs.draft_first_s == pytest.approx(0.0012)
     assert costs.draft_s == pytest.approx((DRAFT_CALL_S - 0.0012) / 3)
+
+
+@pytest.mark.parametrize("age_s,budget_s", [
+    (0.0, 1.0),  # a new request: the whole burst budget
+    (9.5, 0.5),  # half a second left before its timeout: the burst ends by then
+    (12.0, 0.0),  # past its timeout: one iteration, then the next step ends it as timed out
+])
+def test_a_burst_never_runs_a_request_past_its_timeout(age_s, budget_s):
+    """A burst's budget is ``burst_s`` cut to what is left of ``limits.request_timeout_s``: a request
+    that starts a burst late in its life (after sharing steps with others) still times out on time."""
+    scheduler = Scheduler({"draft": None, "target": None}, max_running=1, max_waiting=1, burst_s=1.0,
+                          request_timeout_s=10.0)
+    _, request = _scheduler_and_request()
+    request.submitted -= age_s
+    assert scheduler.solo_bursts.budget_s(request) == pytest.approx(budget_s, abs=0.01)
