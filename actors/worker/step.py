@@ -180,9 +180,9 @@ class Step:
         forward_s, first_round_s = 0.0, 0.0
         while live := [i for i, task in enumerate(self.tasks) if task is not None and task.active]:
             rows = self._rows(live)
-            started = time.perf_counter()
+            forward_started = time.perf_counter()
             logits = self._forward_rows(rows)
-            elapsed = time.perf_counter() - started
+            elapsed = time.perf_counter() - forward_started
             forward_s += elapsed
             self.engine.forward_seconds_total += elapsed
             self._take(rows, logits)

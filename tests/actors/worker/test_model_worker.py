@@ -273,3 +273,23 @@ def test_a_call_reports_its_first_forward_round_apart(worker):
         assert 0.0 < single.first_round_s <= single.call_s
     finally:
         worker.release("rounds")
+
+
+def test_a_first_round_counts_the_rows_built_before_its_forward(worker, monkeypatch):
+    """The first round is timed from the call's start: building its rows (slowed here by 30 ms)
+    is part of it, not of the further rounds."""
+    from actors.worker.step import Step
+
+    build_rows = Step._rows
+
+    def slow_rows(self, live):
+        time.sleep(0.03)
+        return build_rows(self, live)
+
+    try:
+        _run(worker, WorkItem("rows", Sample("target", (), 1), open=_open()))
+        monkeypatch.setattr(Step, "_rows", slow_rows)
+        timing = _run(worker, WorkItem("rows", Sample("target", (), 1)))[0][0].timing
+        assert timing.first_round_s >= 0.03
+    finally:
+        worker.release("rows")
