@@ -15,6 +15,7 @@ Models are named by ``spec.path`` (``fake:<name>``, see :data:`FAKE_MODELS`).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import torch
@@ -142,6 +143,27 @@ class FunctionModelWorker(ModelWorker):
 
     def positions_computed(self) -> int:
         return self.backend.positions_computed
+
+
+class SlowFunctionModelWorker(FunctionModelWorker):
+    """A :class:`FunctionModelWorker` whose forwards each last ``forward_delay_s`` more (only the
+    models named in ``slow_models``; all when None): requests stay in flight long enough for a
+    test to act while they run (kill a worker, arrive during a burst, pass a timeout)."""
+
+    forward_delay_s = 0.02
+    slow_models: frozenset[str] | None = None
+
+    def _load_backend(self) -> FunctionBackend:
+        backend = super()._load_backend()
+        if self.slow_models is None or self.spec.name in self.slow_models:
+            forward, delay_s = backend.forward, self.forward_delay_s
+
+            def slow_forward(rows):
+                time.sleep(delay_s)
+                return forward(rows)
+
+            backend.forward = slow_forward
+        return backend
 
 
 #: resources.placement with the target and the draft on one worker, each member on its own.

@@ -13,26 +13,10 @@ import pytest
 import ray
 
 from cluster.bringup import start_model_group
-from tests.actors.fake_models import CO_LOCATED, FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import CO_LOCATED, SlowFunctionModelWorker, fake_group_config
 from tests.actors.coordination.test_coordinator_reference import _request, _tokens, run_requests
 
-FORWARD_DELAY_S = 0.02  # per batched forward: 40 tokens of sd take ~0.5 s
 RECOVERY_LIMIT_S = 60.0
-
-
-class SlowFunctionModelWorker(FunctionModelWorker):
-    """A fake worker whose forwards take a little time, so requests are in flight when it dies."""
-
-    def _load_backend(self):
-        backend = super()._load_backend()
-        forward = backend.forward
-
-        def slow_forward(rows):
-            time.sleep(FORWARD_DELAY_S)
-            return forward(rows)
-
-        backend.forward = slow_forward
-        return backend
 
 
 @pytest.fixture(scope="module")

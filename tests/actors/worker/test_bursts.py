@@ -35,7 +35,8 @@ from actors.worker.bursts import (
 from actors.messages import CallTiming, ItemOutcome
 from actors.coordination.plan import DecodingDefaults
 from cluster.bringup import start_model_group
-from tests.actors.fake_models import CO_LOCATED, FAKE_MODELS, FunctionModelWorker, fake_group_config
+from tests.actors.fake_models import (CO_LOCATED, FAKE_MODELS, FunctionModelWorker, SlowFunctionModelWorker,
+                                     fake_group_config)
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from verifiers.adaptive import AdaptiveGammaSettings, StepCosts
 from verifiers.machines import AutoregressiveMachine, Sample, Sampled, ScoreVerify, SpeculativeMachine, Verified
@@ -211,21 +212,12 @@ LONG_TOKENS = 60
 LONG_BURST_MS = 10_000
 
 
-class SlowTargetWorker(FunctionModelWorker):
+class SlowTargetWorker(SlowFunctionModelWorker):
     """The fake models, each forward of the target lasting ``SLOW_FORWARD_S`` more: a long burst
     takes long, so a request that waited for it would wait visibly."""
 
-    def _load_backend(self):
-        backend = super()._load_backend()
-        if self.spec.name == "target":
-            forward = backend.forward
-
-            def slow_forward(rows):
-                time.sleep(SLOW_FORWARD_S)
-                return forward(rows)
-
-            backend.forward = slow_forward
-        return backend
+    forward_delay_s = SLOW_FORWARD_S
+    slow_models = frozenset({"target"})
 
 
 def _arrival_mid_burst(generate, close=None) -> list[tuple[str, object]]:
