@@ -30,8 +30,8 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from actors.worker.cpu_binding import bind_process, current_cores

@@ -31,8 +31,8 @@ runs the same computation with less around it:
   load-time check and the fall-back): 46.5 MiB for the embedded target.
 
 What that buys on CPU is the Python and dispatch work around the ops, the faster GEMMs and a
-faster attention at 16 rows: the embedded target's forward at context 150 takes 3.6 ms at 1 x 1,
-4.1 at 1 x 5, 10.4 at 16 x 1 and 18.6 at 16 x 5 against 5.6, 7.3, 14.1 and 30.2 with its own
+faster attention at 16 rows: the embedded target's forward at context 150 takes 3.2 ms at 1 x 1,
+3.8 at 1 x 5, 9.3 at 16 x 1 and 17.4 at 16 x 5 against 5.3, 7.0, 13.3 and 28.3 with its own
 decoder (``python -m benchmarks.forward_micro --rows 1,16 --context 150``, ``docs/benchmarks.md``).
 TorchInductor over the two dense halves (dynamic token count) measured no faster here: the
 elementwise work it fuses is small next to the GEMMs, and its guards cost what the fusion saves;
@@ -301,7 +301,7 @@ def _onednn_weight(weight: torch.Tensor, reorder: bool) -> torch.Tensor:
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm ``weight * (h * rsqrt(mean(h^2) + eps))`` over the last dim, as
-    torch's one fused op (float32 inside, as the model's module computes it)."""
+    torch's ``F.rms_norm`` (one call; on CPU in torch 2.13 it still runs the formula op by op)."""
     return F.rms_norm(hidden, hidden.shape[-1:], weight, eps)
 
 
