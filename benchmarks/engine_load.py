@@ -4,9 +4,9 @@ No Ray and no HTTP: ``--concurrency`` closed-loop clients send ``--requests`` re
 to the Coordinator (``benchmarks.runners.LocalRunner``: the production classes, each worker a
 plain object), ``--max-tokens`` tokens each, with the speculation settings of the serve-load
 benchmark's cases (``benchmarks.serve_load.serve_load_cases``; EOS ignored, temperature 1,
-request i on prompt i mod 18 of the committed set as text, seed i). Prints the aggregate tokens/s and, per model, the
-forwards it ran: what the engine's own step costs, apart from Ray's hops and the HTTP path
-(``specserve bench --mode serve-load`` measures the whole server).
+request i on prompt i mod 18 of the committed set as text, seed i). Prints the aggregate tokens/s,
+the median time to a request's first token and, per model, the forwards it ran: what the
+engine's own step costs, apart from Ray's hops and the HTTP path (``specserve bench --mode serve-load`` measures the whole server).
 
     python -m benchmarks.engine_load --strategy ar --concurrency 16 --requests 128
     python -m benchmarks.engine_load --strategy sd --concurrency 1 --requests 32 --prefix-caching off
@@ -52,7 +52,9 @@ def _count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) 
 
 
 async def _clients(runner: LocalRunner, prompts: list[str], speculation: dict[str, Any],
-                   args: argparse.Namespace) -> int:
+                   args: argparse.Namespace, first_token_s: list[float]) -> int:
+    """Run the closed-loop clients -> the tokens generated; appends each request's time to its
+    first token (seconds) to ``first_token_s``."""
     counter = iter(range(args.requests))
 
     async def client() -> int:
@@ -62,7 +64,11 @@ async def _clients(runner: LocalRunner, prompts: list[str], speculation: dict[st
                 request_id=f"engine-load-{i}", prompt=prompts[i % len(prompts)],
                 sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i, ignore_eos=True),
                 speculation=speculation)
+            sent, first = time.perf_counter(), True
             async for chunk in runner.coordinator.generate(request):
+                if chunk.token_ids and first:
+                    first_token_s.append(time.perf_counter() - sent)
+                    first = False
                 tokens += len(chunk.token_ids)
         return tokens
 
@@ -115,14 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [prompt.text for prompt in load_prompts()]
     stats: dict[tuple[str, str], list[tuple[int, int, float]]] = collections.defaultdict(list)
     restore = _count_forwards(stats)
+    first_token_s: list[float] = []
     try:
         started = time.perf_counter()
-        tokens = runner.loop.run_until_complete(_clients(runner, prompts, case.speculation, args))
+        tokens = runner.loop.run_until_complete(_clients(runner, prompts, case.speculation, args, first_token_s))
         wall = time.perf_counter() - started
     finally:
         restore()
     print(f"{args.strategy} at concurrency {args.concurrency}: {tokens} tokens in {wall:.2f} s = "
-          f"{tokens / wall:.1f} tok/s")
+          f"{tokens / wall:.1f} tok/s, TTFT p50 {1e3 * statistics.median(first_token_s):.1f} ms")
     for (model, kind), runs in sorted(stats.items()):
         seconds = sum(run[2] for run in runs)
         print(f"  {model} {kind}: {len(runs)} forwards, {seconds:.2f} s ({100 * seconds / wall:.0f}% of wall), "

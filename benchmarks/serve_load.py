@@ -48,7 +48,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -68,6 +67,7 @@ from benchmarks.serve_load_report import (
     write_json,
     write_results,
 )
+from cluster.local_ports import free_local_ports
 
 logger = logging.getLogger(__name__)
 
@@ -207,12 +207,6 @@ def _se_case(settings: ServeLoadSettings, proposer: str, ensemble: dict[str, Any
 
 
 # ----------------------------------------------------------------------------- processes and memory
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _parent_pids() -> dict[int, int]:
     """pid -> parent pid of every process visible in /proc."""
@@ -413,8 +407,7 @@ class ServerProcess:
         self.config_path = config_path.resolve()
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
-        self.http_port = _free_port()
-        self.grpc_port = _free_port()
+        self.http_port, self.grpc_port = free_local_ports(2)  # below the ephemeral range: Ray's listeners cannot take them
         self.process: subprocess.Popen | None = None
         self.start_s: float | None = None
 

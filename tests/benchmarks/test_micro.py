@@ -32,5 +32,5 @@ def test_engine_load_generates_every_token(capsys):
     args = ["--strategy", "sd", "--concurrency", "2", "--requests", "3", "--max-tokens", "5", "--prefix-caching", "off"]
     assert engine_load.main(args) == 0
     out = capsys.readouterr().out
-    assert re.search(r"sd at concurrency 2: 15 tokens in [\d.]+ s", out)
+    assert re.search(r"sd at concurrency 2: 15 tokens in [\d.]+ s = [\d.]+ tok/s, TTFT p50 [\d.]+ ms", out)
     assert re.search(r"target short: \d+ forwards", out) and re.search(r"draft short: \d+ forwards", out)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from cluster.config import API_KEY_ENV
+from cluster.local_ports import free_local_ports
 
 APP_NAME = "specserve"
 
@@ -39,16 +39,9 @@ class ServeEndpoints:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on 127.0.0.1 right now (all held open while choosing:
-    binding port 0 once per port can return the same port twice)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """``count`` distinct TCP ports free on 127.0.0.1 right now, below the kernel's ephemeral
+    range (:func:`cluster.local_ports.free_local_ports`: Ray's own listeners cannot take them)."""
+    return free_local_ports(count)
 
 
 def serve_document(applications: list[dict[str, Any]]) -> dict[str, Any]:
