@@ -11,6 +11,10 @@ workers (ensemble members, which compute in parallel with the target in an ensem
 run on any core: packed onto the rest with the serving processes, they slowed ensemble steps
 more than the target's core of its own gave back.
 
+With ``cpu_affinity: spare`` the other processes are kept off the same cores as with ``auto``, but
+no worker is bound: the target's worker finds its cores spared by the rest of the server, and the
+scheduler can still move it to another core where other programs load its own.
+
 * ``specserve serve``, when it starts Ray itself, binds its own process to the rest of the cores
   (:func:`serving_cores`) before Ray starts, so every process Ray and Serve start afterwards
   inherits that binding, and records the host's cores in :data:`CPU_CORES_ENV` (inherited too);
@@ -34,6 +38,9 @@ from typing import Any
 #: Set by ``specserve serve`` when it has bound the serving processes: the host's cores before that
 #: binding ("0,1"), inherited by every process Ray starts.
 CPU_CORES_ENV = "SPECSERVE_CPU_CORES"
+
+#: The settings that keep the serving processes off the target's worker's cores (the ``auto`` rule's).
+SPARING = ("auto", "spare")
 
 
 @dataclass(frozen=True)
@@ -69,13 +76,14 @@ def target_worker_cores(cores: Sequence[int], torch_threads: int) -> tuple[int, 
 
 
 def serving_cores(setting: Any, torch_threads: int, cores: Sequence[int], gpu_host: bool) -> tuple[int, ...] | None:
-    """Cores of the processes other than the workers under ``setting`` (``auto``, ``off`` or a mapping
-    model -> cores) on a host with ``cores``: ``auto``: the cores the target's worker does not take
+    """Cores of the processes other than the workers under ``setting`` (``auto``, ``spare``, ``off`` or a
+    mapping model -> cores) on a host with ``cores``: ``auto`` and ``spare``: the cores the ``auto`` rule's
+    target's worker does not take
     (None on a GPU host or when no core is spare); a mapping: the cores no model lists (None when
     they list every core); ``off``: None."""
-    if setting == "off" or (setting == "auto" and gpu_host):
+    if setting == "off" or (setting in SPARING and gpu_host):
         return None
-    if setting == "auto":
+    if setting in SPARING:
         reserved = target_worker_cores(cores, torch_threads)
         if reserved is None:
             return None
@@ -105,16 +113,19 @@ def plan_cpu_affinity(setting: Any, workers: Sequence[Sequence[str]], roles: Map
         serving = None if cores is None else serving_cores(setting, torch_threads, cores, gpu_host=False)
         return CpuPlan(plan, serving, "cpu_affinity: the cores listed per model")
     if cores is None:
-        return CpuPlan(unbound, None, "cpu_affinity auto: nothing bound (Ray was not started by `specserve serve` "
+        return CpuPlan(unbound, None, f"cpu_affinity {setting}: nothing bound (Ray was not started by `specserve serve` "
                        "here, so the other processes cannot be kept off a worker's core)")
     if any(gpus > 0 for gpus in worker_gpus):
-        return CpuPlan(unbound, None, "cpu_affinity auto: nothing bound (GPU workers)")
+        return CpuPlan(unbound, None, f"cpu_affinity {setting}: nothing bound (GPU workers)")
     own = target_worker_cores(cores, torch_threads)
     if own is None:
-        return CpuPlan(unbound, None, f"cpu_affinity auto: nothing bound ({len(set(cores))} cores, none to spare "
+        return CpuPlan(unbound, None, f"cpu_affinity {setting}: nothing bound ({len(set(cores))} cores, none to spare "
                        f"beyond torch_threads {torch_threads})")
     every = tuple(sorted(set(cores)))
     rest = tuple(core for core in every if core not in own)
+    if setting == "spare":  # every worker on any core (binding to all of them undoes the inherited binding)
+        return CpuPlan(tuple(every for _ in workers), rest, f"cpu_affinity spare: every other process on cores "
+                       f"{list(rest)}, the workers on any core (cores {list(own)} spared for the target's worker)")
     target = _target_worker(workers, roles)
     plan = tuple(own if i == target else every for i in range(len(workers)))
     return CpuPlan(plan, rest, f"cpu_affinity auto: the target's worker on cores {list(own)} of its own, the other "

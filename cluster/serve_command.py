@@ -36,7 +36,7 @@ from typing import Any
 
 from actors.worker.cpu_binding import bind_process, current_cores
 from cluster.config import API_KEY_ENV, ConfigError, parse_app_args, read_serve_config, resolve_api_key
-from cluster.cpu_affinity import CPU_CORES_ENV, serving_cores
+from cluster.cpu_affinity import CPU_CORES_ENV, SPARING, serving_cores
 from cluster.security import grpc_all_interfaces_warning
 
 logger = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ def serving_binding(document: dict[str, Any], cores: Sequence[int], gpu_host: bo
     """The cores ``specserve serve`` binds the serving processes to before it starts Ray (every process
     Ray starts inherits them; :mod:`cluster.cpu_affinity`), and why, for the specserve applications'
     ``resources.cpu_affinity`` on a host with ``cores``: the cores no application's workers take.
-    ``auto`` takes part only where the document starts one model group (several would put their
+    ``auto`` and ``spare`` take part only where the document starts one model group (several would put their
     targets' workers on the same cores)."""
     reserved: set[int] = set()
     reasons = []
@@ -322,8 +322,8 @@ def serving_binding(document: dict[str, Any], cores: Sequence[int], gpu_host: bo
     for app in apps:
         resources = parse_app_args(app.get("args") or {}, f"{app['name']}.args").resources
         setting = resources.cpu_affinity
-        if setting == "auto" and not single:
-            reasons.append(f"{app['name']}: auto binds nothing with several model groups")
+        if setting in SPARING and not single:
+            reasons.append(f"{app['name']}: {setting} binds nothing with several model groups")
             continue
         gpus = resources.gpus_per_model
         rest = serving_cores(setting, resources.torch_threads, cores, gpu_host or (gpus != "auto" and gpus > 0))

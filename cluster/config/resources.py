@@ -87,13 +87,16 @@ class PlacementArgs(Frozen):
         "target's worker and every other model has its own (docs/serving.md). The rule is printed at "
         "start-up.",
     )
-    cpu_affinity: Literal["auto", "off"] | CoreLists = Field(
+    cpu_affinity: Literal["auto", "spare", "off"] | CoreLists = Field(
         "off",
         description="CPU cores the workers run on (docs/serving.md, \"CPU binding\"). 'off' (default): nothing is "
         "bound. 'auto', for a host the server has to itself: on a host without GPUs "
         "where `specserve serve` started Ray, the worker hosting the target gets torch_threads cores of its own "
         "(the last ones) when the host has more, every other process of the server (Ray, Serve, the "
-        "coordinator) runs on the rest, and the other workers on any core; otherwise nothing is bound. A "
+        "coordinator) runs on the rest, and the other workers on any core; otherwise nothing is bound. 'spare': "
+        "where 'auto' would bind, the other processes of the server run on the same rest of the cores, and "
+        "every worker may run on any core (the target's worker finds its cores spared, and moves when other "
+        "programs load them). A "
         "mapping model -> core ids (e.g. {target: [1], partner: [0]}): the worker hosting a listed model runs on "
         "those cores (the union of its models' lists), GPU workers too; with `specserve serve` the other "
         "processes run on the cores no model lists. Where binding is unavailable, a warning and no binding.",

@@ -28,6 +28,7 @@ def _args(**resources):
 def test_the_setting_defaults_to_off_and_takes_auto_or_core_lists():
     assert _args().resources.cpu_affinity == "off"
     assert _args(cpu_affinity="auto").resources.cpu_affinity == "auto"
+    assert _args(cpu_affinity="spare").resources.cpu_affinity == "spare"
     assert _args(cpu_affinity=False).resources.cpu_affinity == "off"  # YAML's unquoted off
     assert _args(cpu_affinity={"target": [1], "partner": [0]}).resources.cpu_affinity == {"target": [1], "partner": [0]}
 
@@ -52,6 +53,16 @@ def test_auto_gives_the_targets_worker_the_last_cores_the_other_workers_any_and_
     # more threads, more cores: torch_threads cores of its own, the target's worker found wherever it is
     plan = plan_cpu_affinity("auto", [["partner"], ["target", "draft"]], ROLES, [0, 0], 2, (0, 1, 2, 3))
     assert plan.workers == ((0, 1, 2, 3), (2, 3)) and plan.serving == (0, 1)
+
+
+def test_spare_keeps_the_serving_processes_off_the_targets_cores_and_binds_no_worker_to_fewer_cores():
+    plan = plan_cpu_affinity("spare", CO_LOCATED, ROLES, [0, 0, 0], 1, (0, 1))
+    # every worker on every core: that undoes the serving processes' binding it inherits
+    assert plan.workers == ((0, 1), (0, 1), (0, 1)) and plan.serving == (0,)
+    assert "cores [1] spared for the target's worker" in describe_plan(plan, CO_LOCATED)
+    assert serving_cores("spare", 2, (0, 1, 2, 3), gpu_host=False) == (0, 1)
+    assert plan_cpu_affinity("spare", CO_LOCATED, ROLES, [0, 0, 0], 1, None).workers == (None, None, None)
+    assert "GPU workers" in plan_cpu_affinity("spare", CO_LOCATED, ROLES, [1, 0, 0], 1, (0, 1, 2, 3)).rule
 
 
 @pytest.mark.parametrize("cores,gpus,threads,why", [
@@ -83,11 +94,15 @@ def test_serving_cores_and_the_recorded_host_cores():
 
 def test_specserve_serve_binds_the_serving_processes_off_the_workers_cores():
     document = read_serve_config(str(DEFAULT_YAML))
-    assert serving_binding(document, (0, 1), gpu_host=False)[0] is None  # off by default
+    assert serving_binding(document, (0, 1), gpu_host=False)[0] == (0,)  # the default deployment: spare
+    document["applications"][0]["args"]["resources"]["cpu_affinity"] = "off"
+    assert serving_binding(document, (0, 1), gpu_host=False)[0] is None
     document["applications"][0]["args"]["resources"]["cpu_affinity"] = "auto"
     assert serving_binding(document, (0, 1), gpu_host=False)[0] == (0,)
     assert serving_binding(document, (0,), gpu_host=False)[0] is None
     assert serving_binding(document, (0, 1), gpu_host=True)[0] is None
+    document["applications"][0]["args"]["resources"]["cpu_affinity"] = "spare"
+    assert serving_binding(document, (0, 1), gpu_host=False)[0] == (0,)
     several = copy.deepcopy(document)
     several["applications"][0]["deployments"][0]["num_replicas"] = 2
     serving, why = serving_binding(several, (0, 1), gpu_host=False)
