@@ -43,7 +43,13 @@ from verifiers.sampling import token_logprob
 from verifiers.registry import get_verifier
 from verifiers.types import PAD_TOKEN
 
-AR_TOKENS_PER_ITERATION = 4  # ar: tokens drawn per iteration (streaming granularity vs per-step overhead)
+#: Tokens a plain iteration draws: ``sd``'s plain steps always, ``ar``'s alone (its iterations run in
+#: a burst, each streamed as it ends). The scheduler sets each ``ar`` step's count
+#: (:attr:`AutoregressiveMachine.plain_tokens`, ``actors.coordination.policy.plain_tokens``): how many
+#: draws an ``ar`` iteration makes never changes its tokens (one draw per token, in order, on stream
+#: 0). An ``sd`` plain step's count decides when the next block is drafted, so it stays fixed (a
+#: seeded request's tokens do not depend on the batch).
+AR_TOKENS_PER_ITERATION = 4
 #: After this many plain steps in a row, gamma "auto" with step costs drafts once (a probe): plain
 #: steps observe no acceptance, so without it an early low estimate would never be revised.
 PLAIN_PROBE_EVERY = 4
@@ -288,14 +294,14 @@ class _Unsent:
 
 
 class AutoregressiveMachine(DecodeMachine):
-    """``ar``: the target alone; ``tokens_per_iteration`` draws per iteration, one per token, stream 0
-    on the target (``verifiers.reference.autoregressive_generate``)."""
+    """``ar``: the target alone; ``plain_tokens`` draws per iteration (``tokens_per_iteration`` at
+    first), one per token, stream 0 on the target (``verifiers.reference.autoregressive_generate``)."""
 
     def __init__(self, target: str, max_new_tokens: int, context_budget: int | None = None,
                  tokens_per_iteration: int = AR_TOKENS_PER_ITERATION, logprobs: int | None = None):
         super().__init__(max_new_tokens, context_budget, logprobs)
         self.target = target
-        self.tokens_per_iteration = tokens_per_iteration
+        self.plain_tokens = int(tokens_per_iteration)  # draws per iteration (set per step by the scheduler)
         self.unsent = _Unsent([target], self.committed)
 
     def streams(self) -> dict[str, dict[str, int]]:
@@ -303,7 +309,7 @@ class AutoregressiveMachine(DecodeMachine):
 
     def needs(self) -> list[Need]:
         remaining = self.max_new_tokens - len(self.committed)
-        count = self.lookahead(min(self.tokens_per_iteration, max(1, remaining)))
+        count = self.lookahead(min(self.plain_tokens, max(1, remaining)))
         return [Sample(self.target, self.unsent.take(self.target), count, logprobs=self.logprobs)]
 
     def consume(self, results: Sequence[object]) -> list[int]:

@@ -38,6 +38,7 @@ from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRate
 from verifiers.adaptive import StepCosts, best_block
 from verifiers.machines import (
     AR_TOKENS_PER_ITERATION,
+    AutoregressiveMachine,
     PLAIN_PROBE_EVERY,
     EnsembleDraftMachine,
     NextLogits,
@@ -82,6 +83,27 @@ ALONE = StepDecision()
 #: mode, that catch-up made every probe of it after plain steps look slower than speculative
 #: steps are, and a cohort that once went plain stayed plain where speculative steps were faster.
 PROBE_STEPS = {"plain": 1, "speculative": 2}
+
+#: Tokens an ``ar`` iteration draws in a step of two or more requests. Every step is a round trip
+#: from the coordinator to the workers and a chunk per request through Serve; at 4 tokens a step,
+#: 16 clients on 2 CPU cores left the target's worker idle a fifth of the time, and the chunks kept
+#: the serving processes on about a third of the cores (docs/design.md, "Tokens per step"). A
+#: request alone keeps :data:`~verifiers.machines.AR_TOKENS_PER_ITERATION` (its burst streams each
+#: iteration as it ends).
+COHORT_PLAIN_TOKENS = 8
+
+
+def plain_tokens(batch: int) -> int:
+    """Tokens an ``ar`` iteration draws in a step of ``batch`` requests."""
+    return AR_TOKENS_PER_ITERATION if batch < 2 else COHORT_PLAIN_TOKENS
+
+
+def set_plain_tokens(machine: Any, batch: int) -> None:
+    """Set an ``ar`` machine's draws for a step of ``batch`` requests (:data:`COHORT_PLAIN_TOKENS`;
+    the tokens do not depend on it); other machines keep theirs."""
+    if isinstance(machine, AutoregressiveMachine):
+        machine.plain_tokens = plain_tokens(batch)
+
 
 #: Every this many speculative steps of a cohort draft a neighbour of the best block (the next
 #: longer, then the next shorter, in turn): the costs of the token counts the choice avoids are

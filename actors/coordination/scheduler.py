@@ -37,7 +37,7 @@ from typing import Any
 from actors.coordination.admission import Admission
 from actors.coordination.cohorts import Cohort
 from actors.coordination.metrics import SchedulerMetrics, StepCounters
-from actors.coordination.policy import StepDecision, StepPolicy
+from actors.coordination.policy import StepDecision, StepPolicy, set_plain_tokens
 from actors.coordination.requests import RequestState
 from actors.coordination.results import RequestResults
 from actors.coordination.solo_bursts import SoloBursts
@@ -206,6 +206,7 @@ class Scheduler:
         next prompt chunks); a request whose machine fails to plan leaves the cohort."""
         decision = self.policy.decide(cohort)
         for request in list(cohort.running):
+            set_plain_tokens(request.machine, len(cohort.running))
             if request.prefilling:
                 request.last_needs = [Prefill(model) for model in sorted(request.prefilling)]
             elif not self.results.plan_iteration(request):

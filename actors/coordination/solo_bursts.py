@@ -21,7 +21,7 @@ from typing import Any
 from actors.coordination.admission import Admission
 from actors.coordination.cohorts import Cohort
 from actors.coordination.metrics import StepCounters
-from actors.coordination.policy import ALONE, StepPolicy, costed_step
+from actors.coordination.policy import ALONE, StepPolicy, costed_step, set_plain_tokens
 from actors.coordination.requests import RequestState
 from actors.coordination.results import RequestResults
 from actors.coordination.worker_calls import Placed, WorkerCalls, call_report
@@ -84,6 +84,7 @@ class SoloBursts:
         are released whatever becomes of the burst (releasing a session never opened is a no-op)."""
         machine = request.machine
         target = machine.target
+        set_plain_tokens(machine, 1)  # alone: the worker's copy and the replay draw alike
         live_costs = getattr(machine, "step_costs", None)
         if live_costs is not None:  # the worker's copy and the replay read the same costs, of a step alone
             machine.step_costs = FrozenStepCosts(self.policy.costs(machine, ALONE))

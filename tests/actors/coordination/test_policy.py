@@ -1,0 +1,35 @@
+"""How many tokens an ``ar`` iteration draws (actors/coordination/policy.py: plain_tokens): 4 alone,
+8 in a step of several requests; the tokens themselves do not depend on it (the reference tests
+run ``ar`` in cohorts against the reference loop, tests/actors/coordination/test_coordinator_reference.py)."""
+
+from __future__ import annotations
+
+from actors.coordination.policy import COHORT_PLAIN_TOKENS, plain_tokens, set_plain_tokens
+from verifiers.machines import AR_TOKENS_PER_ITERATION, AutoregressiveMachine, SpeculativeMachine
+
+
+def test_an_ar_iteration_draws_more_in_a_step_of_several_requests():
+    assert plain_tokens(1) == AR_TOKENS_PER_ITERATION == 4
+    assert plain_tokens(2) == plain_tokens(16) == COHORT_PLAIN_TOKENS == 8
+
+
+def test_the_scheduler_sets_an_ar_machines_draws_per_step():
+    machine = AutoregressiveMachine("target", max_new_tokens=20)
+    (need,) = machine.needs()
+    assert need.count == AR_TOKENS_PER_ITERATION
+    set_plain_tokens(machine, 16)
+    (need,) = machine.needs()
+    assert need.count == COHORT_PLAIN_TOKENS
+    machine.committed.extend(range(17))  # 3 tokens left: never more than max_tokens
+    assert machine.needs()[0].count == 3
+    set_plain_tokens(machine, 1)
+    assert machine.needs()[0].count == 3 and machine.plain_tokens == AR_TOKENS_PER_ITERATION
+
+
+def test_sd_keeps_its_draws():
+    """An sd plain step's count decides when its next block is drafted (a seeded request's tokens
+    would then depend on the batch): the scheduler leaves it alone."""
+    machine = SpeculativeMachine("draft", "target", method="block", gamma=4, num_drafts=1, max_new_tokens=20)
+    before = machine.__dict__.copy()
+    set_plain_tokens(machine, 16)
+    assert machine.__dict__ == before
