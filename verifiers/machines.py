@@ -43,12 +43,12 @@ from verifiers.sampling import token_logprob
 from verifiers.registry import get_verifier
 from verifiers.types import PAD_TOKEN
 
-#: Tokens a plain iteration draws: ``sd``'s plain steps always, ``ar``'s alone (its iterations run in
-#: a burst, each streamed as it ends). The scheduler sets each ``ar`` step's count
-#: (:attr:`AutoregressiveMachine.plain_tokens`, ``actors.coordination.policy.plain_tokens``): how many
-#: draws an ``ar`` iteration makes never changes its tokens (one draw per token, in order, on stream
-#: 0). An ``sd`` plain step's count decides when the next block is drafted, so it stays fixed (a
-#: seeded request's tokens do not depend on the batch).
+#: Tokens a plain iteration draws by default (``ar``, ``sd``'s plain steps): a request alone (its
+#: iterations run in a burst, each streamed as it ends). The scheduler sets each step's count
+#: (``plain_tokens``; ``actors.coordination.policy.set_plain_tokens``) where that cannot change a
+#: seeded request's tokens: an ``ar`` iteration's draws never change them (one draw per token, in
+#: order, on stream 0); an ``sd`` plain step's count decides when the next block is drafted, so it
+#: changes only for ``gamma: "auto"`` weighing measured step costs, whose tokens already depend on timings.
 AR_TOKENS_PER_ITERATION = 4
 #: After this many plain steps in a row, gamma "auto" with step costs drafts once (a probe): plain
 #: steps observe no acceptance, so without it an early low estimate would never be revised.
@@ -327,7 +327,7 @@ class SpeculativeMachine(DecodeMachine):
     ``draft_lengths`` records the block drafted at each iteration either way. ``step_costs``: when
     set (with ``adaptive``), a callable giving the measured :class:`~verifiers.adaptive.StepCosts`
     of a step now (or None while unmeasured); the choice then weighs them and may be 0, a
-    *plain step*: no draft, ``AR_TOKENS_PER_ITERATION`` tokens sampled from the target on its
+    *plain step*: no draft, ``plain_tokens`` tokens sampled from the target on its
     verification stream (recorded as a 0 in ``draft_lengths``, no entry in
     ``accepted_lengths``).
 
@@ -355,6 +355,7 @@ class SpeculativeMachine(DecodeMachine):
                  adaptive: AdaptiveGammaSettings | None = None, pre_drafting: int = 0,
                  proposers: Sequence[Proposer] = ()):
         super().__init__(max_new_tokens, context_budget, logprobs)
+        self.plain_tokens = AR_TOKENS_PER_ITERATION  # draws of a plain step (set per step by the scheduler)
         if pre_drafting < 0:
             raise ValueError(f"pre_drafting must be >= 0 (candidate bonus tokens), got {pre_drafting}")
         rule = get_verifier(method)
@@ -449,7 +450,7 @@ class SpeculativeMachine(DecodeMachine):
     def _plain_needs(self) -> list[Need]:
         """A plain step: the target samples on its own verification stream."""
         remaining = self.max_new_tokens - len(self.committed)
-        count = self.lookahead(min(AR_TOKENS_PER_ITERATION, max(1, remaining)))
+        count = self.lookahead(min(self.plain_tokens, max(1, remaining)))
         return [Sample(self.target, self.unsent.take(self.target), count, stream="verify", logprobs=self.logprobs)]
 
     def _block_needs(self, gamma: int) -> list[Need]:

@@ -84,7 +84,8 @@ ALONE = StepDecision()
 #: steps are, and a cohort that once went plain stayed plain where speculative steps were faster.
 PROBE_STEPS = {"plain": 1, "speculative": 2}
 
-#: Tokens an ``ar`` iteration draws in a step of two or more requests. Every step is a round trip
+#: Tokens a plain iteration draws in a step of two or more requests (``ar``; ``sd``'s plain steps
+#: with gamma "auto" weighing step costs, :func:`set_plain_tokens`). Every step is a round trip
 #: from the coordinator to the workers and a chunk per request through Serve; at 4 tokens a step,
 #: 16 clients on 2 CPU cores left the target's worker idle a fifth of the time, and the chunks kept
 #: the serving processes on about a third of the cores (docs/design.md, "Tokens per step"). A
@@ -94,14 +95,17 @@ COHORT_PLAIN_TOKENS = 8
 
 
 def plain_tokens(batch: int) -> int:
-    """Tokens an ``ar`` iteration draws in a step of ``batch`` requests."""
+    """Tokens a plain iteration draws in a step of ``batch`` requests."""
     return AR_TOKENS_PER_ITERATION if batch < 2 else COHORT_PLAIN_TOKENS
 
 
 def set_plain_tokens(machine: Any, batch: int) -> None:
-    """Set an ``ar`` machine's draws for a step of ``batch`` requests (:data:`COHORT_PLAIN_TOKENS`;
-    the tokens do not depend on it); other machines keep theirs."""
-    if isinstance(machine, AutoregressiveMachine):
+    """Set a machine's plain draws for a step of ``batch`` requests where that cannot change a seeded
+    request's tokens: an ``ar`` machine's (its tokens do not depend on the count), and the plain
+    steps of ``sd`` with gamma "auto" weighing measured costs (its tokens already depend on
+    timings); every other machine keeps :data:`~verifiers.machines.AR_TOKENS_PER_ITERATION`."""
+    if isinstance(machine, AutoregressiveMachine) or (
+            type(machine) is SpeculativeMachine and machine.step_costs is not None):
         machine.plain_tokens = plain_tokens(batch)
 
 
@@ -322,6 +326,8 @@ class StepPolicy:
                                       num_drafts=machine.num_drafts)
         if costs is not None and isinstance(machine, EnsembleDraftMachine):
             costs = dataclasses.replace(costs, plain_tokens=1)
+        elif costs is not None:  # what a plain step of this batch draws (set_plain_tokens)
+            costs = dataclasses.replace(costs, plain_tokens=plain_tokens(batch))
         return costs
 
     def _group_acceptance(self, autos: list[RequestState]) -> float:

@@ -1,10 +1,11 @@
-"""How many tokens an ``ar`` iteration draws (actors/coordination/policy.py: plain_tokens): 4 alone,
-8 in a step of several requests; the tokens themselves do not depend on it (the reference tests
+"""How many tokens a plain iteration draws (actors/coordination/policy.py: plain_tokens): 4 alone,
+8 in a step of several requests; an ``ar`` request's tokens do not depend on it (the reference tests
 run ``ar`` in cohorts against the reference loop, tests/actors/coordination/test_coordinator_reference.py)."""
 
 from __future__ import annotations
 
 from actors.coordination.policy import COHORT_PLAIN_TOKENS, plain_tokens, set_plain_tokens
+from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.machines import AR_TOKENS_PER_ITERATION, AutoregressiveMachine, SpeculativeMachine
 
 
@@ -26,10 +27,16 @@ def test_the_scheduler_sets_an_ar_machines_draws_per_step():
     assert machine.needs()[0].count == 3 and machine.plain_tokens == AR_TOKENS_PER_ITERATION
 
 
-def test_sd_keeps_its_draws():
-    """An sd plain step's count decides when its next block is drafted (a seeded request's tokens
-    would then depend on the batch): the scheduler leaves it alone."""
-    machine = SpeculativeMachine("draft", "target", method="block", gamma=4, num_drafts=1, max_new_tokens=20)
-    before = machine.__dict__.copy()
+def test_sd_plain_steps_draw_more_only_where_the_choice_weighs_step_costs():
+    """An sd plain step's count decides when its next block is drafted: seeded tokens would depend
+    on the batch, so only gamma auto weighing measured step costs (whose tokens already depend on
+    timings) draws more in a step of several requests."""
+    machine = SpeculativeMachine("draft", "target", method="block", gamma=4, num_drafts=1, max_new_tokens=20,
+                                 adaptive=AdaptiveGammaSettings(gamma_max=4))
     set_plain_tokens(machine, 16)
-    assert machine.__dict__ == before
+    assert machine.plain_tokens == AR_TOKENS_PER_ITERATION
+    machine.step_costs = lambda: None  # goodput: the scheduler binds the step's measured costs
+    set_plain_tokens(machine, 16)
+    assert machine.plain_tokens == COHORT_PLAIN_TOKENS and machine._plain_needs()[0].count == COHORT_PLAIN_TOKENS
+    set_plain_tokens(machine, 1)
+    assert machine.plain_tokens == AR_TOKENS_PER_ITERATION
