@@ -39,7 +39,6 @@ from verifiers.adaptive import StepCosts, best_block
 from verifiers.machines import (
     AR_TOKENS_PER_ITERATION,
     AutoregressiveMachine,
-    PLAIN_PROBE_EVERY,
     EnsembleDraftMachine,
     NextLogits,
     Sample,
@@ -83,6 +82,12 @@ ALONE = StepDecision()
 #: mode, that catch-up made every probe of it after plain steps look slower than speculative
 #: steps are, and a cohort that once went plain stayed plain where speculative steps were faster.
 PROBE_STEPS = {"plain": 1, "speculative": 2}
+
+#: Steps in a row a cohort runs in the faster mode (gamma auto) before it probes the other one for
+#: :data:`PROBE_STEPS`. A speculative probe after plain steps costs a catch-up step (the draft is fed
+#: every token the plain steps made, 8 a request each): probed every 4 steps, a cohort at 16 clients
+#: spent a third of its steps probing.
+COHORT_PROBE_EVERY = 16
 
 #: Tokens a plain iteration draws in a step of two or more requests (``ar``; ``sd``'s plain steps
 #: with gamma "auto" weighing step costs, :func:`set_plain_tokens`). Every step is a round trip
@@ -252,7 +257,7 @@ class StepPolicy:
         decided once (a step whose requests split pays the draft's forwards AND the plain
         forwards): speculative when a fixed block drafts anyway; else the mode whose whole steps
         measured more tokens per second at this batch (:class:`actors.coordination.step_costs.ModeRates`), the
-        other probed after ``PLAIN_PROBE_EVERY`` steps in a row (for :data:`PROBE_STEPS`); before
+        other probed after :data:`COHORT_PROBE_EVERY` steps in a row (for :data:`PROBE_STEPS`); before
         both are measured, what the cost model and the pair's recent acceptance favour. ``any``:
         alone, or nothing measured yet; each request weighs the costs itself."""
         stepping = cohort.stepping()
@@ -268,7 +273,7 @@ class StepPolicy:
             mode = self._faster_mode(autos, len(stepping))
             if mode is None:
                 return "any"
-            if mode == cohort.mode and cohort.mode_steps >= PLAIN_PROBE_EVERY:  # probe the other mode
+            if mode == cohort.mode and cohort.mode_steps >= COHORT_PROBE_EVERY:  # probe the other mode
                 mode = "plain" if mode == "speculative" else "speculative"
                 cohort.probe_steps_left = PROBE_STEPS[mode] - 1
         cohort.mode_steps = cohort.mode_steps + 1 if mode == cohort.mode else 1

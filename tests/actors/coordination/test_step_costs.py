@@ -26,11 +26,10 @@ from actors.coordination.step_costs import (
 )
 from benchmarks.runners import LocalActorHandle
 from verifiers.adaptive import expected_tokens
-from actors.coordination.policy import EXPLORE_EVERY
+from actors.coordination.policy import COHORT_PROBE_EVERY, EXPLORE_EVERY
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config, run_in_process
 from tests.verifiers.test_adaptive import LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
-from verifiers.machines import PLAIN_PROBE_EVERY
 from verifiers.reference import autoregressive_generate
 
 PROMPT = (1, 2, 3)
@@ -338,9 +337,9 @@ def test_a_cohort_steps_in_the_faster_mode_and_probes_the_other():
         cohort.running.append(request)
     scheduler.policy.mode_rates.observe("plain", 3, 12, 0.1)  # 120 tok/s
     scheduler.policy.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
-    modes = [scheduler.policy.decide(cohort).mode for _ in range(2 * (PLAIN_PROBE_EVERY + 1))]
-    assert modes.count("plain") == 2 and modes.count("speculative") == 2 * PLAIN_PROBE_EVERY
-    assert modes[PLAIN_PROBE_EVERY] == "plain"  # the probe after PLAIN_PROBE_EVERY speculative steps
+    modes = [scheduler.policy.decide(cohort).mode for _ in range(2 * (COHORT_PROBE_EVERY + 1))]
+    assert modes.count("plain") == 2 and modes.count("speculative") == 2 * COHORT_PROBE_EVERY
+    assert modes[COHORT_PROBE_EVERY] == "plain"  # the probe after COHORT_PROBE_EVERY speculative steps
     assert scheduler.policy.decide(type(cohort)(index=9, running=cohort.running[:1])).mode == "any"  # alone
 
 
@@ -377,13 +376,13 @@ def test_a_speculative_probe_after_plain_steps_runs_two_steps_and_only_the_secon
         cohort.running.append(request)
     policy.mode_rates.observe("plain", 3, 12, 0.05)  # 240 tok/s
     policy.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
-    decisions = [policy.decide(cohort) for _ in range(PLAIN_PROBE_EVERY + 3)]
-    assert [d.mode for d in decisions] == ["plain"] * PLAIN_PROBE_EVERY + ["speculative", "speculative", "plain"]
-    assert [d.representative for d in decisions[PLAIN_PROBE_EVERY:]] == [False, True, True]
+    decisions = [policy.decide(cohort) for _ in range(COHORT_PROBE_EVERY + 3)]
+    assert [d.mode for d in decisions] == ["plain"] * COHORT_PROBE_EVERY + ["speculative", "speculative", "plain"]
+    assert [d.representative for d in decisions[COHORT_PROBE_EVERY:]] == [False, True, True]
     before = policy.mode_rates.rate("speculative", 3)
-    policy.observe_mode(decisions[PLAIN_PROBE_EVERY], 3, 3, 0.05)  # the catch-up step: not counted
+    policy.observe_mode(decisions[COHORT_PROBE_EVERY], 3, 3, 0.05)  # the catch-up step: not counted
     assert policy.mode_rates.rate("speculative", 3) == before
-    policy.observe_mode(decisions[PLAIN_PROBE_EVERY + 1], 3, 15, 0.05)
+    policy.observe_mode(decisions[COHORT_PROBE_EVERY + 1], 3, 15, 0.05)
     assert policy.mode_rates.rate("speculative", 3) > before
 
 
