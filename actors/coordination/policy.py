@@ -108,10 +108,15 @@ def set_plain_tokens(machine: Any, batch: int) -> None:
     """Set a machine's plain draws for a step of ``batch`` requests where that cannot change a seeded
     request's tokens: an ``ar`` machine's (its tokens do not depend on the count), and the plain
     steps of ``sd`` with gamma "auto" weighing measured costs (its tokens already depend on
-    timings); every other machine keeps :data:`~verifiers.machines.AR_TOKENS_PER_ITERATION`."""
+    timings); every other machine keeps :data:`~verifiers.machines.AR_TOKENS_PER_ITERATION`. An
+    ``ar`` request alone draws its first token on its own (a first iteration of several draws
+    delayed its first chunk by their forwards); in a step of several it would lose the step's
+    other draws, so there it draws as many as the rest."""
     if isinstance(machine, AutoregressiveMachine) or (
             type(machine) is SpeculativeMachine and machine.step_costs is not None):
         machine.plain_tokens = plain_tokens(batch)
+    if isinstance(machine, AutoregressiveMachine):  # alone, the first token streams after one draw
+        machine.first_tokens = 1 if batch < 2 else None
 
 
 #: Every this many speculative steps of a cohort draft a neighbour of the best block (the next

@@ -18,9 +18,15 @@ def test_the_scheduler_sets_an_ar_machines_draws_per_step():
     machine = AutoregressiveMachine("target", max_new_tokens=20)
     (need,) = machine.needs()
     assert need.count == AR_TOKENS_PER_ITERATION
+    set_plain_tokens(machine, 1)  # alone: the first token on its own, then 4 an iteration
+    assert machine.needs()[0].count == 1
+    machine.committed.append(7)
+    assert machine.needs()[0].count == AR_TOKENS_PER_ITERATION
+    machine.committed.clear()
     set_plain_tokens(machine, 16)
     (need,) = machine.needs()
     assert need.count == COHORT_PLAIN_TOKENS
+    assert machine.needs()[0].count == COHORT_PLAIN_TOKENS  # in a step of several: no lone first draw
     machine.committed.extend(range(17))  # 3 tokens left: never more than max_tokens
     assert machine.needs()[0].count == 3
     set_plain_tokens(machine, 1)
