@@ -6,7 +6,8 @@ plain object), ``--max-tokens`` tokens each, with the speculation settings of th
 benchmark's cases (``benchmarks.serve_load.serve_load_cases``; EOS ignored, temperature 1,
 request i on prompt i mod 18 of the committed set as text, seed i). Prints the aggregate tokens/s,
 the median time to a request's first token and, per model, the forwards it ran: what the
-engine's own step costs, apart from Ray's hops and the HTTP path (``specserve bench --mode serve-load`` measures the whole server).
+engine's own step costs, apart from Ray's hops and the HTTP path (``specserve bench --mode
+serve-load`` measures the whole server).
 
     python -m benchmarks.engine_load --strategy ar --concurrency 16 --requests 128
     python -m benchmarks.engine_load --strategy sd --concurrency 1 --requests 32 --prefix-caching off

@@ -77,10 +77,9 @@ def target_worker_cores(cores: Sequence[int], torch_threads: int) -> tuple[int, 
 
 def serving_cores(setting: Any, torch_threads: int, cores: Sequence[int], gpu_host: bool) -> tuple[int, ...] | None:
     """Cores of the processes other than the workers under ``setting`` (``auto``, ``spare``, ``off`` or a
-    mapping model -> cores) on a host with ``cores``: ``auto`` and ``spare``: the cores the ``auto`` rule's
-    target's worker does not take
-    (None on a GPU host or when no core is spare); a mapping: the cores no model lists (None when
-    they list every core); ``off``: None."""
+    mapping model -> cores) on a host with ``cores``: ``auto`` and ``spare``: the cores the ``auto``
+    rule's target's worker does not take (None on a GPU host or when no core is spare); a mapping:
+    the cores no model lists (None when they list every core); ``off``: None."""
     if setting == "off" or (setting in SPARING and gpu_host):
         return None
     if setting in SPARING:

@@ -38,12 +38,6 @@ class ServeEndpoints:
     addresses: Any = field(repr=False)
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on 127.0.0.1 right now, below the kernel's ephemeral
-    range (:func:`cluster.local_ports.free_local_ports`: Ray's own listeners cannot take them)."""
-    return free_local_ports(count)
-
-
 def serve_document(applications: list[dict[str, Any]]) -> dict[str, Any]:
     """A Ray Serve config document (the deploy/*.yaml format) with these applications."""
     return {"proxy_location": "HeadOnly", "applications": copy.deepcopy(applications)}
@@ -75,7 +69,7 @@ def serve_app(ray_session, tiny_app_args) -> ServeEndpoints:
     args = copy.deepcopy(tiny_app_args)
     args["models"]["target"]["max_context"] = LONG_TARGET_CONTEXT
     document = serve_document([specserve_application(APP_NAME, "/", args)])
-    http_port, grpc_port = free_ports(2)
+    http_port, grpc_port = free_local_ports(2)
     addresses = resolve_addresses(document, host="127.0.0.1", http_port=http_port, grpc_port=grpc_port)
     document = with_addresses(document, addresses)
     deploy("<tests>", addresses, document)

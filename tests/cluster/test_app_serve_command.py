@@ -17,9 +17,10 @@ import grpc
 import httpx
 import yaml
 
+from cluster.local_ports import free_local_ports
 from protos import specserve_pb2, specserve_pb2_grpc
 
-from .conftest import free_ports, serve_document, specserve_application
+from .conftest import serve_document, specserve_application
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300
@@ -43,7 +44,7 @@ def test_serve_command_serves_until_ctrl_c(tmp_path, tiny_checkpoints):
     }
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump(serve_document([specserve_application("specserve", "/", args)])))
-    http_port, grpc_port = free_ports(2)
+    http_port, grpc_port = free_local_ports(2)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     command = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config),

@@ -33,9 +33,8 @@ import httpx
 import pytest
 import yaml
 
+from cluster.local_ports import free_local_ports
 from protos import specserve_pb2, specserve_pb2_grpc
-
-from .conftest import free_ports
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_YAML = REPO / "deploy" / "default.yaml"
@@ -127,7 +126,7 @@ class RayHead:
         self.env = _cli_env(self.ray_tmp, self.marker, self.token)
         self.log_path = workdir / "ray-head.log"
         # Every port of the head at once: two ports Ray is given must never be the same.
-        self.head_ports = free_ports(9)
+        self.head_ports = free_local_ports(9)
         self.dashboard_port = self.head_ports[0]
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
         self.process: subprocess.Popen | None = None
@@ -269,7 +268,7 @@ def _default_yaml_on(path: pathlib.Path, http_port: int, grpc_port: int) -> None
 @pytest.mark.slow
 def test_ray_start_serve_deploy_status_requests_shutdown(ray_head, tmp_path):
     started = time.monotonic()
-    http_port, grpc_port = free_ports(2)
+    http_port, grpc_port = free_local_ports(2)
     config = tmp_path / "default.yaml"
     _default_yaml_on(config, http_port, grpc_port)
 
