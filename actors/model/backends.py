@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from actors.model.architectures import UnsupportedModelError, apply_head, resolve_architecture
-from actors.model.batch import RowWork, build_batch, reads_in_place
+from actors.model.batch import RowWork, build_batch, is_causal_run, reads_in_place
 from actors.model.grouped_attention import use_grouped_attention
 from actors.model.layer_masks import ColumnPositions, layer_masks
 from actors.model.lean_decoder import build_lean_decoder
@@ -95,6 +95,7 @@ class SlotBackend:
         self.lm_head = model.get_output_embeddings()
         self.name = name
         # The lean decoder (actors.model.lean_decoder) where asked for and covered; None: the model's own.
+        self.one_row_forward = True  # a forward of one causal row may take _forward_run (off after a failure)
         self.lean, self.forward_path = (build_lean_decoder(model, self.architecture, name) if lean_forward
                                         else (None, "its own decoder (engine.lean_forward is off)"))
         # By default every slot is allocated up front: growing a large cache under load stalls a
@@ -187,6 +188,13 @@ class SlotBackend:
         for row in rows:
             if not self.cache.is_allocated(row.slot):
                 raise ValueError(f"RowWork.slot {row.slot} is not allocated")
+        if len(rows) == 1 and self._runs_alone(rows[0]):
+            try:
+                return [self._forward_run(rows[0])]
+            except Exception as error:  # noqa: BLE001 - the batched path rewrites the same columns
+                logger.warning("%s: the one-row forward failed (%s: %s); running every forward batched from now on",
+                               self.name, type(error).__name__, error)
+                self.one_row_forward = False
         batch = build_batch(rows, capacity=self.capacity, device=self.device, in_place=reads_in_place(rows))
         key_positions = None
         if self.positions is not None:
@@ -207,6 +215,39 @@ class SlotBackend:
             per_row[index] = row_logits  # [len(keep), V]
         return per_row
 
+
+    def _runs_alone(self, row: RowWork) -> bool:
+        """Whether ``row``, the forward's only row, takes :meth:`_forward_run`: the lean decoder
+        over a model with no sliding layers, and an ordinary causal row (:func:`is_causal_run`)."""
+        return (self.one_row_forward and self.lean is not None and self.positions is None
+                and not self.architecture.has_sliding_layers
+                and row.prefix_length + len(row) <= self.capacity and is_causal_run(row))
+
+    def _forward_run(self, row: RowWork) -> torch.Tensor:
+        """:meth:`forward` of one causal row (:meth:`_runs_alone`) with nothing padded or gathered:
+        its new keys/values copied into their columns, attention over the slot in place, no mask
+        for one token (every column it reads is its prefix or itself) and the causal block at the
+        end of the key columns for more -> float32 logits ``[len(row.keep), V]``. The same
+        products as the batched path (``tests/actors/model/test_backends.py`` compares them); the
+        decode step of one request, where the ops around the GEMMs are most of a small model's
+        forward (the embedded draft's 1 x 1: 0.5 ms batched, 0.3 ms here; ``python -m
+        benchmarks.forward_micro --model draft --rows 1``)."""
+        length, columns = len(row), row.prefix_length + len(row)
+        tokens = torch.tensor((row.token_ids, row.positions), dtype=torch.long, device=self.device)  # [2, L]
+        mask = None if length == 1 else torch.ones(
+            (length, columns), dtype=torch.bool, device=self.device).tril(columns - length)[None, None]  # [1, 1, L, T_kv]
+        self.cache.bind_run(row.slot, row.prefix_length, length)
+        try:
+            hidden = self.lean(tokens[:1], tokens[1:], mask, self.cache)  # [1, L, hidden]
+        finally:
+            self.cache.unbind()
+        keep = row.keep
+        first = keep[0] if keep else 0
+        if keep == tuple(range(first, first + len(keep))):  # a run of positions (decode: the last; verify: all)
+            kept = hidden[0, first : first + len(keep)]  # [N_keep, hidden]
+        else:
+            kept = hidden[0].index_select(0, torch.tensor(keep, dtype=torch.long, device=self.device))  # [N_keep, hidden]
+        return apply_head(self.architecture, self.lean.head(self.lm_head, kept)).float()  # [N_keep, V]
 
     def _decoder_forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | dict[str, torch.Tensor],

@@ -247,7 +247,20 @@ class SlotKVCache(Cache):
         self._write_columns = write_columns.to(self.device)  # [B, L]
         self.kv_length = kv_length
         self._first_slot = first_slot
+        self._run = None
         self._write_index = self._bind_write_index()  # [layers, 2 B L H]
+
+    def bind_run(self, slot: int, start: int, length: int) -> None:
+        """Set up a forward of one row in ``slot`` whose ``length`` new tokens go to columns
+        ``[start, start + length)`` and which reads columns ``[0, start + length)``: the new
+        keys/values are copied straight into those columns and attention reads the slot in place
+        (no write index, no gather)."""
+        self._check_allocated(slot)
+        if start < 0 or length < 1 or start + length > self.capacity:
+            raise ValueError(f"bind_run: columns [{start}, {start + length}) must lie in [0, {self.capacity})")
+        self.unbind()
+        self.kv_length = start + length
+        self._run = (slot, start, length)
 
     def _bind_write_index(self) -> torch.Tensor:
         """For each layer, the rows of ``storage.view(-1, D)`` that the bound rows' new keys and
@@ -270,12 +283,15 @@ class SlotKVCache(Cache):
         self._write_index: torch.Tensor | None = None
         self.kv_length = 0
         self._first_slot: int | None = None
+        self._run: tuple[int, int, int] | None = None  # bind_run's (slot, start, length)
 
     def write_and_gather(
         self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, H, L, D]`` new keys/values of layer ``layer_idx`` to the bound columns of
         the bound slots; return that layer's ``[B, H, T_kv, D]`` keys and values of those slots."""
+        if self._run is not None:
+            return self._write_and_read_run(layer_idx, key_states, value_states)
         if self._slots is None:
             raise RuntimeError("SlotKVCache.update called with no rows bound; call bind() before the forward")
         if key_states.shape[0] != self._slots.shape[0] or key_states.shape[2] != self._write_columns.shape[1]:
@@ -294,6 +310,21 @@ class SlotKVCache(Cache):
             else:
                 gathered = self._gather_views(batch)[kind]  # [B, H, T_kv, D]
                 read.append(torch.index_select(layer[:, :, : self.kv_length], 0, self._slots, out=gathered))
+        return read[0], read[1]
+
+    def _write_and_read_run(
+        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`write_and_gather` of a :meth:`bind_run` row: ``[1, H, L, D]`` new keys/values
+        copied into their columns; ``[1, H, T_kv, D]`` views of the slot returned."""
+        slot, start, length = self._run
+        if key_states.shape[0] != 1 or key_states.shape[2] != length:
+            raise ValueError(f"update: key_states {tuple(key_states.shape)} do not match the bound run [B=1, L={length}]")
+        read = []
+        for kind, states in enumerate((key_states, value_states)):
+            layer = self.storage[kind, layer_idx]  # [S, H, capacity + 1, D]
+            layer[slot, :, start : start + length].copy_(states[0])  # [H, L, D]
+            read.append(layer[slot : slot + 1, :, : self.kv_length])  # [1, H, T_kv, D]
         return read[0], read[1]
 
     def _gather_views(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:

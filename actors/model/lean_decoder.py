@@ -162,11 +162,12 @@ class LeanDecoder:
         self._bmm_attention = self.embed_tokens.weight.device.type == "cpu"
 
     def __call__(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, masks: torch.Tensor | dict[str, torch.Tensor],
-        cache: Any,
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+        masks: torch.Tensor | dict[str, torch.Tensor] | None, cache: Any,
     ) -> torch.Tensor:
         """``input_ids`` / ``position_ids`` ``[B, L]``, ``masks`` from ``layer_masks`` (one
-        ``[B, 1, L, T_kv]`` bool mask or one per layer kind), ``cache`` bound to the rows ->
+        ``[B, 1, L, T_kv]`` bool mask or one per layer kind; None: every token sees every bound
+        column, a one-token row of a model without sliding layers), ``cache`` bound to the rows ->
         the final-normed hidden states ``[B, L, hidden]``; every layer's new keys/values are written."""
         hidden = self.embed_tokens(input_ids)  # [B, L, hidden]
         cos, sin = self.rotary_emb(hidden, position_ids)  # [B, L, d] each
@@ -180,17 +181,17 @@ class LeanDecoder:
             hidden = _after_attention(hidden, attended, *layer.after)  # [B, L, hidden]
         return _rms_norm(hidden, *self.final_norm)
 
-    def _attention_masks(self, masks: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _attention_masks(self, masks: torch.Tensor | dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor | None]:
         """Each layer kind's bool mask ``[B, 1, L, T_kv]`` in the form :meth:`_attend` takes, built
-        once per forward: for :func:`_bmm_attention`, additive ``[B H_kv, G L, T_kv]``."""
+        once per forward: for :func:`_bmm_attention`, additive ``[B H_kv, G L, T_kv]`` (None stays None)."""
         by_kind = masks if isinstance(masks, dict) else {kind: masks for kind in set(self.architecture.layer_types)}
         if not self._bmm_attention:
             return by_kind
-        return {kind: _additive_grouped_mask(mask, self._shape, self.embed_tokens.weight.dtype)
+        return {kind: None if mask is None else _additive_grouped_mask(mask, self._shape, self.embed_tokens.weight.dtype)
                 for kind, mask in by_kind.items()}
 
     def _attend(self, module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor | None) -> torch.Tensor:
         """Attention of ``query`` ``[B, L, H, d]`` over ``keys`` / ``values`` ``[B, H_kv, T_kv, d]``
         -> ``[B, L, H d]``: two batched matmuls on CPU (:func:`_bmm_attention`), sdpa elsewhere."""
         batch, length = query.shape[:2]
@@ -235,9 +236,12 @@ class LeanDecoder:
 
 
 def _sdpa_attention(module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
+                    mask: torch.Tensor | None) -> torch.Tensor:
     """sdpa of ``query`` ``[B, H, L, d]`` over ``keys`` / ``values`` ``[B, H_kv, T_kv, d]`` under the
-    bool ``mask`` ``[B, 1, L, T_kv]`` -> ``[B, L, H, d]``; grouped heads read in place."""
+    bool ``mask`` ``[B, 1, L, T_kv]`` (None: every key) -> ``[B, L, H, d]``; grouped heads read in place."""
+    if mask is None:
+        return F.scaled_dot_product_attention(query, keys, values, scale=module.scaling,
+                                              enable_gqa=module.num_key_value_groups > 1).transpose(1, 2)
     if module.num_key_value_groups > 1:
         return grouped_sdpa_forward(module, query, keys, values, mask, scaling=module.scaling)[0]
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=module.scaling).transpose(1, 2)
@@ -255,13 +259,13 @@ def _additive_grouped_mask(mask: torch.Tensor, shape: _HeadShape, dtype: torch.d
         batch * shape.kv_heads, groups * length, columns)
 
 
-def _bmm_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def _bmm_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                    scaling: float) -> torch.Tensor:
     """``softmax(scaling q k^T + mask) v`` as two batched matmuls over the keys/values where they
     lie (the slot cache's in-place view or the gathered buffer; no copy of them), the query heads
     of each key/value head packed together (grouped heads read their key/value head once).
     ``query`` ``[B, L, H, d]``, ``keys`` / ``values`` ``[B, H_kv, T_kv, d]``, ``mask`` from
-    :func:`_additive_grouped_mask` ``[B H_kv, G L, T_kv]`` -> ``[B, L, H d]``.
+    :func:`_additive_grouped_mask` ``[B H_kv, G L, T_kv]`` (None: every key) -> ``[B, L, H d]``.
 
     On this CPU the products read each row's keys and values once with fewer passes than sdpa's
     flash kernel, which at a handful of query positions per row runs below its block size: one
@@ -271,8 +275,11 @@ def _bmm_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     kv_heads, columns = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
     packed = query.transpose(1, 2).reshape(batch * kv_heads, groups * length, size)  # [B H_kv, G L, d]
-    scores = torch.baddbmm(mask, packed, keys.reshape(batch * kv_heads, columns, size).transpose(1, 2),
-                           alpha=scaling)  # [B H_kv, G L, T_kv]
+    keys_t = keys.reshape(batch * kv_heads, columns, size).transpose(1, 2)  # [B H_kv, d, T_kv]
+    if mask is None:  # no mask to add: the product scaled after it, as baddbmm's alpha (the same scores)
+        scores = torch.bmm(packed, keys_t).mul_(scaling)  # [B H_kv, G L, T_kv]
+    else:
+        scores = torch.baddbmm(mask, packed, keys_t, alpha=scaling)  # [B H_kv, G L, T_kv]
     attended = torch.bmm(scores.softmax(-1), values.reshape(batch * kv_heads, columns, size))  # [B H_kv, G L, d]
     return attended.view(batch, heads, length, size).transpose(1, 2).reshape(batch, length, heads * size)
 

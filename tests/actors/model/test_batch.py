@@ -9,7 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from actors.model.backends import SlotBackend
-from actors.model.batch import RowWork, RunAttend, build_batch, chains_row, linear_row, reads_in_place
+from actors.model.batch import (RowWork, RunAttend, build_batch, chains_row, is_causal_run, linear_row,
+                                reads_in_place)
 from models import resolve_model_path
 
 ATOL = 1e-4  # float32: batched vs per-row attention differ by rounding only
@@ -64,6 +65,21 @@ def test_linear_row_is_the_causal_layout():
     assert row.positions == (7, 8, 9)
     assert row.attend == ((5,), (5, 6), (5, 6, 7))
     assert row.keep == (2, 0) and len(row) == 3 and row.end_column == 8
+
+
+def test_is_causal_run_takes_the_ordinary_causal_rows_only():
+    """A linear row, one chain, and a verification row whose pending tokens and chain are adjacent
+    runs are causal runs; two chains, a row written past its prefix, a run that skips a column and
+    a row that sees a later token are not."""
+    assert is_causal_run(linear_row(0, 5, [1, 2, 3], 9, [2]))
+    assert is_causal_run(chains_row(0, 4, [[1, 2, 3]], 4, [0, 1, 2]))
+    assert not is_causal_run(chains_row(0, 4, [[1, 2], [3, 4]], 4, [0, 1, 2, 3]))
+    pending_then_chain = RunAttend((4, 4, 4), (5, 5, 5), (0, 5, 5), (0, 6, 7))  # pending [4, 5), then the chain
+    assert is_causal_run(RowWork(0, 4, (1, 2, 3), (4, 5, 6), (4, 5, 6), pending_then_chain, (0, 1, 2)))
+    assert not is_causal_run(RowWork(0, 4, (1, 2), (5, 6), (5, 6), ((5,), (5, 6)), (1,)))  # column 4 left out
+    gap = RunAttend((4, 4, 4), (5, 5, 5), (0, 5, 6), (0, 6, 7))  # token 2 sees columns 4 and 6, not 5
+    assert not is_causal_run(RowWork(0, 4, (1, 2, 3), (4, 5, 6), (4, 5, 6), gap, (2,)))
+    assert not is_causal_run(RowWork(0, 4, (1, 2), (4, 5), (4, 5), ((4, 5), (4, 5)), (1,)))  # token 0 sees token 1
 
 
 def test_chains_row_is_chain_major():

@@ -161,3 +161,30 @@ def test_bound_run_of_slots_is_read_in_place():
         assert torch.equal(read_keys[row, :, column], keys[row, :, 0])
     with pytest.raises(ValueError, match="first_slot"):
         cache.bind(torch.tensor(slots), torch.tensor([[0], [0], [0]]), kv_length=1, first_slot=2)
+
+
+def test_a_bound_run_writes_its_columns_and_reads_its_slot_in_place():
+    """bind_run(slot, start, length): the new keys/values land in columns [start, start + length)
+    of that slot only, and every layer reads the slot's columns [0, start + length) as a view."""
+    cache = small_cache(max_slots=4, initial_slots=4)
+    slots = [cache.allocate() for _ in range(3)]
+    before = cache.storage.clone()
+    keys, values = torch.randn(1, HEADS, 2, DIM), torch.randn(1, HEADS, 2, DIM)  # [1, H, L, D]
+    cache.bind_run(slots[1], 3, 2)
+    read_keys, read_values = cache.layers[1].update(keys, values, 1)
+    cache.unbind()
+    assert read_keys.shape == (1, HEADS, 5, DIM)
+    assert read_keys.data_ptr() == cache.storage[0, 1, slots[1]].data_ptr()  # a view of the slot
+    assert torch.equal(read_keys[0, :, 3:5], keys[0]) and torch.equal(read_values[0, :, 3:5], values[0])
+    changed = (cache.storage != before).nonzero().tolist()
+    assert changed and {(kind, layer, slot) for kind, layer, slot, *_ in changed} == {(0, 1, slots[1]), (1, 1, slots[1])}
+    assert {column for *_, column, _ in changed} <= {3, 4}
+    with pytest.raises(ValueError, match="bind_run"):
+        cache.bind_run(slots[0], cache.capacity - 1, 2)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.bind_run(3, 0, 1)
+    cache.bind_run(slots[0], 0, 1)
+    cache.bind(torch.tensor([slots[0]]), torch.tensor([[0]]), kv_length=1)  # a plain bind replaces the run
+    read_keys, _ = cache.layers[0].update(keys[:, :, :1], values[:, :, :1], 0)
+    assert read_keys.shape == (1, HEADS, 1, DIM)
+    cache.unbind()

@@ -125,3 +125,55 @@ def test_a_failing_lean_forward_falls_back_to_the_model_own_decoder(caplog):
     assert backend.lean is None
     assert any("LlamaForCausalLM" in record.getMessage() and "unsupported shape" in record.getMessage()
                for record in caplog.records)
+
+
+ONE_ROW_CASES = [family for family, case in sorted(LEAN_CASES.items()) if "sliding" not in case]
+
+
+@pytest.mark.parametrize("family", ONE_ROW_CASES)
+def test_a_row_alone_takes_the_one_row_forward_with_the_batched_logits(family, monkeypatch):
+    """A forward of one causal row (a prefill, a decode token, a verification block, kept positions
+    in and out of order) takes the one-row path (no batch built) and gives the batched path's
+    logits and cache: the same weights on a backend with the path off, row for row, within
+    float32 rounding, and the model's own full forward (``ATOL``)."""
+    fast, batched = _backend(_model(LEAN_CASES[family]), True), _backend(_model(LEAN_CASES[family]), True)
+    batched.one_row_forward = False
+    taken = []
+    original = SlotBackend._forward_run
+    monkeypatch.setattr(SlotBackend, "_forward_run", lambda self, row: taken.append(len(row)) or original(self, row))
+    generator = torch.Generator().manual_seed(5)
+    context = torch.randint(1, VOCAB, (11,), generator=generator).tolist()
+    steps = [(context, range(11)), ([7], [0]), ([3, 9, 4, 1, 2], [4, 0, 2]), ([5, 6], [0, 1]), ([8], [0])]
+    slots = {backend: backend.allocate() for backend in (fast, batched)}
+    done: list[int] = []
+    for tokens, keep in steps:
+        (got,), (expected,) = (backend.forward([linear_row(slots[backend], len(done), tokens, len(done), keep)])
+                               for backend in (fast, batched))
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+        full = _full_logits(fast.model, done + list(tokens))[len(done):]  # [L, V]
+        torch.testing.assert_close(got, full[list(keep)], atol=ATOL, rtol=0)
+        done += list(tokens)
+    assert taken == [len(tokens) for tokens, _ in steps]
+    length = len(done)
+    torch.testing.assert_close(fast.cache.storage[:, :, slots[fast], :, :length],
+                               batched.cache.storage[:, :, slots[batched], :, :length], atol=1e-6, rtol=0)
+
+
+def test_a_failing_one_row_forward_falls_back_to_the_batched_path(caplog, monkeypatch):
+    """A one-row forward that raises (its cause cannot be produced here, so the path is replaced by
+    one that raises): the same row is served by the batched path, with a warning naming the
+    model, and later rows alone go batched too."""
+    model = _model("llama")
+    backend = _backend(model, lean_forward=True)
+    calls = []
+
+    def failing(self, row):
+        calls.append(row)
+        raise RuntimeError("unsupported shape")
+
+    monkeypatch.setattr(SlotBackend, "_forward_run", failing)
+    with caplog.at_level(logging.WARNING, logger="actors.model.backends"):
+        _rows_against_full_forward(backend, model)
+    assert len(calls) == 1 and backend.one_row_forward is False and backend.lean is not None
+    assert any("LlamaForCausalLM" in record.getMessage() and "one-row forward" in record.getMessage()
+               for record in caplog.records)
