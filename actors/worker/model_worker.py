@@ -27,6 +27,7 @@ import torch
 
 from actors.model.backends import SlotBackend
 from actors.worker.bursts import BurstRecord, BurstStops, run_burst
+from actors.worker.allocator import keep_freed_memory
 from actors.worker.cpu_binding import bind_process, current_cores
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
@@ -106,6 +107,8 @@ class ModelWorker:
                  cpu_cores: Sequence[int] | None = None):
         if cpu_cores:  # resources.cpu_affinity (cluster.cpu_affinity): this process, before any model work
             bind_process(cpu_cores, f"worker {spec.name}")
+        if getattr(spec, "keep_freed_memory", True):  # engine.keep_freed_memory (actors.worker.allocator)
+            keep_freed_memory()
         self.spec = spec
         # shared_kv_budget: hosted with other models (actors.worker.device_worker), whose worker sizes one
         # budget for all of them once every model is loaded: one slot until then.
