@@ -31,9 +31,10 @@ runs the same computation with less around it:
   load-time check and the fall-back): 46.5 MiB for the embedded target.
 
 What that buys on CPU is the Python and dispatch work around the ops, the faster GEMMs and a
-faster attention at 16 rows: the embedded target's forward at context 150 takes 3.2 ms at 1 x 1,
-3.8 at 1 x 5, 9.3 at 16 x 1 and 17.4 at 16 x 5 against 5.3, 7.0, 13.3 and 28.3 with its own
-decoder (``python -m benchmarks.forward_micro --rows 1,16 --context 150``, ``docs/benchmarks.md``).
+faster attention at 16 rows: the embedded target's forward at context 150 takes 2.9 ms at 1 x 1
+and 3.9 at 1 x 5 (a row alone: :meth:`actors.model.backends.SlotBackend._forward_run`, no mask for
+one token), 9.4 at 16 x 1 and 17.8 at 16 x 5 against 5.7, 7.5, 13.6 and 29.2 with its own decoder
+(``python -m benchmarks.forward_micro --rows 1,16 --context 150``, ``docs/benchmarks.md``).
 TorchInductor over the two dense halves (dynamic token count) measured no faster here: the
 elementwise work it fuses is small next to the GEMMs, and its guards cost what the fusion saves;
 so the path runs eager.
