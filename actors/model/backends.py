@@ -221,22 +221,23 @@ class SlotBackend:
         over a model with no sliding layers, and an ordinary causal row (:func:`is_causal_run`)."""
         return (self.one_row_forward and self.lean is not None and self.positions is None
                 and not self.architecture.has_sliding_layers
-                and row.prefix_length + len(row) <= self.capacity and is_causal_run(row))
+                and row.columns[0] + len(row) <= self.capacity and is_causal_run(row))
 
     def _forward_run(self, row: RowWork) -> torch.Tensor:
         """:meth:`forward` of one causal row (:meth:`_runs_alone`) with nothing padded or gathered:
         its new keys/values copied into their columns, attention over the slot in place, no mask
-        for one token (every column it reads is its prefix or itself) and the causal block at the
-        end of the key columns for more -> float32 logits ``[len(row.keep), V]``. The same
-        products as the batched path (``tests/actors/model/test_backends.py`` compares them); the
-        decode step of one request, where the ops around the GEMMs are most of a small model's
+        for one token (it sees every column up to its own) and the causal block at the end of the
+        key columns for more -> float32 logits ``[len(row.keep), V]``. The same products as the
+        batched path (``tests/actors/model/test_lean_decoder.py`` compares them); a lone request's
+        decode and draft steps, where the ops around the GEMMs are most of a small model's
         forward (the embedded draft's 1 x 1: 0.5 ms batched, 0.3 ms here; ``python -m
         benchmarks.forward_micro --model draft --rows 1``)."""
-        length, columns = len(row), row.prefix_length + len(row)
+        start, length = row.columns[0], len(row)
+        columns = start + length  # T_kv: every column of the slot up to the row's last
         tokens = torch.tensor((row.token_ids, row.positions), dtype=torch.long, device=self.device)  # [2, L]
         mask = None if length == 1 else torch.ones(
             (length, columns), dtype=torch.bool, device=self.device).tril(columns - length)[None, None]  # [1, 1, L, T_kv]
-        self.cache.bind_run(row.slot, row.prefix_length, length)
+        self.cache.bind_run(row.slot, start, length)
         try:
             hidden = self.lean(tokens[:1], tokens[1:], mask, self.cache)  # [1, L, hidden]
         finally:

@@ -244,23 +244,25 @@ def _is_causal(row: RowWork) -> bool:
 
 
 def is_causal_run(row: RowWork) -> bool:
-    """Whether ``row``'s new tokens sit at columns ``prefix_length, prefix_length + 1, ...`` and
-    token ``i`` sees exactly the prefix and the new tokens ``0..i``: the ordinary causal row
-    (:func:`linear_row`; a verification row whose pending tokens and draft chain are adjacent
-    runs), which a forward of that row alone runs with no mask to build (the causal block at
-    the end of its key columns), O(tokens)."""
-    start, length = row.prefix_length, len(row)
-    if row.columns != tuple(range(start, start + length)):
+    """Whether ``row``'s new tokens sit at consecutive columns ``c, c + 1, ...`` and token ``i``
+    sees exactly every column of the slot before its own and itself (``[0, c + i]``): the prefix,
+    the columns between the prefix and ``c`` (a draft chain's earlier tokens, fed uncommitted) and
+    the new tokens ``0..i``. That is the ordinary causal row (:func:`linear_row`), a one-chain draft
+    row at any depth and a verification row whose pending tokens and chain are adjacent runs,
+    which a forward of that row alone runs with no mask to build (the causal block at the end of
+    its key columns), O(tokens)."""
+    start, length = row.columns[0], len(row)
+    if start < row.prefix_length or row.columns != tuple(range(start, start + length)):
         return False
-    attend = row.attend
+    attend, prefix = row.attend, row.prefix_length
     if isinstance(attend, RunAttend):
         for i in range(length):
             first_start, first_end, second_start, second_end = attend.runs(i)
             runs = sorted(run for run in ((first_start, first_end), (second_start, second_end)) if run[1] > run[0])
-            if runs[0][0] != start or runs[-1][1] != start + i + 1 or (len(runs) == 2 and runs[0][1] != runs[1][0]):
+            if runs[0][0] != prefix or runs[-1][1] != start + i + 1 or (len(runs) == 2 and runs[0][1] != runs[1][0]):
                 return False
         return True
-    return all(seen == row.columns[: i + 1] for i, seen in enumerate(attend))
+    return all(seen == tuple(range(prefix, start + i + 1)) for i, seen in enumerate(attend))
 
 
 def _check_capacity(row: RowWork, capacity: int) -> None:

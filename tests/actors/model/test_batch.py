@@ -68,15 +68,19 @@ def test_linear_row_is_the_causal_layout():
 
 
 def test_is_causal_run_takes_the_ordinary_causal_rows_only():
-    """A linear row, one chain, and a verification row whose pending tokens and chain are adjacent
-    runs are causal runs; two chains, a row written past its prefix, a run that skips a column and
-    a row that sees a later token are not."""
+    """A linear row, one chain (at any depth), and a verification row whose pending tokens and chain
+    are adjacent runs are causal runs; two chains, a row that leaves out a column before its own,
+    a run that skips a column and a row that sees a later token are not."""
     assert is_causal_run(linear_row(0, 5, [1, 2, 3], 9, [2]))
     assert is_causal_run(chains_row(0, 4, [[1, 2, 3]], 4, [0, 1, 2]))
     assert not is_causal_run(chains_row(0, 4, [[1, 2], [3, 4]], 4, [0, 1, 2, 3]))
     pending_then_chain = RunAttend((4, 4, 4), (5, 5, 5), (0, 5, 5), (0, 6, 7))  # pending [4, 5), then the chain
     assert is_causal_run(RowWork(0, 4, (1, 2, 3), (4, 5, 6), (4, 5, 6), pending_then_chain, (0, 1, 2)))
     assert not is_causal_run(RowWork(0, 4, (1, 2), (5, 6), (5, 6), ((5,), (5, 6)), (1,)))  # column 4 left out
+    # A one-chain draft row at depth 2 (columns 4-5 hold the chain's earlier tokens, uncommitted):
+    assert is_causal_run(RowWork(0, 4, (9,), (6,), (6,), RunAttend((4,), (7,)), (0,)))
+    assert is_causal_run(RowWork(0, 4, (9,), (6,), (6,), ((4, 5, 6),), (0,)))
+    assert not is_causal_run(RowWork(0, 4, (9,), (6,), (6,), RunAttend((5,), (7,)), (0,)))  # column 4 left out
     gap = RunAttend((4, 4, 4), (5, 5, 5), (0, 5, 6), (0, 6, 7))  # token 2 sees columns 4 and 6, not 5
     assert not is_causal_run(RowWork(0, 4, (1, 2, 3), (4, 5, 6), (4, 5, 6), gap, (2,)))
     assert not is_causal_run(RowWork(0, 4, (1, 2), (4, 5), (4, 5), ((4, 5), (4, 5)), (1,)))  # token 0 sees token 1

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from actors.model.backends import SlotBackend
-from actors.model.batch import chains_row, linear_row
+from actors.model.batch import RowWork, RunAttend, chains_row, linear_row
 from actors.model.lean_decoder import LEAN_FAMILIES
 from tests.actors.model.test_architectures import CONFIGS, WINDOW, _common
 
@@ -133,7 +133,8 @@ ONE_ROW_CASES = [family for family, case in sorted(LEAN_CASES.items()) if "slidi
 @pytest.mark.parametrize("family", ONE_ROW_CASES)
 def test_a_row_alone_takes_the_one_row_forward_with_the_batched_logits(family, monkeypatch):
     """A forward of one causal row (a prefill, a decode token, a verification block, kept positions
-    in and out of order) takes the one-row path (no batch built) and gives the batched path's
+    in and out of order, a draft's chained tokens past an uncommitted prefix) takes the one-row
+    path (no batch built) and gives the batched path's
     logits and cache: the same weights on a backend with the path off, row for row, within
     float32 rounding, and the model's own full forward (``ATOL``)."""
     fast, batched = _backend(_model(LEAN_CASES[family]), True), _backend(_model(LEAN_CASES[family]), True)
@@ -143,17 +144,26 @@ def test_a_row_alone_takes_the_one_row_forward_with_the_batched_logits(family, m
     monkeypatch.setattr(SlotBackend, "_forward_run", lambda self, row: taken.append(len(row)) or original(self, row))
     generator = torch.Generator().manual_seed(5)
     context = torch.randint(1, VOCAB, (11,), generator=generator).tolist()
-    steps = [(context, range(11)), ([7], [0]), ([3, 9, 4, 1, 2], [4, 0, 2]), ([5, 6], [0, 1]), ([8], [0])]
+    # (tokens, keep, chained): a chained token is a draft's next one, its row's prefix ending
+    # before the chain's earlier tokens (fed, not committed: columns between prefix and token)
+    steps = [(context, range(11), False), ([7], [0], False), ([3, 9, 4, 1, 2], [4, 0, 2], False),
+             ([5, 6], [0, 1], False), ([8], [0], False), ([4], [0], True), ([6], [0], True), ([2, 3], [1], False)]
     slots = {backend: backend.allocate() for backend in (fast, batched)}
     done: list[int] = []
-    for tokens, keep in steps:
-        (got,), (expected,) = (backend.forward([linear_row(slots[backend], len(done), tokens, len(done), keep)])
-                               for backend in (fast, batched))
+    committed = 0
+    for tokens, keep, chained in steps:
+        committed = committed if chained else len(done)
+        start = len(done)
+        attend = RunAttend([committed] * len(tokens), range(start + 1, start + len(tokens) + 1))
+        (got,), (expected,) = (
+            backend.forward([RowWork(slots[backend], committed, tuple(tokens), tuple(range(start, start + len(tokens))),
+                                     tuple(range(start, start + len(tokens))), attend, tuple(keep))])
+            for backend in (fast, batched))
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
         full = _full_logits(fast.model, done + list(tokens))[len(done):]  # [L, V]
         torch.testing.assert_close(got, full[list(keep)], atol=ATOL, rtol=0)
         done += list(tokens)
-    assert taken == [len(tokens) for tokens, _ in steps]
+    assert taken == [len(tokens) for tokens, _, _ in steps]
     length = len(done)
     torch.testing.assert_close(fast.cache.storage[:, :, slots[fast], :, :length],
                                batched.cache.storage[:, :, slots[batched], :, :length], atol=1e-6, rtol=0)
