@@ -95,9 +95,9 @@ class SlotBackend:
         self.lm_head = model.get_output_embeddings()
         self.name = name
         # The lean decoder (actors.model.lean_decoder) where asked for and covered; None: the model's own.
-        self.one_row_forward = True  # a forward of one causal row may take _forward_run (off after a failure)
         self.lean, self.forward_path = (build_lean_decoder(model, self.architecture, name) if lean_forward
                                         else (None, "its own decoder (engine.lean_forward is off)"))
+        self.one_row_forward = True  # a forward of one causal row may take _forward_run (off after a failure)
         # By default every slot is allocated up front: growing a large cache under load stalls a
         # step (measured: 1.9 s to grow the embedded target from 4 to 32 slots mid-request), and
         # the worker's memory is then known at start-up.
