@@ -18,7 +18,7 @@ class Cohort:
     index: int
     running: list[RequestState] = field(default_factory=list)
     mode: str = "any"  # the step mode last decided for the whole cohort (StepCosts.mode)
-    mode_steps: int = 0  # steps in a row in that mode (the other is probed after PLAIN_PROBE_EVERY)
+    mode_steps: int = 0  # steps in a row in that mode (the other is probed after policy.COHORT_PROBE_EVERY)
     probe_steps_left: int = 0  # steps a probe of the other mode still runs
     blocks_chosen: int = 0  # speculative steps whose block the policy chose (every EXPLORE_EVERY-th is a neighbour)
     alternate_mode: str = "any"  # the alternating ensembles' mode last decided (gamma auto)

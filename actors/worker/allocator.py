@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -38,9 +39,11 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 256 << 20
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds for this process (see the module doc) -> whether
-    they were set (False: not glibc on Linux, or ``mallopt`` refused a value)."""
+    they were set (False: not glibc on Linux, or ``mallopt`` refused a value). Once per process:
+    a worker hosting several models asks for each."""
     if not sys.platform.startswith("linux"):
         return False
     try:
