@@ -141,6 +141,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                       "or auto (gamma auto).")
     load.add_argument("--se-draft-gamma", type=lambda text: text if text == "auto" else int(text), default=None,
                       help='Block length of se with a model proposer, or auto (default 4).')
+    load.add_argument("--direct-http", choices=("on", "off"), default=None,
+                      help="on: the clients call the replica's own HTTP server (`specserve serve --direct-http-port`), "
+                      "skipping Serve's proxy (default off).")
     load.add_argument("--bare-limit", choices=("on", "off"), default=None,
                       help="Measure each level's bare-model limit (transformers' forward of the models at the level's "
                       "shapes, after the server stops) and report served tokens/s against it (default on).")
@@ -166,8 +169,8 @@ SUITE_ONLY_FLAGS = {"quick": "--quick", "modes": "--modes", "repeats": "--repeat
 SERVE_LOAD_ONLY_FLAGS = {"concurrency": "--concurrency", "requests_per_level": "--requests-per-level",
                          "request_timeout": "--request-timeout", "worker_class": "--worker-class",
                          "overlap": "--overlap", "prefix_caching": "--prefix-caching",
-                         "bare_limit": "--bare-limit", "se_proposers": "--se-proposers", "se_gamma": "--se-gamma",
-                         "se_draft_gamma": "--se-draft-gamma"}
+                         "bare_limit": "--bare-limit", "direct_http": "--direct-http", "se_proposers": "--se-proposers",
+                         "se_gamma": "--se-gamma", "se_draft_gamma": "--se-draft-gamma"}
 
 
 def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
@@ -184,6 +187,7 @@ def serve_load_settings_from_args(args: argparse.Namespace):
         "overlap": args.overlap,
         "prefix_caching": None if args.prefix_caching is None else args.prefix_caching == "on",
         "bare_limit": None if args.bare_limit is None else args.bare_limit == "on",
+        "direct_http": None if args.direct_http is None else args.direct_http == "on",
         "sd_gammas": args.gammas, "gamma_max": args.gamma_max, "se_proposers": args.se_proposers,
         "se_gamma": args.se_gamma, "se_draft_gamma": args.se_draft_gamma,
     }

@@ -126,6 +126,8 @@ class ServeLoadSettings(BaseModel):
     prefix_caching: bool | None = Field(
         None, description="Force args.engine.prefix_caching on or off (a copy of the YAML in the output directory); "
         "None: the YAML as it is.")
+    direct_http: bool = Field(False, description="Send the requests to the replica's own HTTP server (`specserve serve "
+                              "--direct-http-port`, Serve's proxy skipped) instead of the proxy.")
     bare_limit: bool = Field(True, description="Measure each level's bare-model limit (benchmarks.bare_limit) after "
                              "the servers stop and report served tokens/s against it.")
     bare_repeats: int = Field(7, ge=1, description="Timed forwards per shape of the bare-model limit (median).")
@@ -403,11 +405,14 @@ def write_engine_config(config_path: pathlib.Path, app_name: str | None, setting
 class ServerProcess:
     """``specserve serve`` in a subprocess: started, waited for, stopped (output in ``log_path``)."""
 
-    def __init__(self, config_path: pathlib.Path, log_path: pathlib.Path, start_timeout_s: float):
+    def __init__(self, config_path: pathlib.Path, log_path: pathlib.Path, start_timeout_s: float,
+                 direct_http: bool = False):
         self.config_path = config_path.resolve()
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
-        self.http_port, self.grpc_port = free_local_ports(2)  # below the ephemeral range: Ray's listeners cannot take them
+        # below the ephemeral range: Ray's listeners cannot take them
+        self.http_port, self.grpc_port, direct_port = free_local_ports(3)
+        self.direct_http_port = direct_port if direct_http else None
         self.process: subprocess.Popen | None = None
         self.start_s: float | None = None
 
@@ -415,10 +420,16 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    @property
+    def client_url(self) -> str:
+        """Where the clients send their requests: the replica's own HTTP server with direct HTTP, else the proxy."""
+        return self.url if self.direct_http_port is None else f"http://127.0.0.1:{self.direct_http_port}"
+
     def command(self) -> list[str]:
         """The server's command line."""
+        direct = [] if self.direct_http_port is None else ["--direct-http-port", str(self.direct_http_port)]
         return [sys.executable, "-m", "cluster.cli", "serve", "--config", str(self.config_path),
-                "--host", "127.0.0.1", "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
+                "--host", "127.0.0.1", "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), *direct]
 
     def environment(self) -> dict[str, str]:
         """The server's environment: this one, the repository on PYTHONPATH, offline hubs."""
@@ -690,15 +701,17 @@ def run_serve_load(
             pass_config, effective = config_path, configured if isinstance(configured, bool) else None
         else:
             pass_config, effective = write_engine_config(config_path, app_name, "overlap", overlap, out_dir), overlap
-        server = ServerProcess(pass_config, out_dir / "server.log", settings.start_timeout_s)
+        server = ServerProcess(pass_config, out_dir / "server.log", settings.start_timeout_s, settings.direct_http)
         plans = [LevelPlan(case, c, n, effective) for case, c, n in per_pass]
         try:
             server.start(route_prefix)
             environment.setdefault("server_start_s", server.start_s)
+            environment.setdefault("clients_call", "the replica's own HTTP server (direct HTTP)"
+                                   if server.direct_http_port is not None else "Serve's HTTP proxy")
             if overlap is not None:
                 environment.setdefault("server_passes", []).append(
                     {"overlap": overlap, "config": str(pass_config), "server_start_s": server.start_s})
-            client = LoadClient(server.url + route_prefix.rstrip("/"), model, settings, prompts, _api_key(application))
+            client = LoadClient(server.client_url + route_prefix.rstrip("/"), model, settings, prompts, _api_key(application))
             memory = MemoryProbe(server.process.pid if server.process else None, settings.worker_class)
             for plan in plans:
                 if server.process is not None and server.process.poll() is not None:

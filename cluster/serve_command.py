@@ -16,6 +16,9 @@ and controller ``apply_config``; deployments sections, replicas and autoscaling 
   a busy machine is waited for, not a failure), prints the addresses, blocks until Ctrl-C (or
   SIGTERM), then shuts Serve down (and Ray, when it started it).
 
+- with ``--direct-http-port`` (or ``args.server.direct_http_port``) every replica also serves HTTP
+  itself on a port of its own, from that port up, skipping Serve's proxy (Ray Serve's direct
+  ingress, :func:`direct_http_environment`; the proxy stays on the HTTP port);
 - it logs a warning for every specserve application served without an API key
   (``args.security.api_key`` or ``SPECSERVE_API_KEY``): Ray Serve's gRPC proxy has no host
   option and listens on every interface at the gRPC port (:func:`api_key_warnings`).
@@ -49,17 +52,31 @@ DEPLOY_TIMEOUT_S = 600.0
 POLL_INTERVAL_S = 1.0
 
 
+#: Ray Serve's direct ingress (experimental in Ray 2.60): read by Serve's controller and replicas
+#: when they start, so set in this process's environment before it starts Ray.
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+DIRECT_HTTP_PORTS_ENV = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
+#: Seconds a port a stopped replica released stays out of use (Serve's default, 150 s, lets a load
+#: balancer drain it); 0 here: a restarted replica takes its port back at once.
+PORT_QUARANTINE_ENV = "RAY_SERVE_PORT_QUARANTINE_S"
+
+
 @dataclass(frozen=True)
 class ServerAddresses:
-    """Where the proxies listen."""
+    """Where the proxies listen, and the first port of the replicas' own HTTP servers (None: off)."""
 
     host: str
     http_port: int
     grpc_port: int
+    direct_http_port: int | None = None
 
     @property
     def http_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def direct_http_url(self) -> str | None:
+        return None if self.direct_http_port is None else f"http://{self.host}:{self.direct_http_port}"
 
     @property
     def grpc_target(self) -> str:
@@ -81,9 +98,11 @@ def validate_document(document: dict[str, Any], where: str) -> None:
 
 
 def resolve_addresses(
-    document: dict[str, Any], host: str | None = None, http_port: int | None = None, grpc_port: int | None = None
+    document: dict[str, Any], host: str | None = None, http_port: int | None = None, grpc_port: int | None = None,
+    direct_http_port: int | None = None,
 ) -> ServerAddresses:
-    """Flags, then the YAML's ``http_options``/``grpc_options``, then ``args.server``, then defaults."""
+    """Flags, then the YAML's ``http_options``/``grpc_options``, then ``args.server``, then defaults
+    (the direct HTTP port: the flag, then ``args.server.direct_http_port``)."""
     http_options = document.get("http_options") or {}
     grpc_options = document.get("grpc_options") or {}
     server: dict[str, Any] = {}
@@ -94,11 +113,48 @@ def resolve_addresses(
     def pick(*values: Any) -> Any:
         return next(value for value in values if value is not None)
 
+    direct = direct_http_port if direct_http_port is not None else server.get("direct_http_port")
     return ServerAddresses(
         host=pick(host, http_options.get("host"), server.get("host"), DEFAULT_HOST),
         http_port=int(pick(http_port, http_options.get("port"), server.get("http_port"), DEFAULT_HTTP_PORT)),
         grpc_port=int(pick(grpc_port, grpc_options.get("port"), server.get("grpc_port"), DEFAULT_GRPC_PORT)),
+        direct_http_port=None if direct is None else int(direct),
     )
+
+
+def ingress_replicas(document: dict[str, Any]) -> int:
+    """The most replicas the specserve applications' ingress deployments may run at once (their
+    ``num_replicas``, or ``autoscaling_config.max_replicas``; 1 when unset), summed over the
+    applications: each replica takes a direct HTTP port of its own."""
+    from cluster.app import DEPLOYMENT_NAME
+
+    total = 0
+    for app in _specserve_apps(document):
+        deployment = next((d for d in app.get("deployments") or [] if d.get("name") == DEPLOYMENT_NAME), {})
+        replicas = deployment.get("num_replicas", 1)
+        if replicas == "auto" or deployment.get("autoscaling_config"):
+            replicas = (deployment.get("autoscaling_config") or {}).get("max_replicas", 1)
+        total += max(1, int(replicas))
+    return max(1, total)
+
+
+def direct_http_environment(addresses: ServerAddresses, replicas: int) -> dict[str, str]:
+    """The environment that turns on Ray Serve's direct ingress for a Ray this process starts:
+    each ingress replica serves HTTP itself on a port of ``[direct_http_port, direct_http_port +
+    replicas)`` (lowest free first), next to Serve's proxy. Raises :class:`ConfigError` when that
+    range would take the proxy's HTTP or gRPC port."""
+    first = addresses.direct_http_port
+    if first is None:
+        return {}
+    ports = range(first, first + replicas)
+    if ports.stop - 1 > 65535:
+        raise ConfigError(f"server.direct_http_port: {first} + {replicas} replicas runs past port 65535")
+    for name, port in (("http_port", addresses.http_port), ("grpc_port", addresses.grpc_port)):
+        if port in ports:
+            raise ConfigError(f"server.direct_http_port: the replicas' ports {first}..{ports.stop - 1} include the "
+                              f"{name} {port}")
+    return {DIRECT_INGRESS_ENV: "1", DIRECT_HTTP_PORTS_ENV[0]: str(first), DIRECT_HTTP_PORTS_ENV[1]: str(ports.stop),
+            PORT_QUARANTINE_ENV: "0"}
 
 
 def with_addresses(document: dict[str, Any], addresses: ServerAddresses) -> dict[str, Any]:
@@ -360,6 +416,7 @@ def run_serve(
     http_port: int | None = None,
     grpc_port: int | None = None,
     block: bool = True,
+    direct_http_port: int | None = None,
 ) -> int:
     """The ``serve`` subcommand; returns the process exit code."""
     import ray
@@ -369,11 +426,18 @@ def run_serve(
     try:
         document = read_serve_config(config_path)
         validate_document(document, config_path)
-        addresses = resolve_addresses(document, host, http_port, grpc_port)
+        addresses = resolve_addresses(document, host, http_port, grpc_port, direct_http_port)
         document = with_addresses(document, addresses)
         parse_serve_config(document, config_path)
         started_ray = not ray.is_initialized()
         joining_cluster = not started_ray or bool(os.environ.get("RAY_ADDRESS"))
+        direct_environment = direct_http_environment(addresses, ingress_replicas(document))
+        if direct_environment and joining_cluster:
+            raise ConfigError(
+                "server.direct_http_port: direct HTTP needs the Ray that `specserve serve` starts itself (Serve reads "
+                f"{DIRECT_INGRESS_ENV} and its port range when the cluster starts); unset RAY_ADDRESS, or start the "
+                f"cluster with {', '.join(f'{k}={v}' for k, v in direct_environment.items())} in its environment and "
+                "leave direct_http_port unset here")
         for warning in api_key_warnings(document, addresses, joining_cluster):
             logger.warning("%s", warning)
     except ConfigError as error:
@@ -382,6 +446,7 @@ def run_serve(
 
     if not joining_cluster:
         bind_serving_processes(document)
+        os.environ.update(direct_environment)  # Ray's processes inherit it
     init_ray()
     try:
         for line in placement_lines(document):
@@ -401,6 +466,10 @@ def run_serve(
         print(f"specserve is serving {', '.join(names)}", flush=True)
         print(f"HTTP (OpenAI-compatible): {addresses.http_url}/v1", flush=True)
         print(f"gRPC (specserve.SpecServe): {addresses.grpc_target}", flush=True)
+        if addresses.direct_http_url is not None:
+            replicas = ingress_replicas(document)
+            more = f" (+{replicas - 1} ports, one per replica)" if replicas > 1 else ""
+            print(f"HTTP direct to the replica, skipping the proxy: {addresses.direct_http_url}/v1{more}", flush=True)
         if block:
             logger.info("serving; press Ctrl-C to stop")
             while True:
@@ -442,11 +511,15 @@ def add_serve_subcommand(subparsers: Any) -> None:
     parser.add_argument("--host", default=None, help="HTTP bind address (default: YAML, else 127.0.0.1)")
     parser.add_argument("--http-port", type=int, default=None, help="HTTP port (default: YAML, else 8000)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default: YAML, else 9000)")
+    parser.add_argument("--direct-http-port", type=int, default=None,
+                        help="Also serve HTTP from each replica itself on this port and up, one each, skipping Serve's "
+                        "proxy (default: the YAML's args.server.direct_http_port, else off; docs/serving.md)")
     parser.set_defaults(handler=_serve_main)
 
 
 def _serve_main(args: argparse.Namespace) -> int:
-    return run_serve(args.config, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
+    return run_serve(args.config, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                     direct_http_port=args.direct_http_port)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from benchmarks.run import rerender
 from benchmarks.serve_load import (
     LoadClient,
     ServeLoadSettings,
+    ServerProcess,
     _api_key,
     busy_fractions,
     engine_config,
@@ -283,6 +284,20 @@ def test_prefix_caching_flag_writes_a_config_copy(tmp_path):
         written["applications"][0]["args"].pop("engine")
         assert written == original
         assert load_app_args(path).engine.prefix_caching is enabled
+
+
+def test_direct_http_flag_starts_the_server_with_a_replica_port_and_the_clients_call_it(tmp_path):
+    """--direct-http on: the server gets --direct-http-port (a free port of its own) and the load
+    goes there; off (the default): the clients call Serve's proxy."""
+    args = _parser().parse_args(["bench", "--mode", "serve-load", "--direct-http", "on", "--out", str(tmp_path)])
+    assert serve_load_settings_from_args(args).direct_http is True
+    server = ServerProcess(REPO / "deploy" / "default.yaml", tmp_path / "server.log", 10.0, direct_http=True)
+    command = server.command()
+    assert command[command.index("--direct-http-port") + 1] == str(server.direct_http_port)
+    assert len({server.http_port, server.grpc_port, server.direct_http_port}) == 3
+    assert server.client_url == f"http://127.0.0.1:{server.direct_http_port}" != server.url
+    proxied = ServerProcess(REPO / "deploy" / "default.yaml", tmp_path / "server.log", 10.0)
+    assert "--direct-http-port" not in proxied.command() and proxied.client_url == proxied.url
 
 
 def _level(label: str, concurrency: int, overlap: bool | None, wall_s: float, busy=None) -> tuple[LevelRun, list]:

@@ -1,6 +1,7 @@
 """`specserve serve` end to end, in a subprocess with its own Ray (the session Ray is untouched):
 it starts Ray, deploys a Serve YAML, prints the addresses (and the CPU binding), serves HTTP and
-gRPC, and shuts down cleanly on Ctrl-C (SIGINT)."""
+gRPC (HTTP also straight from the replica, ``--direct-http-port``), and shuts down cleanly on
+Ctrl-C (SIGINT)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,11 @@ def test_serve_command_serves_until_ctrl_c(tmp_path, tiny_checkpoints):
     }
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump(serve_document([specserve_application("specserve", "/", args)])))
-    http_port, grpc_port = free_local_ports(2)
+    http_port, grpc_port, direct_port = free_local_ports(3)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     command = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config),
-               "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+               "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--direct-http-port", str(direct_port)]
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     stdout_lines: queue.Queue = queue.Queue()
@@ -58,7 +59,7 @@ def test_serve_command_serves_until_ctrl_c(tmp_path, tiny_checkpoints):
     printed: list[str] = []
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not any(line.startswith("gRPC") for line in printed):
+        while not any(line.startswith("HTTP direct") for line in printed):
             assert process.poll() is None, f"serve exited early with {process.returncode}"
             try:
                 line = stdout_lines.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -68,10 +69,20 @@ def test_serve_command_serves_until_ctrl_c(tmp_path, tiny_checkpoints):
             printed.append(line.strip())
         assert f"HTTP (OpenAI-compatible): http://127.0.0.1:{http_port}/v1" in printed
         assert f"gRPC (specserve.SpecServe): 127.0.0.1:{grpc_port}" in printed
+        assert f"HTTP direct to the replica, skipping the proxy: http://127.0.0.1:{direct_port}/v1" in printed
 
         body = {"prompt": "def f(x):", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
         completion = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=120).json()
         assert completion["usage"]["completion_tokens"] == 5
+        # --direct-http-port: the replica answers on its own port too, the same completion (greedy)
+        direct = httpx.post(f"http://127.0.0.1:{direct_port}/v1/completions", json=body, timeout=120).json()
+        assert direct["choices"][0]["text"] == completion["choices"][0]["text"]
+        with httpx.stream("POST", f"http://127.0.0.1:{direct_port}/v1/completions", json={**body, "stream": True},
+                          timeout=120) as streamed:
+            events = [line for line in streamed.iter_lines() if line.startswith("data:")]
+        assert streamed.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 2
+        refused = httpx.post(f"http://127.0.0.1:{direct_port}/v1/completions", json={**body, "max_tokens": -1})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             response = specserve_pb2_grpc.SpecServeStub(channel).Generate(
                 specserve_pb2.GenerateRequest(prompt="def f(x):", sampling=specserve_pb2.SamplingOptions(max_tokens=5)),
