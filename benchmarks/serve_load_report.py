@@ -457,7 +457,8 @@ def render_markdown(results: ServeLoadResults, plots: dict[str, str]) -> str:
         f"Command: `{results.command}`",
         "",
         f"Server: `specserve serve --config {env.get('config')}` in a subprocess (Ray Serve app, HTTP on "
-        f"127.0.0.1), clients in the benchmark process (httpx, asyncio). Per level (a strategy at a concurrency "
+        f"127.0.0.1; the clients call {env.get('clients_call', 'its HTTP proxy')}), clients in the benchmark process "
+        f"(httpx, asyncio). Per level (a strategy at a concurrency "
         f"c): one warm-up request, then c closed-loop clients send {_requests_text(results.levels)} streaming "
         f"`/v1/completions` requests between them ({settings['max_tokens']} tokens each, EOS ignored, "
         f"temperature {settings['temperature']}, request i: prompt i mod {env.get('num_prompts')} of the "
