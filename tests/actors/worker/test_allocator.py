@@ -17,6 +17,7 @@ from actors.worker.allocator import keep_freed_memory
 
 ROUNDS_SCRIPT = """
 import resource, sys, torch
+torch.set_num_threads(1)  # the workers run one thread (resources.torch_threads); one arena, whatever the load
 from actors.worker.allocator import keep_freed_memory
 from verifiers.penalties import penalized_probs
 if sys.argv[1] == "kept":
