@@ -123,17 +123,20 @@ def resolve_addresses(
 
 
 def ingress_replicas(document: dict[str, Any]) -> int:
-    """The most replicas the specserve applications' ingress deployments may run at once (their
-    ``num_replicas``, or ``autoscaling_config.max_replicas``; 1 when unset), summed over the
-    applications: each replica takes a direct HTTP port of its own."""
+    """The most replicas the specserve applications' ingress deployments may run at once, summed
+    over the applications (each replica takes a direct HTTP port of its own): ``num_replicas``
+    (1 when unset), or ``autoscaling_config.max_replicas`` with Serve's defaults (100 with
+    ``num_replicas: auto``, else 1)."""
     from cluster.app import DEPLOYMENT_NAME
 
     total = 0
     for app in _specserve_apps(document):
         deployment = next((d for d in app.get("deployments") or [] if d.get("name") == DEPLOYMENT_NAME), {})
-        replicas = deployment.get("num_replicas", 1)
-        if replicas == "auto" or deployment.get("autoscaling_config"):
-            replicas = (deployment.get("autoscaling_config") or {}).get("max_replicas", 1)
+        replicas, autoscaling = deployment.get("num_replicas", 1), deployment.get("autoscaling_config") or {}
+        if replicas == "auto":
+            replicas = autoscaling.get("max_replicas", 100)
+        elif autoscaling:
+            replicas = autoscaling.get("max_replicas", 1)
         total += max(1, int(replicas))
     return max(1, total)
 
@@ -146,6 +149,8 @@ def direct_http_environment(addresses: ServerAddresses, replicas: int) -> dict[s
     first = addresses.direct_http_port
     if first is None:
         return {}
+    if not 1 <= first <= 65535:
+        raise ConfigError(f"server.direct_http_port: must be a port in [1, 65535], got {first}")
     ports = range(first, first + replicas)
     if ports.stop - 1 > 65535:
         raise ConfigError(f"server.direct_http_port: {first} + {replicas} replicas runs past port 65535")

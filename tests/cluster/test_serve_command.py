@@ -62,6 +62,7 @@ def test_direct_http_takes_one_port_per_replica_the_ingress_may_run():
     assert ingress_replicas(_document()) == 1
     assert ingress_replicas(_document(deployment={"num_replicas": 3})) == 3
     assert ingress_replicas(_document(deployment={"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}})) == 4
+    assert ingress_replicas(_document(deployment={"num_replicas": "auto"})) == 100  # Serve's default for auto
     addresses = resolve_addresses(_document({"direct_http_port": 8100}))
     environment = direct_http_environment(addresses, replicas=3)
     assert environment == {DIRECT_INGRESS_ENV: "1", DIRECT_HTTP_PORTS_ENV[0]: "8100", DIRECT_HTTP_PORTS_ENV[1]: "8103",
@@ -79,6 +80,8 @@ def test_a_direct_http_range_over_the_proxy_ports_is_refused_naming_the_field():
         direct_http_environment(resolve_addresses(_document({"direct_http_port": 7999})), replicas=2)
     with pytest.raises(ConfigError, match="grpc_port 9000"):
         direct_http_environment(resolve_addresses(_document({"direct_http_port": 9000})), replicas=1)
+    with pytest.raises(ConfigError, match=r"must be a port in \[1, 65535\], got 0"):
+        direct_http_environment(resolve_addresses(_document(), direct_http_port=0), replicas=1)
     with pytest.raises(ConfigError, match="past port 65535"):
         direct_http_environment(resolve_addresses(_document({"direct_http_port": 65535})), replicas=2)
 
