@@ -436,7 +436,8 @@ def run_serve(
         parse_serve_config(document, config_path)
         started_ray = not ray.is_initialized()
         joining_cluster = not started_ray or bool(os.environ.get("RAY_ADDRESS"))
-        direct_environment = direct_http_environment(addresses, ingress_replicas(document))
+        direct_ports = ingress_replicas(document)  # one per replica
+        direct_environment = direct_http_environment(addresses, direct_ports)
         if direct_environment and joining_cluster:
             raise ConfigError(
                 "server.direct_http_port: direct HTTP needs the Ray that `specserve serve` starts itself (Serve reads "
@@ -472,8 +473,7 @@ def run_serve(
         print(f"HTTP (OpenAI-compatible): {addresses.http_url}/v1", flush=True)
         print(f"gRPC (specserve.SpecServe): {addresses.grpc_target}", flush=True)
         if addresses.direct_http_url is not None:
-            replicas = ingress_replicas(document)
-            more = f" (+{replicas - 1} ports, one per replica)" if replicas > 1 else ""
+            more = f" (+{direct_ports - 1} ports, one per replica)" if direct_ports > 1 else ""
             print(f"HTTP direct to the replica, skipping the proxy: {addresses.direct_http_url}/v1{more}", flush=True)
         if block:
             logger.info("serving; press Ctrl-C to stop")
