@@ -124,21 +124,28 @@ def resolve_addresses(
 
 def ingress_replicas(document: dict[str, Any]) -> int:
     """The most replicas the specserve applications' ingress deployments may run at once, summed
-    over the applications (each replica takes a direct HTTP port of its own): ``num_replicas``
-    (1 when unset), or ``autoscaling_config.max_replicas`` with Serve's defaults (100 with
-    ``num_replicas: auto``, else 1)."""
+    over the applications (each replica takes a direct HTTP port of its own; :func:`_deployment_replicas`)."""
     from cluster.app import DEPLOYMENT_NAME
 
     total = 0
     for app in _specserve_apps(document):
         deployment = next((d for d in app.get("deployments") or [] if d.get("name") == DEPLOYMENT_NAME), {})
-        replicas, autoscaling = deployment.get("num_replicas", 1), deployment.get("autoscaling_config") or {}
-        if replicas == "auto":
-            replicas = autoscaling.get("max_replicas", 100)
-        elif autoscaling:
-            replicas = autoscaling.get("max_replicas", 1)
-        total += max(1, int(replicas))
+        total += max(1, _deployment_replicas(deployment)[1])
     return max(1, total)
+
+
+def _deployment_replicas(deployment: dict[str, Any]) -> tuple[int | None, int]:
+    """A deployment's replicas: the count it runs (None where Serve scales it), and the most it may
+    run: ``num_replicas`` (1 when unset), or ``autoscaling_config.max_replicas`` with Serve's
+    defaults (100 with ``num_replicas: auto``, else 1)."""
+    replicas, autoscaling = deployment.get("num_replicas", 1), deployment.get("autoscaling_config")
+    if replicas == "auto":
+        return None, int((autoscaling or {}).get("max_replicas", 100))
+    if autoscaling is not None:
+        return None, int(autoscaling.get("max_replicas", 1))
+    if not isinstance(replicas, int):  # Serve's schema takes an int or "auto" only
+        return None, 1
+    return replicas, replicas
 
 
 def direct_http_environment(addresses: ServerAddresses, replicas: int) -> dict[str, str]:
@@ -362,8 +369,8 @@ def _model_groups(app: dict[str, Any]) -> int | None:
     """Model groups (replicas) an application starts; None: not fixed (autoscaling)."""
     groups = 0
     for deployment in app.get("deployments") or [{}]:
-        replicas = deployment.get("num_replicas", 1)
-        if deployment.get("autoscaling_config") is not None or not isinstance(replicas, int):
+        replicas = _deployment_replicas(deployment)[0]
+        if replicas is None:
             return None
         groups += replicas
     return groups

@@ -26,6 +26,7 @@ import ctypes.util
 import functools
 import logging
 import sys
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +40,26 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 256 << 20
 
 
+def glibc_mallopt() -> Callable[[int, int], int] | None:
+    """glibc's ``mallopt(param, value)`` (1 when set); None off Linux or without glibc (musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # musl or no libc to load: nothing to tune
+        return None
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt
+
+
 @functools.cache
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds for this process (see the module doc) -> whether
     they were set (False: not glibc on Linux, or ``mallopt`` refused a value). Once per process:
     a worker hosting several models asks for each."""
-    if not sys.platform.startswith("linux"):
+    mallopt = glibc_mallopt()
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # musl or no libc to load: nothing to tune
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
     if done:
         logger.info("malloc keeps freed memory: mmap threshold %d MiB, trim threshold %d MiB",

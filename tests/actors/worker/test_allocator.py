@@ -17,14 +17,14 @@ import pytest
 from actors.worker.allocator import keep_freed_memory
 
 ROUNDS_SCRIPT = """
-import ctypes, ctypes.util, resource, sys, torch
+import resource, sys, torch
 torch.set_num_threads(1)  # the workers run one thread (resources.torch_threads)
-from actors.worker.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
+from actors.worker.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc_mallopt, keep_freed_memory
 from verifiers.penalties import penalized_probs
 if sys.argv[1] == "kept":
     assert keep_freed_memory()
 else:  # glibc's starting values, fixed: left dynamic, they move with the heap's layout so far
-    mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    mallopt = glibc_mallopt()
     assert mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1 and mallopt(M_TRIM_THRESHOLD, 128 * 1024) == 1
 logits = torch.randn(80, 4096)
 for _ in range(10):  # warm: the heap grows to the rounds' high-water mark either way
