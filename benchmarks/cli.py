@@ -78,15 +78,26 @@ def _strategy_list(text: str) -> tuple[str, ...]:
     return names
 
 
+DESCRIPTION = ("Run every decoding strategy, on separate Ray actors and in one process, and "
+               "transformers assisted generation on the same models and prompts, interleaved by prompt; "
+               "write results.json, results.md and plots under --out.")
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``specserve bench`` on the CLI's subparsers; the handler is ``run_bench_command``."""
+    """Register ``bench`` on an argparse subparsers object; the handler is ``run_bench_command``."""
     parser = subparsers.add_parser(
-        "bench",
-        help="Benchmark every strategy side by side (and transformers assisted generation).",
-        description="Run every decoding strategy, on separate Ray actors and in one process, and "
-        "transformers assisted generation on the same models and prompts, interleaved by prompt; "
-        "write results.json, results.md and plots under --out.",
-    )
+        "bench", help="Benchmark every strategy side by side (and transformers assisted generation).",
+        description=DESCRIPTION)
+    return add_bench_arguments(parser)
+
+
+def build_bench_parser() -> argparse.ArgumentParser:
+    """The parser of ``specserve bench`` on its own (what ``main`` parses)."""
+    return add_bench_arguments(argparse.ArgumentParser(prog="specserve bench", description=DESCRIPTION))
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the arguments of ``specserve bench`` to ``parser`` and set its handler; returns ``parser``."""
     parser.add_argument("--mode", choices=("suite", "serve-load"), default="suite",
                         help="suite: every strategy side by side (default); serve-load: the HTTP server under "
                         "concurrent streaming clients.")
@@ -264,3 +275,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
         logger.log(level, "target %s: required %s, measured %s", check.name, check.required, check.measured)
     logger.info("results in %s", args.out)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``specserve bench ARGS`` (and ``python -m benchmarks.cli ARGS``): parse ``argv`` and run; the exit code."""
+    args = build_bench_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,  # a no-op under specserve, which set it up
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
