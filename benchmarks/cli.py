@@ -4,9 +4,9 @@
     specserve bench --mode serve-load [--concurrency 1,4,16,32] [--strategies ar,sd,multi_draft,se]
                     [--overlap on,off] [--prefix-caching on|off] [--bare-limit on|off] --out DIR
 
-The default mode (``suite``) runs the benchmark suite (``benchmarks.suite``) over the committed
+The default mode (``suite``) runs the benchmark suite (``benchmarks.served.suite``) over the committed
 prompt set and writes ``results.json``, ``results.md`` and PNG plots under ``DIR``. The
-``serve-load`` mode (``benchmarks.serve_load``) starts ``specserve serve`` and measures it under
+``serve-load`` mode (``benchmarks.served.serve_load``) starts ``specserve serve`` and measures it under
 concurrent streaming HTTP clients. Progress goes to stderr (a tqdm bar and log lines); the paths
 of the written files are logged at the end.
 """
@@ -69,7 +69,7 @@ def _mode_list(text: str) -> tuple[str, ...]:
 
 
 def _strategy_list(text: str) -> tuple[str, ...]:
-    from benchmarks.suite import STRATEGIES
+    from benchmarks.served.suite import STRATEGIES
 
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = [n for n in names if n not in STRATEGIES]
@@ -163,7 +163,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def settings_from_args(args: argparse.Namespace):
-    from benchmarks.suite import QUICK_SETTINGS, BenchSettings
+    from benchmarks.served.suite import QUICK_SETTINGS, BenchSettings
 
     values: dict = dict(QUICK_SETTINGS) if args.quick else {}
     overrides = {
@@ -189,7 +189,7 @@ def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
 
 
 def serve_load_settings_from_args(args: argparse.Namespace):
-    from benchmarks.serve_load import ServeLoadSettings
+    from benchmarks.served.load_cases import ServeLoadSettings
 
     overrides = {
         "concurrency": args.concurrency, "strategies": args.strategies, "max_tokens": args.max_tokens,
@@ -214,8 +214,8 @@ def run_serve_load_command(args: argparse.Namespace) -> int:
     """``specserve bench --mode serve-load``."""
     from pydantic import ValidationError
 
-    from benchmarks.prompts import PROMPTS_PATH
-    from benchmarks.serve_load import run_serve_load
+    from benchmarks.served.prompts import PROMPTS_PATH
+    from benchmarks.served.serve_load import run_serve_load
     from cluster.config import ConfigError
 
     wrong = _given(args, SUITE_ONLY_FLAGS)
@@ -247,8 +247,8 @@ def run_serve_load_command(args: argparse.Namespace) -> int:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Handler of ``specserve bench``; returns the process exit code."""
-    from benchmarks.prompts import PROMPTS_PATH
-    from benchmarks.run import run_benchmark
+    from benchmarks.served.prompts import PROMPTS_PATH
+    from benchmarks.served.run import run_benchmark
     from cluster.config import load_app_args
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the benchmark never downloads anything
