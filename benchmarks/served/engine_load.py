@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Force args.engine.sampling_precision (the rows' precision; default: the YAML's).")
     parser.add_argument("--lean-forward", choices=("on", "off"), default=None,
                         help="Force args.engine.lean_forward (the lean decoder forward; default: the YAML's).")
+    parser.add_argument("--record", default=None, metavar="CASE",
+                        help="Also write the figure into the results store (benchmarks/results/CASE.json) and "
+                        "regenerate docs/results.md.")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     group_args = load_app_args(args.config, None)
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         restore()
     print(f"{args.strategy} at concurrency {args.concurrency}: {tokens} tokens in {wall:.2f} s = "
           f"{tokens / wall:.1f} tok/s, TTFT p50 {1e3 * statistics.median(first_token_s):.1f} ms")
+    if args.record:
+        _record(args, case.speculation, argv, tokens / wall, 1e3 * statistics.median(first_token_s))
     for (model, kind), runs in sorted(stats.items()):
         seconds = sum(run[2] for run in runs)
         print(f"  {model} {kind}: {len(runs)} forwards, {seconds:.2f} s ({100 * seconds / wall:.0f}% of wall), "
@@ -139,6 +144,22 @@ def main(argv: list[str] | None = None) -> int:
               f"median {1e3 * statistics.median(r[2] for r in runs):.1f} ms")
     runner.close()
     return 0
+
+
+def _record(args: argparse.Namespace, speculation: dict[str, Any], argv: list[str] | None, tokens_per_second: float,
+            ttft_p50_ms: float) -> None:
+    """Write this run's figure into the results store (``--record CASE``)."""
+    import shlex
+    import sys
+
+    from benchmarks.reports.tables import update
+    from benchmarks.reports.writers import engine_load_record
+
+    words = sys.argv[1:] if argv is None else argv
+    command = "python -m benchmarks.served.engine_load " + " ".join(shlex.quote(w) for w in words)
+    path = update(engine_load_record(args.record, command, strategy=args.strategy, gamma=speculation.get("gamma"),
+                                     clients=args.concurrency, tokens_per_second=tokens_per_second, ttft_p50_ms=ttft_p50_ms))
+    print(f"recorded {path}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``specserve bench --mode serve-load``: level statistics, strategies, docs splice, and one tiny
+"""``specserve bench --mode serve-load``: level statistics, strategies, and one tiny
 run end to end against the real HTTP server (``specserve serve`` in a subprocess with its own
 Ray) on the embedded target and draft. Nothing about speed is asserted, only that every level
 ran its requests and that the bookkeeping holds together."""
@@ -13,14 +13,13 @@ import pytest
 import yaml
 
 from benchmarks.cli import add_bench_parser, overlap_list, serve_load_settings_from_args
-from benchmarks.reports.publish import SERVE_LOAD_END, SERVE_LOAD_START, results_section, splice
 from benchmarks.served.run import rerender
 from benchmarks.served.load_cases import ServeLoadSettings, serve_load_cases
 from benchmarks.served.load_client import LoadClient
 from benchmarks.served.serve_load import _api_key
 from benchmarks.served.server_process import ServerProcess, busy_fractions, engine_config, worker_seconds, write_engine_config
 from benchmarks.served.serve_load_records import LevelRun, RequestRecord, ServeLoadResults, percentile, summarize_level
-from benchmarks.served.serve_load_report import PLOT_FILES, busy_text, render_markdown
+from benchmarks.served.serve_load_report import busy_text, render_markdown
 from cluster.config import load_app_args
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -104,18 +103,6 @@ def test_flags_of_the_other_mode_are_refused(tmp_path):
     assert args.handler(args) == 2
     args = _parser().parse_args(["bench", "--concurrency", "1,2", "--out", str(tmp_path)])
     assert args.handler(args) == 2
-
-
-def test_serve_load_section_is_appended_once_then_replaced():
-    page = "# Benchmarks\n\n<!-- results:start -->\nold\n<!-- results:end -->\n"
-    section = results_section("# Serving under load\n\n![serve_load](serve_load.png)\n", PLOT_FILES)
-    assert section == "## Serving under load\n\n![serve_load](img/bench_serve_load.png)\n"
-    once = splice(page, section, SERVE_LOAD_START, SERVE_LOAD_END, append=True)
-    assert once.startswith(page) and once.count(SERVE_LOAD_START) == 1
-    twice = splice(once, section.replace("Serving", "Still serving"), SERVE_LOAD_START, SERVE_LOAD_END, append=True)
-    assert twice.count(SERVE_LOAD_START) == 1 and "Still serving" in twice and "## Serving" not in twice
-    with pytest.raises(ValueError):
-        splice("no markers", section, SERVE_LOAD_START, SERVE_LOAD_END)
 
 
 @pytest.mark.ray  # starts a server (and its own local Ray)
