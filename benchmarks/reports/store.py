@@ -8,12 +8,13 @@ A record is the latest figure of its case (history lives in git)::
      "commit": "8062876", "date": "2026-11-26",   # what was measured, and when
      "machine": "shared 2-vCPU machine, no GPU",  # where
      "rows": [{"case": "ar", "clients": 1, "tokens_per_second": {"rounds": [...], "median": 277.4}}, ...],
-     "columns": [...], "notes": "..."}             # optional: column order, one line under the table
+     "columns": [...], "notes": "...",             # optional: column order, one line under the table,
+     "section": "Peers"}                           # and the page's section (else the case name decides)
 
 A value in a row is a number, a string, null, or ``{"rounds": [...], "median": m}`` (a figure
 measured in several rounds). Rows that carry ``strategy``, ``clients`` and ``tokens_per_second``
 (with ``gamma``, ``ratio_to_ar`` and ``block_efficiency`` when known) feed the generated "which
-strategy and gamma" table. ``python -m benchmarks.reports.tables`` turns the store into
+strategy and gamma" tables. ``python -m benchmarks.reports.tables`` turns the store into
 ``docs/results.md``; the benchmarks write their record with ``--record CASE``.
 """
 
@@ -73,7 +74,7 @@ def check_record(record: dict[str, Any]) -> dict[str, Any]:
 
 def make_record(case: str, title: str, command: str, rows: list[dict[str, Any]], *, commit: str | None = None,
                 date: str | None = None, machine: str | None = None, notes: str | None = None,
-                columns: list[str] | None = None) -> dict[str, Any]:
+                columns: list[str] | None = None, section: str | None = None) -> dict[str, Any]:
     """A checked record; commit, date and machine default to this checkout, today and this machine."""
     record: dict[str, Any] = {
         "case": case, "title": title, "command": command, "commit": commit or git_commit(),
@@ -83,6 +84,8 @@ def make_record(case: str, title: str, command: str, rows: list[dict[str, Any]],
         record["columns"] = columns
     if notes:
         record["notes"] = notes
+    if section:
+        record["section"] = section
     return check_record(record)
 
 

@@ -69,8 +69,9 @@ def test_serve_load_record_rows_and_the_strategy_table(tmp_path):
     page = tmp_path / "results.md"
     update(record, tmp_path / "store", page)
     text = page.read_text()
-    assert "## Which strategy and gamma" in text and "| sd | 4 | 6.0 | 3.00x | 3.0 |" in text
-    assert "_Commit abc1234" in text and main(["--check", "--results", str(tmp_path / "store"), "--page", str(page)]) == 0
+    assert "## Which strategy and gamma" in text and "|sd|4|6.0|3.00x|3.0|" in text
+    assert text.count("### Served load") == 1 and "_Commit abc1234" in text
+    assert main(["--check", "--results", str(tmp_path / "store"), "--page", str(page)]) == 0
     page.write_text(text + "edited\n")
     assert main(["--check", "--results", str(tmp_path / "store"), "--page", str(page)]) == 1
 
@@ -79,7 +80,26 @@ def test_rounds_render_with_their_median_and_ratio_from_medians_when_not_recorde
     rows = [{"strategy": "ar", "clients": 1, "tokens_per_second": rounds([100, 110, 90])},
             {"strategy": "sd", "gamma": 4, "clients": 1, "tokens_per_second": rounds([150, 140, 160])}]
     text = render([make_record("r", "R", "python -m x", rows, **FIXED)])
-    assert "| sd | 4 | 150.0 | 1.50x | – |" in text and "150.0 / 140.0 / 160.0 (150.0)" in text
+    assert "|strategy|gamma|tok/s @1|x ar @1|\n" in text and "|sd|4|150.0|1.50x|\n" in text
+    rows[1]["ratio_to_ar"] = rounds([1.5, 1.4, 1.6], 2)
+    assert "|sd|4|150.0|1.50x (1.40-1.60)|\n" in render([make_record("r", "R", "python -m x", rows, **FIXED)])
+
+
+def test_records_go_to_their_sections_once_and_empty_columns_are_dropped():
+    served = make_record("serve-load-x", "Served X", "python -m x", [
+        {"strategy": "ar", "clients": 1, "tokens_per_second": 10.0},
+        {"case": "ensemble / se", "clients": 1, "tokens_per_second": "9 / 8"},
+        {"case": "no clients", "note": "kept"}], **FIXED)
+    peer = make_record("vllm-peer-x", "Peer X", "python -m x", [{"case": "vLLM", "x_vllm": rounds([1.0, 1.2, 0.9], 2),
+                                                                  "unused": None}], **FIXED)
+    other = make_record("new-case", "New", "python -m x", [{"a": 1}], **FIXED)
+    placed = make_record("new-case-2", "Placed", "python -m x", [{"a": 2}], section="Engine", **FIXED)
+    text = render([peer, other, served, placed])
+    headings = [line for line in text.splitlines() if line.startswith("#")]
+    assert headings == ["# Results", "## Which strategy and gamma", "### Served X", "## Engine", "### Placed",
+                        "## Peers", "### Peer X", "## Other results", "### New"]
+    assert text.count("_Commit abc1234") == 4 and "|ensemble / se|–|9 / 8|–|" in text and "|no clients|kept|" in text
+    assert "|case|x vLLM|\n|---|---|\n|vLLM|1.0 (0.9-1.2)|" in text
 
 
 def test_publish_writes_a_serve_load_run_and_a_suite_run_into_the_store(tmp_path):
@@ -95,7 +115,7 @@ def test_publish_writes_a_serve_load_run_and_a_suite_run_into_the_store(tmp_path
     publish(run, "suite-x", results_dir=store, page=page)
     assert [r["case"] for r in load_records(store)] == ["served-x", "suite-x"]
     assert json.loads((store / "suite-x.json").read_text())["rows"][0]["speedup"] == 1.1
-    assert "| sd block g4 | ray | 101.0 | 1.1 | 3.42 |" in page.read_text()
+    assert "|sd block g4|ray|101.0|1.1|3.42|" in page.read_text()
     assert suite_record(suite, "s")["commit"] == "def5678"
 
 
