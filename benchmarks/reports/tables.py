@@ -39,8 +39,8 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Served load", ("serve-load-", "suite-", "predictions")),
     ("Engine", ("engine-load-", "long-prompt-")),
     ("Ensembles", ("ensemble-", "suite-default-se")),
-    ("Peers", ("vllm-", "real-shape", "forward-profile-vs-vllm")),
-    ("Micro-benchmarks", ("forward-", "verify-", "grammar-", "ray-overhead")),
+    ("Peers", ("vllm-", "forward-profile-vs-vllm")),
+    ("Micro-benchmarks", ("forward-", "verify-", "grammar-", "ray-overhead", "real-shape")),
 )
 STRATEGY_FIELDS = ("strategy", "clients", "tokens_per_second")
 # The strategy table's figures at each client count: (row key, column label).
