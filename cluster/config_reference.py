@@ -218,20 +218,22 @@ def _short_key(key: str, prefix: str) -> str:
     return key.replace(f"`{prefix}", "`", 1) if prefix else key
 
 
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table without padding (the page is read rendered), then a blank line."""
+    return ["|" + "|".join(head) + "|", "|" + "---|" * len(head)] + ["|" + "|".join(row) + "|" for row in rows] + [""]
+
+
 def render_section(section: Section) -> str:
     lines = [f"## {section.title}", ""]
     if section.summary:
         lines += [_cell(section.summary), ""]
     if section.rows and section.show_defaults:
-        lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
-        lines += [f"| {_short_key(row.key, section.prefix)} | {_cell(row.type)} | {_cell(row.default)} | "
-                  f"{_cell(row.description)} |" for row in section.rows]
-        lines.append("")
+        lines += _table(["key", "type", "default", "description"],
+                        [[_short_key(row.key, section.prefix), _cell(row.type), _cell(row.default), _cell(row.description)]
+                         for row in section.rows])
     elif section.rows:
-        lines += ["| key | type | description |", "| --- | --- | --- |"]
-        lines += [f"| {_short_key(row.key, section.prefix)} | {_cell(row.type)} | {_cell(row.description)} |"
-                  for row in section.rows]
-        lines.append("")
+        lines += _table(["key", "type", "description"],
+                        [[_short_key(row.key, section.prefix), _cell(row.type), _cell(row.description)] for row in section.rows])
     return "\n".join(lines)
 
 

@@ -50,4 +50,4 @@ def test_a_description_changed_in_the_code_makes_the_page_stale(monkeypatch):
 def test_rows_print_their_key_without_the_section_prefix():
     page = render_reference()
     engine = page[page.index("## `engine`\n"):page.index("## `engine.simulated_device.<name>`")]
-    assert "| `overlap` |" in engine and "`engine.overlap`" not in engine
+    assert "|`overlap`|" in engine and "`engine.overlap`" not in engine
