@@ -14,7 +14,8 @@ import torch
 from actors.api import RequestStats
 from actors.coordination.plan import ALTERNATE, ENSEMBLE_STRATEGIES
 from actors.messages import CallTiming, ItemOutcome
-from verifiers.machines import Extend, NextLogits, PreDraft, Sample, ScoreBlock, SpeculativeMachine
+from verifiers.machines.needs import Extend, NextLogits, PreDraft, Sample, ScoreBlock
+from verifiers.machines.speculative import SpeculativeMachine
 
 if TYPE_CHECKING:
     from actors.coordination.requests import RequestState

@@ -12,7 +12,7 @@ from actors.coordination.output import OutputTracker
 from actors.coordination.plan import DecodingPlan
 from actors.coordination.request_stats import StatsRecorder
 from actors.messages import OpenSession
-from verifiers.machines import DecodeMachine
+from verifiers.machines.base import DecodeMachine
 
 
 @dataclass

@@ -36,7 +36,7 @@ from actors.worker.rows import shared_vocab
 from actors.worker.sessions import Session, SessionNotFoundError
 from actors.worker.tasks import ExtendTask, NextLogitsTask, PreDraftTask, PrefillTask, SampleTask, Task
 from actors.worker.verify_tasks import ScoreBlockTask, ScoreVerifyTask, verify_together
-from verifiers.machines import MODEL_FREE, Extend, NextLogits, PreDraft, PreDrafted, Sample, Sampled, ScoreBlock, ScoreVerify
+from verifiers.machines.needs import MODEL_FREE, Extend, NextLogits, PreDraft, PreDrafted, Sample, Sampled, ScoreBlock, ScoreVerify
 from verifiers.randomness import categorical_together
 
 if TYPE_CHECKING:
