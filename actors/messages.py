@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.wire import pickle_through_wire
-from verifiers.machines import MemberBlock, PreDrafted, Sampled
+from verifiers.machines.needs import MemberBlock, PreDrafted, Sampled
 from verifiers.penalties import NO_PENALTIES, Penalties
 
 #: The error of a request whose work was on a worker that died (retryable).

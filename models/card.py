@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from models import EMBEDDED_MODELS, EMBEDDED_ROOT
+from models.corpus import read_file_list, read_heldout_files
 
 LOG = logging.getLogger("models.card")
 
@@ -56,8 +57,6 @@ def load_family(root: pathlib.Path) -> dict[str, tuple[object, object]]:
 
 def split_tokens(split: str, tokenizer) -> torch.Tensor:
     """Token ids of a corpus split, documents joined by EOS.  # [N]"""
-    from models.train import read_file_list
-
     ids: list[int] = []
     for path in read_file_list(split):
         ids.extend(tokenizer(path.read_text(encoding="utf-8"))["input_ids"])
@@ -67,8 +66,6 @@ def split_tokens(split: str, tokenizer) -> torch.Tensor:
 
 def prompt_tokens(tokenizer) -> torch.Tensor:
     """Token ids of the held-out benchmark-prompt files (``models/heldout_files.txt``).  # [N]"""
-    from models.train import read_heldout_files
-
     ids: list[int] = []
     for path in read_heldout_files():
         ids.extend(tokenizer(path.read_text(encoding="utf-8"))["input_ids"])
@@ -308,7 +305,7 @@ def render(results: dict) -> str:
         "determined by (seed, step)): AdamW (betas 0.9/0.95, weight decay 0.1 on matrices),",
         "linear warm-up then cosine decay to 10% of the peak rate, gradient clipping at 1.0,",
         "bf16 autocast with fp32 master weights, one torch thread (two threads stall on an",
-        "oversubscribed machine; see the note at `FAMILY` in `train.py`). The draft is trained by",
+        "oversubscribed machine; see the note at `FAMILY` in `family.py`). The draft is trained by",
         "forward KL(target || draft) at T = 1 (weight 0.9) plus next-token cross-entropy",
         "(weight 0.1), on the same library slice, with the exported fp16 target as teacher.",
         "",

@@ -19,6 +19,9 @@ Usage (meant to run in the background)::
 
     nohup .venv/bin/python -m models.train --stage all > models/_work/train.log 2>&1 &
 
+The corpus is :mod:`models.corpus`, the tokenizer and token data :mod:`models.tokens`, the
+members' recipes :mod:`models.family`; this module trains and exports them.
+
 Checkpoints (model + optimizer + step) are written to ``models/_work/<name>/ckpt.pt`` every
 ``--checkpoint-every`` steps; re-running the same command continues from the last one. Batches
 are drawn from a generator seeded by ``(seed, step)``, so a resumed run sees the same data as
@@ -29,301 +32,30 @@ together with the tokenizer files, so every directory loads stand-alone.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
 import pathlib
-import sysconfig
 import time
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from models import EMBEDDED_ROOT
-
-LOG = logging.getLogger("models.train")
-
-MODELS_DIR = pathlib.Path(__file__).resolve().parent
-WORK_DIR = MODELS_DIR / "_work"
-CORPUS_LIST = MODELS_DIR / "corpus_files.txt"
-HELDOUT_LIST = MODELS_DIR / "heldout_files.txt"
-TOKENIZER_DIR = WORK_DIR / "tokenizer"
-DATA_DIR = WORK_DIR / "data"
-
-VOCAB_SIZE = 4096
-EOS_TOKEN = "<|endoftext|>"
-MAX_FILE_BYTES = 300_000
-SEED = 1234
-
-Split = Literal["lib", "test", "eval_lib", "eval_test", "prompts"]
-SPLITS: tuple[str, ...] = ("lib", "test", "eval_lib", "eval_test", "prompts")
-
-
-class ModelSpec(BaseModel):
-    """Architecture and training recipe of one family member."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(description="Directory name under models/embedded/.")
-    hidden_size: int = Field(description="Residual stream width.")
-    num_layers: int = Field(description="Number of decoder layers.")
-    intermediate_size: int = Field(description="SwiGLU MLP width.")
-    num_heads: int = Field(description="Attention heads (key/value heads are the same number).")
-    train_splits: tuple[str, ...] = Field(description="Corpus splits the model trains on.")
-    steps: int = Field(gt=0, description="Optimizer steps (fixed, for reproducibility).")
-    batch_size: int = Field(gt=0, description="Sequences per step.")
-    seq_len: int = Field(default=256, gt=0, description="Tokens per training sequence.")
-    lr: float = Field(gt=0, description="Peak AdamW learning rate (cosine decay to 10%).")
-    warmup_steps: int = Field(default=15, ge=0, description="Linear warm-up steps.")
-    weight_decay: float = Field(default=0.1, ge=0, description="AdamW weight decay.")
-    distill_from: str | None = Field(
-        default=None, description="Teacher model name; when set, train by KL to its outputs."
-    )
-    distill_ce_weight: float = Field(
-        default=0.1, ge=0, le=1, description="Weight of the next-token CE term when distilling."
-    )
-    seed: int = Field(default=SEED, description="Seed for initialisation and batch sampling.")
-    bf16_autocast: bool = Field(
-        default=True,
-        description="Run forward/backward matmuls in bfloat16 (CPU autocast; fp32 master weights "
-        "and AdamW state). About 2x faster per step on CPUs with AVX512-BF16.",
-    )
-    max_minutes: float = Field(
-        gt=0,
-        description="Wall-clock cap. The schedule decays by max(step, time) progress, so a run on "
-        "a slow or busy machine still ends its cosine decay and stops at the cap.",
-    )
-
-
-# Step counts were sized from the throughput measured before training (`--stage throughput`:
-# ~280 tokens/s for the 12M models, ~400 for the distilled draft, ~600 for partner2 on a
-# lightly loaded 2-core CPU, fp32; bf16 autocast roughly doubles that). The machine was shared
-# with other jobs (load average up to ~17 on 2 cores), so
-# every member also has a wall-clock cap; whichever ends first ends the run (recorded in
-# training_meta.json: `steps_completed`, `stopped_by`). On an oversubscribed machine one torch
-# thread is much faster than two (a 2-thread OpenMP team stalls at every op when one of its
-# threads is descheduled: 13-26 s per target step with 2 threads vs ~1.5 s with 1 at load ~14),
-# hence `--threads 1` by default. The target's first 80 steps ran with 2 threads and its step
-# count was raised from 400 to 800 at step ~180 while the time cap was already driving its
-# schedule (so its learning rate curve did not change). The draft has one layer: a first,
-# 2-layer draft (hidden 128, MLP 384) measured only ~4.1x cheaper per cached token than the
-# target on this CPU, too close to the required 4x; one layer costs ~0.6 ms less.
-FAMILY: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        ModelSpec(
-            name="target", hidden_size=384, num_layers=6, intermediate_size=1024, num_heads=6,
-            train_splits=("lib",), steps=800, batch_size=4, lr=2e-3, max_minutes=28,
-        ),
-        ModelSpec(
-            name="draft", hidden_size=128, num_layers=1, intermediate_size=512, num_heads=4,
-            train_splits=("lib",), steps=800, batch_size=4, lr=3e-3, distill_from="target",
-            seed=SEED + 1, max_minutes=8,
-        ),
-        ModelSpec(
-            name="partner", hidden_size=384, num_layers=6, intermediate_size=1024, num_heads=6,
-            train_splits=("test",), steps=700, batch_size=4, lr=2e-3, seed=SEED + 2,
-            max_minutes=16,
-        ),
-        ModelSpec(
-            name="partner2", hidden_size=192, num_layers=4, intermediate_size=512, num_heads=4,
-            train_splits=("lib", "test"), steps=800, batch_size=4, lr=3e-3, seed=SEED + 3,
-            max_minutes=7,
-        ),
-    )
-}
-TRAIN_ORDER: tuple[str, ...] = ("target", "draft", "partner", "partner2")
-
-
-# --------------------------------------------------------------------------- corpus files
-
-
-def stdlib_dir() -> pathlib.Path:
-    """The running interpreter's standard-library directory (the corpus root)."""
-    return pathlib.Path(sysconfig.get_paths()["stdlib"])
-
-
-def _is_test_file(relative: pathlib.PurePosixPath) -> bool:
-    parts = relative.parts
-    return (
-        "test" in parts[:-1]
-        or "tests" in parts[:-1]
-        or relative.name.startswith("test_")
-    )
-
-
-def _bucket(relative: str) -> int:
-    """Stable per-file bucket in [0, 100) from the path's hash (no RNG state involved)."""
-    return int(hashlib.sha1(relative.encode()).hexdigest(), 16) % 100
-
-
-def assign_split(relative: pathlib.PurePosixPath) -> str:
-    """Library code: 94% train, 3% eval, 3% benchmark prompts; tests: 97% train, 3% eval."""
-    bucket = _bucket(str(relative))
-    if _is_test_file(relative):
-        return "eval_test" if bucket < 3 else "test"
-    if bucket < 3:
-        return "eval_lib"
-    if bucket < 6:
-        return "prompts"
-    return "lib"
-
-
-def build_file_list(root: pathlib.Path) -> list[tuple[str, str]]:
-    """Every UTF-8 ``.py`` file under ``root`` (no site-packages, < 300 kB), sorted, with split."""
-    entries = []
-    for path in sorted(root.rglob("*.py")):
-        relative = pathlib.PurePosixPath(path.relative_to(root).as_posix())
-        if relative.parts[0] == "site-packages" or path.stat().st_size > MAX_FILE_BYTES:
-            continue
-        try:
-            path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        entries.append((assign_split(relative), str(relative)))
-    return entries
-
-
-def write_file_lists(root: pathlib.Path) -> None:
-    """Write ``corpus_files.txt`` (``split<TAB>path``) and ``heldout_files.txt`` (prompt files)."""
-    entries = build_file_list(root)
-    header = (
-        "# Corpus of the embedded model family: <split>\\t<path relative to the Python stdlib dir>\n"
-        "# splits: lib (library code, train), test (test suites, train), eval_lib / eval_test\n"
-        "# (held out for loss), prompts (held out for benchmark prompts; see heldout_files.txt)\n"
-    )
-    CORPUS_LIST.write_text(header + "".join(f"{split}\t{path}\n" for split, path in entries))
-    HELDOUT_LIST.write_text(
-        "# Held-out library files (never trained on) for benchmark prompts, relative to the stdlib dir\n"
-        + "".join(f"{path}\n" for split, path in entries if split == "prompts")
-    )
-    LOG.info("wrote %d corpus files to %s", len(entries), CORPUS_LIST)
-
-
-def read_file_list(split: str) -> list[pathlib.Path]:
-    """Absolute paths of the committed list's files in ``split`` that exist on this machine."""
-    root = stdlib_dir()
-    paths, missing = [], 0
-    for line in CORPUS_LIST.read_text().splitlines():
-        if not line or line.startswith("#"):
-            continue
-        file_split, relative = line.split("\t")
-        if file_split != split:
-            continue
-        path = root / relative
-        if path.is_file():
-            paths.append(path)
-        else:
-            missing += 1
-    if missing:
-        LOG.warning("%d files of split %s are missing under %s", missing, split, root)
-    return paths
-
-
-def read_heldout_files() -> list[pathlib.Path]:
-    """Absolute paths of the benchmark-prompt files listed in ``heldout_files.txt``."""
-    root = stdlib_dir()
-    lines = HELDOUT_LIST.read_text().splitlines()
-    return [root / line for line in lines if line and not line.startswith("#") and (root / line).is_file()]
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-
-def train_tokenizer() -> None:
-    """Byte-level BPE (vocab 4096) on the training splits, saved in transformers format."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    if (TOKENIZER_DIR / "tokenizer.json").exists():
-        LOG.info("tokenizer exists at %s", TOKENIZER_DIR)
-        return
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    files = [str(path) for split in ("lib", "test") for path in read_file_list(split)]
-    tokenizer.train(files, trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        chat_template=CHAT_TEMPLATE,
-        bos_token=EOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        unk_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        model_max_length=1024,
-        clean_up_tokenization_spaces=False,
-    )
-    TOKENIZER_DIR.mkdir(parents=True, exist_ok=True)
-    wrapped.save_pretrained(TOKENIZER_DIR)
-    _use_portable_tokenizer_class(TOKENIZER_DIR)
-    LOG.info("tokenizer trained on %d files, vocab %d", len(files), tokenizer.get_vocab_size())
-
-
-#: The family's chat template: ``"<role>: <content>\n"`` per message (``developer`` as
-#: ``system``), then ``"assistant:"`` when a reply is to be generated.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- ('system' if message['role'] == 'developer' else message['role']) + ': ' + message['content'] + '\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- 'assistant:' -}}{%- endif -%}"
+from models.corpus import WORK_DIR, stdlib_dir, write_file_lists
+from models.family import FAMILY, TRAIN_ORDER, ModelSpec
+from models.tokens import (
+    VOCAB_SIZE,
+    load_tokenizer,
+    load_tokens,
+    sample_batch,
+    tokenize_splits,
+    train_tokenizer,
+    use_portable_tokenizer_class,
 )
 
-
-def _use_portable_tokenizer_class(directory: pathlib.Path) -> None:
-    """Name the class ``PreTrainedTokenizerFast``: transformers 4.x and 5.x both load that."""
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def load_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-
-
-# --------------------------------------------------------------------------- token data
-
-
-def tokenize_splits() -> None:
-    """Tokenise each split to one int16-packed tensor: documents joined by ``<|endoftext|>``."""
-    tokenizer = load_tokenizer()
-    DATA_DIR.mkdir(parents=True, exist_ok=True)
-    for split in SPLITS:
-        out = DATA_DIR / f"{split}.pt"
-        if out.exists():
-            continue
-        ids: list[int] = []
-        files = read_file_list(split)
-        for path in tqdm(files, desc=f"tokenise {split}", mininterval=5):
-            ids.extend(tokenizer(path.read_text(encoding="utf-8"))["input_ids"])
-            ids.append(tokenizer.eos_token_id)
-        torch.save(torch.tensor(ids, dtype=torch.int16), out)  # vocab 4096 fits in int16
-        LOG.info("split %s: %d files, %d tokens", split, len(files), len(ids))
-
-
-def load_tokens(splits: tuple[str, ...]) -> torch.Tensor:
-    """Concatenated token ids of ``splits`` as int64.  # [N]"""
-    return torch.cat([torch.load(DATA_DIR / f"{split}.pt").long() for split in splits])
-
-
-def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, step: int):
-    """Random windows of ``seq_len + 1`` tokens, determined by ``(seed, step)`` alone."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch_size,), generator=generator)
-    windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])  # [B, L+1]
-    return windows[:, :-1], windows[:, 1:]
+LOG = logging.getLogger("models.train")
 
 
 # --------------------------------------------------------------------------- models
@@ -465,7 +197,7 @@ def export_model(model, name: str, meta: dict) -> pathlib.Path:
     config["dtype"] = "float32"  # save_pretrained records the fp16 storage dtype; load as fp32
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     load_tokenizer().save_pretrained(out)
-    _use_portable_tokenizer_class(out)
+    use_portable_tokenizer_class(out)
     (out / "training_meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     LOG.info("exported %s to %s", name, out)
     return out

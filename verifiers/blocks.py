@@ -1,4 +1,4 @@
-"""The one implementation of a :class:`verifiers.machines.ScoreVerify`'s verification, driven
+"""The one implementation of a :class:`verifiers.machines.needs.ScoreVerify`'s verification, driven
 by both executors of needs: the reference (:class:`verifiers.reference.executor.LocalExecutor`, rows
 recomputed from full contexts) and the serving engine (:mod:`actors.worker.engine`, rows from cached
 forwards, many requests' blocks in one verifier call).
@@ -16,7 +16,7 @@ that serves:
    alone gives (block verification: Sun et al. 2024, Algorithm 2; token verification: Leviathan
    et al. 2023, Algorithm 1; multi-draft rules: Sun et al. 2023, SpecTr, arXiv:2310.15141);
 3. :func:`verified_row`: batch row ``row`` of the rule's result as a
-   :class:`verifiers.machines.Verified` (emitted tokens, accepted count, chosen draft, and each
+   :class:`verifiers.machines.needs.Verified` (emitted tokens, accepted count, chosen draft, and each
    emitted token's log-probability under the target's row at its position when asked).
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from verifiers.machines import Verified
+from verifiers.machines.needs import Verified
 from verifiers.randomness import RandomSource, RowSources
 from verifiers.sampling import token_logprob
 

@@ -53,12 +53,12 @@ _ENTRIES: dict[str, _Entry] = {
     "greedy_block": _Entry(
         "verifiers.single_draft", "verify_greedy_block", multi_draft=False, stateful=True
     ),
-    "spectr": _Entry("verifiers.multi_draft", "verify_spectr", multi_draft=True, stateful=False),
+    "spectr": _Entry("verifiers.multi_draft.spectr", "verify_spectr", multi_draft=True, stateful=False),
     "spectr_gbv": _Entry(
-        "verifiers.multi_draft", "verify_spectr_gbv", multi_draft=True, stateful=True
+        "verifiers.multi_draft.spectr_gbv", "verify_spectr_gbv", multi_draft=True, stateful=True
     ),
     "sequential_gbv": _Entry(
-        "verifiers.multi_draft", "verify_sequential_gbv", multi_draft=True, stateful=True
+        "verifiers.multi_draft.sequential_gbv", "verify_sequential_gbv", multi_draft=True, stateful=True
     ),
 }
 

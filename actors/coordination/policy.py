@@ -21,7 +21,7 @@ to the step's :class:`StepDecision` (:meth:`StepPolicy.costs`).
 step (the members' proposals, or the plain ensemble's steps) whose whole steps measured more
 tokens per second at this batch, the other probed now and then (measured on steps whose
 requests are all such requests). The machine follows it, a plain step dropping unverified
-proposals (:class:`verifiers.machines.SpeculativeEnsembleMachine`).
+proposals (:class:`verifiers.machines.ensemble.SpeculativeEnsembleMachine`).
 """
 
 from __future__ import annotations
@@ -36,17 +36,12 @@ from actors.coordination.cohorts import Cohort
 from actors.coordination.requests import RequestState, board_key
 from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
 from verifiers.adaptive import StepCosts, best_block
-from verifiers.machines import (
-    AR_TOKENS_PER_ITERATION,
-    AutoregressiveMachine,
-    EnsembleDraftMachine,
-    NextLogits,
-    Sample,
-    ScoreBlock,
-    ScoreVerify,
-    SpeculativeEnsembleMachine,
-    SpeculativeMachine,
-)
+from verifiers.machines.autoregressive import AutoregressiveMachine
+from verifiers.machines.base import AR_TOKENS_PER_ITERATION
+from verifiers.machines.ensemble import SpeculativeEnsembleMachine
+from verifiers.machines.ensemble_draft import EnsembleDraftMachine
+from verifiers.machines.needs import NextLogits, Sample, ScoreBlock, ScoreVerify
+from verifiers.machines.speculative import SpeculativeMachine
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +89,7 @@ COHORT_PROBE_EVERY = 16
 #: from the coordinator to the workers and a chunk per request through Serve; at 4 tokens a step,
 #: 16 clients on 2 CPU cores left the target's worker idle a fifth of the time, and the chunks kept
 #: the serving processes on about a third of the cores (docs/design.md, "Tokens per step"). A
-#: request alone keeps :data:`~verifiers.machines.AR_TOKENS_PER_ITERATION` (its burst streams each
+#: request alone keeps :data:`~verifiers.machines.base.AR_TOKENS_PER_ITERATION` (its burst streams each
 #: iteration as it ends).
 COHORT_PLAIN_TOKENS = 8
 
@@ -108,7 +103,7 @@ def set_plain_tokens(machine: Any, batch: int) -> None:
     """Set a machine's plain draws for a step of ``batch`` requests where that cannot change a seeded
     request's tokens: an ``ar`` machine's (its tokens do not depend on the count), and the plain
     steps of ``sd`` with gamma "auto" weighing measured costs (its tokens already depend on
-    timings); every other machine keeps :data:`~verifiers.machines.AR_TOKENS_PER_ITERATION`. An
+    timings); every other machine keeps :data:`~verifiers.machines.base.AR_TOKENS_PER_ITERATION`. An
     ``ar`` request alone draws its first token on its own (a first iteration of several draws
     delayed its first chunk by their forwards); in a step of several it would lose the step's
     other draws, so there it draws as many as the rest."""

@@ -1,39 +1,23 @@
-"""A request's statistics: the counters the scheduler keeps while it runs
-(:class:`StatsRecorder`, :func:`record_outcomes`) and the :class:`actors.api.RequestStats` its
-final chunk carries (:func:`request_stats`)."""
+"""A request's statistics: the counting of each step's outcomes into the request's
+:class:`actors.coordination.requests.StatsRecorder` (:func:`record_outcomes`) and the
+:class:`actors.api.RequestStats` its final chunk carries (:func:`request_stats`)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from actors.api import RequestStats
 from actors.coordination.plan import ALTERNATE, ENSEMBLE_STRATEGIES
-from actors.messages import CallTiming, ItemOutcome
-from verifiers.machines import Extend, NextLogits, PreDraft, Sample, ScoreBlock, SpeculativeMachine
-
-if TYPE_CHECKING:
-    from actors.coordination.requests import RequestState
+from actors.coordination.requests import RequestState
+from actors.messages import ItemOutcome
+from verifiers.machines.needs import Extend, NextLogits, PreDraft, Sample, ScoreBlock
+from verifiers.machines.speculative import SpeculativeMachine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StatsRecorder:
-    """Per-request counters, turned into ``actors.api.RequestStats`` at the end."""
-
-    model_calls: dict[str, int] = field(default_factory=dict)
-    time_draft_s: float = 0.0
-    time_target_s: float = 0.0
-    time_verify_s: float = 0.0
-    bytes_moved: int = 0
-
-    def count(self, model: str, timing: CallTiming) -> None:
-        self.model_calls[model] = self.model_calls.get(model, 0) + timing.forward_calls
 
 
 def record_outcomes(request: RequestState, outcomes: list[ItemOutcome]) -> None:

@@ -1,4 +1,4 @@
-"""A request inside the scheduler: :class:`RequestState`."""
+"""A request inside the scheduler: :class:`RequestState` and its counters (:class:`StatsRecorder`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,22 @@ from typing import Any
 from actors.coordination.metrics import RequestClock, plan_labels
 from actors.coordination.output import OutputTracker
 from actors.coordination.plan import DecodingPlan
-from actors.coordination.request_stats import StatsRecorder
-from actors.messages import OpenSession
-from verifiers.machines import DecodeMachine
+from actors.messages import CallTiming, OpenSession
+from verifiers.machines.base import DecodeMachine
+
+
+@dataclass
+class StatsRecorder:
+    """Per-request counters, turned into ``actors.api.RequestStats`` at the end."""
+
+    model_calls: dict[str, int] = field(default_factory=dict)
+    time_draft_s: float = 0.0
+    time_target_s: float = 0.0
+    time_verify_s: float = 0.0
+    bytes_moved: int = 0
+
+    def count(self, model: str, timing: CallTiming) -> None:
+        self.model_calls[model] = self.model_calls.get(model, 0) + timing.forward_calls
 
 
 @dataclass

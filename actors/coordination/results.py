@@ -16,7 +16,7 @@ from actors.coordination.requests import RequestState, board_key
 from actors.coordination.step_costs import AcceptanceBoard
 from actors.messages import ItemOutcome
 from verifiers.grammar import GRAMMAR_ERROR_PREFIX, grammar_complete
-from verifiers.machines import Sample
+from verifiers.machines.needs import Sample
 
 logger = logging.getLogger(__name__)
 

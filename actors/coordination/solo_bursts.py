@@ -27,7 +27,7 @@ from actors.coordination.results import RequestResults
 from actors.coordination.worker_calls import Placed, WorkerCalls, call_report
 from actors.messages import UNAVAILABLE, OpenSession, WorkItem
 from actors.worker.bursts import BURST_CONTROL_GROUP, BurstRecord, FrozenStepCosts, burstable
-from verifiers.machines import PreDraft
+from verifiers.machines.needs import PreDraft
 
 logger = logging.getLogger(__name__)
 

@@ -31,14 +31,11 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.coordination.plan import ALTERNATE, DecodingPlan
-from verifiers.machines import (
-    AutoregressiveMachine,
-    DecodeMachine,
-    EnsembleDraftMachine,
-    EnsembleMachine,
-    SpeculativeEnsembleMachine,
-    SpeculativeMachine,
-)
+from verifiers.machines.autoregressive import AutoregressiveMachine
+from verifiers.machines.base import DecodeMachine
+from verifiers.machines.ensemble import EnsembleMachine, SpeculativeEnsembleMachine
+from verifiers.machines.ensemble_draft import EnsembleDraftMachine
+from verifiers.machines.speculative import SpeculativeMachine
 from verifiers.penalties import NO_PENALTIES, Penalties
 from verifiers.proposers import PredictionProposer, PromptLookupProposer, Proposer
 from verifiers.randomness import TorchRandomSource, stream_seeds

@@ -20,7 +20,7 @@ from actors.coordination.requests import RequestState
 from actors.coordination.step_costs import CallReport
 from actors.messages import UNAVAILABLE, ItemOutcome, WorkItem
 from actors.worker.device_worker import HostCall, host_of
-from verifiers.machines import MODEL_FREE, PRE_DRAFTED, PreDraft, ScoreBlock, ScoreVerify
+from verifiers.machines.needs import MODEL_FREE, PRE_DRAFTED, PreDraft, ScoreBlock, ScoreVerify
 
 logger = logging.getLogger(__name__)
 

@@ -56,17 +56,10 @@ from typing import Any
 
 from actors.messages import UNAVAILABLE, FailedSource, ItemOutcome, OpenSession, WorkItem
 from verifiers.adaptive import StepCosts
-from verifiers.machines import (
-    MODEL_FREE,
-    PRE_DRAFTED,
-    AutoregressiveMachine,
-    DecodeMachine,
-    Need,
-    PreDraft,
-    Sample,
-    ScoreVerify,
-    SpeculativeMachine,
-)
+from verifiers.machines.autoregressive import AutoregressiveMachine
+from verifiers.machines.base import DecodeMachine
+from verifiers.machines.needs import MODEL_FREE, PRE_DRAFTED, Need, PreDraft, Sample, ScoreVerify
+from verifiers.machines.speculative import SpeculativeMachine
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from actors.messages import ItemOutcome, OpenSession, Prefill, RowSampling, Work
 from actors.worker.prefix_cache import PrefixCache
 from actors.worker.sessions import SessionStore
 from actors.worker.step import Step
-from verifiers.machines import NextLogits
+from verifiers.machines.needs import NextLogits
 
 #: ``engine.max_tokens_per_step`` when unset: tokens one worker step feeds at most (the rows of
 #: its first forward round), prefill chunks included.

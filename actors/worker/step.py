@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,14 +33,11 @@ from actors.model.batch import RowWork
 from actors.worker.forward_plan import forward_groups, prefill_grants
 from actors.worker.isolation import batched_then_alone
 from actors.worker.rows import shared_vocab
-from actors.worker.sessions import Session, SessionNotFoundError
+from actors.worker.sessions import Session, SessionNotFoundError, SessionStore
 from actors.worker.tasks import ExtendTask, NextLogitsTask, PreDraftTask, PrefillTask, SampleTask, Task
 from actors.worker.verify_tasks import ScoreBlockTask, ScoreVerifyTask, verify_together
-from verifiers.machines import MODEL_FREE, Extend, NextLogits, PreDraft, PreDrafted, Sample, Sampled, ScoreBlock, ScoreVerify
+from verifiers.machines.needs import MODEL_FREE, Extend, NextLogits, PreDraft, PreDrafted, Sample, Sampled, ScoreBlock, ScoreVerify
 from verifiers.randomness import categorical_together
-
-if TYPE_CHECKING:
-    from actors.worker.engine import WorkerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +102,27 @@ def to_host(logits: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(host.split([len(x) for x in logits]))
 
 
+class StepHost(Protocol):
+    """What a :class:`Step` reads and counts on the engine it runs in
+    (:class:`actors.worker.engine.WorkerEngine`): the backend, the sessions, the step budget and
+    the worker's counters."""
+
+    name: str
+    backend: Any
+    sessions: SessionStore
+    max_tokens_per_step: int
+    steps: int
+    rows_per_forward: list[int]
+    forward_seconds_total: float
+    forward_passes_total: int
+
+
 class Step:
     """One call of :meth:`actors.worker.engine.WorkerEngine.run_step` on ``engine`` (under its
     session lock): ``tasks[i]`` is item ``i``'s task, None once the item failed (``errors[i]`` says
     why; ``lost``: the failed items the request may send again)."""
 
-    def __init__(self, engine: WorkerEngine, items: Sequence[WorkItem], source_payloads: Sequence[Sequence[Any]]):
+    def __init__(self, engine: StepHost, items: Sequence[WorkItem], source_payloads: Sequence[Sequence[Any]]):
         self.engine = engine
         self.items = list(items)
         self.tasks: list[Task | None] = []

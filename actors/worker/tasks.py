@@ -21,7 +21,7 @@ from actors.messages import Prefill, PrefillProgress
 from actors.model.batch import RowWork, RunAttend, linear_row
 from actors.worker.rows import session_rows, shared_vocab
 from actors.worker.sessions import Session
-from verifiers.machines import Extend, MemberBlock, NextLogits, PreDraft, PreDrafted, Sample, Sampled, bonus_guesses
+from verifiers.machines.needs import Extend, MemberBlock, NextLogits, PreDraft, PreDrafted, Sample, Sampled, bonus_guesses
 from verifiers.sampling import token_logprob
 
 

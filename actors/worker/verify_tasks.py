@@ -19,7 +19,7 @@ from actors.worker.rows import session_rows, shared_vocab
 from actors.worker.sessions import Session
 from actors.worker.tasks import Task
 from verifiers.blocks import block_inputs, block_key, verified_row, verify_blocks
-from verifiers.machines import MODEL_FREE, Sampled, ScoreBlock, ScoreVerify, Verified
+from verifiers.machines.needs import MODEL_FREE, Sampled, ScoreBlock, ScoreVerify, Verified
 from verifiers.proposers import one_hot_rows
 from verifiers.registry import get_verifier
 

@@ -29,7 +29,7 @@ def _actors():
     import torch
 
     from actors.messages import ItemOutcome
-    from verifiers.machines import Sampled
+    from verifiers.machines.needs import Sampled
 
     @ray.remote(num_cpus=0.25)
     class Worker:

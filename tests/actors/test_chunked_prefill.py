@@ -27,7 +27,7 @@ from benchmarks.served.runners import LocalActorHandle
 from cluster.config import ConfigError, ModelSpec, parse_app_args
 from models import EMBEDDED_ROOT
 from tests.actors.fake_models import FAKE_CONTEXT, VOCAB, FunctionModelWorker, fake_group_config
-from verifiers.machines import NextLogits
+from verifiers.machines.needs import NextLogits
 
 NO_CHUNKS = 100_000  # a budget no prompt here reaches: one-shot prefill
 SMALL_BUDGET = 8  # fake prompts of 40 tokens: 5+ chunks

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from actors.messages import CallTiming, ItemOutcome
-from verifiers.machines import MemberBlock, PreDrafted, Sampled
+from verifiers.machines.needs import MemberBlock, PreDrafted, Sampled
 from actors.wire import pickle_through_wire, to_wire
 
 

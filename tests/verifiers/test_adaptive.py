@@ -17,7 +17,7 @@ from tests.verifiers.tiny_models import model_pair, target_law
 from verifiers.adaptive import AdaptiveGamma, AdaptiveGammaSettings, StepCosts, best_block, best_gamma, expected_tokens
 from verifiers.reference.exact import exact_law, total_variation
 from verifiers.reference.executor import LocalExecutor, layout_sources, run_machine
-from verifiers.machines import SpeculativeMachine
+from verifiers.machines.speculative import SpeculativeMachine
 from verifiers.randomness import split_sources
 from verifiers.reference import speculative_generate
 

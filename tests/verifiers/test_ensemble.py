@@ -385,16 +385,16 @@ def test_gamma_auto_with_a_scripted_mode_sequence_keeps_the_ensemble_law(case, m
 def test_negative_control_a_plain_step_from_one_member_fails(monkeypatch):
     """Plain steps drawn from member 0's row instead of the ensemble row change the law: the
     enumeration above can fail."""
-    import verifiers.machines as machines
+    import verifiers.machines.ensemble as ensemble_machines
 
     _, vocabs, gammas, length, ensemble_args, seed = EXACT_CASES[1]
     model_fns = _members(vocabs, seed=seed)
-    original = machines._plain_ensemble_draw
+    original = ensemble_machines.plain_ensemble_draw
 
     def first_member_draw(law, results, committed, source):
         return original(law, [results[0]] * len(results), committed, source)
 
-    monkeypatch.setattr(machines, "_plain_ensemble_draw", first_member_draw)
+    monkeypatch.setattr(ensemble_machines, "plain_ensemble_draw", first_member_draw)
 
     def procedure(source) -> Hashable:
         tokens, _ = ensemble_generate(model_fns, PROMPT, length, generator=source, gammas=gammas, method="token",

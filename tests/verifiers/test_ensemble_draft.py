@@ -2,7 +2,7 @@
 speculative decoding with the ensemble law as the target (Speculative Ensemble, arXiv:2502.01662, Sec. 3.2, "WE-SD" / "CD-SD").
 
 Exact enumeration (float64, TV < 1e-9) of :func:`verifiers.reference.ensemble.ensemble_draft_generate`
-(the production :class:`verifiers.machines.EnsembleDraftMachine` on the reference executor)
+(the production :class:`verifiers.machines.ensemble_draft.EnsembleDraftMachine` on the reference executor)
 against the ensemble law: weighted and contrastive, 2 and 3 members, a separate draft or a member
 proposing, token / block / greedy block and a multi-draft rule, temperature, top-k and a penalty,
 gamma "auto" with a scripted choice sequence (plain ensemble steps included); a negative control
@@ -19,7 +19,8 @@ from tests.verifiers.test_ensemble import _ensemble_law, _members
 from tests.verifiers.tiny_models import TinyModel, chi_square_pvalue
 from verifiers.adaptive import AdaptiveGammaSettings, StepCosts
 from verifiers.reference.exact import exact_law, total_variation
-from verifiers.machines import EnsembleDraftMachine, EnsembleLaw
+from verifiers.machines.ensemble import EnsembleLaw
+from verifiers.machines.ensemble_draft import EnsembleDraftMachine
 from verifiers.penalties import Penalties
 from verifiers.reference.ensemble import ensemble_draft_generate
 

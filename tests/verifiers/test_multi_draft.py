@@ -29,14 +29,11 @@ from tests.verifiers.tiny_models import (
     target_law,
 )
 from verifiers.reference.exact import exact_law, total_variation
-from verifiers.multi_draft import (
-    EXPERIMENTAL_METHODS,
-    GreedyModificationState,
-    kseq_rho,
-    verify_sequential_gbv,
-    verify_spectr,
-    verify_spectr_gbv,
-)
+from verifiers.multi_draft import EXPERIMENTAL_METHODS
+from verifiers.multi_draft.modification import GreedyModificationState
+from verifiers.multi_draft.sequential_gbv import verify_sequential_gbv
+from verifiers.multi_draft.spectr import kseq_rho, verify_spectr
+from verifiers.multi_draft.spectr_gbv import verify_spectr_gbv
 from verifiers.reference import speculative_generate
 from verifiers.registry import get_verifier
 from verifiers.sampling import logits_to_probs

@@ -1,4 +1,4 @@
-"""Pre-drafting (verifiers.machines.PreDraft) keeps every single-draft rule exact.
+"""Pre-drafting (verifiers.machines.needs.PreDraft) keeps every single-draft rule exact.
 
 While the target verifies a block, the draft drafts the next block after each of K candidate
 bonus tokens; the next step verifies that chain when the block was accepted in full and the bonus
@@ -20,7 +20,7 @@ from tests.verifiers.tiny_models import model_pair, target_law
 from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.reference.exact import exact_law, total_variation
 from verifiers.reference.executor import LocalExecutor, layout_sources, run_machine
-from verifiers.machines import SpeculativeMachine
+from verifiers.machines.speculative import SpeculativeMachine
 from verifiers.penalties import NO_PENALTIES, Penalties
 from verifiers.randomness import split_sources
 from verifiers.reference import speculative_generate

@@ -15,7 +15,7 @@ import torch
 from tests.verifiers.tiny_models import model_pair, target_law
 from verifiers.reference import executor as executor_module
 from verifiers.reference.exact import exact_law, total_variation
-from verifiers.machines import SpeculativeMachine
+from verifiers.machines.speculative import SpeculativeMachine
 from verifiers.penalties import Penalties
 from verifiers.proposers import PredictionProposer, PromptLookupProposer, one_hot_rows
 from verifiers.reference import speculative_generate

@@ -22,7 +22,7 @@ Two instances:
 
 The laws are computed here with exact fractions straight from the paper's formulas (nothing from
 ``verifiers.multi_draft`` is used for them), then compared separately with the law of
-``verifiers.multi_draft.verify_spectr_gbv`` enumerated exactly (``verifiers.reference.exact``, float64).
+``verifiers.multi_draft.spectr_gbv.verify_spectr_gbv`` enumerated exactly (``verifiers.reference.exact``, float64).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from verifiers.reference.exact import exact_law
-from verifiers.multi_draft import verify_spectr_gbv
+from verifiers.multi_draft.spectr_gbv import verify_spectr_gbv
 
 Law = tuple[Fraction, ...]
 # Exact law of one call at L = 1: {(num_accepted, emitted token): probability}.
@@ -211,7 +211,7 @@ def reading_literal() -> OutputLaw:
     """Alg. 1 as printed: drafts visited in index order k = 1..K, ``h`` from Eq. (3), a draft whose
     block is already in ``H`` is not accepted (line 12's ``x_k^L not in H``), stop at the first
     acceptance (line 13), recovered token from Eq. (4) with exponent ``K``. This is the reading
-    ``verifiers.multi_draft.verify_spectr_gbv`` implements."""
+    ``verifiers.multi_draft.spectr_gbv.verify_spectr_gbv`` implements."""
     return _alg1_law(DRAFT_A, TARGET_A)
 
 

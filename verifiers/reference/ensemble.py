@@ -26,7 +26,8 @@ import torch
 from verifiers.ensemble import SEGMENT_METHODS, EnsembleKind, VerifyMethod, make_ensemble, shared_vocab_logits
 from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.reference.executor import LocalExecutor, layout_sources, run_machine
-from verifiers.machines import EnsembleDraftMachine, EnsembleMachine, SpeculativeEnsembleMachine
+from verifiers.machines.ensemble import EnsembleMachine, SpeculativeEnsembleMachine
+from verifiers.machines.ensemble_draft import EnsembleDraftMachine
 from verifiers.penalties import NO_PENALTIES, Penalties, penalized_probs
 from verifiers.randomness import RandomSource, split_sources
 

@@ -17,19 +17,19 @@ from typing import Any
 import torch
 
 from verifiers.blocks import block_inputs, verified_row, verify_blocks
-from verifiers.machines import (
-    DecodeMachine,
+from verifiers.machines.base import DecodeMachine
+from verifiers.machines.needs import (
+    MODEL_FREE,
+    PRE_DRAFTED,
     Extend,
     MemberBlock,
     Need,
     NextLogits,
-    MODEL_FREE,
-    PRE_DRAFTED,
     PreDraft,
     PreDrafted,
     Sample,
-    ScoreBlock,
     Sampled,
+    ScoreBlock,
     ScoreVerify,
     Verified,
     bonus_guesses,

@@ -16,7 +16,8 @@ import torch
 
 from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.reference.executor import LocalExecutor, layout_sources, run_machine
-from verifiers.machines import AutoregressiveMachine, SpeculativeMachine
+from verifiers.machines.autoregressive import AutoregressiveMachine
+from verifiers.machines.speculative import SpeculativeMachine
 from verifiers.penalties import NO_PENALTIES, Penalties
 from verifiers.proposers import Proposer
 from verifiers.randomness import RandomSource, split_sources
@@ -63,7 +64,7 @@ def speculative_generate(
     chosen draft per iteration) and ``iterations``. ``adaptive``: choose each iteration's block
     from the accepted lengths so far (:mod:`verifiers.adaptive`; ``gamma`` is then unused).
     ``pre_drafting`` (K > 0): the draft drafts the next block after each of K candidate bonus
-    tokens while the target verifies (:class:`verifiers.machines.PreDraft`; ``pre_drafted`` in
+    tokens while the target verifies (:class:`verifiers.machines.needs.PreDraft`; ``pre_drafted`` in
     the stats counts the iterations that verified such a block). ``proposers``: model-free
     proposers asked before each block (:mod:`verifiers.proposers`; ``draft_fn`` None: a plain
     step where none proposes; ``proposed`` / ``accepted_proposed`` in the stats, per proposer). The random streams then differ

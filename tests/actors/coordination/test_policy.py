@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from actors.coordination.policy import COHORT_PLAIN_TOKENS, plain_tokens, set_plain_tokens
 from verifiers.adaptive import AdaptiveGammaSettings
-from verifiers.machines import AR_TOKENS_PER_ITERATION, AutoregressiveMachine, SpeculativeMachine
+from verifiers.machines.autoregressive import AutoregressiveMachine
+from verifiers.machines.base import AR_TOKENS_PER_ITERATION
+from verifiers.machines.speculative import SpeculativeMachine
 
 
 def test_an_ar_iteration_draws_more_in_a_step_of_several_requests():

@@ -12,7 +12,7 @@ from actors.coordination.plan import DecodingPlan
 from actors.coordination.prompt_scoring import law_models, prompt_log_rows, prompt_logprobs
 from cluster.config import ModelSpec
 from models import EMBEDDED_ROOT
-from verifiers.machines import Sample
+from verifiers.machines.needs import Sample
 
 TOLERANCE = 1e-4  # float32: the engine's batched forward vs one transformers forward
 

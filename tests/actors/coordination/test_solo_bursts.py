@@ -11,7 +11,7 @@ from actors.coordination.requests import RequestState
 from actors.coordination.scheduler import Scheduler
 from actors.messages import CallTiming, ItemOutcome
 from actors.worker.bursts import BurstRecord
-from verifiers.machines import SpeculativeMachine
+from verifiers.machines.speculative import SpeculativeMachine
 
 DRAFT_CALL_S, VERIFY_CALL_S, WALL_S = 0.003, 0.005, 0.0085
 

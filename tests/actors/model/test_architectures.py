@@ -32,7 +32,7 @@ from actors.messages import OpenSession, RowSampling, WorkItem
 from actors.worker.model_worker import ModelWorker
 from cluster.config import ModelSpec
 from tests.conftest import _build_tokenizer
-from verifiers.machines import Sample
+from verifiers.machines.needs import Sample
 
 ATOL = 1e-4  # float32: cached, batched attention vs one full forward differ by rounding only
 WINDOW = 8  # sliding window of the tiny models: every prompt here is longer

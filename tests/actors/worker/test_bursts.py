@@ -39,7 +39,9 @@ from tests.actors.fake_models import (CO_LOCATED, FAKE_MODELS, FunctionModelWork
                                      fake_group_config)
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from verifiers.adaptive import AdaptiveGammaSettings, StepCosts
-from verifiers.machines import AutoregressiveMachine, Sample, Sampled, ScoreVerify, SpeculativeMachine, Verified
+from verifiers.machines.autoregressive import AutoregressiveMachine
+from verifiers.machines.needs import Sample, Sampled, ScoreVerify, Verified
+from verifiers.machines.speculative import SpeculativeMachine
 from verifiers.reference import autoregressive_generate, speculative_generate
 
 PROMPT = (1, 2, 3)
@@ -478,7 +480,7 @@ def test_a_burst_opens_each_session_with_its_models_first_need_once():
 
 
 def test_ar_sd_and_multi_draft_burst_the_ensembles_do_not():
-    from verifiers.machines import EnsembleMachine
+    from verifiers.machines.ensemble import EnsembleMachine
     from verifiers.randomness import TorchRandomSource
 
     assert burstable(AutoregressiveMachine("target", max_new_tokens=4))

@@ -80,7 +80,7 @@ def test_run_steps_runs_the_calls_in_order_and_returns_only_the_payloads_read_el
     """A draft Sample and the target's ScoreVerify reading it in-process, in one call; the draft's
     payloads stay in the process, the verifier's are not asked for either."""
     from actors.messages import OpenSession, RowSampling
-    from verifiers.machines import Sample, ScoreVerify
+    from verifiers.machines.needs import Sample, ScoreVerify
 
     host = DeviceWorker([_spec("target"), _spec("draft")], worker_cls=FunctionModelWorker)
     opened = OpenSession((1, 2, 3), RowSampling(), {"sample": 1, "verify": 2})
@@ -155,7 +155,7 @@ def test_a_hosted_model_forwards_calls_with_its_name():
 def test_run_steps_reads_another_workers_payloads_as_arguments():
     """A source of another worker (``("arg", i)``) is resolved like a ModelWorker's source."""
     from actors.messages import OpenSession, RowSampling
-    from verifiers.machines import Sample, ScoreVerify
+    from verifiers.machines.needs import Sample, ScoreVerify
 
     drafts = DeviceWorker([_spec("draft")], worker_cls=FunctionModelWorker)
     targets = DeviceWorker([_spec("target")], worker_cls=FunctionModelWorker)

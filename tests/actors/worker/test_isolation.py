@@ -15,7 +15,7 @@ from actors.worker import step
 from actors.worker.isolation import batched_then_alone
 from benchmarks.served.runners import LocalActorHandle
 from tests.actors.fake_models import FAKE_MODELS, POISON_PROMPT, FunctionModelWorker, fake_group_config, run_in_process
-from verifiers.machines import NextLogits
+from verifiers.machines.needs import NextLogits
 
 
 class _Calls:

@@ -16,7 +16,7 @@ from actors.worker.device_worker import DeviceWorker
 from actors.worker.model_worker import ModelWorker
 from actors.worker.sessions import SessionNotFoundError
 from cluster.config import ModelSpec
-from verifiers.machines import Extend, NextLogits, Sample, Sampled, ScoreVerify
+from verifiers.machines.needs import Extend, NextLogits, Sample, Sampled, ScoreVerify
 from verifiers.sampling import logits_to_probs
 
 PROMPT = [5, 17, 42, 99, 7, 13, 250, 3, 64, 11]
