@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from actors.api import RequestStats
+from actors.request_schema import RequestStats
 
 
 @dataclass(frozen=True)

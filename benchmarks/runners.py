@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Any
 
-from actors.api import GenerationChunk, GenerationRequest, SamplingParams
+from actors.request_schema import GenerationChunk, GenerationRequest, SamplingParams
 from benchmarks.records import RunRecord, record_from_stats
 from benchmarks.suite import BenchCase
 
@@ -75,7 +75,7 @@ class RayRunner:
     def __init__(self, group_args: Any, *, temperature: float):
         import ray
 
-        from cluster.bringup import init_ray, start_model_group
+        from cluster.serving.bringup import init_ray, start_model_group
 
         self.temperature = temperature
         self._started_ray = not ray.is_initialized()

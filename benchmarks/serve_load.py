@@ -67,7 +67,7 @@ from benchmarks.serve_load_report import (
     write_json,
     write_results,
 )
-from cluster.local_ports import free_local_ports
+from cluster.serving.local_ports import free_local_ports
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A request's statistics: the counters the scheduler keeps while it runs
-(:class:`StatsRecorder`, :func:`record_outcomes`) and the :class:`actors.api.RequestStats` its
+(:class:`StatsRecorder`, :func:`record_outcomes`) and the :class:`actors.request_schema.RequestStats` its
 final chunk carries (:func:`request_stats`)."""
 
 from __future__ import annotations
@@ -11,20 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actors.api import RequestStats
+from actors.request_schema import RequestStats
 from actors.coordination.plan import ALTERNATE, ENSEMBLE_STRATEGIES
 from actors.messages import CallTiming, ItemOutcome
 from verifiers.machines import Extend, NextLogits, PreDraft, Sample, ScoreBlock, SpeculativeMachine
 
 if TYPE_CHECKING:
-    from actors.coordination.requests import RequestState
+    from actors.coordination.request_state import RequestState
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class StatsRecorder:
-    """Per-request counters, turned into ``actors.api.RequestStats`` at the end."""
+    """Per-request counters, turned into ``actors.request_schema.RequestStats`` at the end."""
 
     model_calls: dict[str, int] = field(default_factory=dict)
     time_draft_s: float = 0.0
