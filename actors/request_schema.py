@@ -1,4 +1,5 @@
-"""Request, chunk and stats types exchanged between the serving layer and the Coordinator.
+"""The request schema: the request, chunk and stats types exchanged between the serving layer
+and the Coordinator.
 
 These are the only objects that cross the Serve ingress <-> Coordinator boundary. They are
 pydantic models with ``extra="forbid"`` so a bad field is named in the error, and they are

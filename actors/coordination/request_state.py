@@ -1,4 +1,4 @@
-"""A request inside the scheduler: :class:`RequestState`."""
+"""What the scheduler tracks of one running request: :class:`RequestState`."""
 
 from __future__ import annotations
 

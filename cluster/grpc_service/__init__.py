@@ -26,8 +26,8 @@ The ingress methods (``cluster/serving/ingress.py``) use the functions here:
   with per-token log-probabilities when ``sampling.logprobs`` is set;
 - :func:`grpc_field` names a coordinator error's field by its proto path.
 
-By job: the servicer registration and decoding (:mod:`cluster.grpc_service.decoding`), requests
-(:mod:`cluster.grpc_service.to_generation`) and responses (:mod:`cluster.grpc_service.responses`);
+By job: the servicer registration and decoding (:mod:`cluster.grpc_service.decoding`), messages to
+generation requests (:mod:`cluster.grpc_service.to_generation`) and responses (:mod:`cluster.grpc_service.responses`);
 every name is re-exported here. Status codes (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE,
 INTERNAL) are chosen by the ingress (``cluster.serving.ingress``) and set on Serve's ``grpc_context``.
 """

@@ -1,6 +1,7 @@
-"""A ``GenerateRequest`` as coordinator requests: wire types, presence-aware options, the
-prompt, the client's request id and the choices of ``sampling.n``; every value checked by the
-constraints of :mod:`actors.request_schema` and named by its proto path."""
+"""A ``GenerateRequest`` as :class:`~actors.request_schema.GenerationRequest` s, one per choice:
+wire types, presence-aware options, the prompt, the client's request id and the choices of
+``sampling.n``; every value checked by the constraints of :mod:`actors.request_schema` and named
+by its proto path."""
 
 from __future__ import annotations
 

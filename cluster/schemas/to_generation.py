@@ -1,4 +1,4 @@
-"""HTTP bodies -> coordinator requests, one per choice.
+"""HTTP bodies -> :class:`~actors.request_schema.GenerationRequest` s, one per choice.
 
 A completions ``prompt`` may be one prompt (a string or a list of token ids) or a list of them
 (strings or token-id lists); each prompt gets ``n`` independent samples, and the choice of

@@ -13,7 +13,7 @@ import ray
 from cluster.serving.ingress import INGRESS_CPUS
 from cluster.serving.serve_command import deploy
 
-from .conftest import serve_document, specserve_application
+from tests.cluster.conftest import serve_document, specserve_application
 
 APP = "specserve-two"
 

@@ -26,7 +26,7 @@ import ray
 from cluster.serving.serve_command import deploy
 from protos import specserve_pb2, specserve_pb2_grpc
 
-from .conftest import serve_document, specserve_application
+from tests.cluster.conftest import serve_document, specserve_application
 from .test_errors import assert_no_internals
 
 APP = "specserve-keyed"

@@ -21,7 +21,7 @@ import yaml
 from cluster.serving.local_ports import free_local_ports
 from protos import specserve_pb2, specserve_pb2_grpc
 
-from .conftest import serve_document, specserve_application
+from tests.cluster.conftest import serve_document, specserve_application
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 300

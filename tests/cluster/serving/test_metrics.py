@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.coordination.metrics import COUNTER, GAUGE, METRICS, GroupIdentity, RequestClock, SchedulerMetrics, group_snapshot
-from cluster import metrics as cluster_metrics
+from cluster.serving import metrics as cluster_metrics
 from cluster.serving.metrics import SCRAPE_COORDINATORS, CoordinatorDirectory, ScrapeResult, render
 
 DASHBOARD = pathlib.Path(__file__).resolve().parents[3] / "deploy" / "grafana-dashboard.json"

@@ -106,7 +106,7 @@ def test_serve_command_logs_the_warning_before_starting_ray(tmp_path, monkeypatc
     """`specserve serve` warns (and a malformed SPECSERVE_API_KEY stops it) before Ray starts."""
     import yaml
 
-    from cluster import serve_command
+    from cluster.serving import serve_command
 
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump(_document(("app", _args()))))

@@ -92,7 +92,7 @@ def test_direct_http_is_refused_when_joining_a_running_cluster(monkeypatch, capl
     import logging
     import pathlib
 
-    from cluster import serve_command
+    from cluster.serving import serve_command
 
     config = pathlib.Path(__file__).resolve().parents[3] / "deploy" / "default.yaml"
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing is contacted: refused before Ray starts
