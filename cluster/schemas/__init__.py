@@ -31,6 +31,10 @@ OpenAI fields without a meaning here are accepted and ignored (:data:`IGNORED_OP
 ``store``, ``metadata``, ``service_tier``, ``reasoning_effort``, ``user``); ``modalities`` is
 accepted as ``["text"]`` only; ``prediction`` (predicted outputs) is the draft of the request.
 Any other field is refused as unknown.
+
+Beside the schemas: the chat template's rendering of a conversation (:mod:`cluster.schemas.chat_prompt`)
+and a parsed body's choices as generation requests (:mod:`cluster.schemas.to_generation`, which gRPC
+shares); neither is re-exported here.
 """
 
 from cluster.schemas.chat import ChatCompletionRequest, ChatMessage, ChatRole
