@@ -262,8 +262,9 @@ class SpeculationParams(_Frozen):
     method: str | None = Field(
         None, max_length=MAX_NAME_CHARS,
         description=(
-            "Verification rule: token | block | greedy_block (sd), token | block (se); "
-            "spectr | sequential_gbv | spectr_gbv (multi_draft)."
+            "Verification rule: token | block | greedy_block (sd); spectr | sequential_gbv | spectr_gbv (multi_draft); "
+            "se with the alternate proposer: token | block; se with a model proposer: block | token | greedy_block | "
+            "spectr | sequential_gbv | spectr_gbv (spectr_gbv: experimental, not lossless for K >= 2)."
         ),
     )
     gamma: GammaValue | None = Field(

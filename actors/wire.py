@@ -5,7 +5,7 @@ torch pickles a tensor through its storage (a few hundred microseconds of Python
 Ray pickles a numpy array as an out-of-band buffer (protocol 5), far cheaper. Measured here, an
 actor-to-actor call returning one draft payload (tokens ``[1, 4]`` and logits ``[1, 4, 4096]``,
 float32): 1.5-1.7 ms round trip as torch tensors, 1.1 ms with this module (the same call returning
-bare numpy arrays: 0.9 ms). ``python -m benchmarks.ray_overhead`` measures the hops.
+bare numpy arrays: 0.9 ms). ``python -m benchmarks.served.ray_overhead`` measures the hops.
 
 :func:`pickle_through_wire` registers a dataclass with a reducer (``copyreg``, which Ray's
 pickler honours) that hands its CPU tensors to the pickler as numpy arrays and turns them back

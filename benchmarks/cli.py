@@ -4,9 +4,9 @@
     specserve bench --mode serve-load [--concurrency 1,4,16,32] [--strategies ar,sd,multi_draft,se]
                     [--overlap on,off] [--prefix-caching on|off] [--bare-limit on|off] --out DIR
 
-The default mode (``suite``) runs the benchmark suite (``benchmarks.suite``) over the committed
+The default mode (``suite``) runs the benchmark suite (``benchmarks.served.suite``) over the committed
 prompt set and writes ``results.json``, ``results.md`` and PNG plots under ``DIR``. The
-``serve-load`` mode (``benchmarks.serve_load``) starts ``specserve serve`` and measures it under
+``serve-load`` mode (``benchmarks.served.serve_load``) starts ``specserve serve`` and measures it under
 concurrent streaming HTTP clients. Progress goes to stderr (a tqdm bar and log lines); the paths
 of the written files are logged at the end.
 """
@@ -69,7 +69,7 @@ def _mode_list(text: str) -> tuple[str, ...]:
 
 
 def _strategy_list(text: str) -> tuple[str, ...]:
-    from benchmarks.suite import STRATEGIES
+    from benchmarks.served.suite import STRATEGIES
 
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = [n for n in names if n not in STRATEGIES]
@@ -78,15 +78,26 @@ def _strategy_list(text: str) -> tuple[str, ...]:
     return names
 
 
+DESCRIPTION = ("Run every decoding strategy, on separate Ray actors and in one process, and "
+               "transformers assisted generation on the same models and prompts, interleaved by prompt; "
+               "write results.json, results.md and plots under --out.")
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``specserve bench`` on the CLI's subparsers; the handler is ``run_bench_command``."""
+    """Register ``bench`` on an argparse subparsers object; the handler is ``run_bench_command``."""
     parser = subparsers.add_parser(
-        "bench",
-        help="Benchmark every strategy side by side (and transformers assisted generation).",
-        description="Run every decoding strategy, on separate Ray actors and in one process, and "
-        "transformers assisted generation on the same models and prompts, interleaved by prompt; "
-        "write results.json, results.md and plots under --out.",
-    )
+        "bench", help="Benchmark every strategy side by side (and transformers assisted generation).",
+        description=DESCRIPTION)
+    return add_bench_arguments(parser)
+
+
+def build_bench_parser() -> argparse.ArgumentParser:
+    """The parser of ``specserve bench`` on its own (what ``main`` parses)."""
+    return add_bench_arguments(argparse.ArgumentParser(prog="specserve bench", description=DESCRIPTION))
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the arguments of ``specserve bench`` to ``parser`` and set its handler; returns ``parser``."""
     parser.add_argument("--mode", choices=("suite", "serve-load"), default="suite",
                         help="suite: every strategy side by side (default); serve-load: the HTTP server under "
                         "concurrent streaming clients.")
@@ -117,6 +128,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="se variants: proposal length of the non-first members (the first proposes 1), e.g. 1,5.")
     parser.add_argument("--temperature", type=float, default=None, help="Sampling temperature (default 1).")
     parser.add_argument("--plot-prefix", default="", help="Prefix of the plot links in results.md (e.g. img/).")
+    parser.add_argument("--record", default=None, metavar="CASE",
+                        help="Also write the run into the results store as benchmarks/results/CASE.json and "
+                        "regenerate docs/results.md.")
     load = parser.add_argument_group("serve-load mode")
     load.add_argument("--concurrency", type=_int_list, default=None,
                       help="Concurrent clients per level (default 1,4,16,32).")
@@ -152,7 +166,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def settings_from_args(args: argparse.Namespace):
-    from benchmarks.suite import QUICK_SETTINGS, BenchSettings
+    from benchmarks.served.suite import QUICK_SETTINGS, BenchSettings
 
     values: dict = dict(QUICK_SETTINGS) if args.quick else {}
     overrides = {
@@ -178,7 +192,7 @@ def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
 
 
 def serve_load_settings_from_args(args: argparse.Namespace):
-    from benchmarks.serve_load import ServeLoadSettings
+    from benchmarks.served.load_cases import ServeLoadSettings
 
     overrides = {
         "concurrency": args.concurrency, "strategies": args.strategies, "max_tokens": args.max_tokens,
@@ -203,8 +217,8 @@ def run_serve_load_command(args: argparse.Namespace) -> int:
     """``specserve bench --mode serve-load``."""
     from pydantic import ValidationError
 
-    from benchmarks.prompts import PROMPTS_PATH
-    from benchmarks.serve_load import run_serve_load
+    from benchmarks.served.prompts import PROMPTS_PATH
+    from benchmarks.served.serve_load import run_serve_load
     from cluster.config import ConfigError
 
     wrong = _given(args, SUITE_ONLY_FLAGS)
@@ -227,6 +241,11 @@ def run_serve_load_command(args: argparse.Namespace) -> int:
     except RuntimeError as error:  # the server did not start or died
         logger.error("%s", error)
         return 1
+    if args.record:
+        from benchmarks.reports.tables import update
+        from benchmarks.reports.writers import serve_load_record
+
+        logger.info("recorded %s", update(serve_load_record(results, args.record)))
     failed = sum(s.failed for s in results.summaries)
     if failed:
         logger.warning("%d requests failed (see results.md and %s)", failed, args.out / "server.log")
@@ -236,8 +255,8 @@ def run_serve_load_command(args: argparse.Namespace) -> int:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Handler of ``specserve bench``; returns the process exit code."""
-    from benchmarks.prompts import PROMPTS_PATH
-    from benchmarks.run import run_benchmark
+    from benchmarks.served.prompts import PROMPTS_PATH
+    from benchmarks.served.run import run_benchmark
     from cluster.config import load_app_args
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the benchmark never downloads anything
@@ -259,8 +278,25 @@ def run_bench_command(args: argparse.Namespace) -> int:
     group_args = load_app_args(args.config, args.app_name)
     results = run_benchmark(group_args, settings, args.out, command=_command_line(), plot_prefix=args.plot_prefix,
                             prompts_path=args.prompts or PROMPTS_PATH)
+    if args.record:
+        from benchmarks.reports.tables import update
+        from benchmarks.reports.writers import suite_record
+
+        logger.info("recorded %s", update(suite_record(results.to_json(), args.record)))
     for check in results.checks:
         level = logging.WARNING if check.met is False else logging.INFO
         logger.log(level, "target %s: required %s, measured %s", check.name, check.required, check.measured)
     logger.info("results in %s", args.out)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``specserve bench ARGS`` (and ``python -m benchmarks.cli ARGS``): parse ``argv`` and run; the exit code."""
+    args = build_bench_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,  # a no-op under specserve, which set it up
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

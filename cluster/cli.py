@@ -85,9 +85,26 @@ from cluster.serving.serve_command import add_serve_subcommand  # noqa: E402 - r
 
 SUBCOMMANDS.append(add_serve_subcommand)
 
-from benchmarks.cli import add_bench_parser  # noqa: E402 - registered next to its peers
 
-SUBCOMMANDS.append(add_bench_parser)
+def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``specserve bench``; ``benchmarks.cli`` parses its arguments and is imported only when it runs.
+
+    The product does not import its benchmarks: this parser takes every word after ``bench`` as it is
+    (no prefix characters, so ``--help`` is a word too) and hands them to ``benchmarks.cli.main``.
+    """
+    parser = subparsers.add_parser("bench", help="Benchmark every strategy side by side (specserve bench --help).",
+                                   add_help=False, prefix_chars="\0")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER)
+    parser.set_defaults(handler=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from benchmarks.cli import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+SUBCOMMANDS.append(add_bench_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ Rejected positions need no undo: the state of a row is a function of its context
 of a request rolls back to the longest prefix it shares with the next context it is asked for.
 
 Engine: llguidance (``LLMatcher``: JSON schema, regex and Lark grammars over a tokenizer's byte
-strings, a one-bit-per-token mask and ``rollback``), measured in ``benchmarks/grammar_masks.py``.
+strings, a one-bit-per-token mask and ``rollback``), measured in ``benchmarks/micro/grammar_masks.py``.
 The mask is filled as an int32 bitmask ``[N, ceil(V / 32)]`` and applied with tensor operations
 (no loop over the vocabulary).
 

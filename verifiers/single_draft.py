@@ -318,7 +318,7 @@ def _surpluses(block: _Block, p: torch.Tensor) -> torch.Tensor:
     (Eq. (4); ``p [B, gamma+1]`` in [0, 1], so this is ``_scaled_difference``'s positive part with
     its draft weight 1). Every position at once with ONE ``[B, gamma-1, V]`` temporary, the
     subtraction and the clamp in place (more temporaries of that size cost more than a loop over
-    positions at large vocabularies, ``python -m benchmarks.verify_micro``)."""
+    positions at large vocabularies, ``python -m benchmarks.micro.verify_micro``)."""
     inner = slice(1, block.gamma)
     product = torch.mul(block.target_probs[:, inner], p[:, inner].unsqueeze(-1))  # [B, gamma-1, V]
     return product.sub_(block.draft_probs[:, inner]).clamp_(min=0.0).sum(dim=-1)

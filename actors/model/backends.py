@@ -231,7 +231,7 @@ class SlotBackend:
         batched path (``tests/actors/model/test_lean_decoder.py`` compares them); a lone request's
         decode and draft steps, where the ops around the GEMMs are most of a small model's
         forward (the embedded draft's 1 x 1: 0.5 ms batched, 0.3 ms here; ``python -m
-        benchmarks.forward_micro --model draft --rows 1``)."""
+        benchmarks.micro.forward_micro --model draft --rows 1``)."""
         start, length = row.columns[0], len(row)
         columns = start + length  # T_kv: every column of the slot up to the row's last
         tokens = torch.tensor((row.token_ids, row.positions), dtype=torch.long, device=self.device)  # [2, L]

@@ -23,7 +23,7 @@ row's keys and values of every layer into a new tensor. A slot in the run with n
 own (a *filler*: its session is in another forward, or idle) gets a row that writes only its
 trash column and reads only column 0, so nothing it owns changes. Gathering reads and writes
 all of ``[B, H, T_kv, D]`` per layer: 1.5-3 ms of a 16-row forward of the embedded target at
-context 150 (``python -m benchmarks.forward_micro``, ``docs/benchmarks.md``).
+context 150 (``python -m benchmarks.micro.forward_micro``, ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

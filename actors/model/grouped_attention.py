@@ -14,7 +14,7 @@ position (``pack_gqa``). Equal to the repeated form to 1e-6 (``tests/actors/mode
 Measured here (one torch thread, 8 rows x 5 new tokens, 2,048 cached columns, 14 query heads
 over 2 key/value heads, head size 64; one attention call): 70 ms with ``repeat_kv``, 10 ms with
 torch's ``enable_gqa=True``, 7 ms packed; for one new position packed 1.0-2.9 ms against
-2.0-4.4 ms for ``enable_gqa`` (2,048-4,096 columns). ``python -m benchmarks.real_shape`` measures
+2.0-4.4 ms for ``enable_gqa`` (2,048-4,096 columns). ``python -m benchmarks.peers.real_shape`` measures
 whole forwards of a Qwen2.5-shaped model.
 
 :func:`use_grouped_attention` switches a loaded sdpa model to :data:`GROUPED_SDPA`, which takes

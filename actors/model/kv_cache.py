@@ -18,7 +18,7 @@ tensor per layer per forward is a fresh ``mmap`` from the allocator while the ga
 keeps growing past its threshold, and faulting its pages in cost more than the attention
 itself: a run of 16-row decode forwards of the embedded target took 39.9 ms a forward with fresh
 tensors and 16.4 ms with the reused buffers (transformers with a DynamicCache: 15.7 ms; the
-decode run of ``python -m benchmarks.forward_micro``, ``docs/benchmarks.md``).
+decode run of ``python -m benchmarks.micro.forward_micro``, ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ runs the same computation with less around it:
   over a copy of their weights reordered into oneDNN's blocked layout, what vLLM's CPU build runs
   too: the same float32 product, 2.5x faster than the BLAS (MKL) behind ``F.linear`` at 16 rows
   on this machine's AMD cores, and faster at one row too, where the weights are read from memory
-  (``python -m benchmarks.forward_micro``, ``docs/benchmarks.md``); the residual adds after
+  (``python -m benchmarks.micro.forward_micro``, ``docs/benchmarks.md``); the residual adds after
   o_proj and down_proj are that matmul's own post-op (:func:`_linear_add`). That copy is the one
   weight held twice (the model's own ``nn.Linear`` weights stay, for its own forward, the
   load-time check and the fall-back): 46.5 MiB for the embedded target.
@@ -34,7 +34,7 @@ What that buys on CPU is the Python and dispatch work around the ops, the faster
 faster attention at 16 rows: the embedded target's forward at context 150 takes 2.9 ms at 1 x 1
 and 3.9 at 1 x 5 (a row alone: :meth:`actors.model.backends.SlotBackend._forward_run`, no mask for
 one token), 9.4 at 16 x 1 and 17.8 at 16 x 5 against 5.7, 7.5, 13.6 and 29.2 with its own decoder
-(``python -m benchmarks.forward_micro --rows 1,16 --context 150``, ``docs/benchmarks.md``).
+(``python -m benchmarks.micro.forward_micro --rows 1,16 --context 150``, ``docs/benchmarks.md``).
 TorchInductor over the two dense halves (dynamic token count) measured no faster here: the
 elementwise work it fuses is small next to the GEMMs, and its guards cost what the fusion saves;
 so the path runs eager.

@@ -72,7 +72,7 @@ def resolve_source(source: Any) -> Any:
 def _fetch(refs: Sequence[Any]) -> list[Any]:
     """The values of a peer call's returns: Ray ObjectRefs (one ``ray.get``), a call on a
     :class:`~actors.worker.peer_link.PeerLink`, or resolved futures of an in-process handle
-    (``benchmarks.runners.LocalActorHandle``)."""
+    (``benchmarks.served.runners.LocalActorHandle``)."""
     import ray
 
     if len(refs) == 1 and isinstance(refs[0], LinkCall):

@@ -3,6 +3,8 @@ the error a bad configuration raises."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -14,3 +16,11 @@ class Frozen(BaseModel):
     """A section of the args: frozen, unknown keys refused."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+@dataclass(frozen=True)
+class Accepts:
+    """``Annotated`` metadata naming what a field accepts where its validated type reads otherwise
+    (a size string parsed to bytes): the configuration reference prints ``text`` as the type."""
+
+    text: str

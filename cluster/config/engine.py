@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from cluster.config.base import Frozen
+from cluster.config.base import Accepts, Frozen
 
 #: Units of a memory size (lower case): kB..TB are powers of 1000, KiB..TiB of 1024.
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -48,7 +48,10 @@ def parse_memory(value: Any) -> int | float:
 
 
 #: ``engine.kv_cache_memory``: bytes (an int, or a string such as "4GiB") or a fraction in (0, 1].
-MemoryBudget = Annotated[int | float, BeforeValidator(parse_memory)]
+MemoryBudget = Annotated[
+    int | float, BeforeValidator(parse_memory),
+    Accepts('integer (bytes) | string (a size: "40GiB", "512MiB") | number (a GPU fraction in (0, 1])'),
+]
 
 
 class SimulatedDeviceArgs(Frozen):
@@ -99,7 +102,7 @@ class EngineArgs(Frozen):
         True,
         description="Workers keep freed memory for their next step (glibc malloc's mmap threshold 32 MiB, trim "
         "threshold 256 MiB): a step's few-MiB row tensors reuse the heap instead of fresh pages the kernel faults in "
-        "(sd gamma 4 at 16 clients +13-15% on CPU; docs/benchmarks.md); a worker keeps its step high-water mark. "
+        "(docs/results.md, \"Engine\"); a worker keeps its step high-water mark. "
         "Nothing changes but where memory comes from. false: glibc's defaults. No effect without glibc.",
     )
     lean_forward: bool = Field(

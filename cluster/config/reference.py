@@ -31,6 +31,7 @@ from pydantic_core import PydanticUndefined
 
 from actors.request_schema import RequestStats, SpeculationParams
 from cluster.config import SpecServeArgs
+from cluster.config.base import Accepts
 
 REGENERATE = "python -m cluster.config.reference > docs/configuration.md"
 
@@ -78,7 +79,8 @@ def type_name(annotation: object) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Annotated:
-        return type_name(args[0])
+        accepts = [item.text for item in args[1:] if isinstance(item, Accepts)]
+        return accepts[0] if accepts else type_name(args[0])
     if origin is typing.Literal:
         return " | ".join(json.dumps(value) for value in args)
     if origin in (typing.Union, types.UnionType):
@@ -189,10 +191,23 @@ HEADER = f"""# Configuration reference
 Generated from the pydantic models that validate each setting; a test fails when this page is
 stale (regenerate: `{REGENERATE}`).
 
-A deployment's YAML ([example](serving.md#deployment-files)) holds the sections below in each
-application's `args`, a row's key inside its section (`engine: {{max_model_len: 8192}}`); a null
-default means unset, unknown keys are refused, and a bad value stops the deployment naming the
-key. A request's `speculation` object takes its unset fields from `args.defaults`; the sampling
+A deployment is a Ray Serve config file ([example](serving.md#deployment-files)); the keys around
+specserve's `args` are Ray Serve's:
+
+| key | what |
+| --- | --- |
+| `http_options: {{host, port}}` | the HTTP proxy's address (default `127.0.0.1:8000` with `specserve serve`) |
+| `grpc_options: {{port, grpc_servicer_functions}}` | the gRPC proxy's port (every interface); the servicer \
+`cluster.grpc_service.add_SpecServeServicer_to_server` |
+| `proxy_location` | `HeadOnly`, or `EveryNode` for an HTTP proxy on every node |
+| `applications[].name`, `route_prefix` | the `model` id clients send; HTTP routes by prefix, gRPC by the `application` metadata key |
+| `applications[].import_path` | `cluster.app:build_app` |
+| `applications[].deployments: [{{name: SpecServeIngress, num_replicas}}]` | one replica is one model group; \
+`autoscaling_config` adds and removes groups |
+
+Each application's `args` holds the sections below, a row's key inside its section (`engine:
+{{max_model_len: 8192}}`); a null default means unset, unknown keys are refused, and a bad value
+stops the deployment naming the key. A request's `speculation` object takes its unset fields from `args.defaults`; the sampling
 fields are in [serving.md](serving.md#http-api).
 """
 

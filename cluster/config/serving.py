@@ -73,13 +73,17 @@ class SecurityArgs(Frozen):
 class ServerArgs(Frozen):
     """Where the HTTP and gRPC servers listen (used by `specserve serve`)."""
 
-    host: str = Field("127.0.0.1", description="Bind address of the HTTP and gRPC servers.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Bind address of the HTTP server (and of direct HTTP). Not of gRPC: Ray Serve's gRPC proxy has no host "
+        "option and listens on every interface at grpc_port (set security.api_key or firewall that port).",
+    )
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP (OpenAI-compatible) port.")
     grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
     direct_http_port: int | None = Field(
         None, ge=1, le=65535,
         description="Also serve HTTP from each replica itself, skipping Serve's proxy (Ray Serve's direct ingress, "
         "experimental in Ray): the replicas listen on direct_http_port, direct_http_port + 1, ... (one port each; "
-        "the proxy stays on http_port). On this CPU it takes 8-14 ms off every request (docs/serving.md, \"Direct HTTP\"). Needs a Ray "
+        "the proxy stays on http_port), taking the proxy's hops off every request (docs/serving.md). Needs a Ray "
         "cluster that `specserve serve` starts itself. None: off.",
     )

@@ -23,7 +23,7 @@ from actors.coordination.coordinator import Coordinator
 from actors.worker.forward_plan import prefill_grants
 from actors.messages import OpenSession, Prefill, RowSampling, WorkItem
 from actors.worker.model_worker import ModelWorker
-from benchmarks.runners import LocalActorHandle
+from benchmarks.served.runners import LocalActorHandle
 from cluster.config import ConfigError, ModelSpec, parse_app_args
 from models import EMBEDDED_ROOT
 from tests.actors.fake_models import FAKE_CONTEXT, VOCAB, FunctionModelWorker, fake_group_config

@@ -14,7 +14,7 @@ import torch
 
 from actors.request_schema import GenerationRequest
 from actors.coordination.coordinator import Coordinator
-from benchmarks.runners import LocalActorHandle
+from benchmarks.served.runners import LocalActorHandle
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config, run_in_process
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from verifiers.adaptive import AdaptiveGammaSettings

@@ -15,15 +15,14 @@ import json
 import pytest
 import yaml
 
-from benchmarks.analysis import adaptive_comparisons, check_targets, paired_ratios, peer_comparisons, summarize
+from benchmarks.reports.analysis import adaptive_comparisons, check_targets, paired_ratios, peer_comparisons, summarize
 from benchmarks.cli import add_bench_parser, gamma_list, settings_from_args
-from benchmarks.peer import accepted_lengths_from_cache
-from benchmarks.prompts import Prompt, code_prompt, load_prompts, prose_prompts
-from benchmarks.publish import results_section
-from benchmarks.records import RunRecord
-from benchmarks.report import BenchResults, render_markdown
-from benchmarks.run import rerender
-from benchmarks.suite import BenchSettings, build_cases
+from benchmarks.peers.peer import accepted_lengths_from_cache
+from benchmarks.served.prompts import Prompt, code_prompt, load_prompts, prose_prompts
+from benchmarks.reports.records import RunRecord
+from benchmarks.reports.report import BenchResults, render_markdown
+from benchmarks.served.run import rerender
+from benchmarks.served.suite import BenchSettings, build_cases
 from tests.conftest import tiny_args_dict
 
 ROLES = {"target": "target", "draft": "draft", "partner": "member", "partner2": "member"}
@@ -183,13 +182,6 @@ def test_auto_gamma_is_set_against_the_best_fixed_gamma():
                            summaries=summarize(build_cases(plain, ROLES), fixed_only), overhead=[], peer=[],
                            checks=[], records=fixed_only)
     assert "Adaptive" not in render_markdown(no_auto, {})
-
-
-def test_results_section_for_the_docs():
-    text = "# Benchmark results\n\n## Targets\n\n![speedup](speedup.png)\n![x](img/time_split.png)\n"
-    assert results_section(text) == (
-        "## Benchmark results\n\n### Targets\n\n![speedup](img/bench_speedup.png)\n![x](img/bench_time_split.png)\n"
-    )
 
 
 # ----------------------------------------------------------------------------- smoke run

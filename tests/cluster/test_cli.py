@@ -121,3 +121,16 @@ def test_console_module_help_runs():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
     assert "--num-drafts" in result.stdout and "--json" in result.stdout
+
+
+def test_the_cli_imports_no_benchmark_and_bench_help_still_runs():
+    """``cluster.cli`` does not import ``benchmarks``; ``specserve bench --help`` loads it when asked."""
+    code = "import sys, cluster.cli; print([m for m in sys.modules if m.startswith('benchmarks')])"
+    imported = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported.stderr[-2000:]
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("usage: specserve bench") and "--concurrency" in result.stdout
+    args = build_parser().parse_args(["bench", "--mode", "serve-load", "--out", "x"])
+    assert args.bench_args == ["--mode", "serve-load", "--out", "x"] and callable(args.handler)

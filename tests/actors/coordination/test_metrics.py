@@ -27,7 +27,7 @@ from actors.coordination.metrics import (
 )
 from actors.coordination.policy import COHORT_PLAIN_TOKENS
 from actors.coordination.scheduler import Scheduler
-from benchmarks.runners import LocalActorHandle
+from benchmarks.served.runners import LocalActorHandle
 from tests.actors.fake_models import FunctionModelWorker, fake_group_config
 
 PROMPT = [1, 2, 3]

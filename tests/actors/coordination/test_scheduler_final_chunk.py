@@ -8,7 +8,7 @@ from __future__ import annotations
 from actors.request_schema import GenerationRequest
 from actors.coordination import request_stats, scheduler
 from actors.coordination.coordinator import Coordinator
-from benchmarks.runners import LocalActorHandle
+from benchmarks.served.runners import LocalActorHandle
 from tests.actors.fake_models import FunctionModelWorker, fake_group_config, run_in_process
 
 

@@ -24,7 +24,7 @@ from actors.coordination.step_costs import (
     ModeRates,
     StepCostModel,
 )
-from benchmarks.runners import LocalActorHandle
+from benchmarks.served.runners import LocalActorHandle
 from verifiers.adaptive import expected_tokens
 from actors.coordination.policy import COHORT_PROBE_EVERY, EXPLORE_EVERY
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config, run_in_process

@@ -484,7 +484,7 @@ def _perturbed_copy(path: pathlib.Path, root: pathlib.Path, seed: int, tokenizer
 
 def _local_group(paths: dict[str, pathlib.Path]):
     """The production Coordinator and ModelWorkers in this process (no Ray)."""
-    from benchmarks.runners import LocalRunner
+    from benchmarks.served.runners import LocalRunner
     from cluster.config import parse_app_args
 
     roles = {"target": "target", "draft": "draft", "partner": "member"}

@@ -18,7 +18,7 @@ from actors.model.simulated_device import (
     on_simulated_device,
     simulated_device,
 )
-from benchmarks.runners import LocalActorHandle
+from benchmarks.served.runners import LocalActorHandle
 from cluster.config import ConfigError, SimulatedDeviceArgs, parse_app_args
 from tests.actors.fake_models import FAKE_MODELS, VOCAB, FunctionBackend, FunctionModelWorker, fake_group_config, run_in_process
 

@@ -368,7 +368,7 @@ def test_a_request_arriving_mid_burst_is_admitted_after_an_iteration_in_process(
     unchanged); without it (the control) it waits for the whole burst."""
     from actors.coordination import solo_bursts
     from actors.coordination.coordinator import Coordinator
-    from benchmarks.runners import LocalActorHandle
+    from benchmarks.served.runners import LocalActorHandle
 
     if not signal:
         monkeypatch.setattr(solo_bursts.RunningBurst, "stop", lambda self: None)

@@ -13,7 +13,7 @@ from actors.coordination.coordinator import Coordinator
 from actors.messages import OpenSession, RowSampling, WorkItem
 from actors.worker import step
 from actors.worker.isolation import batched_then_alone
-from benchmarks.runners import LocalActorHandle
+from benchmarks.served.runners import LocalActorHandle
 from tests.actors.fake_models import FAKE_MODELS, POISON_PROMPT, FunctionModelWorker, fake_group_config, run_in_process
 from verifiers.machines import NextLogits
 

@@ -9,7 +9,7 @@ import torch
 from actors.request_schema import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from actors.worker import rows
-from benchmarks.runners import LocalActorHandle
+from benchmarks.served.runners import LocalActorHandle
 from tests.actors.fake_models import FunctionModelWorker, fake_group_config, run_in_process
 from verifiers.penalties import penalized_probs
 

@@ -1,0 +1,166 @@
+"""The engine alone under load (not a test): the Coordinator and every ModelWorker in this process.
+
+No Ray and no HTTP: ``--concurrency`` closed-loop clients send ``--requests`` requests straight
+to the Coordinator (``benchmarks.served.runners.LocalRunner``: the production classes, each worker a
+plain object), ``--max-tokens`` tokens each, with the speculation settings of the serve-load
+benchmark's cases (``benchmarks.served.serve_load.serve_load_cases``; EOS ignored, temperature 1,
+request i on prompt i mod 18 of the committed set as text, seed i). Prints the aggregate tokens/s,
+the median time to a request's first token and, per model, the forwards it ran: what the
+engine's own step costs, apart from Ray's hops and the HTTP path (``specserve bench --mode
+serve-load`` measures the whole server).
+
+    python -m benchmarks.served.engine_load --strategy ar --concurrency 16 --requests 128
+    python -m benchmarks.served.engine_load --strategy sd --concurrency 1 --requests 32 --prefix-caching off
+    python -m benchmarks.served.engine_load --strategy sd --gamma auto --goodput on --concurrency 16 --requests 128
+    python -m benchmarks.served.engine_load --strategy sd --pre-drafting 2 --concurrency 1 --requests 32
+    python -m benchmarks.served.engine_load --strategy ar --concurrency 16 --requests 64 --lean-forward off
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from actors.model import backends
+from actors.request_schema import GenerationRequest, SamplingParams
+from benchmarks.served.prompts import load_prompts
+from benchmarks.served.runners import LocalRunner
+from benchmarks.served.load_cases import SERVE_LOAD_STRATEGIES, ServeLoadSettings, serve_load_cases
+from cluster.config import load_app_args
+
+
+def _count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) -> Callable[[], None]:
+    """Wrap ``SlotBackend.forward`` to record (rows, tokens, seconds) per model and row kind;
+    returns what puts the original back."""
+    forward = backends.SlotBackend.forward
+
+    def counted(self: Any, rows: Any) -> Any:
+        started = time.perf_counter()
+        out = forward(self, rows)
+        kind = "prefill" if max(len(row) for row in rows) > 16 else "short"
+        stats[(self.model.config.name_or_path.rstrip("/").rsplit("/", 1)[-1], kind)].append(
+            (len(rows), sum(len(row) for row in rows), time.perf_counter() - started))
+        return out
+
+    backends.SlotBackend.forward = counted
+    return lambda: setattr(backends.SlotBackend, "forward", forward)
+
+
+async def _clients(runner: LocalRunner, prompts: list[str], speculation: dict[str, Any],
+                   args: argparse.Namespace, first_token_s: list[float]) -> int:
+    """Run the closed-loop clients -> the tokens generated; appends each request's time to its
+    first token (seconds) to ``first_token_s``."""
+    counter = iter(range(args.requests))
+
+    async def client() -> int:
+        tokens = 0
+        for i in counter:
+            request = GenerationRequest(
+                request_id=f"engine-load-{i}", prompt=prompts[i % len(prompts)],
+                sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i, ignore_eos=True),
+                speculation=speculation)
+            sent, first = time.perf_counter(), True
+            async for chunk in runner.coordinator.generate(request):
+                if chunk.token_ids and first:
+                    first_token_s.append(time.perf_counter() - sent)
+                    first = False
+                tokens += len(chunk.token_ids)
+        return tokens
+
+    return sum(await asyncio.gather(*(client() for _ in range(args.concurrency))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="deploy/default.yaml", help="Ray Serve YAML naming the models.")
+    parser.add_argument("--strategy", choices=SERVE_LOAD_STRATEGIES, default="ar")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prefix-caching", choices=("on", "off"), default=None,
+                        help="Force args.engine.prefix_caching (default: the YAML's).")
+    parser.add_argument("--gamma", default=None,
+                        help="sd / multi_draft block: an int or auto (default: the serve-load case's, 4).")
+    parser.add_argument("--pre-drafting", type=int, default=None,
+                        help="Force args.engine.pre_drafting (candidate bonus tokens; 0 off; default: the YAML's).")
+    parser.add_argument("--burst-ms", type=float, default=None,
+                        help="Force args.engine.burst_ms (solo bursts; 0 off; default: the YAML's).")
+    parser.add_argument("--goodput", choices=("on", "off"), default=None,
+                        help="Force args.engine.goodput_gamma (gamma auto weighs measured step costs; default: the YAML's).")
+    parser.add_argument("--sampling-precision", choices=("auto", "float32", "float64"), default=None,
+                        help="Force args.engine.sampling_precision (the rows' precision; default: the YAML's).")
+    parser.add_argument("--lean-forward", choices=("on", "off"), default=None,
+                        help="Force args.engine.lean_forward (the lean decoder forward; default: the YAML's).")
+    parser.add_argument("--record", default=None, metavar="CASE",
+                        help="Also write the figure into the results store (benchmarks/results/CASE.json) and "
+                        "regenerate docs/results.md.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    group_args = load_app_args(args.config, None)
+    engine_updates = {}
+    if args.prefix_caching is not None:
+        engine_updates["prefix_caching"] = args.prefix_caching == "on"
+    if args.goodput is not None:
+        engine_updates["goodput_gamma"] = args.goodput == "on"
+    if args.pre_drafting is not None:
+        engine_updates["pre_drafting"] = args.pre_drafting
+    if args.burst_ms is not None:
+        engine_updates["burst_ms"] = args.burst_ms
+    if args.sampling_precision is not None:
+        engine_updates["sampling_precision"] = args.sampling_precision
+    if args.lean_forward is not None:
+        engine_updates["lean_forward"] = args.lean_forward == "on"
+    if engine_updates:
+        group_args = group_args.model_copy(update={"engine": group_args.engine.model_copy(update=engine_updates)})
+    (case,) = serve_load_cases(ServeLoadSettings(strategies=(args.strategy,)), group_args.freeze().roles)
+    if args.gamma is not None and "gamma" in case.speculation:
+        case.speculation["gamma"] = args.gamma if args.gamma == "auto" else int(args.gamma)
+    runner = LocalRunner(group_args, temperature=1.0)
+    prompts = [prompt.text for prompt in load_prompts()]
+    stats: dict[tuple[str, str], list[tuple[int, int, float]]] = collections.defaultdict(list)
+    restore = _count_forwards(stats)
+    first_token_s: list[float] = []
+    try:
+        started = time.perf_counter()
+        tokens = runner.loop.run_until_complete(_clients(runner, prompts, case.speculation, args, first_token_s))
+        wall = time.perf_counter() - started
+    finally:
+        restore()
+    print(f"{args.strategy} at concurrency {args.concurrency}: {tokens} tokens in {wall:.2f} s = "
+          f"{tokens / wall:.1f} tok/s, TTFT p50 {1e3 * statistics.median(first_token_s):.1f} ms")
+    if args.record:
+        _record(args, case.speculation, argv, tokens / wall, 1e3 * statistics.median(first_token_s))
+    for (model, kind), runs in sorted(stats.items()):
+        seconds = sum(run[2] for run in runs)
+        print(f"  {model} {kind}: {len(runs)} forwards, {seconds:.2f} s ({100 * seconds / wall:.0f}% of wall), "
+              f"rows/forward {statistics.mean(r[0] for r in runs):.1f}, "
+              f"tokens/forward {statistics.mean(r[1] for r in runs):.1f}, "
+              f"median {1e3 * statistics.median(r[2] for r in runs):.1f} ms")
+    runner.close()
+    return 0
+
+
+def _record(args: argparse.Namespace, speculation: dict[str, Any], argv: list[str] | None, tokens_per_second: float,
+            ttft_p50_ms: float) -> None:
+    """Write this run's figure into the results store (``--record CASE``)."""
+    import shlex
+    import sys
+
+    from benchmarks.reports.tables import update
+    from benchmarks.reports.writers import engine_load_record
+
+    words = sys.argv[1:] if argv is None else argv
+    command = "python -m benchmarks.served.engine_load " + " ".join(shlex.quote(w) for w in words)
+    path = update(engine_load_record(args.record, command, strategy=args.strategy, gamma=speculation.get("gamma"),
+                                     clients=args.concurrency, tokens_per_second=tokens_per_second, ttft_p50_ms=ttft_p50_ms))
+    print(f"recorded {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
