@@ -206,7 +206,7 @@ class SpecServeIngress(GrpcMethods):
             model_name=model_name,
             coordinator=self._group.coordinator,
             tokens=ReplicaTokenizer(self._config.tokenizer_path),
-            max_prompt_chars=self.request_path.max_prompt_chars,
+            max_prompt_chars=self._config.max_prompt_chars,
             # Choices (prompts x n) per request: each is a coordinator request, all decoded at once.
             max_choices=max(1, min(MAX_CHOICES, self._config.max_concurrent_requests)),
             # Deployment-wide sampling defaults for unset request fields; none beyond
