@@ -32,7 +32,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def gamma_list(text: str) -> tuple[int | str, ...]:
     """``2,4,8,auto``: draft lengths, each an integer or ``auto`` (adaptive, chosen per request)."""
-    from actors.api import check_gamma
+    from actors.request_schema import check_gamma
 
     values: list[int | str] = []
     for part in (p.strip() for p in text.split(",")):

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, get_args
 
-from actors.api import EnsembleKind, Strategy
+from actors.request_schema import EnsembleKind, Strategy
 
 logger = logging.getLogger("specserve")
 
@@ -81,7 +81,7 @@ def add_generate_command(subparsers: Any) -> None:
 #: Subcommand registrars, in help order. Each adds one subparser and sets ``handler``.
 SUBCOMMANDS: list[Callable[[Any], None]] = [add_generate_command]
 
-from cluster.serve_command import add_serve_subcommand  # noqa: E402 - registered next to its peers
+from cluster.serving.serve_command import add_serve_subcommand  # noqa: E402 - registered next to its peers
 
 SUBCOMMANDS.append(add_serve_subcommand)
 
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _build_request(args: argparse.Namespace):
-    from actors.api import GenerationRequest
+    from actors.request_schema import GenerationRequest
 
     speculation = {
         key: value
@@ -159,8 +159,8 @@ def _only_used_models(config, request):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from actors.api import InvalidRequestError
-    from cluster.bringup import init_ray, start_model_group
+    from actors.request_schema import InvalidRequestError
+    from cluster.serving.bringup import init_ray, start_model_group
     from cluster.config import ConfigError, load_app_args
 
     try:
@@ -183,7 +183,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def _stream(group, request, *, as_json: bool) -> int:
     import ray
 
-    from actors.api import InvalidRequestError
+    from actors.request_schema import InvalidRequestError
 
     token_ids: list[int] = []
     text: list[str] = []

@@ -165,7 +165,7 @@ def ray_session():
     """The one Ray instance of the test session (local, no dashboard)."""
     import ray
 
-    from cluster.bringup import set_slow_start_defaults
+    from cluster.serving.bringup import set_slow_start_defaults
 
     started_here = False
     if not ray.is_initialized():

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from actors.coordination.cohorts import Cohort, should_admit_into
 from actors.coordination.metrics import SchedulerMetrics
 from actors.coordination.policy import StepPolicy, target_verifies
-from actors.coordination.requests import RequestState
+from actors.coordination.request_state import RequestState
 from actors.coordination.results import RequestResults
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.coordination.requests import RequestState
+from actors.coordination.request_state import RequestState
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 ``Coordinator.generate(request)`` is an async generator method: callers stream it with
 ``coordinator.generate.options(num_returns="streaming").remote(request)`` and get one
-:class:`actors.api.GenerationChunk` per batch of accepted tokens; the last chunk has
+:class:`actors.request_schema.GenerationChunk` per batch of accepted tokens; the last chunk has
 ``finished=True``, ``finish_reason`` and ``stats``. An invalid request raises
-:class:`actors.api.InvalidRequestError` (field + message) before any model work, so the
+:class:`actors.request_schema.InvalidRequestError` (field + message) before any model work, so the
 serving layer can answer 400; a failure during decoding (e.g. a worker error) ends the stream
 with a chunk whose ``error`` is set (``finish_reason="error"``). Either way every session the
 request opened is released on every worker, and other requests are unaffected.
@@ -28,7 +28,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.api import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, TokenLogprob
+from actors.request_schema import GenerationChunk, GenerationRequest, InvalidRequestError, RequestStats, TokenLogprob
 from actors.messages import WorkerInfo
 from actors.coordination.metrics import (
     NO_METHOD,

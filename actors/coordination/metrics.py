@@ -6,7 +6,7 @@ per step, no Ray calls). Three readers:
 
 * ``GET /metrics`` on the HTTP ingress gathers a :meth:`MetricsRecorder.snapshot` (plain,
   picklable data) from every coordinator of the application and renders them with
-  ``prometheus_client`` (:mod:`cluster.metrics`);
+  ``prometheus_client`` (:mod:`cluster.serving.metrics`);
 * :class:`RayMetricsExporter` copies the same figures into ``ray.util.metrics`` objects on a
   timer (:data:`RAY_EXPORT_PERIOD_S`), so Ray's own Prometheus export (its metrics-export port,
   names prefixed ``ray_``) carries them too;

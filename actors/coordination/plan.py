@@ -3,11 +3,11 @@
 A :class:`DecodingPlan` is the frozen, fully specified description of how one request is
 decoded: which strategy, which verification rule, which models and block lengths. It is built
 once per request by :func:`resolve_plan` before any model work. The values themselves were
-checked when the request was parsed (the constraints of :mod:`actors.api`: ranges, sizes,
+checked when the request was parsed (the constraints of :mod:`actors.request_schema`: ranges, sizes,
 weights summing to 1, distinct members); the plan applies the deployment's defaults and refuses
 only what depends on them or on the deployment's models (a rule another strategy owns, a member
 or proposer the deployment lacks, list lengths against the members), raising
-:class:`actors.api.InvalidRequestError` naming the field, so the serving layer can answer
+:class:`actors.request_schema.InvalidRequestError` naming the field, so the serving layer can answer
 400 / INVALID_ARGUMENT.
 
 :class:`DecodingDefaults` is the ``defaults`` section of the deployment's YAML args, declared
@@ -25,7 +25,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from actors.api import (
+from actors.request_schema import (
     MAX_DRAFTS,
     MAX_GAMMA,
     MAX_LIST_ITEMS,
@@ -63,7 +63,7 @@ MULTI_DRAFT_METHODS: tuple[str, ...] = STRATEGY_METHODS["multi_draft"]
 ALTERNATE = "alternate"
 #: Rules of se with a draft proposer (the ensemble is sd's target): every rule of sd and multi_draft.
 DRAFT_PROPOSER_METHODS: tuple[str, ...] = ("block", "token", "greedy_block", "spectr", "sequential_gbv", "spectr_gbv")
-assert set(STRATEGY_METHODS) == set(get_args(Strategy)), "one strategy vocabulary: actors.api.Strategy"
+assert set(STRATEGY_METHODS) == set(get_args(Strategy)), "one strategy vocabulary: actors.request_schema.Strategy"
 assert {m for methods in STRATEGY_METHODS.values() for m in methods} == set(get_args(MethodName)), \
     "one method vocabulary: verifiers.registry.MethodName"
 #: Strategies whose tokens follow an ensemble of their members (the others follow the target).
@@ -91,7 +91,7 @@ class StrategyProposers(BaseModel):
 
 
 class DecodingDefaults(BaseModel):
-    """Deployment-wide values for the fields of :class:`actors.api.SpeculationParams` a request
+    """Deployment-wide values for the fields of :class:`actors.request_schema.SpeculationParams` a request
     leaves unset (the ``defaults`` section of the YAML args)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

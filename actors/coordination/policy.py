@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.coordination.cohorts import Cohort
-from actors.coordination.requests import RequestState, board_key
+from actors.coordination.request_state import RequestState, board_key
 from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
 from verifiers.adaptive import StepCosts, best_block
 from verifiers.machines.autoregressive import AutoregressiveMachine

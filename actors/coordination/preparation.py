@@ -1,11 +1,11 @@
 """A request checked against the deployment, then made ready for the scheduler.
 
-A request's values are checked by the request models' own constraints (:mod:`actors.api`);
+A request's values are checked by the request models' own constraints (:mod:`actors.request_schema`);
 :class:`RequestPreparer` checks what depends on the deployment: the tokenizer (a text prompt, stop
 strings, a structured output's grammar, a text prediction), the group's vocabulary and the models'
 context, and the plan resolved against the configured models (:func:`actors.coordination.plan.resolve_plan`),
-raising :class:`actors.api.InvalidRequestError` naming the field; then builds the request's
-:class:`actors.coordination.requests.RequestState`: its machine (:mod:`actors.coordination.strategies`),
+raising :class:`actors.request_schema.InvalidRequestError` naming the field; then builds the request's
+:class:`actors.coordination.request_state.RequestState`: its machine (:mod:`actors.coordination.strategies`),
 the sessions it opens on the workers and its output tracker.
 """
 
@@ -15,10 +15,10 @@ import secrets
 import uuid
 from typing import Any
 
-from actors.api import GenerationRequest, InvalidRequestError
+from actors.request_schema import GenerationRequest, InvalidRequestError
 from actors.coordination.output import OutputTracker
 from actors.coordination.plan import DecodingPlan, resolve_plan
-from actors.coordination.requests import RequestState
+from actors.coordination.request_state import RequestState
 from actors.coordination.strategies import MachineSampling, build_machine
 from actors.messages import OpenSession, RowSampling, WorkerInfo
 from verifiers.grammar import GrammarConstraint, GrammarError, compile_constraint

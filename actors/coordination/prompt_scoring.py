@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from actors.api import TokenLogprob
+from actors.request_schema import TokenLogprob
 from actors.coordination.plan import ENSEMBLE_STRATEGIES, DecodingPlan
 from verifiers.ensemble import make_ensemble
 

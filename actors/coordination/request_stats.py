@@ -1,6 +1,6 @@
 """A request's statistics: the counting of each step's outcomes into the request's
-:class:`actors.coordination.requests.StatsRecorder` (:func:`record_outcomes`) and the
-:class:`actors.api.RequestStats` its final chunk carries (:func:`request_stats`)."""
+:class:`actors.coordination.request_state.StatsRecorder` (:func:`record_outcomes`) and the
+:class:`actors.request_schema.RequestStats` its final chunk carries (:func:`request_stats`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from actors.api import RequestStats
+from actors.request_schema import RequestStats
 from actors.coordination.plan import ALTERNATE, ENSEMBLE_STRATEGIES
-from actors.coordination.requests import RequestState
+from actors.coordination.request_state import RequestState
 from actors.messages import ItemOutcome
 from verifiers.machines.needs import Extend, NextLogits, PreDraft, Sample, ScoreBlock
 from verifiers.machines.speculative import SpeculativeMachine

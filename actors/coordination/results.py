@@ -8,11 +8,11 @@ import logging
 import time
 from typing import Any
 
-from actors.api import GenerationChunk, TokenLogprob
+from actors.request_schema import GenerationChunk, TokenLogprob
 from actors.coordination.metrics import SchedulerMetrics
 from actors.coordination.plan import ALTERNATE
 from actors.coordination.request_stats import record_outcomes, stats_or_none
-from actors.coordination.requests import RequestState, board_key
+from actors.coordination.request_state import RequestState, board_key
 from actors.coordination.step_costs import AcceptanceBoard
 from actors.messages import ItemOutcome
 from verifiers.grammar import GRAMMAR_ERROR_PREFIX, grammar_complete

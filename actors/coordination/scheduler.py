@@ -38,7 +38,7 @@ from actors.coordination.admission import Admission
 from actors.coordination.cohorts import Cohort
 from actors.coordination.metrics import SchedulerMetrics, StepCounters
 from actors.coordination.policy import StepDecision, StepPolicy, set_plain_tokens
-from actors.coordination.requests import RequestState
+from actors.coordination.request_state import RequestState
 from actors.coordination.results import RequestResults
 from actors.coordination.solo_bursts import SoloBursts
 from actors.coordination.worker_calls import StepRun, WorkerCalls

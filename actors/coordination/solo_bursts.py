@@ -22,7 +22,7 @@ from actors.coordination.admission import Admission
 from actors.coordination.cohorts import Cohort
 from actors.coordination.metrics import StepCounters
 from actors.coordination.policy import ALONE, StepPolicy, costed_step, set_plain_tokens
-from actors.coordination.requests import RequestState
+from actors.coordination.request_state import RequestState
 from actors.coordination.results import RequestResults
 from actors.coordination.worker_calls import Placed, WorkerCalls, call_report
 from actors.messages import UNAVAILABLE, OpenSession, WorkItem

@@ -128,7 +128,7 @@ def _drafted_ensemble(plan: DecodingPlan, sampling: MachineSampling, seed: int, 
     return BuiltMachine(machine, _layout(machine, seeds))
 
 
-#: The strategy registry: ``actors.api.Strategy`` value -> machine builder.
+#: The strategy registry: ``actors.request_schema.Strategy`` value -> machine builder.
 STRATEGIES: dict[str, Callable[..., BuiltMachine]] = {
     "ar": _ar,
     "sd": _speculative,

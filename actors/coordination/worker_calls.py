@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.coordination.requests import RequestState
+from actors.coordination.request_state import RequestState
 from actors.coordination.step_costs import CallReport
 from actors.messages import UNAVAILABLE, ItemOutcome, WorkItem
 from actors.worker.device_worker import HostCall, host_of

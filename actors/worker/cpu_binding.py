@@ -1,4 +1,4 @@
-"""Binding a process to CPU cores (``resources.cpu_affinity``, :mod:`cluster.cpu_affinity`).
+"""Binding a process to CPU cores (``resources.cpu_affinity``, :mod:`cluster.serving.cpu_affinity`).
 
 ``os.sched_setaffinity(0, ...)`` binds the calling thread only; a Ray actor's process already runs
 many threads when the actor starts, so every thread of the process is bound (Linux

@@ -89,7 +89,7 @@ class DeviceWorker:
         if not specs:
             raise ValueError("a DeviceWorker hosts at least one model")
         self.names = [spec.name for spec in specs]
-        if cpu_cores:  # resources.cpu_affinity (cluster.cpu_affinity): the whole process, its models included
+        if cpu_cores:  # resources.cpu_affinity (cluster.serving.cpu_affinity): the whole process, its models included
             bind_process(cpu_cores, f"worker {'+'.join(self.names)}")
         self.models: dict[str, ModelWorker] = {}
         budget = None

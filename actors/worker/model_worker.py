@@ -105,7 +105,7 @@ class ModelWorker:
                  *, kv_cache_memory: int | float | None = None, max_model_len: int | None = None,
                  max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, shared_kv_budget: bool = False,
                  cpu_cores: Sequence[int] | None = None):
-        if cpu_cores:  # resources.cpu_affinity (cluster.cpu_affinity): this process, before any model work
+        if cpu_cores:  # resources.cpu_affinity (cluster.serving.cpu_affinity): this process, before any model work
             bind_process(cpu_cores, f"worker {spec.name}")
         if getattr(spec, "keep_freed_memory", True):  # engine.keep_freed_memory (actors.worker.allocator)
             keep_freed_memory()

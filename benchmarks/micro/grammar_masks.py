@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from actors.api import GenerationRequest, SamplingParams, StructuredOutput
+from actors.request_schema import GenerationRequest, SamplingParams, StructuredOutput
 from verifiers.grammar import compile_constraint, engine_vocabulary, mask_logits, register_vocabulary
 
 COMMAND = "python -m benchmarks.micro.grammar_masks"

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from actors.api import GenerationRequest, RequestStats, SamplingParams
+from actors.request_schema import GenerationRequest, RequestStats, SamplingParams
 from actors.model.backends import SlotBackend
 from actors.model.batch import linear_row
 from actors.model.grouped_attention import GROUPED_SDPA

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from actors.api import RequestStats
+from actors.request_schema import RequestStats
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def record_from_stats(
     *, case: str, prompt_id: str, prompt_kind: str, repeat: int, seed: int, wall_s: float,
     num_tokens: int, stats: RequestStats,
 ) -> RunRecord:
-    """A record from the coordinator's final :class:`actors.api.RequestStats`."""
+    """A record from the coordinator's final :class:`actors.request_schema.RequestStats`."""
     iterations = len(stats.accepted_lengths) or stats.target_calls
     return RunRecord(
         case=case,

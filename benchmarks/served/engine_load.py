@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.model import backends
-from actors.api import GenerationRequest, SamplingParams
+from actors.request_schema import GenerationRequest, SamplingParams
 from benchmarks.served.prompts import load_prompts
 from benchmarks.served.runners import LocalRunner
 from benchmarks.served.load_cases import SERVE_LOAD_STRATEGIES, ServeLoadSettings, serve_load_cases

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from actors.api import GenerationRequest, SamplingParams
+from actors.request_schema import GenerationRequest, SamplingParams
 from benchmarks.peers.real_shape import CONTEXT, build_checkpoints
 from benchmarks.served.runners import LocalRunner
 from cluster.config import parse_app_args

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.api import GenerationRequest, SamplingParams
+from actors.request_schema import GenerationRequest, SamplingParams
 
 PROMPT = "import argparse\nimport os\n\n\ndef main(argv=None):\n"
 PROSE = pathlib.Path(__file__).with_name("prose.txt")
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--edited-lines", type=int, default=3)
     args = parser.parse_args(argv)
 
-    from cluster.bringup import init_ray, start_model_group
+    from cluster.serving.bringup import init_ray, start_model_group
     from cluster.config import load_app_args
 
     init_ray()

@@ -1,6 +1,6 @@
 """Runners of the specserve cases: on separate Ray actors, and with every model in this process.
 
-* :class:`RayRunner` (mode ``ray``) is the production path: ``cluster.bringup.start_model_group``
+* :class:`RayRunner` (mode ``ray``) is the production path: ``cluster.serving.bringup.start_model_group``
   starts one ModelWorker actor per model and a Coordinator actor; each request streams
   through ``Coordinator.generate`` exactly as the serving layer calls it.
 * :class:`LocalRunner` (mode ``local``) runs the *same* Coordinator and ModelWorker classes in
@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Any
 
-from actors.api import GenerationChunk, GenerationRequest, SamplingParams
+from actors.request_schema import GenerationChunk, GenerationRequest, SamplingParams
 from benchmarks.reports.records import RunRecord, record_from_stats
 from benchmarks.served.suite import BenchCase
 
@@ -75,7 +75,7 @@ class RayRunner:
     def __init__(self, group_args: Any, *, temperature: float):
         import ray
 
-        from cluster.bringup import init_ray, start_model_group
+        from cluster.serving.bringup import init_ray, start_model_group
 
         self.temperature = temperature
         self._started_ray = not ray.is_initialized()

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from cluster.local_ports import free_local_ports
+from cluster.serving.local_ports import free_local_ports
 
 logger = logging.getLogger(__name__)
 

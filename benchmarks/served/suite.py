@@ -17,7 +17,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.api import GammaValue, SpeculationParams, Strategy
+from actors.request_schema import GammaValue, SpeculationParams, Strategy
 from actors.coordination.plan import STRATEGY_METHODS
 
 Mode = Literal["ray", "local", "hf"]

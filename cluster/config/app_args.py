@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from actors.api import InvalidRequestError, SpeculationParams
+from actors.request_schema import InvalidRequestError, SpeculationParams
 from actors.coordination.plan import ALTERNATE, ENSEMBLE_STRATEGIES, DecodingDefaults, resolve_plan
 from cluster.config.base import Frozen
 from cluster.config.engine import EngineArgs, SimulatedDeviceArgs

@@ -77,7 +77,7 @@ class CoordinatorResourceArgs(Frozen):
 
 
 class PlacementArgs(Frozen):
-    """Which models share a worker process (part of ``resources``; :mod:`cluster.placement`)."""
+    """Which models share a worker process (part of ``resources``; :mod:`cluster.config.placement`)."""
 
     placement: Literal["auto", "separate"] | dict[str, Annotated[int, Field(ge=0)]] = Field(
         "auto",

@@ -11,13 +11,13 @@ inside grpcio before Serve sees the call, and the client gets ``UNKNOWN`` (``Dec
 :func:`decode_request` instead hands an :class:`UndecodableRequest` to the replica, which
 answers ``INVALID_ARGUMENT`` (after the API-key check, like every call).
 
-The ingress methods (``cluster/app.py``) use the functions here:
+The ingress methods (``cluster/serving/ingress.py``) use the functions here:
 
 - :func:`check_wire_types` rejects fields that arrived with the wrong wire type (a client
   built from a different .proto): protobuf keeps such fields as *unknown fields* instead of
   failing, so without this check they would silently take their defaults;
 - :func:`to_generation_requests` reads presence-aware options and checks every field by the
-  constraints of :mod:`actors.api` (the same ones HTTP uses) and names the bad field
+  constraints of :mod:`actors.request_schema` (the same ones HTTP uses) and names the bad field
   (``sampling.temperature``, ``speculation.gamma``) in an :class:`InvalidRequestError`;
   ``sampling.n`` > 1 gives one coordinator request per sample (sample ``i`` seeded with
   ``seed + i``);
@@ -26,10 +26,10 @@ The ingress methods (``cluster/app.py``) use the functions here:
   with per-token log-probabilities when ``sampling.logprobs`` is set;
 - :func:`grpc_field` names a coordinator error's field by its proto path.
 
-By job: the servicer registration and decoding (:mod:`cluster.grpc_service.decoding`), requests
-(:mod:`cluster.grpc_service.requests`) and responses (:mod:`cluster.grpc_service.responses`);
+By job: the servicer registration and decoding (:mod:`cluster.grpc_service.decoding`), messages to
+generation requests (:mod:`cluster.grpc_service.to_generation`) and responses (:mod:`cluster.grpc_service.responses`);
 every name is re-exported here. Status codes (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE,
-INTERNAL) are chosen by the ingress (``cluster.app``) and set on Serve's ``grpc_context``.
+INTERNAL) are chosen by the ingress (``cluster.serving.ingress``) and set on Serve's ``grpc_context``.
 """
 
 from cluster.grpc_service.decoding import (
@@ -39,7 +39,7 @@ from cluster.grpc_service.decoding import (
     check_decoded,
     decode_request,
 )
-from cluster.grpc_service.requests import (
+from cluster.grpc_service.to_generation import (
     check_request_id,
     check_wire_types,
     client_request_id,

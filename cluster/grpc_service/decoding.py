@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from actors.api import InvalidRequestError
+from actors.request_schema import InvalidRequestError
 from protos import specserve_pb2, specserve_pb2_grpc
 
 #: The servicer registration function for ``grpc_options.grpc_servicer_functions``.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.api import GenerationChunk, GenerationRequest, RequestStats, TokenLogprob
+from actors.request_schema import GenerationChunk, GenerationRequest, RequestStats, TokenLogprob
 from cluster.responses import CompletionAccumulator, TokenTexts, merged_speculation, prediction_details, total_usage
 from protos import specserve_pb2
 

@@ -1,9 +1,9 @@
 """OpenAI response objects: token texts, log-probabilities, whole responses, stream chunks, SSE.
 
-:class:`actors.api.GenerationChunk` streams are rendered as OpenAI ``text_completion`` /
+:class:`actors.request_schema.GenerationChunk` streams are rendered as OpenAI ``text_completion`` /
 ``chat.completion`` objects or their server-sent-event chunks. Responses carry a
 ``speculation`` block next to ``usage`` (an extension): the request's
-:class:`actors.api.RequestStats` (accepted lengths, block efficiency, target calls, ...); with
+:class:`actors.request_schema.RequestStats` (accepted lengths, block efficiency, target calls, ...); with
 several choices it is their sum (:func:`merged_speculation`) and each choice carries its own.
 Prompt log-probabilities render as OpenAI's ``echo`` with ``logprobs`` (the prompt's tokens
 first, the first one null) and as vLLM's ``prompt_logprobs`` (:func:`prompt_logprobs_block`).

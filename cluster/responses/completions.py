@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from actors.api import InvalidRequestError
+from actors.request_schema import InvalidRequestError
 from cluster.responses.logprobs import LogprobsRenderer, TokenTexts, prompt_logprobs_block, with_prompt
 from cluster.responses.usage import (
     CompletionAccumulator,

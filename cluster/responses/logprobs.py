@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from actors.api import TokenLogprob
+from actors.request_schema import TokenLogprob
 
 
 #: Log-probabilities below this (``-inf``: a token the sampling law excludes) are shown as it,
@@ -110,7 +110,7 @@ def _logprob(value: float) -> float:
 
 
 class LogprobsRenderer:
-    """Renders one choice's :class:`actors.api.TokenLogprob` entries in OpenAI's shapes, chunk
+    """Renders one choice's :class:`actors.request_schema.TokenLogprob` entries in OpenAI's shapes, chunk
     after chunk (it keeps the choice's text offset across a stream):
 
     - completions: ``{"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob},

@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from actors.api import GenerationChunk, RequestStats
+from actors.request_schema import GenerationChunk, RequestStats
 from cluster.responses.logprobs import LogprobsRenderer, TokenTexts, prompt_logprobs_block, with_prompt
 from cluster.responses.usage import (
     CompletionAccumulator,

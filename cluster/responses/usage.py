@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actors.api import GenerationChunk, RequestStats, TokenLogprob
+from actors.request_schema import GenerationChunk, RequestStats, TokenLogprob
 
 
 def usage_block(stats: RequestStats | None) -> dict[str, Any]:

@@ -1,15 +1,15 @@
 """OpenAI-compatible request schemas of the HTTP endpoint, their field checks and parsing.
 
-The HTTP ingress (``cluster/app.py``) parses request bodies with the models of this package
+The HTTP ingress (``cluster/serving/ingress.py``) parses request bodies with the models of this package
 (strict types, ``extra="forbid"``) through :func:`parse_body`: the fields both endpoints share
 (:mod:`cluster.schemas.fields`), each endpoint's own (:mod:`cluster.schemas.completions`,
 :mod:`cluster.schemas.chat`) and the output constraints (:mod:`cluster.schemas.structured`).
-Every validation failure becomes an :class:`actors.api.InvalidRequestError` whose ``field`` is
+Every validation failure becomes an :class:`actors.request_schema.InvalidRequestError` whose ``field`` is
 the request's own field name (``temperature``, ``speculation.gamma``), which the ingress answers
 with HTTP 400 and an OpenAI-style error body (:func:`cluster.responses.error_body`). A field is checked once: its
-JSON type and shape here, its value by the constraints of :mod:`actors.api` (the value types
+JSON type and shape here, its value by the constraints of :mod:`actors.request_schema` (the value types
 ``SampleCount`` / ``TopLogprobs`` of the fields that stay here, and the
-:class:`actors.api.GenerationRequest` every choice becomes), the same ones gRPC uses.
+:class:`actors.request_schema.GenerationRequest` every choice becomes), the same ones gRPC uses.
 
 OpenAI fields that are accepted only at their neutral value answer 400 naming the field
 otherwise: ``suffix`` (null), ``best_of`` (null or equal to ``n``), ``tools`` / ``functions``
@@ -17,7 +17,7 @@ otherwise: ``suffix`` (null), ``best_of`` (null or equal to ``n``), ``tools`` / 
 (text, ``json_object``, ``json_schema``) and the ``structured_outputs`` extension (json, regex,
 choice, grammar) constrain the output (:mod:`verifiers.grammar`). Penalties, ``logit_bias``, ``logprobs`` and prompt
 log-probabilities (completions ``echo`` with ``logprobs``, ``prompt_logprobs``) map onto
-:class:`actors.api.SamplingParams`.
+:class:`actors.request_schema.SamplingParams`.
 
 Extensions to the OpenAI schema: ``return_token_ids``; ``top_k``, ``ignore_eos``,
 ``repetition_penalty``, ``min_p``, ``min_tokens`` (sampling), ``skip_special_tokens``,
@@ -25,12 +25,16 @@ Extensions to the OpenAI schema: ``return_token_ids``; ``top_k``, ``ignore_eos``
 (output), ``stream_options.continuous_usage_stats``; ``prompt_logprobs`` (completions per choice, chat per
 response and not streamed), ``chat_template_kwargs``, ``add_generation_prompt`` and
 ``continue_final_message`` (chat), as vLLM has them; and ``speculation`` (an object with the
-fields of :class:`actors.api.SpeculationParams`; unset fields take the deployment's defaults).
+fields of :class:`actors.request_schema.SpeculationParams`; unset fields take the deployment's defaults).
 
 OpenAI fields without a meaning here are accepted and ignored (:data:`IGNORED_OPENAI_FIELDS`:
 ``store``, ``metadata``, ``service_tier``, ``reasoning_effort``, ``user``); ``modalities`` is
 accepted as ``["text"]`` only; ``prediction`` (predicted outputs) is the draft of the request.
 Any other field is refused as unknown.
+
+Beside the schemas: the chat template's rendering of a conversation (:mod:`cluster.schemas.chat_prompt`)
+and a parsed body's choices as generation requests (:mod:`cluster.schemas.to_generation`, which gRPC
+shares); neither is re-exported here.
 """
 
 from cluster.schemas.chat import ChatCompletionRequest, ChatMessage, ChatRole

@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from actors.api import MAX_TOP_LOGPROBS, InvalidRequestError, StructuredOutput, TopLogprobs
-from actors.request_errors import shortened
-from cluster.chat_prompt import check_template_kwargs, render_chat_prompt
+from actors.request_schema import MAX_TOP_LOGPROBS, InvalidRequestError, StructuredOutput, TopLogprobs
+from actors.invalid_request import shortened
+from cluster.schemas.chat_prompt import check_template_kwargs, render_chat_prompt
 from cluster.schemas.fields import GenerationFields, pydantic_check, text_content
 from cluster.schemas.structured import parse_tool_choice, parse_tools, tool_call_schema
 
@@ -117,7 +117,7 @@ class ChatCompletionRequest(GenerationFields):
         return StructuredOutput.checked("json_schema", tool_call_schema(self.tools, tool_call), "tools")
 
     def prompts(self) -> list[str | list[int]]:
-        """The fallback rendering (:func:`cluster.chat_prompt.render_chat_prompt`); the ingress
+        """The fallback rendering (:func:`cluster.schemas.chat_prompt.render_chat_prompt`); the ingress
         renders with the model's chat template instead (``to_generation_requests(chat_prompt=...)``)."""
         return [render_chat_prompt(self.messages)]
 

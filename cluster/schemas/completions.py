@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from actors.api import MAX_TOP_LOGPROBS, InvalidRequestError, TopLogprobs
-from actors.request_errors import check_value
+from actors.request_schema import MAX_TOP_LOGPROBS, InvalidRequestError, TopLogprobs
+from actors.invalid_request import check_value
 from cluster.schemas.fields import MAX_CHOICES, SampleCount, GenerationFields, pydantic_check
 
 
@@ -17,7 +17,7 @@ def _is_token_ids(value: Any) -> bool:
 
 
 def _check_token_ids(ids: list[int], which: str = "") -> None:
-    if not ids:  # their values: actors.api.GenerationRequest.prompt_ids
+    if not ids:  # their values: actors.request_schema.GenerationRequest.prompt_ids
         raise ValueError(f"{which}must not be empty")
 
 

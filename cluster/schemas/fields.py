@@ -11,13 +11,13 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from actors.api import (
+from actors.request_schema import (
     INT64_MAX,
     InvalidRequestError,
     SpeculationParams,
     StructuredOutput,
 )
-from actors.request_errors import invalid_request, shortened
+from actors.invalid_request import invalid_request, shortened
 from cluster.schemas.structured import parse_response_format, parse_structured_outputs
 
 #: Most choices one request may ask for (``n`` times the number of prompts); each is its own
@@ -57,7 +57,7 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
 
 def parse_token_id_keys(field: str, bias: Mapping[str, float]) -> dict[int, float]:
     """JSON ``logit_bias`` keys (decimal strings) as token ids: ``{int: float}``. The entries'
-    count, ids and values are checked by :class:`actors.api.SamplingParams`, and whether the
+    count, ids and values are checked by :class:`actors.request_schema.SamplingParams`, and whether the
     ids exist in the vocabulary by the coordinator."""
     checked: dict[int, float] = {}
     for key, value in bias.items():
@@ -209,7 +209,7 @@ class GenerationFields(BaseModel):
             value = [value]
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise ValueError("must be a string or a list of strings")
-        return value  # their number and lengths: actors.api.SamplingParams
+        return value  # their number and lengths: actors.request_schema.SamplingParams
 
     # -- derived values
 

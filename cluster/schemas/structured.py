@@ -1,5 +1,5 @@
 """OpenAI ``response_format``, the ``structured_outputs`` extension and ``tools`` /
-``tool_choice`` as :class:`actors.api.StructuredOutput` constraints (:mod:`verifiers.grammar`)."""
+``tool_choice`` as :class:`actors.request_schema.StructuredOutput` constraints (:mod:`verifiers.grammar`)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import json
 import re
 from typing import Any
 
-from actors.api import InvalidRequestError, StructuredOutput
-from actors.request_errors import shortened
+from actors.request_schema import InvalidRequestError, StructuredOutput
+from actors.invalid_request import shortened
 
 
 def parse_response_format(value: Any) -> StructuredOutput | None:
     """OpenAI ``response_format`` -> the constraint (None for text); InvalidRequestError naming
-    the field otherwise (a grammar that does not compile too: :meth:`actors.api.StructuredOutput.checked`)."""
+    the field otherwise (a grammar that does not compile too: :meth:`actors.request_schema.StructuredOutput.checked`)."""
     field = "response_format"
     if value is None:
         return None

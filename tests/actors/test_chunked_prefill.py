@@ -18,7 +18,7 @@ import asyncio
 import pytest
 import torch
 
-from actors.api import GenerationRequest
+from actors.request_schema import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from actors.worker.forward_plan import prefill_grants
 from actors.messages import OpenSession, Prefill, RowSampling, WorkItem

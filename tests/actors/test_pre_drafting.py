@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.api import GenerationRequest
+from actors.request_schema import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from benchmarks.served.runners import LocalActorHandle
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config, run_in_process
@@ -99,7 +99,7 @@ def test_sampled_law_with_pre_drafting_is_the_targets():
 def test_pre_drafted_chains_cross_ray_actors(ray_session):
     """The carried chain is an object ref from the previous step's draft call, passed to the
     target's next call: through real Ray actors the tokens still equal the reference loop's."""
-    from cluster.bringup import start_model_group
+    from cluster.serving.bringup import start_model_group
     from tests.actors.coordination.test_coordinator_reference import run_requests
 
     group = start_model_group(fake_group_config(overlap=False, pre_drafting=GUESSES), worker_cls=FunctionModelWorker)

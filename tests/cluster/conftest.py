@@ -3,7 +3,7 @@ instance of ``tests/conftest.py``.
 
 The application is deployed the way users deploy it: a Ray Serve config document (the
 ``deploy/*.yaml`` format, ``import_path: cluster.app:build_app``) applied by
-``cluster.serve_command`` (what ``specserve serve`` runs), with the HTTP and gRPC proxies on
+``cluster.serving.serve_command`` (what ``specserve serve`` runs), with the HTTP and gRPC proxies on
 free 127.0.0.1 ports and the real Coordinator and ModelWorkers over the tiny checkpoints.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from cluster.config import API_KEY_ENV
-from cluster.local_ports import free_local_ports
+from cluster.serving.local_ports import free_local_ports
 
 APP_NAME = "specserve"
 
@@ -64,7 +64,7 @@ def serve_app(ray_session, tiny_app_args) -> ServeEndpoints:
     """The specserve application over the tiny checkpoints, deployed once per session."""
     from ray import serve
 
-    from cluster.serve_command import deploy, resolve_addresses, with_addresses
+    from cluster.serving.serve_command import deploy, resolve_addresses, with_addresses
 
     args = copy.deepcopy(tiny_app_args)
     args["models"]["target"]["max_context"] = LONG_TARGET_CONTEXT

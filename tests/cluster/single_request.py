@@ -7,7 +7,7 @@ from typing import Any
 
 from cluster import grpc_service
 from cluster.config import DEFAULT_MAX_PROMPT_CHARS
-from cluster.generation_requests import to_generation_requests
+from cluster.schemas.to_generation import to_generation_requests
 
 
 def http_generation_request(body: Any, request_id: str, sampling_defaults: dict[str, Any],

@@ -78,8 +78,8 @@ def placement_args(target: str, draft: str) -> dict:
 
 
 def test_custom_resources_reach_the_model_specs_and_the_replica_bundles():
-    from cluster.app import INGRESS_CPUS, MODEL_BUNDLE_OFFSET, replica_bundles
-    from cluster.bringup import coordinator_bundle_index, model_group_bundles
+    from cluster.serving.ingress import INGRESS_CPUS, MODEL_BUNDLE_OFFSET, replica_bundles
+    from cluster.serving.bringup import coordinator_bundle_index, model_group_bundles
 
     args = placement_args("/m/target", "/m/draft")
     args["resources"]["coordinator_cpus"] = 0.5
@@ -99,7 +99,7 @@ def test_custom_resources_reach_the_model_specs_and_the_replica_bundles():
 
 
 def test_without_custom_resources_nothing_changes():
-    from cluster.bringup import coordinator_bundle_index, model_group_bundles
+    from cluster.serving.bringup import coordinator_bundle_index, model_group_bundles
 
     args = placement_args("/m/target", "/m/draft")
     del args["resources"]["coordinator_resources"], args["resources"]["per_model"]
@@ -143,7 +143,7 @@ def test_placement_fields_are_described():
 
 
 def test_the_multinode_example_pins_draft_target_and_coordinator_to_their_nodes():
-    from cluster.app import replica_bundles
+    from cluster.serving.ingress import replica_bundles
     from cluster.config import load_app_args
 
     args = load_app_args(EXAMPLE)
@@ -216,7 +216,7 @@ def _log(message: str) -> None:
 
 
 def _request(index: int, max_tokens: int, strategy: str = "sd"):
-    from actors.api import GenerationRequest
+    from actors.request_schema import GenerationRequest
 
     speculation = {"strategy": strategy} if strategy != "sd" else {}
     return GenerationRequest(
@@ -334,8 +334,8 @@ def run_cluster(target: str, draft: str) -> dict:
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from cluster.app import MODEL_BUNDLE_OFFSET, replica_bundles
-    from cluster.bringup import as_group_config, start_model_group
+    from cluster.serving.ingress import MODEL_BUNDLE_OFFSET, replica_bundles
+    from cluster.serving.bringup import as_group_config, start_model_group
 
     report: dict = {"placement": {}, "served": {}, "in_flight": {}, "outage": {}, "recovery": {}, "figures": {}}
     figures = report["figures"]

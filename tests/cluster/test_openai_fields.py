@@ -2,7 +2,7 @@
 ``logit_bias``, ``logprobs``, and the fields answered 400.
 
 The first part needs no server: request parsing and mapping (cluster/schemas.py,
-cluster/generation_requests.py, cluster/responses/) and the log-probability rendering, with
+cluster/schemas/to_generation.py, cluster/responses/) and the log-probability rendering, with
 GenerationChunk objects built by hand. The second drives the
 session's Serve application with the official ``openai`` client and with LangChain's OpenAI
 classes (``langchain-openai``), which send prompt lists, zero penalties and ``n`` by default.
@@ -17,8 +17,8 @@ import langchain_openai
 import openai
 import pytest
 
-from actors.api import GenerationChunk, InvalidRequestError, RequestStats, TokenLogprob
-from cluster.generation_requests import to_generation_requests
+from actors.request_schema import GenerationChunk, InvalidRequestError, RequestStats, TokenLogprob
+from cluster.schemas.to_generation import to_generation_requests
 from cluster.responses import (
     LOGPROB_FLOOR,
     ChoiceStream,
@@ -626,7 +626,7 @@ def test_chat_prompt_logprobs_extension_once_per_response(client, serve_app, gre
 @pytest.mark.parametrize("bias", [100.5, float("nan")])
 def test_logit_bias_values_are_checked_once_where_every_field_is(bias):
     """Keys are parsed with the body; values and counts are checked with every other field
-    (actors.api.SamplingParams), and the error names the HTTP field."""
+    (actors.request_schema.SamplingParams), and the error names the HTTP field."""
     body = parse_body(CompletionRequest, json.dumps({"prompt": "x", "logit_bias": {"5": bias}}).encode())
     with pytest.raises(InvalidRequestError) as caught:
         to_generation_requests(body, "c", {})

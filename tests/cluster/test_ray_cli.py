@@ -33,7 +33,7 @@ import httpx
 import pytest
 import yaml
 
-from cluster.local_ports import free_local_ports
+from cluster.serving.local_ports import free_local_ports
 from protos import specserve_pb2, specserve_pb2_grpc
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

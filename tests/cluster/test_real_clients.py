@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from actors.api import InvalidRequestError
-from cluster.generation_requests import to_generation_requests
+from actors.request_schema import InvalidRequestError
+from cluster.schemas.to_generation import to_generation_requests
 from cluster.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 
 PROMPT = "class Counter(dict):\n"

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from actors.api import INT64_MAX, MIN_POSITIVE_TEMPERATURE, GenerationRequest, InvalidRequestError
+from actors.request_schema import INT64_MAX, MIN_POSITIVE_TEMPERATURE, GenerationRequest, InvalidRequestError
 from cluster import grpc_service
 from cluster.grpc_service import check_request_id
 from cluster.schemas import ChatCompletionRequest, CompletionRequest, parse_body

@@ -29,7 +29,7 @@ def test_service_has_unary_generate_and_server_streaming_generate_stream():
 def test_servicer_registration_function_is_importable_by_its_serve_path():
     from ray.serve._private.utils import import_attr
 
-    from cluster.app import GRPC_SERVICER_FUNCTION
+    from cluster.serving.ingress import GRPC_SERVICER_FUNCTION
 
     assert import_attr(GRPC_SERVICER_FUNCTION) is specserve_pb2_grpc.add_SpecServeServicer_to_server
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.api import GenerationChunk, RequestStats
+from actors.request_schema import GenerationChunk, RequestStats
 from actors.coordination.coordinator import merge_chunks
 
 

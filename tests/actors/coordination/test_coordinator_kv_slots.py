@@ -13,10 +13,10 @@ import ray
 import torch
 from transformers import AutoConfig
 
-from actors.api import GenerationRequest, InvalidRequestError
+from actors.request_schema import GenerationRequest, InvalidRequestError
 from actors.model.kv_budget import slot_bytes
 from actors.worker.model_worker import SCRATCH_COLUMNS
-from cluster.bringup import start_model_group
+from cluster.serving.bringup import start_model_group
 
 MAX_MODEL_LEN = 64
 SLOTS = 2

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from actors.api import GenerationRequest
+from actors.request_schema import GenerationRequest
 from tests.actors.coordination.test_coordinator_reference import M, PROMPT, _tokens, fake_group, run_requests  # noqa: F401
 from verifiers.ensemble import make_ensemble
 from verifiers.penalties import Penalties, penalized_probs

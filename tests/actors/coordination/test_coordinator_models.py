@@ -14,8 +14,8 @@ import asyncio
 import pytest
 import torch
 
-from actors.api import GenerationRequest
-from cluster.bringup import start_model_group
+from actors.request_schema import GenerationRequest
+from cluster.serving.bringup import start_model_group
 from verifiers.ensemble import make_ensemble, shared_vocab_logits
 
 PROMPT = "def main(argv):\n    "

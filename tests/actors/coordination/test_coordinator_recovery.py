@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 
-from cluster.bringup import start_model_group
+from cluster.serving.bringup import start_model_group
 from tests.actors.fake_models import CO_LOCATED, SlowFunctionModelWorker, fake_group_config
 from tests.actors.coordination.test_coordinator_reference import _request, _tokens, run_requests
 

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from actors.api import GenerationRequest, InvalidRequestError
-from cluster.bringup import start_model_group
+from actors.request_schema import GenerationRequest, InvalidRequestError
+from cluster.serving.bringup import start_model_group
 from tests.actors.fake_models import FAKE_MODELS, POISON_PROMPT, VOCAB, FunctionModelWorker, fake_group_config
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
 from actors.coordination.plan import DecodingDefaults

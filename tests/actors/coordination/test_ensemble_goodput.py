@@ -8,7 +8,7 @@ choice sequences are in tests/verifiers/test_ensemble.py and test_ensemble_draft
 
 from __future__ import annotations
 
-from actors.api import GenerationRequest
+from actors.request_schema import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from benchmarks.served.runners import LocalActorHandle
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config, run_in_process

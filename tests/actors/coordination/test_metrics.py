@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.api import GenerationRequest, InvalidRequestError
+from actors.request_schema import GenerationRequest, InvalidRequestError
 from actors.coordination.admission import OverloadedError
 from actors.coordination.coordinator import Coordinator
 from actors.coordination.metrics import (

@@ -5,7 +5,7 @@ WorkerEngines over the fake models, no Ray)."""
 from __future__ import annotations
 
 
-from actors.api import GenerationRequest
+from actors.request_schema import GenerationRequest
 from actors.coordination import request_stats, scheduler
 from actors.coordination.coordinator import Coordinator
 from benchmarks.served.runners import LocalActorHandle

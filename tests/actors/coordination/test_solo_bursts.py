@@ -7,7 +7,7 @@ import pytest
 
 from actors.coordination.output import OutputTracker
 from actors.coordination.plan import DecodingPlan
-from actors.coordination.requests import RequestState
+from actors.coordination.request_state import RequestState
 from actors.coordination.scheduler import Scheduler
 from actors.messages import CallTiming, ItemOutcome
 from actors.worker.bursts import BurstRecord

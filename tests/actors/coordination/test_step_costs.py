@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.api import GenerationRequest
+from actors.request_schema import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from actors.coordination.step_costs import (
     BOARD_MIN_VERIFICATIONS,

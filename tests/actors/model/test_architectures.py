@@ -322,8 +322,8 @@ def test_padded_vocabulary_pair_serves_the_target_law(ray_session, padded_pair, 
     the target's logits over the tokenizer's real tokens, step by step (full forwards)."""
     import asyncio
 
-    from actors.api import GenerationRequest
-    from cluster.bringup import start_model_group
+    from actors.request_schema import GenerationRequest
+    from cluster.serving.bringup import start_model_group
 
     args = {"models": {"target": {"path": str(padded_pair["target"]), "role": "target"},
                        "draft": {"path": str(padded_pair["draft"]), "role": "draft"}},
@@ -365,7 +365,7 @@ CHI_SQUARE_SIGNIFICANCE = 1e-3  # fixed seeds: deterministic
 @pytest.fixture(scope="module")
 def gemma2_group(ray_session, checkpoints, tmp_path_factory, tokenizer):
     """A model group over the tiny Gemma 2 (eager, sliding, both soft-caps) and a perturbed draft."""
-    from cluster.bringup import start_model_group
+    from cluster.serving.bringup import start_model_group
 
     target_path = checkpoints["gemma2-sliding-softcap"]
     draft = transformers.AutoModelForCausalLM.from_pretrained(target_path, attn_implementation="eager").eval()
@@ -402,7 +402,7 @@ def _generate(group, requests) -> list[list[int]]:
 
 
 def test_speculation_on_gemma2_equals_its_greedy_output(gemma2_group, checkpoints):
-    from actors.api import GenerationRequest
+    from actors.request_schema import GenerationRequest
 
     group, served_tokenizer = gemma2_group
     cases = {"ar": {"strategy": "ar"}, "sd-block": {"strategy": "sd", "method": "block", "gamma": 4},
@@ -422,7 +422,7 @@ def test_speculation_on_gemma2_equals_its_greedy_output(gemma2_group, checkpoint
 def test_sampled_speculation_on_gemma2_follows_the_soft_capped_law(gemma2_group, checkpoints):
     """Sampled sd (temperature 1, top-k 3) through the coordinator: the joint law of the first
     two tokens is the target's, computed from its soft-capped full-forward logits."""
-    from actors.api import GenerationRequest
+    from actors.request_schema import GenerationRequest
     from tests.verifiers.tiny_models import chi_square_pvalue
 
     group, served_tokenizer = gemma2_group
@@ -516,7 +516,7 @@ def test_every_strategy_serves_the_family_exactly(name, checkpoints, tokenizer, 
     ar, which equals transformers' greedy output (test above); greedy se equals the plain
     ensemble, whose tokens are the argmax of the weighted ensemble of the two models' full-forward
     logits; sampled sd (temperature 1, top-k 3) follows the model's joint law of two tokens."""
-    from actors.api import GenerationRequest
+    from actors.request_schema import GenerationRequest
     from tests.verifiers.tiny_models import chi_square_pvalue
     from verifiers.ensemble import make_ensemble
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.api import GenerationRequest
+from actors.request_schema import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from actors.model.batch import linear_row
 from actors.model.simulated_device import (

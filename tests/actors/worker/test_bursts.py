@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from actors.api import GenerationRequest
+from actors.request_schema import GenerationRequest
 from actors.worker.bursts import (
     BurstRecord,
     BurstStops,
@@ -34,7 +34,7 @@ from actors.worker.bursts import (
 )
 from actors.messages import CallTiming, ItemOutcome
 from actors.coordination.plan import DecodingDefaults
-from cluster.bringup import start_model_group
+from cluster.serving.bringup import start_model_group
 from tests.actors.fake_models import (CO_LOCATED, FAKE_MODELS, FunctionModelWorker, SlowFunctionModelWorker,
                                      fake_group_config)
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
@@ -511,7 +511,7 @@ def _ar_plan():
 
 def test_the_scheduler_refuses_a_replay_that_differs():
     from actors.coordination.output import OutputTracker
-    from actors.coordination.requests import RequestState
+    from actors.coordination.request_state import RequestState
     from actors.coordination.scheduler import Scheduler
 
     scheduler = Scheduler({"target": None}, max_running=1, max_waiting=1)

@@ -12,7 +12,7 @@ import torch
 from actors.worker.device_worker import DeviceWorker, HostCall, HostedModel, shared_kv_slots
 from actors.model.kv_budget import KVCacheBudgetError
 from actors.messages import WorkItem
-from cluster.bringup import start_model_group
+from cluster.serving.bringup import start_model_group
 from cluster.config import ModelSpec
 from tests.actors.fake_models import CO_LOCATED, FAKE_MODELS, FunctionModelWorker, fake_group_config
 from tests.actors.coordination.test_coordinator_reference import _request, run_requests

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.api import GenerationRequest
+from actors.request_schema import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from actors.messages import OpenSession, RowSampling, WorkItem
 from actors.worker import step

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.api import GenerationRequest
+from actors.request_schema import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from actors.worker import rows
 from benchmarks.served.runners import LocalActorHandle

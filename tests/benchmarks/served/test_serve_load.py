@@ -168,9 +168,9 @@ def test_serve_load_end_to_end(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- busy fractions
 
 def _metrics_text(forward: float, step: float, replica: str = "r1") -> str:
-    """A ``/metrics`` text as the server renders it (cluster.metrics), one group with two workers."""
+    """A ``/metrics`` text as the server renders it (cluster.serving.metrics), one group with two workers."""
     from actors.coordination.metrics import GroupIdentity, SchedulerMetrics, group_snapshot
-    from cluster.metrics import ScrapeResult, render
+    from cluster.serving.metrics import ScrapeResult, render
 
     workers = {"target": {"forward_seconds_total": forward, "step_seconds_total": step, "steps": 3,
                           "forward_passes_total": 3, "sessions": 1},

@@ -1,0 +1,251 @@
+"""The configuration reference, ``docs/configuration.md``, generated from the pydantic models.
+
+    python -m cluster.config.reference > docs/configuration.md
+
+Every setting is declared once, with its default, bounds and description, in the pydantic models
+that validate it: the application ``args`` of a Ray Serve YAML file (:class:`cluster.config.SpecServeArgs`
+and the sections it holds), the ``speculation`` object of a request
+(:class:`actors.request_schema.SpeculationParams`) and the ``speculation`` statistics of a response
+(:class:`actors.request_schema.RequestStats`). The HTTP and gRPC request fields, whose accepted ranges are
+checked outside their schemas, are tabulated in ``docs/serving.md``. This module walks those
+models and prints one table per section, a row per field (its key without the section's prefix);
+``tests/cluster/config/test_reference.py`` fails when the committed page differs from what it
+prints, or when a field has no description.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import annotated_types
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from actors.request_schema import RequestStats, SpeculationParams
+from cluster.config import SpecServeArgs
+from cluster.config.base import Accepts
+
+REGENERATE = "python -m cluster.config.reference > docs/configuration.md"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One field of a section: its key as the YAML or the request spells it, and what the model says."""
+
+    key: str
+    type: str
+    default: str
+    description: str
+
+
+@dataclass(frozen=True)
+class Section:
+    """A table of the reference: the fields of one model (nested models get sections of their own)."""
+
+    title: str
+    summary: str
+    rows: tuple[Row, ...]
+    prefix: str = ""  # the dotted key of the section (``engine.``); its rows print without it
+    show_defaults: bool = True  # False for a request's fields (unset: the deployment's) and a response's
+
+
+def _model_in(annotation: object) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (``X``, ``X | None``), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [m for m in map(_model_in, typing.get_args(annotation)) if m is not None]
+        return models[0] if len(models) == 1 else None
+    return None
+
+
+def _mapped_model(annotation: object) -> type[BaseModel] | None:
+    """``V`` when the annotation is ``dict[str, V]`` with ``V`` a pydantic model, else None."""
+    if typing.get_origin(annotation) is dict:
+        return _model_in(typing.get_args(annotation)[1])
+    return None
+
+
+def type_name(annotation: object) -> str:
+    """How the reference spells a field's type (YAML / JSON words: integer, number, string, ...)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        accepts = [item.text for item in args[1:] if isinstance(item, Accepts)]
+        return accepts[0] if accepts else type_name(args[0])
+    if origin is typing.Literal:
+        return " | ".join(json.dumps(value) for value in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(arg) for arg in args)
+    if origin is dict:
+        return f"map of {type_name(args[0])} to {type_name(args[1])}"
+    if origin in (list, tuple):
+        return f"list of {type_name(args[0])}"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "object"
+    names = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null", typing.Any: "any"}
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _bounds(field: FieldInfo) -> str:
+    """The field's numeric and length bounds, e.g. ``>= 1, <= 32``."""
+    words = []
+    for item in field.metadata:
+        for kind, symbol, attribute in ((annotated_types.Ge, ">=", "ge"), (annotated_types.Gt, ">", "gt"),
+                                        (annotated_types.Le, "<=", "le"), (annotated_types.Lt, "<", "lt")):
+            if isinstance(item, kind):
+                words.append(f"{symbol} {getattr(item, attribute)}")
+        if isinstance(item, annotated_types.MinLen):
+            words.append(f"length >= {item.min_length}")
+        if isinstance(item, annotated_types.MaxLen):
+            words.append(f"length <= {item.max_length}")
+    return ", ".join(words)
+
+
+def _yaml_value(value: object) -> str:
+    """A default as YAML writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, BaseModel):
+        return "(section)"
+    if isinstance(value, (dict, list, tuple)) and not value:
+        return "{}" if isinstance(value, dict) else "[]"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def default_text(field: FieldInfo) -> str:
+    """The field's default (``required`` when it has none)."""
+    if field.default_factory is not None:
+        return _yaml_value(field.default_factory())
+    if field.default is PydanticUndefined:
+        return "required"
+    return _yaml_value(field.default)
+
+
+def _cell(text: str) -> str:
+    """Text that stays inside one table cell: one line, ``|`` escaped, and a ``<`` that opens a tag
+    outside code spans escaped so that a placeholder such as ``embedded:<name>`` is not read as
+    HTML (``<= 32`` stays as it is)."""
+    parts = " ".join(text.split()).replace("|", "\\|").split("`")
+    return "`".join(part if i % 2 else re.sub(r"<(?=[A-Za-z/!?])", "&lt;", part) for i, part in enumerate(parts))
+
+
+def _row(key: str, field: FieldInfo) -> Row:
+    """A field's row; a field whose default is null prints its type without ``| null`` (the default says it)."""
+    bounds = _bounds(field)
+    default = default_text(field)
+    type_text = type_name(field.annotation)
+    if default == "null" and type_text.endswith(" | null"):
+        type_text = type_text.removesuffix(" | null")
+    type_text += f" ({bounds})" if bounds else ""
+    return Row(key=key, type=type_text, default=default, description=field.description or "")
+
+
+def model_sections(model: type[BaseModel], title: str, prefix: str, summary: str = "") -> Iterator[Section]:
+    """The section of ``model``'s own fields, then one section per nested model (depth first).
+
+    ``prefix`` is the dotted key of the model (``engine.``); a field holding a model is a section of
+    its own, a field mapping names to models (``models``) a section keyed ``<name>``."""
+    rows: list[Row] = []
+    nested: list[tuple[str, type[BaseModel], str]] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        inner = _model_in(field.annotation)
+        mapped = _mapped_model(field.annotation)
+        if inner is not None and inner is not model:
+            nested.append((key, inner, field.description or ""))
+            continue
+        if mapped is not None:
+            nested.append((f"{key}.<name>", mapped, field.description or ""))
+            continue
+        rows.append(_row(f"`{key}`", field))
+    yield Section(title=title, summary=summary or (model.__doc__ or "").strip().split("\n\n")[0], rows=tuple(rows),
+                  prefix=prefix)
+    for key, inner, description in nested:
+        yield from model_sections(inner, f"`{key}`", f"{key}.", description)
+
+
+def all_sections() -> list[Section]:
+    """Every section of the reference, in page order."""
+    sections = list(model_sections(SpecServeArgs, "Application `args`", ""))
+    request = model_sections(SpeculationParams, "Request: `speculation`", "speculation.")
+    response = model_sections(RequestStats, "Response: `speculation` statistics", "speculation.")
+    sections += [dataclasses.replace(section, show_defaults=False) for section in (*request, *response)]
+    return sections
+
+
+HEADER = f"""# Configuration reference
+
+Generated from the pydantic models that validate each setting; a test fails when this page is
+stale (regenerate: `{REGENERATE}`).
+
+A deployment is a Ray Serve config file ([example](serving.md#deployment-files)); the keys around
+specserve's `args` are Ray Serve's:
+
+| key | what |
+| --- | --- |
+| `http_options: {{host, port}}` | the HTTP proxy's address (default `127.0.0.1:8000` with `specserve serve`) |
+| `grpc_options: {{port, grpc_servicer_functions}}` | the gRPC proxy's port (every interface); the servicer \
+`cluster.grpc_service.add_SpecServeServicer_to_server` |
+| `proxy_location` | `HeadOnly`, or `EveryNode` for an HTTP proxy on every node |
+| `applications[].name`, `route_prefix` | the `model` id clients send; HTTP routes by prefix, gRPC by the `application` metadata key |
+| `applications[].import_path` | `cluster.app:build_app` |
+| `applications[].deployments: [{{name: SpecServeIngress, num_replicas}}]` | one replica is one model group; \
+`autoscaling_config` adds and removes groups |
+
+Each application's `args` holds the sections below, a row's key inside its section (`engine:
+{{max_model_len: 8192}}`); a null default means unset, unknown keys are refused, and a bad value
+stops the deployment naming the key. A request's `speculation` object takes its unset fields from `args.defaults`; the sampling
+fields are in [serving.md](serving.md#http-api).
+"""
+
+
+def _short_key(key: str, prefix: str) -> str:
+    """A row's key without its section's prefix (the section's title names it): ``engine.overlap``
+    prints as ``overlap`` under ``engine``."""
+    return key.replace(f"`{prefix}", "`", 1) if prefix else key
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table without padding (the page is read rendered), then a blank line."""
+    return ["|" + "|".join(head) + "|", "|" + "---|" * len(head)] + ["|" + "|".join(row) + "|" for row in rows] + [""]
+
+
+def render_section(section: Section) -> str:
+    lines = [f"## {section.title}", ""]
+    if section.summary:
+        lines += [_cell(section.summary), ""]
+    if section.rows and section.show_defaults:
+        lines += _table(["key", "type", "default", "description"],
+                        [[_short_key(row.key, section.prefix), _cell(row.type), _cell(row.default), _cell(row.description)]
+                         for row in section.rows])
+    elif section.rows:
+        lines += _table(["key", "type", "description"],
+                        [[_short_key(row.key, section.prefix), _cell(row.type), _cell(row.description)] for row in section.rows])
+    return "\n".join(lines)
+
+
+def render_reference() -> str:
+    """The whole page, as committed in ``docs/configuration.md``."""
+    return HEADER + "\n" + "\n".join(render_section(section) for section in all_sections())
+
+
+def undescribed_fields() -> list[str]:
+    """Keys of the reference whose model field has no description."""
+    return [f"{section.title}: {row.key}" for section in all_sections() for row in section.rows if not row.description]
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_reference())

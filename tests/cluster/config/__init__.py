@@ -1,0 +1,1 @@
+"""Tests of cluster/config/: the Serve YAML args, the configuration reference and placement."""

@@ -1,0 +1,1 @@
+"""Tests of cluster/grpc_service/: proto <-> generation requests and chunks."""

@@ -1,0 +1,1 @@
+"""Tests of cluster/schemas/: the HTTP request schemas, chat prompts and their conversion."""
