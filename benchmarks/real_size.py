@@ -226,7 +226,7 @@ def engine_table(samples: Samples, dtypes: list[str], levels: list[int], weight_
         lines.append("")
         for concurrency in levels:
             speed, forward = samples.ratio(concurrency), samples.ratio(concurrency, "forward_s")
-            lines.append(f"bfloat16 / float32 at {concurrency} clients: {speed:.2f}x tokens/s, decode forward "
+            lines.append(f"bfloat16 / float32, clients {concurrency}: {speed:.2f}x tokens/s, decode forward "
                          f"{'n/a' if forward is None else f'{1 / forward:.2f}x as fast'} (medians of each round's ratio)")
     return lines
 
@@ -375,9 +375,9 @@ def report(path: pathlib.Path | str, label: str, args: argparse.Namespace) -> li
     bandwidths: list[float] = []
     samples = engine_rounds(path, args.dtypes, levels, args, bandwidths)
     bandwidth = max(bandwidths)
-    lines = [f"Model: {label}, {parameters / 1e6:.1f}M parameters; {args.threads} torch threads; `ar`, "
-             f"{args.max_tokens} tokens a request, {args.requests_per_client} requests a client, {args.rounds} "
-             f"interleaved rounds (medians).",
+    lines = [f"Model: {label}, {parameters / 1e6:.1f}M parameters; torch threads: {args.threads}; `ar`, "
+             f"{args.max_tokens} tokens a request, requests a client: {args.requests_per_client}, interleaved rounds: "
+             f"{args.rounds} (medians).",
              f"Memory bandwidth (torch sum over {_binary_size(BANDWIDTH_BYTES)}, best pass): {bandwidth / 1e9:.1f} GB/s "
              f"(rounds: {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)}).", "",
              "**The engine alone**", ""]

@@ -39,7 +39,7 @@ def test_real_size_prints_each_dtype_level_and_fraction(monkeypatch, capsys, tmp
         for clients in (1, 2):
             row = rf"\| {dtype} \| {clients} \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.e-]+ GB \| [\d.]+ \| \d+% \| [\d.]+ \|"
             assert re.search(row, out), (dtype, clients)
-    assert len(re.findall(r"bfloat16 / float32 at \d clients: [\d.]+x tokens/s, decode forward [\d.]+x as fast", out)) == 2
+    assert len(re.findall(r"bfloat16 / float32, clients \d: [\d.]+x tokens/s, decode forward [\d.]+x as fast", out)) == 2
     assert (tmp_path / "real-size.md").read_text().strip() in out
 
 
