@@ -21,14 +21,23 @@ runs the same computation with less around it:
 * each layer is two plain functions over its packed weights (norm + q/k/v + rotary; o_proj +
   residual + norm + MLP + residual) around the cache write (keys and values in one copy,
   :meth:`actors.model.kv_cache.SlotKVCache.write_and_gather`) and attention;
-* on CPU in float32 the layers' and the head's GEMMs go through oneDNN's matmul (:func:`_linear`)
-  over a copy of their weights reordered into oneDNN's blocked layout, what vLLM's CPU build runs
-  too: the same float32 product, 2.5x faster than the BLAS (MKL) behind ``F.linear`` at 16 rows
-  on this machine's AMD cores, and faster at one row too, where the weights are read from memory
-  (``python -m benchmarks.micro.forward_micro``, ``docs/benchmarks.md``); the residual adds after
-  o_proj and down_proj are that matmul's own post-op (:func:`_linear_add`). That copy is the one
-  weight held twice (the model's own ``nn.Linear`` weights stay, for its own forward, the
-  load-time check and the fall-back): 46.5 MiB for the embedded target.
+* on CPU in float32, and in bfloat16 where oneDNN has bf16 kernels for the CPU
+  (:data:`ONEDNN_DTYPES`), the layers' and the head's GEMMs go through oneDNN's matmul
+  (:func:`_linear`) over a copy of their weights reordered into oneDNN's blocked layout, what
+  vLLM's CPU build runs too: the same product (float32 accumulation, one rounding to the
+  output's dtype), in float32 2.5x faster than the BLAS (MKL) behind ``F.linear`` at 16 rows on
+  this machine's AMD cores, and faster at one row too, where the weights are read from memory
+  (``python -m benchmarks.micro.forward_micro``, ``docs/benchmarks.md``); in bfloat16 about twice the
+  float32 speed at one row, as half the bytes read should be, where ``F.linear`` over the plain
+  bf16 weights ran no faster than float32 (``python -m benchmarks.peers.real_size``). In float32 the
+  residual adds after o_proj and down_proj are that matmul's own post-op (:func:`_linear_add`);
+  in 16 bits they stay a separate add, as the model's own forward rounds the product before the
+  sum. That copy is the one weight held twice (the model's own ``nn.Linear`` weights stay, for
+  its own forward, the load-time check and the fall-back): 46.5 MiB for the embedded target.
+* in 16 bits the norms compute as the model's own RMSNorm does (the normalization in float32,
+  rounded, then the weight: :func:`_rms_norm`) and attention is sdpa (scores and softmax in
+  float32 inside the kernel, as the model's own sdpa forward), not :func:`_bmm_attention`, whose
+  16-bit products would round the scores before the softmax.
 
 What that buys on CPU is the Python and dispatch work around the ops, the faster GEMMs and a
 faster attention at 16 rows: the embedded target's forward at context 150 takes 2.9 ms at 1 x 1
@@ -41,7 +50,8 @@ so the path runs eager.
 
 Every operation computes the model's own formula (its RMSNorm, rotary and activation, the same
 float32 GEMMs): logits equal transformers' own forward to float32 rounding
-(``tests/actors/model/test_lean_decoder.py``). A model that does not match this shape exactly is
+(``tests/actors/model/test_lean_decoder.py``); in bfloat16 they equal it to the rounding of
+bf16 GEMMs summed in another order. A model that does not match this shape exactly is
 not taken (:func:`lean_support` says why) and runs its own decoder.
 """
 
@@ -71,6 +81,12 @@ SELF_CHECK_TOLERANCE_16_BIT = 2e-2
 ONEDNN_LAYOUT_ROWS = 16
 _ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+#: The dtypes whose GEMMs run in oneDNN's layout on CPU: float32, and bfloat16 where oneDNN runs
+#: bf16 kernels on this CPU (``avx512_bf16`` or AMX; elsewhere it would emulate them, slower).
+ONEDNN_DTYPES = frozenset({torch.float32} | ({torch.bfloat16} if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                                              else set()))
+#: The dtypes the norms and attention compute in directly (see :func:`_rms_norm`); 16-bit ones round as the model does.
+_FULL_PRECISION = frozenset({torch.float32, torch.float64})
 
 #: transformers model types whose decoder layer is the Llama shape described in the module doc.
 LEAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -145,8 +161,8 @@ class LeanDecoder:
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
         self.final_norm = (decoder.norm.weight, float(decoder.norm.variance_epsilon))
-        # oneDNN's layout for the layers' GEMMs: on CPU in float32 (see the module doc).
-        self.onednn = _ONEDNN and self.embed_tokens.weight.device.type == "cpu" and model.dtype == torch.float32
+        # oneDNN's layout for the layers' GEMMs: on CPU in ONEDNN_DTYPES (see the module doc).
+        self.onednn = _ONEDNN and self.embed_tokens.weight.device.type == "cpu" and model.dtype in ONEDNN_DTYPES
         self.layers = [_pack_layer(layer, kind, self.onednn) for layer, kind in zip(decoder.layers, architecture.layer_types)]
         head = model.get_output_embeddings()
         self._head = head if type(head) is torch.nn.Linear else None
@@ -159,8 +175,9 @@ class LeanDecoder:
         self._shape = shape
         _check_rotary(sys.modules[type(attention).__module__].apply_rotary_pos_emb, shape.head_dim)
         self._before_attention = _before_attention_fn(shape)
-        # Attention as two batched matmuls where they beat sdpa's kernel (CPU; see _bmm_attention).
-        self._bmm_attention = self.embed_tokens.weight.device.type == "cpu"
+        # Attention as two batched matmuls where they beat sdpa's kernel (CPU; see _bmm_attention); in
+        # 16 bits sdpa, whose kernel keeps the scores in float32 as the model's own forward does.
+        self._bmm_attention = self.embed_tokens.weight.device.type == "cpu" and model.dtype in _FULL_PRECISION
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -295,11 +312,12 @@ def _linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _linear_add(inputs: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """``residual + F.linear(inputs, weight, bias)``; in oneDNN's layout the add is the matmul's
-    own post-op (one op, the same float32 sum). ``inputs`` ``[..., in]``, ``residual`` ``[..., out]``."""
-    if weight.is_mkldnn:
+    """``residual + F.linear(inputs, weight, bias)``; in float32 in oneDNN's layout the add is the
+    matmul's own post-op (one op, the same float32 sum); in 16 bits a separate add of the rounded
+    product, as the model's own forward sums them. ``inputs`` ``[..., in]``, ``residual`` ``[..., out]``."""
+    if weight.is_mkldnn and weight.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise.binary(inputs, residual, weight, bias, "add")
-    return residual + F.linear(inputs, weight, bias)
+    return residual + _linear(inputs, weight, bias)
 
 
 def _onednn_weight(weight: torch.Tensor, reorder: bool) -> torch.Tensor:
@@ -309,8 +327,14 @@ def _onednn_weight(weight: torch.Tensor, reorder: bool) -> torch.Tensor:
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm ``weight * (h * rsqrt(mean(h^2) + eps))`` over the last dim, as
-    torch's ``F.rms_norm`` (one call; on CPU in torch 2.13 it still runs the formula op by op)."""
-    return F.rms_norm(hidden, hidden.shape[-1:], weight, eps)
+    torch's ``F.rms_norm`` (one call; on CPU in torch 2.13 it still runs the formula op by op).
+    In 16 bits as the model's own module rounds: the normalization in float32, rounded to the
+    dtype, then times the weight (bit for bit its result; ``F.rms_norm`` with the weight inside
+    rounds once, a last-bit difference in a quarter of the values)."""
+    if hidden.dtype in _FULL_PRECISION:
+        return F.rms_norm(hidden, hidden.shape[-1:], weight, eps)
+    normed = F.rms_norm(hidden.float(), hidden.shape[-1:], None, eps).to(hidden.dtype)  # [..., hidden]
+    return normed if weight is None else weight * normed
 
 
 def _rotary_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

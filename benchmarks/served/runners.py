@@ -181,10 +181,16 @@ class LocalRunner:
         from actors.coordination.coordinator import Coordinator
         from actors.worker.model_worker import ModelWorker
 
+        from cluster.serving.bringup import worker_sessions
+
         config = group_args.freeze()
         self.temperature = temperature
+        # The worker settings production passes (cluster.serving.bringup): slots, KV budget and context.
         self.workers = {m.name: LocalActorHandle(ModelWorker(m, config.session_idle_timeout_s,
+                                                             max_sessions=worker_sessions(config),
                                                              prefix_caching=config.prefix_caching,
+                                                             kv_cache_memory=config.kv_cache_memory,
+                                                             max_model_len=config.max_model_len,
                                                              max_tokens_per_step=config.max_tokens_per_step))
                         for m in config.models}
         self.coordinator = Coordinator(self.workers, config)

@@ -6,7 +6,8 @@ heads, Qwen2's q/k/v biases and sliding layers, Qwen3's per-head norms, Mistral'
 through a :class:`actors.model.backends.SlotBackend` on the lean path: a prompt longer than the
 window with a second session in the same forward, then two draft chains in one row; every kept
 position's float32 logits equal the model's own full forward of that context (``ATOL``) and the
-model's own decoder over the same cache (the backend with ``lean_forward=False``). Families the
+model's own decoder over the same cache (the backend with ``lean_forward=False``); the same in
+bfloat16 (``ATOL_BF16``, the GEMMs in oneDNN's layout where the CPU has bf16 kernels). Families the
 path does not cover run their own decoder; a variant the path does not reproduce is caught by
 the load-time check and runs its own decoder, with a warning naming the model.
 """
@@ -21,10 +22,17 @@ import transformers
 
 from actors.model.backends import SlotBackend
 from actors.model.batch import RowWork, RunAttend, chains_row, linear_row
-from actors.model.lean_decoder import LEAN_FAMILIES
+from actors.model.lean_decoder import LEAN_FAMILIES, ONEDNN_DTYPES, _rms_norm
 from tests.actors.model.test_architectures import CONFIGS, WINDOW, _common
 
 ATOL = 1e-4  # float32: cached, batched attention vs one full forward differ by rounding only
+#: bfloat16: four units in the last place of a logit in [2, 4), two in [4, 8) (these models'
+#: logits reach ~5; the model's own decoder over the cache already differs from its full forward
+#: by up to 0.033, a bf16 rounding carried through the layers).
+ATOL_BF16 = 2 ** -4
+#: bfloat16, lean against the model's own decoder over the same cache: one unit in the last place
+#: of a logit in [2, 4) (measured: equal, or 0.0005 apart).
+ATOL_BF16_OWN = 2 ** -6
 VOCAB = 96
 LEAN_CASES = {"llama": "llama", "mistral": "mistral-sliding", "qwen2": "qwen2-sliding", "qwen3": "qwen3"}
 OWN_DECODER_CASES = ["gpt2", "gemma2-sliding-softcap", "phi"]
@@ -48,7 +56,7 @@ def _full_logits(model, context: list[int]) -> torch.Tensor:
     return model(torch.tensor([context])).logits[0].float()
 
 
-def _rows_against_full_forward(backend: SlotBackend, model) -> list[torch.Tensor]:
+def _rows_against_full_forward(backend: SlotBackend, model, atol: float = ATOL) -> list[torch.Tensor]:
     """Prefill two sessions in one forward, then two chains in one row; check every kept position
     against the model's full forward; return every logits tensor (to compare two backends)."""
     generator = torch.Generator().manual_seed(3)
@@ -56,16 +64,16 @@ def _rows_against_full_forward(backend: SlotBackend, model) -> list[torch.Tensor
     slots = [backend.allocate() for _ in prompts]
     prefill = backend.forward([linear_row(slot, 0, prompt, 0, range(len(prompt))) for slot, prompt in zip(slots, prompts)])
     for prompt, logits in zip(prompts, prefill):
-        torch.testing.assert_close(logits, _full_logits(model, prompt), atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits, _full_logits(model, prompt), atol=atol, rtol=0)
     chains = [torch.randint(1, VOCAB, (4,), generator=generator).tolist() for _ in range(2)]
     prompt = prompts[0]
     (chain_logits,) = backend.forward([chains_row(slots[0], len(prompt), chains, len(prompt), range(8))])
     for k, chain in enumerate(chains):
         expected = _full_logits(model, prompt + chain)[len(prompt):]  # [4, V]
-        torch.testing.assert_close(chain_logits[4 * k: 4 * (k + 1)], expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(chain_logits[4 * k: 4 * (k + 1)], expected, atol=atol, rtol=0)
     token = int(torch.randint(1, VOCAB, (1,), generator=generator))  # one row of one token: a decode step
     (step_logits,) = backend.forward([linear_row(slots[1], len(prompts[1]), [token], len(prompts[1]), [0])])
-    torch.testing.assert_close(step_logits, _full_logits(model, prompts[1] + [token])[-1:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(step_logits, _full_logits(model, prompts[1] + [token])[-1:], atol=atol, rtol=0)
     for slot in slots:
         backend.free(slot)
     return [*prefill, chain_logits, step_logits]
@@ -84,6 +92,37 @@ def test_lean_logits_equal_transformers(family):
     assert lean.forward_path == f"the lean decoder ({family})"
     for got, own in zip(_rows_against_full_forward(lean, model), reference):
         torch.testing.assert_close(got, own, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(LEAN_CASES))
+def test_lean_bfloat16_logits_equal_transformers(family):
+    """In bfloat16 the lean path (its GEMMs in oneDNN's layout where the CPU has bf16 kernels, the
+    norms rounded as the model's own, sdpa attention) gives the model's own decoder's logits over
+    the same cache and its full forward's, to bf16 rounding; a decode row alone included."""
+    model = _model(LEAN_CASES[family]).to(torch.bfloat16)
+    reference = _rows_against_full_forward(_backend(_model(LEAN_CASES[family]).to(torch.bfloat16), lean_forward=False),
+                                           model, ATOL_BF16)
+    lean = _backend(model, lean_forward=True)
+    assert lean.lean is not None, f"{family} should run the lean decoder in bfloat16"
+    assert lean.lean.onednn == (torch.bfloat16 in ONEDNN_DTYPES)
+    for got, own in zip(_rows_against_full_forward(lean, model, ATOL_BF16), reference):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, own, atol=ATOL_BF16_OWN, rtol=0)
+
+
+def test_bfloat16_norm_rounds_as_the_model_own():
+    """The lean RMSNorm in bfloat16 equals the model's own module bit for bit (normalized in
+    float32, rounded, then times the weight), with and without a weight."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64, eps=1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(64)
+    norm = norm.to(torch.bfloat16)
+    hidden = (3 * torch.randn(2, 5, 64)).to(torch.bfloat16)
+    assert torch.equal(_rms_norm(hidden, norm.weight, 1e-6), norm(hidden))
+    norm.weight.data.fill_(1)
+    assert torch.equal(_rms_norm(hidden, None, 1e-6), norm(hidden))
 
 
 @pytest.mark.parametrize("case", OWN_DECODER_CASES)
