@@ -2,12 +2,14 @@
 
 * Each quantized linear computes the float linear within its quantization error bound
   (half a step per weight, bfloat16 rounding inside the kernel).
-* The quantized copy of a tiny Llama gives rows close to the float model's; loaded through
-  ``SlotBackend.load(quantization=...)`` its slot-cache forward equals its own full forward.
-* Exact enumeration (float64, TV < 1e-9): the quantized copy as the draft of the float model
-  through the reference decode loop (the state machine the engine drives) emits the float
-  model's law under token, block and greedy block verification; handed the draft's rows as the
-  target's, the same harness finds the draft's law instead (the negative control).
+* Every linear of the copy is quantized; the embedded target's copies give rows close to its own;
+  loaded through ``SlotBackend.load(quantization=...)`` a copy's slot-cache forward equals its
+  own full forward.
+* Exact enumeration (float64, TV < 1e-9): a tiny Llama's quantized copy as the draft of the float
+  model, through the reference decode loop (the state machine the engine drives), emits the
+  float model's law under token, block and greedy block verification (and SpecTr over two
+  drafts); handed the draft's rows as the target's, the same harness finds the draft's law
+  instead (the negative control).
 * The engine (production Coordinator and ModelWorkers in this process, no Ray): a deployment
   whose draft is an int8 copy of its target generates, and greedy sd (token, block, greedy block)
   and multi_draft equal ar, greedy se with the copy as its proposer equals the plain ensemble.
@@ -222,6 +224,13 @@ def test_the_quantized_copy_as_draft_is_exact(exact_pair, quantization, method):
     draft_fn = int8_fn if quantization == "int8" else int4_fn
     law = speculative_law(draft_fn, target_fn, PROMPT, LAW_TOKENS, gamma=LAW_GAMMA, method=method, top_k=LAW_TOP_K)
     assert total_variation(law, target_law(target_fn, PROMPT, LAW_TOKENS, top_k=LAW_TOP_K)) < EXACT_TOLERANCE
+
+
+def test_two_quantized_drafts_are_exact_under_multi_draft_verification(exact_pair):
+    """Multi-draft (SpecTr K-SEQ, K = 2 i.i.d. drafts of the int8 copy): the float model's law."""
+    target_fn, _, int8_fn = exact_pair
+    law = speculative_law(int8_fn, target_fn, PROMPT, 2, gamma=LAW_GAMMA, method="spectr", num_drafts=2, top_k=LAW_TOP_K)
+    assert total_variation(law, target_law(target_fn, PROMPT, 2, top_k=LAW_TOP_K)) < EXACT_TOLERANCE
 
 
 @pytest.mark.parametrize("method", SINGLE_DRAFT)
