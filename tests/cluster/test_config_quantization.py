@@ -45,7 +45,10 @@ def test_a_quantization_on_a_model_that_defines_the_law_is_refused(role):
         parse_app_args(args)
 
 
-def test_the_self_draft_deployment_names_an_int8_copy_of_its_target():
+def test_the_self_draft_deployment_names_an_int8_copy_of_its_target_in_its_worker():
+    from cluster.bringup import resolve_placement
+
     group = load_app_args(REPO / "deploy" / "self_draft.yaml").freeze()
     assert group.model("draft").quantization == "int8"
     assert group.model("draft").path == group.model("target").path
+    assert resolve_placement(group, gpus=0).workers == (("target", "draft"),)  # one process, one tokenizer
