@@ -12,7 +12,8 @@ weight-only matmul with the kernels torch ships for CPU:
   ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` packs it at load and
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies. The kernel wants the output rows in
   multiples of 16 (zero rows are padded on and cut off the product) and the input columns in
-  multiples of the group size: a layer whose input is not is kept in ``int8`` (logged).
+  multiples of the group size: a layer whose input is not is kept in ``int8`` (the load's log line
+  counts each kind).
 
 Each weight element is off by at most half its scale, so an output ``y_n`` is off by at most
 ``sum_k |x_k| * scale_{n,k} / 2``, plus the rounding of the product's inputs and output to
@@ -51,10 +52,11 @@ INT4_INNER_K_TILES = 2
 #: Model dtypes a quantized copy may have (its norms, attention and KV cache run in it).
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: The activations' dtype inside the kernels: both CPU kernels take float32, float16 and bfloat16
-#: inputs, but only bfloat16 has a fast path in torch 2.13 (one thread, a 2816 x 1024 weight at one
-#: row: int8 0.32 ms in bfloat16, 6.0 ms in float16, 5.5 ms in float32, against 0.77 ms for
-#: float32 ``F.linear``; ``python -m benchmarks.quantized_gemm``): the inputs are rounded to
-#: bfloat16 for the product and the product is returned in the inputs' dtype.
+#: inputs, but in torch 2.13 only bfloat16 has a fast path (one thread, a 2816 x 1024 weight at one
+#: row, weights from memory: int8 ~2x and int4 ~4.5x faster than float32 ``F.linear`` with
+#: bfloat16 inputs, 2.8x and 5.7x slower than it fed float32; ``python -m benchmarks.quantized_gemm
+#: --shapes 2816x1024 --rows 1 --fp32-kernels``): the inputs are rounded to bfloat16 for the
+#: product and the product is returned in the inputs' dtype.
 KERNEL_DTYPE = torch.bfloat16
 
 
