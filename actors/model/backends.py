@@ -115,10 +115,12 @@ class SlotBackend:
         cls, path: str, *, dtype: str | None = "float32", revision: str | None = None, device: str = "cpu",
         max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64, initial_slots: int | None = None,
         max_model_len: int | None = None, kv_cache_memory: int | float | None = None, lean_forward: bool = True,
+        quantization: str | None = None,
     ) -> SlotBackend:
         """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub).
         ``dtype`` None: the checkpoint's own on a GPU, float32 on CPU (:func:`actors.model.kv_budget.resolve_dtype`);
-        ``max_model_len`` / ``kv_cache_memory``: the context and the KV budget (:mod:`actors.model.kv_budget`)."""
+        ``max_model_len`` / ``kv_cache_memory``: the context and the KV budget (:mod:`actors.model.kv_budget`);
+        ``quantization``: its linear layers weight-only quantized (:mod:`actors.model.quantized`; its own decoder runs)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from actors.model.kv_budget import resolve_dtype
@@ -137,9 +139,16 @@ class SlotBackend:
         model.to(device).eval()
         logger.info("loaded %s (%s, %s, %s) on %s", path, type(model).__name__, dtype,
                     architecture.attn_implementation, device)
-        return cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
-                   initial_slots=initial_slots, name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                   lean_forward=lean_forward)
+        forward_path = None
+        if quantization is not None:
+            from actors.model.quantized import quantize_model
+
+            forward_path, lean_forward = quantize_model(model, quantization, path), False
+        backend = cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
+                      initial_slots=initial_slots, name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                      lean_forward=lean_forward)
+        backend.forward_path = forward_path or backend.forward_path
+        return backend
 
     def resize_slots(self, slots: int) -> None:
         """Hold ``slots`` slots from now on (a new, empty cache): the worker that hosts several models

@@ -14,6 +14,9 @@ serve-load`` measures the whole server).
     python -m benchmarks.served.engine_load --strategy sd --gamma auto --goodput on --concurrency 16 --requests 128
     python -m benchmarks.served.engine_load --strategy sd --pre-drafting 2 --concurrency 1 --requests 32
     python -m benchmarks.served.engine_load --strategy ar --concurrency 16 --requests 64 --lean-forward off
+    python -m benchmarks.served.engine_load --config deploy/self_draft.yaml --strategy sd --quantization int4 --concurrency 1
+
+Speculative strategies also print the block efficiency (generated tokens per target call).
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ def _count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) 
 
 
 async def _clients(runner: LocalRunner, prompts: list[str], speculation: dict[str, Any],
-                   args: argparse.Namespace, first_token_s: list[float]) -> int:
+                   args: argparse.Namespace, first_token_s: list[float], finals: list[Any]) -> int:
     """Run the closed-loop clients -> the tokens generated; appends each request's time to its
-    first token (seconds) to ``first_token_s``."""
+    first token (seconds) to ``first_token_s`` and its final stats to ``finals``."""
     counter = iter(range(args.requests))
 
     async def client() -> int:
@@ -71,6 +74,8 @@ async def _clients(runner: LocalRunner, prompts: list[str], speculation: dict[st
                     first_token_s.append(time.perf_counter() - sent)
                     first = False
                 tokens += len(chunk.token_ids)
+                if chunk.stats is not None:
+                    finals.append(chunk.stats)
         return tokens
 
     return sum(await asyncio.gather(*(client() for _ in range(args.concurrency))))
@@ -100,9 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", default=None, metavar="CASE",
                         help="Also write the figure into the results store (benchmarks/results/CASE.json) and "
                         "regenerate docs/results.md.")
+    parser.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                        help="Force the draft model's quantization (args.models.<draft>.quantization; default: the YAML's).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     group_args = load_app_args(args.config, None)
+    if args.quantization is not None:
+        models = {name: model.model_copy(update={"quantization": args.quantization}) if model.role == "draft" else model
+                  for name, model in group_args.models.items()}
+        group_args = group_args.model_copy(update={"models": models})
     engine_updates = {}
     if args.prefix_caching is not None:
         engine_updates["prefix_caching"] = args.prefix_caching == "on"
@@ -126,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     stats: dict[tuple[str, str], list[tuple[int, int, float]]] = collections.defaultdict(list)
     restore = _count_forwards(stats)
     first_token_s: list[float] = []
+    finals: list[Any] = []
     try:
         started = time.perf_counter()
-        tokens = runner.loop.run_until_complete(_clients(runner, prompts, case.speculation, args, first_token_s))
+        tokens = runner.loop.run_until_complete(_clients(runner, prompts, case.speculation, args, first_token_s, finals))
         wall = time.perf_counter() - started
     finally:
         restore()
@@ -136,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{tokens / wall:.1f} tok/s, TTFT p50 {1e3 * statistics.median(first_token_s):.1f} ms")
     if args.record:
         _record(args, case.speculation, argv, tokens / wall, 1e3 * statistics.median(first_token_s))
+    target_calls = sum(final.target_calls for final in finals)
+    if target_calls and args.strategy != "ar":
+        print(f"  block efficiency {sum(final.completion_tokens for final in finals) / target_calls:.3f} "
+              f"(generated tokens per target call, pooled over {len(finals)} requests; per-request median "
+              f"{statistics.median(final.block_efficiency for final in finals):.3f})")
     for (model, kind), runs in sorted(stats.items()):
         seconds = sum(run[2] for run in runs)
         print(f"  {model} {kind}: {len(runs)} forwards, {seconds:.2f} s ({100 * seconds / wall:.0f}% of wall), "

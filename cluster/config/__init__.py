@@ -51,6 +51,7 @@ from cluster.config.model_args import (
     DType,
     ModelArgs,
     ModelRole,
+    Quantization,
 )
 from cluster.config.resources import (
     CoordinatorResourceArgs,
@@ -111,6 +112,7 @@ __all__ = [
     "ModelRole",
     "ModelSpec",
     "PlacementArgs",
+    "Quantization",
     "RESERVED_RESOURCE_NAMES",
     "ResourcesArgs",
     "SecurityArgs",

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from cluster.config.base import Frozen
 
 ModelRole = Literal["target", "draft", "member"]
 DType = Literal["float32", "float16", "bfloat16"]
+Quantization = Literal["int8", "int4"]
 
 
 class ModelArgs(Frozen):
@@ -30,3 +31,17 @@ class ModelArgs(Frozen):
     max_context: int | None = Field(
         None, ge=2, description="Context length override; default: the model's max_position_embeddings."
     )
+    quantization: Quantization | None = Field(
+        None,
+        description="A draft only: load the checkpoint with every linear layer weight-only quantized, int8 (a scale "
+        "per output row) or int4 (a scale and offset per 32 inputs), with torch's CPU kernels; path: the target's "
+        "own, for a quantized copy of the target as its proposer (the output law stays the target's). CPU "
+        "workers only. Unset: the weights as loaded.",
+    )
+
+    @model_validator(mode="after")
+    def _quantization_on_a_draft(self) -> ModelArgs:
+        if self.quantization is not None and self.role != "draft":
+            raise ValueError(f"quantization: {self.quantization!r} is for a draft model (the proposer); a {self.role!r} "
+                             f"defines the output law and is served as loaded: drop quantization or set role: draft")
+        return self

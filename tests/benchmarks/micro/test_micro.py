@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from benchmarks.micro import forward_micro, forward_profile
+from benchmarks.micro import forward_micro, forward_profile, quantized_gemm
 from benchmarks.served import engine_load
 
 
@@ -35,3 +35,19 @@ def test_engine_load_generates_every_token(capsys):
     out = capsys.readouterr().out
     assert re.search(r"sd at concurrency 2: 15 tokens in [\d.]+ s = [\d.]+ tok/s, TTFT p50 [\d.]+ ms", out)
     assert re.search(r"target short: \d+ forwards", out) and re.search(r"draft short: \d+ forwards", out)
+
+
+def test_engine_load_with_a_quantized_self_draft_reports_block_efficiency(capsys):
+    args = ["--config", "deploy/self_draft.yaml", "--quantization", "int4", "--strategy", "sd", "--concurrency", "1",
+            "--requests", "1", "--max-tokens", "6"]
+    assert engine_load.main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"sd at concurrency 1: 6 tokens in", out)
+    assert 1.0 <= float(re.search(r"block efficiency ([\d.]+) \(generated tokens per target call", out).group(1)) <= 5.0
+
+
+def test_quantized_gemm_times_every_kernel(capsys):
+    assert quantized_gemm.main(["--shapes", "32x64", "--rows", "1,2", "--repeats", "1", "--inner", "1", "--copies", "2",
+                                 "--fp32-kernels"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 32 x 64")]
+    assert len(rows) == 2 and all(float(cell) > 0 for row in rows for cell in row.split("|")[3:-1] if cell.strip() != "-")

@@ -1,0 +1,193 @@
+"""A weight-only quantized copy of a model: the target's own weights as a cheaper proposer.
+
+A deployment names a quantized copy of its target as its draft model (``models.<name>.quantization``,
+:class:`cluster.config.ModelArgs`): the same checkpoint, loaded again and every ``nn.Linear`` of
+the loaded model replaced by a module that stores its weight in 8 or 4 bits and computes the
+weight-only matmul with the kernels torch ships for CPU:
+
+* ``int8`` (:class:`Int8Linear`): one scale per output row (symmetric, ``w ~ q * scale`` with
+  ``q`` in [-127, 127]); ``torch.ops.aten._weight_int8pack_mm``;
+* ``int4`` (:class:`Int4Linear`): a scale and an offset per group of :data:`INT4_GROUP_SIZE` input
+  columns of each output row (asymmetric, ``w ~ q * scale + low`` with ``q`` in [0, 15]);
+  ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` packs it at load and
+  ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies. The kernel wants the output rows in
+  multiples of 16 (zero rows are padded on and cut off the product) and the input columns in
+  multiples of the group size: a layer whose input is not is kept in ``int8`` (the load's log line
+  counts each kind).
+
+Each weight element is off by at most half its scale, so an output ``y_n`` is off by at most
+``sum_k |x_k| * scale_{n,k} / 2``, plus the rounding of the product's inputs and output to
+bfloat16, the one dtype whose kernels are fast (:data:`KERNEL_DTYPE`; :func:`linear_error_bound`,
+``tests/actors/model/test_quantized.py``). Norms, embeddings, attention and the KV cache stay in
+the model's dtype: only the GEMM weights shrink (4x in int8, ~6.4x in int4 with group 32, against
+float32).
+
+The copy is a draft model like any other: it has its own worker (or shares its target's: one
+process, one tokenizer, :mod:`actors.worker.device_worker`), its own KV cache, and every rule
+that takes a draft takes it; the output law stays the target's, because verification never
+assumed anything of the draft's rows. It runs its model's own decoder forward (the lean decoder,
+:mod:`actors.model.lean_decoder`, packs float weights of its own and is not taken;
+:func:`quantize_model` says so in the forward path).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+#: The quantizations a model entry may name (``models.<name>.quantization``).
+QUANTIZATIONS = ("int8", "int4")
+#: Input columns sharing one int4 scale and offset (the kernel takes 32, 64, 128 or 256; 32 is the
+#: most accurate).
+INT4_GROUP_SIZE = 32
+#: The int4 kernel's output rows come in multiples of this.
+INT4_ROW_MULTIPLE = 16
+#: innerKTiles of the int4 packing (2, 4 or 8; any works on CPU).
+INT4_INNER_K_TILES = 2
+#: Model dtypes a quantized copy may have (its norms, attention and KV cache run in it).
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The activations' dtype inside the kernels: both CPU kernels take float32, float16 and bfloat16
+#: inputs, but in torch 2.13 only bfloat16 has a fast path (one thread, a 2816 x 1024 weight at one
+#: row, weights from memory: int8 ~2x and int4 ~4.5x faster than float32 ``F.linear`` with
+#: bfloat16 inputs, 2.8x and 5.7x slower than it fed float32; ``python -m benchmarks.micro.quantized_gemm
+#: --shapes 2816x1024 --rows 1 --fp32-kernels``): the inputs are rounded to bfloat16 for the
+#: product and the product is returned in the inputs' dtype.
+KERNEL_DTYPE = torch.bfloat16
+
+
+class QuantizationError(ValueError):
+    """A quantization the loader cannot build (unknown name, unsupported dtype or kernel)."""
+
+
+def check_quantization(quantization: str | None, dtype: torch.dtype | None = None) -> None:
+    """Raise :class:`QuantizationError` naming ``quantization`` when it is not one of
+    :data:`QUANTIZATIONS`, or when a quantized model cannot run in ``dtype``."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise QuantizationError(f"quantization: unknown quantization {quantization!r}; expected one of {list(QUANTIZATIONS)}")
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        raise QuantizationError(f"quantization {quantization!r}: a quantized model runs in float32, float16 or "
+                                f"bfloat16, not {dtype}")
+
+
+class Int8Linear(torch.nn.Module):
+    """``nn.Linear`` with an int8 weight ``[out, in]`` and one scale per output row (weight-only:
+    the input is a float; :data:`KERNEL_DTYPE` inside the product); ``torch.ops.aten._weight_int8pack_mm``."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()  # [out, in]
+        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [out]
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale.to(KERNEL_DTYPE))  # [out]
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``inputs`` ``[..., in]`` -> ``[..., out]``."""
+        flat = inputs.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [N, in]
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales).to(inputs.dtype)  # [N, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*inputs.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row scales"
+
+
+class Int4Linear(torch.nn.Module):
+    """``nn.Linear`` with 4-bit weights, a scale and an offset per :data:`INT4_GROUP_SIZE` input
+    columns of each output row (weight-only); packed by ``_convert_weight_to_int4pack_for_cpu``,
+    multiplied by ``_weight_int4pack_mm_for_cpu`` (:data:`KERNEL_DTYPE` inside). Output rows are padded to a multiple of
+    :data:`INT4_ROW_MULTIPLE` with zero rows (cut off the product)."""
+
+    def __init__(self, linear: torch.nn.Linear, group_size: int = INT4_GROUP_SIZE):
+        super().__init__()
+        if linear.in_features % group_size:
+            raise QuantizationError(f"int4: in_features {linear.in_features} is not a multiple of the group size {group_size}")
+        out_features, in_features = linear.out_features, linear.in_features
+        rows = -(-out_features // INT4_ROW_MULTIPLE) * INT4_ROW_MULTIPLE  # padded output rows
+        weight = torch.zeros(rows, in_features)
+        weight[:out_features] = linear.weight.detach().float()  # [rows, in]
+        grouped = weight.view(rows, in_features // group_size, group_size)  # [rows, groups, G]
+        low, high = grouped.amin(-1), grouped.amax(-1)  # [rows, groups]
+        scale = ((high - low) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)  # [rows, groups]
+        codes = torch.round((grouped - low[..., None]) / scale[..., None]).clamp_(0, 15)  # [rows, groups, G]
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.view(rows, in_features).to(torch.int32), INT4_INNER_K_TILES))  # [rows, in / 2] uint8
+        # The kernel's form: w = (q - 8) * scale + zero, i.e. zero = low + 8 * scale; [groups, rows, 2].
+        self.register_buffer("scales_and_zeros", torch.stack((scale, low + 8.0 * scale), dim=-1).transpose(0, 1)
+                             .contiguous().to(KERNEL_DTYPE))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``inputs`` ``[..., in]`` -> ``[..., out]``."""
+        flat = inputs.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [N, in]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight_int4, self.group_size,
+                                                         self.scales_and_zeros).to(inputs.dtype)  # [N, rows]
+        if out.shape[-1] != self.out_features:
+            out = out[:, : self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*inputs.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
+
+
+def quantize_linear(linear: torch.nn.Linear, quantization: str) -> torch.nn.Module:
+    """The weight-only quantized module for ``linear`` (an ``int4`` layer whose input columns are
+    not a multiple of :data:`INT4_GROUP_SIZE` comes back as :class:`Int8Linear`)."""
+    check_quantization(quantization, linear.weight.dtype)
+    if quantization == "int4" and linear.in_features % INT4_GROUP_SIZE == 0:
+        return Int4Linear(linear)
+    return Int8Linear(linear)
+
+
+def quantize_model(model: Any, quantization: str, name: str = "") -> str:
+    """Replace every ``nn.Linear`` of ``model`` (its layers' projections and its head; not the
+    embeddings) by its :func:`quantize_linear` module, in place -> the forward path in words (for
+    the start-up log and :class:`actors.messages.WorkerInfo`). The model's own forward then runs
+    the quantized matmuls. ``model`` must be on CPU (the kernels are torch's CPU kernels)."""
+    device = next(model.parameters()).device
+    check_quantization(quantization, model.dtype)
+    if device.type != "cpu":
+        raise QuantizationError(f"quantization {quantization!r}: the weight-only kernels run on CPU; "
+                                f"{name or 'the model'} is on {device}")
+    replaced: dict[str, int] = {}
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                module = quantize_linear(child, quantization)
+                setattr(parent, child_name, module)
+                replaced[type(module).__name__] = replaced.get(type(module).__name__, 0) + 1
+    kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(replaced.items()))
+    logger.info("%s: weight-only %s (%s)", name or type(model).__name__, quantization, kinds)
+    return f"its own decoder, weight-only {quantization} linears ({kinds})"
+
+
+def linear_error_bound(inputs: torch.Tensor, module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A bound on ``|module(inputs) - F.linear(inputs, weight)|`` ``[..., out]`` for the quantized
+    ``module`` of the float ``weight`` ``[out, in]``: half a quantization step per weight, the
+    inputs and the output rounded to :data:`KERNEL_DTYPE` (unit roundoff ``u``), and a float32
+    accumulation's slack: with ``a = |x| @ (step / 2)^T`` and ``m = |x| @ |w|^T``,
+    ``(a + u (m + a)) (1 + u) + u m + 1e-5 m``."""
+    if isinstance(module, Int8Linear):
+        step = module.scales.float()[:, None].expand(module.out_features, module.in_features)  # [out, in]
+    elif isinstance(module, Int4Linear):
+        scale = module.scales_and_zeros[..., 0].float().transpose(0, 1)[: module.out_features]  # [out, groups]
+        step = scale.repeat_interleave(module.group_size, dim=1)  # [out, in]
+    else:
+        raise TypeError(f"not a quantized linear: {type(module).__name__}")
+    unit = torch.finfo(KERNEL_DTYPE).eps / 2  # bfloat16's unit roundoff, 2^-8
+    magnitude = inputs.abs().double()  # [..., in]
+    quantized = F.linear(magnitude, step.double() / 2.0)  # [..., out]
+    product = F.linear(magnitude, weight.abs().double())  # [..., out]
+    return (quantized + unit * (product + quantized)) * (1 + unit) + unit * product + 1e-5 * product
