@@ -262,17 +262,16 @@ class SpeculationParams(_Frozen):
     method: str | None = Field(
         None, max_length=MAX_NAME_CHARS,
         description=(
-            "Verification rule: token | block | greedy_block (sd); spectr | sequential_gbv | spectr_gbv (multi_draft); "
-            "se with the alternate proposer: token | block; se with a model proposer: block | token | greedy_block | "
-            "spectr | sequential_gbv | spectr_gbv (spectr_gbv: experimental, not lossless for K >= 2)."
+            "Verification rule. sd: token, block, greedy_block; multi_draft: spectr, sequential_gbv, spectr_gbv; se "
+            "alternating: token, block; se with a model proposer: any of the six (spectr_gbv: experimental, not "
+            "lossless for K >= 2)."
         ),
     )
     gamma: GammaValue | None = Field(
         None,
-        description='Draft block length (sd, multi_draft, se with a model proposer), or "auto": chosen before each draft '
-        "from the request's acceptance so far, in [1, gamma_max]; se with the alternate proposer: its gammas "
-        "(else 1 each), or plain ensemble steps where proposals do not pay. Unset: the deployment's defaults.gamma "
-        "(se with a model proposer: defaults.se_draft_gamma when set).",
+        description='Draft block length (sd, multi_draft, se with a model proposer), or "auto": each block in [1, '
+        'gamma_max] chosen from the acceptance so far; se alternating: "auto" keeps its gammas and may take plain '
+        "ensemble steps. Unset: defaults.gamma (se with a model proposer: defaults.se_draft_gamma when set).",
     )
     gamma_max: int | None = Field(None, ge=1, le=MAX_GAMMA, description='Largest block "auto" may draft.')
     num_drafts: int | None = Field(None, ge=1, le=MAX_DRAFTS, description="K i.i.d. drafts (multi_draft).")
@@ -291,9 +290,9 @@ class SpeculationParams(_Frozen):
     )
     proposer: str | None = Field(
         None, max_length=MAX_NAME_CHARS,
-        description='Who drafts. sd: "draft" (the draft model) or "ngram" (prompt lookup: copied from the prompt and '
-        'the output, no model). se: "alternate" (the members in turn) or a deployment model (a draft or a member) '
-        "whose blocks every member scores in one forward. Unset: the deployment's defaults.proposers.",
+        description='Who drafts. sd: "draft" (the draft model) or "ngram" (prompt lookup, no model). se: "alternate" '
+        "(the members in turn) or a deployment model whose blocks every member scores in one forward. Unset: "
+        "defaults.proposers.",
     )
     prompt_lookup_max: int | None = Field(
         None, ge=1, le=MAX_NGRAM, description="Longest n-gram prompt lookup and prediction realignment look up."

@@ -188,27 +188,27 @@ def all_sections() -> list[Section]:
 
 HEADER = f"""# Configuration reference
 
-Generated from the pydantic models that validate each setting; a test fails when this page is
-stale (regenerate: `{REGENERATE}`).
+Generated from the pydantic models that validate each setting (regenerate: `{REGENERATE}`; a
+test fails when this page is stale).
 
-A deployment is a Ray Serve config file ([example](serving.md#deployment-files)); the keys around
-specserve's `args` are Ray Serve's:
+A deployment is a Ray Serve config file ([examples](serving.md#deployment-files)); around
+specserve's `args`, Ray Serve's keys:
 
 | key | what |
 | --- | --- |
-| `http_options: {{host, port}}` | the HTTP proxy's address (default `127.0.0.1:8000` with `specserve serve`) |
-| `grpc_options: {{port, grpc_servicer_functions}}` | the gRPC proxy's port (every interface); the servicer \
+| `http_options: {{host, port}}` | the HTTP proxy's address (`specserve serve`: `127.0.0.1:8000`) |
+| `grpc_options: {{port, grpc_servicer_functions}}` | the gRPC proxy's port (every interface); servicer \
 `cluster.grpc_service.add_SpecServeServicer_to_server` |
-| `proxy_location` | `HeadOnly`, or `EveryNode` for an HTTP proxy on every node |
-| `applications[].name`, `route_prefix` | the `model` id clients send; HTTP routes by prefix, gRPC by the `application` metadata key |
+| `proxy_location` | `HeadOnly`, or `EveryNode`: an HTTP proxy on every node |
+| `applications[].name`, `route_prefix` | the `model` id; HTTP routes by prefix, gRPC by the `application` metadata key |
 | `applications[].import_path` | `cluster.app:build_app` |
-| `applications[].deployments: [{{name: SpecServeIngress, num_replicas}}]` | one replica is one model group; \
-`autoscaling_config` adds and removes groups |
+| `applications[].deployments: [{{name: SpecServeIngress, num_replicas}}]` | a replica is a model group; \
+`autoscaling_config` scales groups |
 
-Each application's `args` holds the sections below, a row's key inside its section (`engine:
-{{max_model_len: 8192}}`); a null default means unset, unknown keys are refused, and a bad value
-stops the deployment naming the key. A request's `speculation` object takes its unset fields from `args.defaults`; the sampling
-fields are in [serving.md](serving.md#http-api).
+Each application's `args` holds the sections below (`engine: {{max_model_len: 8192}}`). Null
+default: unset; an unknown key or a bad value stops the deployment, naming the key. A request's
+`speculation` takes its unset fields from `args.defaults`; sampling fields:
+[serving.md](serving.md#http-api).
 """
 
 
