@@ -262,38 +262,39 @@ class SpeculationParams(_Frozen):
     method: str | None = Field(
         None, max_length=MAX_NAME_CHARS,
         description=(
-            "Verification rule: token | block | greedy_block (sd); spectr | sequential_gbv | spectr_gbv (multi_draft); "
-            "se with the alternate proposer: token | block; se with a model proposer: block | token | greedy_block | "
-            "spectr | sequential_gbv | spectr_gbv (spectr_gbv: experimental, not lossless for K >= 2)."
+            "Verification rule. sd: token, block, greedy_block; multi_draft: spectr, sequential_gbv, spectr_gbv; se "
+            "alternating: token, block; se with a model proposer: any of the six (spectr_gbv: experimental, not "
+            "lossless for K >= 2). Unset here and in defaults: the strategy's first rule."
         ),
     )
     gamma: GammaValue | None = Field(
         None,
-        description='Draft block length (sd, multi_draft, se with a model proposer), or "auto": chosen before each draft '
-        "from the request's acceptance so far, in [1, gamma_max]; se with the alternate proposer: its gammas "
-        "(else 1 each), or plain ensemble steps where proposals do not pay. Unset: the deployment's defaults.gamma "
-        "(se with a model proposer: defaults.se_draft_gamma when set).",
+        description='Draft block length (sd, multi_draft, se with a model proposer), or "auto": each block in [1, '
+        'gamma_max] chosen from the acceptance so far; se alternating: each member\'s proposal length, and "auto" '
+        "keeps its gammas and may take plain ensemble steps. Unset: defaults.gamma (se with a model proposer: "
+        "defaults.se_draft_gamma when set).",
     )
     gamma_max: int | None = Field(None, ge=1, le=MAX_GAMMA, description='Largest block "auto" may draft.')
     num_drafts: int | None = Field(None, ge=1, le=MAX_DRAFTS, description="K i.i.d. drafts (multi_draft).")
     ensemble: EnsembleKind | None = Field(None, description="weighted | contrastive (ensemble, se).")
     weights: list[Weight] | None = Field(
-        None, max_length=MAX_LIST_ITEMS, description="Weighted ensemble weights in [0, 1], one per member, summing to 1."
+        None, max_length=MAX_LIST_ITEMS, description="Weighted ensemble weights in [0, 1], one per member, summing to 1. Unset: uniform."
     )
     mu: Mu | None = Field(None, description=f"Contrastive strength in [0, {MAX_MU:g}]: softmax(expert - mu * amateur).")
     gammas: list[BlockLength] | None = Field(
         None, max_length=MAX_LIST_ITEMS,
         description=f"Per-member proposal lengths in [1, {MAX_GAMMA}] (se with the alternate proposer; refused with a "
-        "model proposer).",
+        "model proposer). Unset: gamma for each (1 with \"auto\").",
     )
     members: list[Name] | None = Field(
-        None, max_length=MAX_LIST_ITEMS, description="Names of the ensemble members to use, in order (distinct)."
+        None, max_length=MAX_LIST_ITEMS,
+        description="Ensemble members, distinct, in order (contrastive: expert, amateur). Unset: the target, then the members.",
     )
     proposer: str | None = Field(
         None, max_length=MAX_NAME_CHARS,
-        description='Who drafts. sd: "draft" (the draft model) or "ngram" (prompt lookup: copied from the prompt and '
-        'the output, no model). se: "alternate" (the members in turn) or a deployment model (a draft or a member) '
-        "whose blocks every member scores in one forward. Unset: the deployment's defaults.proposers.",
+        description='Who drafts. sd: "draft" (the draft model) or "ngram" (prompt lookup, no model). se: "alternate" '
+        "(the members in turn) or a deployment model whose blocks every member scores in one forward. Unset: "
+        "defaults.proposer for the default strategy, else defaults.proposers (both set: they must agree).",
     )
     prompt_lookup_max: int | None = Field(
         None, ge=1, le=MAX_NGRAM, description="Longest n-gram prompt lookup and prediction realignment look up."

@@ -104,8 +104,6 @@ def test_the_figure_rules_catch_what_they_name(tmp_path):
     assert [hit.split(": ", 1)[1] for hit in restated(page, MEASURED_FIGURE)] == ["1.45x", "433.6 tok/s", "1,218 tokens/s"]
 
 
-@pytest.mark.xfail(strict=True, reason="docs/ holds about 112 KB: the hand-written pages need ~13 KB cut; "
-                   "drop this mark once under budget (strict: it fails when the budget is met)")
 def test_docs_fit_their_budget():
     sizes = {page.name: page.stat().st_size for page in (ROOT / "docs").iterdir() if page.is_file()}
     assert sum(sizes.values()) < DOCS_BUDGET_BYTES, f"docs/ holds {sum(sizes.values()):,} bytes: {sorted(sizes.items())}"

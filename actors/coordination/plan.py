@@ -107,16 +107,15 @@ class DecodingDefaults(BaseModel):
     )
     se_draft_gamma: GammaValue | None = Field(
         None,
-        description='Block length, or "auto", of se with a model proposer (a draft, or a member) when a request gives '
-        "no gamma. Unset: gamma. Its blocks cost an iteration more than sd's (every member scores them), so a longer "
-        "block can pay where sd's would not (docs/ensembles.md).",
+        description='Block length, or "auto", of se with a model proposer when a request gives none. Unset: gamma. Every '
+        "member scores its blocks, so a longer block can pay than sd's.",
     )
     gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description='Largest block gamma "auto" may draft.')
     draft_cost_ratio: float = Field(
         0.07, ge=0.0, le=10.0,
-        description='Time one more drafted token adds to an iteration, over an iteration without drafts; gamma "auto" '
-        "weighs longer blocks with it when it has no measured costs. 0.07: the embedded family served on Ray; "
-        "measure yours from the ms/iter of sd at two gammas (docs/benchmarks.md).",
+        description='Time one more drafted token adds to an iteration, over one without drafts; gamma "auto" uses it '
+        "until it has measured costs. 0.07: the embedded family on Ray; measure yours from sd's ms per iteration "
+        "at two gammas.",
     )
     num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")
     ensemble: EnsembleKind = Field("weighted", description="weighted | contrastive (ensemble, se).")

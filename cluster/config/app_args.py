@@ -22,7 +22,7 @@ class SpecServeArgs(Frozen):
     tokenizer: str | None = Field(
         None, description="Tokenizer path/hub id/embedded:<name>; default: the target's (else the first model's)."
     )
-    defaults: DecodingDefaults = Field(default_factory=DecodingDefaults, description="Default strategy settings.")
+    defaults: DecodingDefaults = Field(default_factory=DecodingDefaults, description="A request's decoding, where it says nothing.")
     resources: ResourcesArgs = Field(default_factory=ResourcesArgs, description="Per-actor resources.")
     limits: LimitsArgs = Field(default_factory=LimitsArgs, description="Admission and session limits.")
     server: ServerArgs = Field(default_factory=ServerArgs, description="HTTP/gRPC bind address and ports.")

@@ -61,8 +61,8 @@ class SimulatedDeviceArgs(Frozen):
     per_token_ms: float = Field(..., ge=0.0, description="Milliseconds each new token of a forward adds.")
     device: str | None = Field(
         None, min_length=1, max_length=64,
-        description="Models given the same id share one modelled device: their modelled forwards never overlap in time "
-        "(like two models time-slicing one GPU). Unset: a device of its own.",
+        description="Models given one id share a modelled device: their modelled forwards never overlap. Unset: a device "
+        "of its own.",
     )
 
 
@@ -72,87 +72,75 @@ class EngineArgs(Frozen):
 
     kv_cache_memory: MemoryBudget | None = Field(
         None,
-        description="KV cache memory of each model worker: bytes (an int, or '4GiB', '512MiB', '2GB') or, on a GPU, a "
-        "fraction in (0, 1] of the memory free once the weights are loaded. The worker holds as many "
-        "whole-context slots (one per running request) as fit, and at most that many requests run at once; "
-        "less than one slot is refused at start-up. Unset: 0.9 on a GPU; on CPU 2 x "
+        description="KV cache of each model worker, allocated at start: bytes, or on a GPU a fraction of the memory free "
+        "after the weights. It holds as many whole-context slots (one per running request) as fit, and at most "
+        "that many requests run; under one slot is refused. Unset: 0.9 on a GPU; on CPU 2 x "
         "limits.max_concurrent_requests + 4 slots (docs/models.md).",
     )
     max_model_len: int | None = Field(
         None, ge=2,
-        description="The most context one request may use (prompt + max_tokens; longer: HTTP 400); each KV cache slot "
-        "holds this many tokens. At most every model's context (models.<name>.max_context); unset: the "
-        "smallest model's context.",
+        description="Most context one request may use (prompt + max_tokens; longer: HTTP 400), the tokens of a KV cache "
+        "slot. At most every model's context (models.<name>.max_context); unset: the smallest.",
     )
 
     max_tokens_per_step: int = Field(
         512, ge=8,
-        description="Tokens one model worker feeds in one step at most: the running requests' rows first, the rest to new "
-        "prompts, so a longer prompt is prefilled in chunks while the running streams go on (output "
-        "unchanged). Lower: steadier inter-token latency, a slower first token for long prompts; 2048-8192 "
-        "suit a GPU.",
+        description="Most tokens a model worker feeds in one step: the running requests' rows first, then chunks of new "
+        "prompts (chunked prefill; output unchanged). Lower: steadier inter-token latency, a slower first token "
+        "for long prompts; 2048-8192 suit a GPU.",
     )
     overlap: bool | Literal["auto"] = Field(
         "auto",
-        description="Two alternating cohorts of requests, so the draft proposes for one while the target verifies the "
-        "other (tokens unchanged); false: one cohort; auto: on when every model worker has its own GPU, off "
-        "on CPU (docs/benchmarks.md).",
+        description="Two alternating cohorts of requests: the draft proposes for one while the target verifies the other "
+        "(tokens unchanged). auto: on when every model worker has its own GPU, else off.",
     )
     keep_freed_memory: bool = Field(
         True,
-        description="Workers keep freed memory for their next step (glibc malloc's mmap threshold 32 MiB, trim "
-        "threshold 256 MiB): a step's few-MiB row tensors reuse the heap instead of fresh pages the kernel faults in "
-        "(docs/results.md, \"Engine\"); a worker keeps its step high-water mark. "
-        "Nothing changes but where memory comes from. false: glibc's defaults. No effect without glibc.",
+        description="Workers keep freed memory for their next step (glibc's mmap threshold 32 MiB, trim threshold 256 "
+        "MiB), so a step's row tensors reuse the heap, not fresh pages; a worker keeps its step's high-water mark. "
+        "false: glibc's defaults; no effect without glibc.",
     )
     lean_forward: bool = Field(
         True,
-        description="Llama-shaped models (llama, mistral, qwen2, qwen3) run the engine's lean decoder (packed weights, no "
-        "per-layer dispatch), whose logits equal the model's own forward to float32 rounding, checked at load "
-        "(a model that differs runs its own, with a warning). false: every model runs its transformers "
-        "decoder (docs/design.md).",
+        description="Llama-shaped models (llama, mistral, qwen2, qwen3) run the engine's lean decoder (packed weights), "
+        "checked at load against the model's own forward to float32 rounding (one that differs runs its own, "
+        "with a warning). false: every model runs its transformers decoder.",
     )
     prefix_caching: bool = Field(
         True,
-        description="A new request copies the keys/values of the longest prefix of its prompt that its model worker holds "
-        "(an open request's, or a finished request's parked slot) instead of computing them; output "
-        "unchanged.",
+        description="A new request copies the keys/values of the longest prefix of its prompt its worker holds (an open "
+        "request's, or a finished request's parked slot) instead of computing them; output unchanged.",
     )
     sampling_precision: Literal["auto", "float32", "float64"] = Field(
         "auto",
-        description="Precision of the rows tokens are drawn from and verified against. float64: what the exactness proofs "
-        "enumerate; float32: the law up to float32 rounding (bounded in the tests), what a GPU computes fast; "
-        "auto: float32 on a GPU, else float64. Ensemble rows and multi-draft rules are float64 either way "
-        "(docs/strategies.md).",
+        description="Precision of the rows tokens are drawn from and verified against: float64 (what the proofs "
+        "enumerate) or float32 (the law up to float32 rounding, bounded in the tests; fast on a GPU); auto: float32 "
+        "on a GPU, else float64. Ensemble rows and multi-draft rules stay float64.",
     )
     goodput_gamma: bool = Field(
         True,
-        description='gamma "auto" also weighs the measured cost of a step at the current batch and may take plain steps '
-        "(no draft) when they yield more tokens per second (law unchanged; seeded tokens then depend on "
-        "timings); false: the block follows the request's acceptance alone, seeded tokens reproducible "
-        "(docs/verifiers.md).",
+        description='gamma "auto" also weighs the measured cost of a step at the current batch, taking plain steps (no '
+        "draft) when they yield more tokens per second (law unchanged; seeded tokens depend on timings). false: "
+        "acceptance alone, seeded tokens reproducible.",
     )
     pre_drafting: int = Field(
         0,
         ge=0,
         le=8,
-        description="sd with a single-draft rule: while the target verifies a block, the draft drafts the next block "
-        "after each of this many likeliest bonus tokens, used when the block is accepted in full and the "
-        "bonus is one of them (for a draft and target on devices of their own). 0: off. Law unchanged; seeded "
-        "tokens differ from those with it off.",
+        description="sd, single-draft rules: while the target verifies a block, the draft drafts the next one after each "
+        "of this many likeliest bonus tokens, used when the block is accepted in full with one of them (a draft "
+        "and target on devices of their own). 0: off. Law unchanged; seeded tokens differ.",
     )
     burst_ms: float = Field(
         1000.0,
         ge=0.0,
         le=10_000.0,
-        description="Solo bursts: while exactly one request runs and none waits, its target's worker runs its steps (ar; "
-        "sd and multi_draft) for up to this many milliseconds per call, calling the draft directly. A request "
-        "arriving meanwhile (or a cancel) tells the burst to end after its current iteration, so it waits "
-        "about one iteration, not the budget. Tokens unchanged; 0: off.",
+        description="Solo bursts: while one request runs and none waits, its target's worker runs its iterations (ar, sd, "
+        "multi_draft) for up to this many ms per call, calling the draft directly; an arrival or a cancel ends "
+        "the burst after the current iteration. Tokens unchanged; 0: off.",
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,
-        description="Benchmarks only (default: none): model name -> {fixed_ms, per_token_ms}; that model's worker runs "
-        "each real forward, then waits until fixed_ms + per_token_ms x (tokens in the forward) has passed, as "
-        "a host waiting on a device would (tokens unchanged; docs/benchmarks.md).",
+        description="Benchmarks only: model name -> a modelled device; the worker runs each real forward, then waits until "
+        "fixed_ms + per_token_ms x its tokens have passed (tokens unchanged; docs/benchmarks.md).",
     )

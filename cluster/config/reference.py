@@ -177,10 +177,14 @@ def model_sections(model: type[BaseModel], title: str, prefix: str, summary: str
         yield from model_sections(inner, f"`{key}`", f"{key}.", description)
 
 
+DEFAULTS_TITLE = "`defaults`"
+REQUEST_TITLE = "Request: `speculation`"
+
+
 def all_sections() -> list[Section]:
     """Every section of the reference, in page order."""
     sections = list(model_sections(SpecServeArgs, "Application `args`", ""))
-    request = model_sections(SpeculationParams, "Request: `speculation`", "speculation.")
+    request = model_sections(SpeculationParams, REQUEST_TITLE, "speculation.")
     response = model_sections(RequestStats, "Response: `speculation` statistics", "speculation.")
     sections += [dataclasses.replace(section, show_defaults=False) for section in (*request, *response)]
     return sections
@@ -188,27 +192,27 @@ def all_sections() -> list[Section]:
 
 HEADER = f"""# Configuration reference
 
-Generated from the pydantic models that validate each setting; a test fails when this page is
-stale (regenerate: `{REGENERATE}`).
+Generated from the pydantic models that validate each setting (regenerate: `{REGENERATE}`; a
+test fails when this page is stale).
 
-A deployment is a Ray Serve config file ([example](serving.md#deployment-files)); the keys around
-specserve's `args` are Ray Serve's:
+A deployment is a Ray Serve config file ([examples](serving.md#deployment-files)); around
+specserve's `args`, Ray Serve's keys:
 
 | key | what |
 | --- | --- |
-| `http_options: {{host, port}}` | the HTTP proxy's address (default `127.0.0.1:8000` with `specserve serve`) |
-| `grpc_options: {{port, grpc_servicer_functions}}` | the gRPC proxy's port (every interface); the servicer \
+| `http_options: {{host, port}}` | the HTTP proxy's address (`specserve serve`: `127.0.0.1:8000`) |
+| `grpc_options: {{port, grpc_servicer_functions}}` | the gRPC proxy's port (every interface); servicer \
 `cluster.grpc_service.add_SpecServeServicer_to_server` |
-| `proxy_location` | `HeadOnly`, or `EveryNode` for an HTTP proxy on every node |
-| `applications[].name`, `route_prefix` | the `model` id clients send; HTTP routes by prefix, gRPC by the `application` metadata key |
+| `proxy_location` | `HeadOnly`, or `EveryNode`: an HTTP proxy on every node |
+| `applications[].name`, `route_prefix` | the `model` id; HTTP routes by prefix, gRPC by the `application` metadata key |
 | `applications[].import_path` | `cluster.app:build_app` |
-| `applications[].deployments: [{{name: SpecServeIngress, num_replicas}}]` | one replica is one model group; \
-`autoscaling_config` adds and removes groups |
+| `applications[].deployments: [{{name: SpecServeIngress, num_replicas}}]` | a replica is a model group; \
+`autoscaling_config` scales groups |
 
-Each application's `args` holds the sections below, a row's key inside its section (`engine:
-{{max_model_len: 8192}}`); a null default means unset, unknown keys are refused, and a bad value
-stops the deployment naming the key. A request's `speculation` object takes its unset fields from `args.defaults`; the sampling
-fields are in [serving.md](serving.md#http-api).
+Each application's `args` holds the sections below (`engine: {{max_model_len: 8192}}`). Null
+default: unset; an unknown key or a bad value stops the deployment, naming the key. A request's
+`speculation` takes its unset fields from `args.defaults`; sampling fields:
+[serving.md](serving.md#http-api).
 """
 
 
@@ -223,23 +227,50 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     return ["|" + "|".join(head) + "|", "|" + "---|" * len(head)] + ["|" + "|".join(row) + "|" for row in rows] + [""]
 
 
-def render_section(section: Section) -> str:
+def render_section(section: Section, request_defaults: dict[str, str] | None = None,
+                   shared: frozenset[str] = frozenset()) -> str:
+    """A section as a table. ``request_defaults`` (the request's section): each key's deployment
+    default (``defaults.<key>``) as a column; ``shared`` (the ``defaults`` section): keys left to
+    that column, so each is described once, in the request's table."""
     lines = [f"## {section.title}", ""]
     if section.summary:
         lines += [_cell(section.summary), ""]
-    if section.rows and section.show_defaults:
+    rows = [row for row in section.rows if _short_key(row.key, section.prefix).strip("`") not in shared]
+    if shared:
+        lines += [f"Each key of a request's [`speculation`](#{_anchor(REQUEST_TITLE)}) is also a key here, its default "
+                  "for the requests that leave it unset (that table's `defaults` column); the others:", ""]
+    if request_defaults is not None:
+        lines += _table(["key", "type", "`defaults`", "description"],
+                        [[_short_key(row.key, section.prefix), _cell(row.type),
+                          _cell(request_defaults.get(_short_key(row.key, section.prefix).strip("`"), "–")),
+                          _cell(row.description)] for row in rows])
+    elif rows and section.show_defaults:
         lines += _table(["key", "type", "default", "description"],
                         [[_short_key(row.key, section.prefix), _cell(row.type), _cell(row.default), _cell(row.description)]
-                         for row in section.rows])
-    elif section.rows:
+                         for row in rows])
+    elif rows:
         lines += _table(["key", "type", "description"],
-                        [[_short_key(row.key, section.prefix), _cell(row.type), _cell(row.description)] for row in section.rows])
+                        [[_short_key(row.key, section.prefix), _cell(row.type), _cell(row.description)] for row in rows])
     return "\n".join(lines)
 
 
+def _anchor(title: str) -> str:
+    """GitHub's id of a heading."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
 def render_reference() -> str:
-    """The whole page, as committed in ``docs/configuration.md``."""
-    return HEADER + "\n" + "\n".join(render_section(section) for section in all_sections())
+    """The whole page, as committed in ``docs/configuration.md``: the ``defaults`` keys a request's
+    ``speculation`` shares are described once, in the request's table, with their defaults there."""
+    sections = all_sections()
+    defaults = next(section for section in sections if section.title == DEFAULTS_TITLE)
+    request = next(section for section in sections if section.title == REQUEST_TITLE)
+    default_of = {_short_key(row.key, defaults.prefix).strip("`"): row.default for row in defaults.rows}
+    shared = frozenset(default_of) & {_short_key(row.key, request.prefix).strip("`") for row in request.rows}
+    rendered = [render_section(section, {k: v for k, v in default_of.items() if k in shared}) if section is request
+                else render_section(section, shared=shared) if section is defaults else render_section(section)
+                for section in sections]
+    return HEADER + "\n" + "\n".join(rendered)
 
 
 def undescribed_fields() -> list[str]:

@@ -81,25 +81,20 @@ class PlacementArgs(Frozen):
 
     placement: Literal["auto", "separate"] | dict[str, Annotated[int, Field(ge=0)]] = Field(
         "auto",
-        description="Models placed on devices: a mapping model -> device id (every model placed; the models given one id "
-        "share ONE worker process), 'separate' (a worker per model) or 'auto': a worker per model when GPUs "
-        "or nodes are set by hand or the Ray cluster has a GPU for each, otherwise the draft shares its "
-        "target's worker and every other model has its own (docs/serving.md). The rule is printed at "
-        "start-up.",
+        description="Models on devices: a mapping model -> device id (every model; models given one id share ONE worker "
+        "process), 'separate' (a worker per model) or 'auto': a worker per model when GPUs or nodes are set by hand "
+        "or the cluster has a GPU for each, else the draft in its target's worker and a worker per other model. "
+        "Printed at start-up (docs/serving.md).",
     )
     cpu_affinity: Literal["auto", "spare", "off"] | CoreLists = Field(
         "off",
-        description="CPU cores the workers run on (docs/serving.md, \"CPU binding\"). 'off' (default): nothing is "
-        "bound. 'auto', for a host the server has to itself: on a host without GPUs "
-        "where `specserve serve` started Ray, the worker hosting the target gets torch_threads cores of its own "
-        "(the last ones) when the host has more, every other process of the server (Ray, Serve, the "
-        "coordinator) runs on the rest, and the other workers on any core; otherwise nothing is bound. 'spare': "
-        "where 'auto' would bind, the other processes of the server run on the same rest of the cores, and "
-        "every worker may run on any core (the target's worker finds its cores spared, and moves when other "
-        "programs load them). A "
-        "mapping model -> core ids (e.g. {target: [1], partner: [0]}): the worker hosting a listed model runs on "
-        "those cores (the union of its models' lists), GPU workers too; with `specserve serve` the other "
-        "processes run on the cores no model lists. Where binding is unavailable, a warning and no binding.",
+        description="CPU cores the workers run on. 'off': nothing bound. 'spare' (safe on a shared host): on a host "
+        "without GPUs where `specserve serve` started Ray and there are more cores than torch_threads, the "
+        "server's other processes (Ray, Serve, the coordinator) stay off the last torch_threads cores, spared for "
+        "the target's worker; workers run on any core. 'auto' (a host the server has to itself): as 'spare', and "
+        "the target's worker is bound to those cores. A mapping model -> core ids (e.g. {target: [1], partner: "
+        "[0]}): the worker hosting listed models runs on the union of their cores (GPU workers too), the other "
+        "processes on the unlisted ones. Binding unavailable: a warning, nothing bound.",
     )
 
     @field_validator("cpu_affinity", mode="before")

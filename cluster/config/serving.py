@@ -59,9 +59,9 @@ class SecurityArgs(Frozen):
     api_key: str | None = Field(
         None,
         repr=False,
-        description="Key clients must send (HTTP `Authorization: Bearer <key>`, gRPC metadata `authorization: "
-        f"Bearer <key>` or `x-api-key: <key>`). Unset: the {API_KEY_ENV} environment variable of the serving "
-        "processes; neither set: no authentication. 16-256 printable ASCII characters. GET /health stays open.",
+        description="Key clients must send (HTTP `Authorization: Bearer <key>` or `X-API-Key`; gRPC metadata "
+        f"`authorization` or `x-api-key`). Unset: the {API_KEY_ENV} environment variable of the serving processes; "
+        "neither: no authentication. 16-256 printable ASCII characters. GET /health stays open.",
     )
 
     @field_validator("api_key")
@@ -75,15 +75,14 @@ class ServerArgs(Frozen):
 
     host: str = Field(
         "127.0.0.1",
-        description="Bind address of the HTTP server (and of direct HTTP). Not of gRPC: Ray Serve's gRPC proxy has no host "
-        "option and listens on every interface at grpc_port (set security.api_key or firewall that port).",
+        description="Bind address of HTTP (and direct HTTP). Not of gRPC: Ray Serve's gRPC proxy listens on every "
+        "interface (docs/serving.md, Security).",
     )
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP (OpenAI-compatible) port.")
     grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
     direct_http_port: int | None = Field(
         None, ge=1, le=65535,
-        description="Also serve HTTP from each replica itself, skipping Serve's proxy (Ray Serve's direct ingress, "
-        "experimental in Ray): the replicas listen on direct_http_port, direct_http_port + 1, ... (one port each; "
-        "the proxy stays on http_port), taking the proxy's hops off every request (docs/serving.md). Needs a Ray "
-        "cluster that `specserve serve` starts itself. None: off.",
+        description="Each replica also serves HTTP itself, skipping Serve's proxy (Ray Serve's experimental direct "
+        "ingress), on direct_http_port, + 1, ... (one port each; docs/serving.md). Only on a Ray that `specserve "
+        "serve` starts. Unset: off.",
     )

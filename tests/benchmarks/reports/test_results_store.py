@@ -70,7 +70,7 @@ def test_serve_load_record_rows_and_the_strategy_table(tmp_path):
     update(record, tmp_path / "store", page)
     text = page.read_text()
     assert "## Which strategy and gamma" in text and "|sd|4|6.0|3.00x|3.0|" in text
-    assert text.count("### Served load") == 1 and "_Commit abc1234" in text
+    assert text.count("### Served load") == 1 and text.count("\n_abc1234, ") == 1
     assert main(["--check", "--results", str(tmp_path / "store"), "--page", str(page)]) == 0
     page.write_text(text + "edited\n")
     assert main(["--check", "--results", str(tmp_path / "store"), "--page", str(page)]) == 1
@@ -98,7 +98,7 @@ def test_records_go_to_their_sections_once_and_empty_columns_are_dropped():
     headings = [line for line in text.splitlines() if line.startswith("#")]
     assert headings == ["# Results", "## Which strategy and gamma", "### Served X", "## Engine", "### Placed",
                         "## Peers", "### Peer X", "## Other results", "### New"]
-    assert text.count("_Commit abc1234") == 4 and "|ensemble / se|–|9 / 8|–|" in text and "|no clients|kept|" in text
+    assert text.count("_abc1234, 2026-01-01:_") == 4 and "|ensemble / se|–|9 / 8|–|" in text and "|no clients|kept|" in text
     assert "|case|x vLLM|\n|---|---|\n|vLLM|1.0 (0.9-1.2)|" in text
 
 
@@ -128,3 +128,20 @@ def test_engine_load_record_and_the_writers_record_option(tmp_path):
     assert gamma_of("se/draft/weighted/n2/g5") == 5 and gamma_of("ar") is None
     assert build_bench_parser().parse_args(["--mode", "serve-load", "--out", "o", "--record", "c"]).record == "c"
     assert vllm_peer_args(["--venv", "v", "--out", "o", "--record", "c"]).record == "c"
+
+
+def test_the_common_machine_is_named_once_and_repeated_notes_once():
+    # The header names the machine most records share; a line shows what its machine adds, or another machine whole.
+    same = make_record("serve-load-a", "A", "python -m a", [{"a": 1}], notes="Three rounds.", **FIXED)
+    more = make_record("serve-load-b", "B", "python -m b", [{"a": 2}], notes="Three rounds.",
+                       **dict(FIXED, machine="test machine, quiet"))
+    other = make_record("serve-load-c", "C", "python -m c", [{"a": 3}], notes="Two passes.",
+                        **dict(FIXED, machine="1 x H200"))
+    text = render([same, more, dict(same, case="serve-load-d", title="D")])
+    assert "machine (a\ntest machine unless" in text
+    lines = [line for line in text.splitlines() if line.startswith("_abc1234")]
+    assert lines == ["_abc1234, 2026-01-01:_ `python -m a`", "_abc1234, 2026-01-01, quiet:_ `python -m b`",
+                     "_abc1234, 2026-01-01:_ `python -m a`"]
+    assert text.count("Three rounds.") == 1 and text.count("As above.") == 2
+    assert "_abc1234, 2026-01-01, 1 x H200:_ `python -m c`" in render([same, same, other])
+    assert "Two passes." in render([same, same, other])

@@ -51,3 +51,11 @@ def test_rows_print_their_key_without_the_section_prefix():
     page = render_reference()
     engine = page[page.index("## `engine`\n"):page.index("## `engine.simulated_device.<name>`")]
     assert "|`overlap`|" in engine and "`engine.overlap`" not in engine
+
+
+def test_a_default_shared_with_the_request_is_described_once_in_the_request_table():
+    page = render_reference()
+    defaults = page[page.index("## `defaults`\n"):page.index("## `defaults.proposers`")]
+    request = page[page.index("## Request: `speculation`"):page.index("## Response")]
+    assert "|`gamma`|" not in defaults and "|`se_draft_gamma`|" in defaults and "(#request-speculation)" in defaults
+    assert '|`gamma`|integer \\| "auto"|4|' in request and "|`gamma_max`|integer (>= 1, <= 32)|8|" in request
