@@ -95,18 +95,34 @@ def type_name(annotation: object) -> str:
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
 
+def _number(value: object) -> str:
+    """A bound as the reference prints it: ``0.0`` as ``0``, ``0.5`` as ``0.5``."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _range(low: tuple[str, object] | None, high: tuple[str, object] | None) -> str:
+    """``1..32`` for inclusive bounds on both sides, else ``>= 0``, ``> 0, <= 86400``."""
+    if low and high and low[0] == ">=" and high[0] == "<=":
+        return f"{_number(low[1])}..{_number(high[1])}"
+    return ", ".join(f"{bound[0]} {_number(bound[1])}" for bound in (low, high) if bound)
+
+
 def _bounds(field: FieldInfo) -> str:
-    """The field's numeric and length bounds, e.g. ``>= 1, <= 32``."""
-    words = []
+    """The field's numeric and length bounds, e.g. ``1..32``, ``>= 0``, ``length <= 64``."""
+    low = high = length_low = length_high = None
     for item in field.metadata:
-        for kind, symbol, attribute in ((annotated_types.Ge, ">=", "ge"), (annotated_types.Gt, ">", "gt"),
-                                        (annotated_types.Le, "<=", "le"), (annotated_types.Lt, "<", "lt")):
+        for kind, symbol, attribute in ((annotated_types.Ge, ">=", "ge"), (annotated_types.Gt, ">", "gt")):
             if isinstance(item, kind):
-                words.append(f"{symbol} {getattr(item, attribute)}")
+                low = (symbol, getattr(item, attribute))
+        for kind, symbol, attribute in ((annotated_types.Le, "<=", "le"), (annotated_types.Lt, "<", "lt")):
+            if isinstance(item, kind):
+                high = (symbol, getattr(item, attribute))
         if isinstance(item, annotated_types.MinLen):
-            words.append(f"length >= {item.min_length}")
+            length_low = (">=", item.min_length)
         if isinstance(item, annotated_types.MaxLen):
-            words.append(f"length <= {item.max_length}")
+            length_high = ("<=", item.max_length)
+    words = [_range(low, high)] if low or high else []
+    words += [f"length {_range(length_low, length_high)}"] if length_low or length_high else []
     return ", ".join(words)
 
 
@@ -149,7 +165,7 @@ def _row(key: str, field: FieldInfo) -> Row:
     type_text = type_name(field.annotation)
     if default == "null" and type_text.endswith(" | null"):
         type_text = type_text.removesuffix(" | null")
-    type_text += f" ({bounds})" if bounds else ""
+    type_text += (", " if bounds.startswith("length") else " ") + bounds if bounds else ""
     return Row(key=key, type=type_text, default=default, description=field.description or "")
 
 

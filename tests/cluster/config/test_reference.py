@@ -58,4 +58,10 @@ def test_a_default_shared_with_the_request_is_described_once_in_the_request_tabl
     defaults = page[page.index("## `defaults`\n"):page.index("## `defaults.proposers`")]
     request = page[page.index("## Request: `speculation`"):page.index("## Response")]
     assert "|`gamma`|" not in defaults and "|`se_draft_gamma`|" in defaults and "(#request-speculation)" in defaults
-    assert '|`gamma`|integer \\| "auto"|4|' in request and "|`gamma_max`|integer (>= 1, <= 32)|8|" in request
+    assert '|`gamma`|integer \\| "auto"|4|' in request and "|`gamma_max`|integer 1..32|8|" in request
+
+
+def test_bounds_print_as_a_range_when_inclusive_on_both_sides():
+    page = render_reference()
+    assert "|`request_timeout_s`|number > 0, <= 86400|" in page  # exclusive low bound: both spelled out
+    assert "|`coordinator_cpus`|number >= 0|" in page and "|`device`|string, length 1..64|" in page
