@@ -72,39 +72,39 @@ class EngineArgs(Frozen):
 
     kv_cache_memory: MemoryBudget | None = Field(
         None,
-        description="KV cache of each model worker, allocated at start: bytes, or on a GPU a fraction of the memory free "
-        "after the weights. It holds as many whole-context slots (one per running request) as fit, and at most "
-        "that many requests run; under one slot is refused. Unset: 0.9 on a GPU; on CPU 2 x "
+        description="Each model worker's KV cache, allocated at start: bytes, or on a GPU a fraction of the memory free after"
+        " the weights. It holds as many whole-context slots (one per running request) as fit, and at most that "
+        "many requests run; under one slot is refused. Unset: 0.9 on a GPU; on CPU 2 x "
         "limits.max_concurrent_requests + 4 slots (docs/models.md).",
     )
     max_model_len: int | None = Field(
         None, ge=2,
-        description="Most context one request may use (prompt + max_tokens; longer: HTTP 400), the tokens of a KV cache "
-        "slot. At most every model's context (models.<name>.max_context); unset: the smallest.",
+        description="Most context one request may use (prompt + max_tokens; longer: HTTP 400), a KV cache slot's tokens. At "
+        "most every model's context (models.<name>.max_context); unset: the smallest.",
     )
 
     max_tokens_per_step: int = Field(
         512, ge=8,
-        description="Most tokens a model worker feeds in one step: the running requests' rows first, then chunks of new "
-        "prompts (chunked prefill; output unchanged). Lower: steadier inter-token latency, a slower first token "
-        "for long prompts; 2048-8192 suit a GPU.",
+        description="Most tokens a worker feeds in one step: the running requests' rows, then chunks of new prompts (chunked "
+        "prefill; output unchanged). Lower: steadier inter-token latency, slower first tokens for long prompts; "
+        "2048-8192 suit a GPU.",
     )
     overlap: bool | Literal["auto"] = Field(
         "auto",
-        description="Two alternating cohorts of requests: the draft proposes for one while the target verifies the other "
-        "(tokens unchanged). auto: on when every model worker has its own GPU, else off.",
+        description="Two alternating cohorts: the draft proposes for one while the target verifies the other (tokens "
+        "unchanged). auto: on when every model worker has its own GPU.",
     )
     keep_freed_memory: bool = Field(
         True,
-        description="Workers keep freed memory for their next step (glibc's mmap threshold 32 MiB, trim threshold 256 "
-        "MiB), so a step's row tensors reuse the heap, not fresh pages; a worker keeps its step's high-water mark. "
-        "false: glibc's defaults; no effect without glibc.",
+        description="Workers keep freed memory for their next step (glibc's mmap threshold 32 MiB, trim threshold 256 MiB): a"
+        " step's row tensors reuse the heap, not fresh pages, up to the step's high-water mark. false: glibc's "
+        "defaults; no effect without glibc.",
     )
     lean_forward: bool = Field(
         True,
         description="Llama-shaped models (llama, mistral, qwen2, qwen3) run the engine's lean decoder (packed weights), "
-        "checked at load against the model's own forward to float32 rounding (one that differs runs its own, "
-        "with a warning). false: every model runs its transformers decoder.",
+        "checked at load against the model's own forward to float32 rounding (one that differs runs its own, with"
+        " a warning). false: transformers' decoders.",
     )
     prefix_caching: bool = Field(
         True,
@@ -113,31 +113,31 @@ class EngineArgs(Frozen):
     )
     sampling_precision: Literal["auto", "float32", "float64"] = Field(
         "auto",
-        description="Precision of the rows tokens are drawn from and verified against: float64 (what the proofs "
-        "enumerate) or float32 (the law up to float32 rounding, bounded in the tests; fast on a GPU); auto: float32 "
-        "on a GPU, else float64. Ensemble rows and multi-draft rules stay float64.",
+        description="Precision of the rows tokens are drawn from and verified against: float64 (what the proofs enumerate) or"
+        " float32 (the law up to float32 rounding, bounded in the tests; fast on a GPU); auto: float32 on a GPU. "
+        "Ensemble rows and multi-draft rules stay float64.",
     )
     goodput_gamma: bool = Field(
         True,
-        description='gamma "auto" also weighs the measured cost of a step at the current batch, taking plain steps (no '
-        "draft) when they yield more tokens per second (law unchanged; seeded tokens depend on timings). false: "
-        "acceptance alone, seeded tokens reproducible.",
+        description="gamma \"auto\" also weighs the measured cost of a step at the current batch, taking plain steps (no draft)"
+        " when they yield more tokens/s (law unchanged; seeded tokens depend on timings). false: acceptance "
+        "alone, seeded tokens reproducible.",
     )
     pre_drafting: int = Field(
         0,
         ge=0,
         le=8,
-        description="sd, single-draft rules: while the target verifies a block, the draft drafts the next one after each "
-        "of this many likeliest bonus tokens, used when the block is accepted in full with one of them (a draft "
-        "and target on devices of their own). 0: off. Law unchanged; seeded tokens differ.",
+        description="sd, single-draft rules: while the target verifies a block, the draft drafts the next one after each of "
+        "this many likeliest bonus tokens, used when the block is fully accepted with one of them (draft and "
+        "target on devices of their own). 0: off. Law unchanged; seeded tokens differ.",
     )
     burst_ms: float = Field(
         1000.0,
         ge=0.0,
         le=10_000.0,
         description="Solo bursts: while one request runs and none waits, its target's worker runs its iterations (ar, sd, "
-        "multi_draft) for up to this many ms per call, calling the draft directly; an arrival or a cancel ends "
-        "the burst after the current iteration. Tokens unchanged; 0: off.",
+        "multi_draft) for up to this many ms per call, calling the draft directly; an arrival or cancel ends the "
+        "burst after the current iteration. Tokens unchanged; 0: off.",
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,

@@ -59,9 +59,9 @@ class ModelResourceArgs(Frozen):
     cpus: float | None = Field(None, ge=0.0, description="CPUs for this model's worker.")
     resources: CustomResources = Field(
         default_factory=dict,
-        description="Custom Ray resources this model's worker asks for, e.g. {node_draft: 0.01}: it then runs only on "
-        "nodes started with that resource (ray start --resources='{\"node_draft\": 1}'). Not CPU, GPU, memory "
-        "or object_store_memory; quantities >= 0.0001. Empty: any node.",
+        description="Custom Ray resources of this model's worker, e.g. {node_draft: 0.01}: it runs only on nodes "
+        "started with them (ray start --resources='{\"node_draft\": 1}'). Not CPU, GPU, memory or "
+        "object_store_memory; quantities >= 0.0001. Empty: any node.",
     )
 
 
@@ -71,8 +71,8 @@ class CoordinatorResourceArgs(Frozen):
     coordinator_cpus: float = Field(0.0, ge=0.0, description="CPUs reserved for the coordinator actor.")
     coordinator_resources: CustomResources = Field(
         default_factory=dict,
-        description="Custom Ray resources the coordinator asks for, e.g. {node_coordinator: 0.01}: it then runs only on "
-        "nodes started with that resource (rules as per_model.<name>.resources). Empty: any node.",
+        description="Custom Ray resources of the coordinator, e.g. {node_coordinator: 0.01} (rules as "
+        "per_model.<name>.resources). Empty: any node.",
     )
 
 
@@ -81,20 +81,18 @@ class PlacementArgs(Frozen):
 
     placement: Literal["auto", "separate"] | dict[str, Annotated[int, Field(ge=0)]] = Field(
         "auto",
-        description="Models on devices: a mapping model -> device id (every model; models given one id share ONE worker "
-        "process), 'separate' (a worker per model) or 'auto': a worker per model when GPUs or nodes are set by hand "
-        "or the cluster has a GPU for each, else the draft in its target's worker and a worker per other model. "
-        "Printed at start-up (docs/serving.md).",
+        description="A mapping model -> device id (every model; models given one id share ONE worker process), "
+        "'separate' (a worker per model) or 'auto': a worker per model when GPUs or nodes are set by hand or the "
+        "cluster has a GPU for each, else the draft shares its target's worker. Printed at start-up (docs/serving.md).",
     )
     cpu_affinity: Literal["auto", "spare", "off"] | CoreLists = Field(
         "off",
-        description="CPU cores the workers run on. 'off': nothing bound. 'spare' (safe on a shared host): on a host "
-        "without GPUs where `specserve serve` started Ray and there are more cores than torch_threads, the "
-        "server's other processes (Ray, Serve, the coordinator) stay off the last torch_threads cores, spared for "
-        "the target's worker; workers run on any core. 'auto' (a host the server has to itself): as 'spare', and "
-        "the target's worker is bound to those cores. A mapping model -> core ids (e.g. {target: [1], partner: "
-        "[0]}): the worker hosting listed models runs on the union of their cores (GPU workers too), the other "
-        "processes on the unlisted ones. Binding unavailable: a warning, nothing bound.",
+        description="CPU cores the workers run on. 'off': none bound. 'spare' (a shared host): without GPUs, when "
+        "`specserve serve` started Ray and cores outnumber torch_threads, the other processes (Ray, Serve, the "
+        "coordinator) keep off the last torch_threads cores, spared for the target's worker; workers run on any "
+        "core. 'auto' (a host to itself): 'spare', and the target's worker bound to those cores. A mapping model -> "
+        "core ids (e.g. {target: [1], partner: [0]}): the worker hosting listed models runs on the union of their "
+        "cores (GPU workers too), other processes on the rest. Binding unavailable: a warning, nothing bound.",
     )
 
     @field_validator("cpu_affinity", mode="before")
@@ -109,8 +107,8 @@ class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
 
     gpus_per_model: float | Literal["auto"] = Field(
         "auto",
-        description="GPUs per worker; 'auto': one GPU per worker when the Ray cluster has GPUs, else none. A group that "
-        "asks for more GPUs than the cluster has is refused at start-up.",
+        description="GPUs per worker; 'auto': one when the Ray cluster has GPUs, else none. A group asking for more "
+        "GPUs than the cluster has is refused at start-up.",
     )
     cpus_per_model: float = Field(
         0.25, ge=0.0, description="CPUs per model worker (small on CPU so a whole group fits on 2 cores)."
