@@ -270,9 +270,9 @@ class SpeculationParams(_Frozen):
     gamma: GammaValue | None = Field(
         None,
         description='Draft block length (sd, multi_draft, se with a model proposer), or "auto": each block in [1, '
-        'gamma_max] chosen from the acceptance so far; se alternating: each member\'s proposal length, and "auto" '
-        "keeps its gammas and may take plain ensemble steps. Unset: defaults.gamma (se with a model proposer: "
-        "defaults.se_draft_gamma when set).",
+        'gamma_max] chosen from the acceptance so far; se alternating: each member\'s proposal length ("auto" keeps '
+        "its gammas, may take plain ensemble steps). Unset: defaults.gamma (se with a model proposer: "
+        "defaults.se_draft_gamma if set).",
     )
     gamma_max: int | None = Field(None, ge=1, le=MAX_GAMMA, description='Largest block "auto" may draft.')
     num_drafts: int | None = Field(None, ge=1, le=MAX_DRAFTS, description="K i.i.d. drafts (multi_draft).")
@@ -294,7 +294,7 @@ class SpeculationParams(_Frozen):
         None, max_length=MAX_NAME_CHARS,
         description='Who drafts. sd: "draft" (the draft model) or "ngram" (prompt lookup, no model). se: "alternate" '
         "(the members in turn) or a deployment model whose blocks every member scores in one forward. Unset: "
-        "defaults.proposer for the default strategy, else defaults.proposers (both set: they must agree).",
+        "defaults.proposer for the default strategy, else defaults.proposers (both set: equal).",
     )
     prompt_lookup_max: int | None = Field(
         None, ge=1, le=MAX_NGRAM, description="Longest n-gram prompt lookup and prediction realignment look up."

@@ -19,13 +19,13 @@ class ModelArgs(Frozen):
     path: str = Field(..., min_length=1, description="Hub id, local checkpoint directory, or embedded:<name>.")
     role: ModelRole = Field(
         ...,
-        description="target (the verifier, also the ar baseline), draft (the sd/multi_draft proposer) "
-        "or member (an ensemble member; the target can be an ensemble member too).",
+        description="target (the verifier, also ar's baseline), draft (the sd/multi_draft proposer) or member (an ensemble "
+        "member, as the target can be too).",
     )
     dtype: DType | None = Field(
         None,
-        description="Weights (and KV cache) dtype once loaded; unset: the checkpoint's own (config dtype / "
-        "torch_dtype, e.g. bfloat16) on a GPU, float32 on CPU.",
+        description="Weights (and KV cache) dtype once loaded; unset: the checkpoint's own (config dtype / torch_dtype) on a "
+        "GPU, float32 on CPU.",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for hub ids.")
     max_context: int | None = Field(
@@ -33,10 +33,9 @@ class ModelArgs(Frozen):
     )
     quantization: Quantization | None = Field(
         None,
-        description="A draft only: load the checkpoint with every linear layer weight-only quantized, int8 (a scale "
-        "per output row) or int4 (a scale and offset per 32 inputs), with torch's CPU kernels; path: the target's "
-        "own, for a quantized copy of the target as its proposer (the output law stays the target's). CPU "
-        "workers only. Unset: the weights as loaded.",
+        description="A draft only: every linear layer weight-only quantized at load, int8 (a scale per output row) or int4 (a"
+        " scale and offset per 32 inputs), with torch's CPU kernels; path: the target's own, for a quantized copy"
+        " of the target as its proposer (the law stays the target's). CPU workers only. Unset: as loaded.",
     )
 
     @model_validator(mode="after")
