@@ -208,11 +208,11 @@ def all_sections() -> list[Section]:
 
 HEADER = f"""# Configuration reference
 
-Generated from the pydantic models that validate each setting (regenerate: `{REGENERATE}`; a
-test fails when this page is stale).
+Generated from the pydantic models that validate each setting (`{REGENERATE}`; a test fails
+when this page is stale).
 
-A deployment is a Ray Serve config file ([examples](serving.md#deployment-files)); around
-specserve's `args`, Ray Serve's keys:
+A deployment is a Ray Serve config file ([examples](serving.md#deployment-files)); Ray Serve's keys
+around specserve's `args`:
 
 | key | what |
 | --- | --- |
@@ -226,9 +226,8 @@ specserve's `args`, Ray Serve's keys:
 `autoscaling_config` scales groups |
 
 Each application's `args` holds the sections below (`engine: {{max_model_len: 8192}}`). Null
-default: unset; an unknown key or a bad value stops the deployment, naming the key. A request's
-`speculation` takes its unset fields from `args.defaults`; sampling fields:
-[serving.md](serving.md#http-api).
+default: unset; an unknown key or bad value stops the deployment, naming the key. A request's unset
+`speculation` fields come from `args.defaults`; sampling fields: [serving.md](serving.md#http-api).
 """
 
 
@@ -253,8 +252,8 @@ def render_section(section: Section, request_defaults: dict[str, str] | None = N
         lines += [_cell(section.summary), ""]
     rows = [row for row in section.rows if _short_key(row.key, section.prefix).strip("`") not in shared]
     if shared:
-        lines += [f"Each key of a request's [`speculation`](#{_anchor(REQUEST_TITLE)}) is also a key here, its default "
-                  "for the requests that leave it unset (that table's `defaults` column); the others:", ""]
+        lines += [f"Each key of a request's [`speculation`](#{_anchor(REQUEST_TITLE)}) is a key here too, its default "
+                  "(that table's `defaults` column); the others:", ""]
     if request_defaults is not None:
         lines += _table(["key", "type", "`defaults`", "description"],
                         [[_short_key(row.key, section.prefix), _cell(row.type),
