@@ -78,12 +78,8 @@ class StrategyProposers(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    sd: SdProposer = Field("draft", description='sd: "draft" (the draft model) or "ngram" (prompt lookup, no model).')
-    se: str = Field(
-        ALTERNATE,
-        description='se: "alternate" (the members in turn) or a deployment model (a draft or a member) whose '
-        "blocks every member scores in one forward.",
-    )
+    sd: SdProposer = Field("draft", description="sd's (as speculation.proposer).")
+    se: str = Field(ALTERNATE, description='se\'s (as speculation.proposer): "alternate", a draft or a member.')
 
     def of(self, strategy: str) -> str:
         """The default proposer of ``strategy`` ("draft" for the strategies without a choice)."""
@@ -108,14 +104,13 @@ class DecodingDefaults(BaseModel):
     se_draft_gamma: GammaValue | None = Field(
         None,
         description='Block length, or "auto", of se with a model proposer when a request gives none. Unset: gamma. Every '
-        "member scores its blocks, so a longer block can pay than sd's.",
+        "member scores the blocks: a longer one can pay than sd's.",
     )
     gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description='Largest block gamma "auto" may draft.')
     draft_cost_ratio: float = Field(
         0.07, ge=0.0, le=10.0,
         description='Time one more drafted token adds to an iteration, over one without drafts; gamma "auto" uses it '
-        "until it has measured costs. 0.07: the embedded family on Ray; measure yours from sd's ms per iteration "
-        "at two gammas.",
+        "until it has measured costs. 0.07: the embedded family on Ray; yours: sd's ms per iteration at two gammas.",
     )
     num_drafts: int = Field(2, ge=1, le=MAX_DRAFTS, description="Number of i.i.d. drafts K (multi_draft).")
     ensemble: EnsembleKind = Field("weighted", description="weighted | contrastive (ensemble, se).")
@@ -137,8 +132,8 @@ class DecodingDefaults(BaseModel):
     )
     proposers: StrategyProposers = Field(
         default_factory=StrategyProposers,
-        description="The proposer of each strategy that has one, when a request names none: sd and se each keep "
-        "their own, whichever strategy is the default.",
+        description="Each strategy's proposer when a request names none (sd and se keep their own, whichever is the "
+        "default).",
     )
     prompt_lookup_max: int = Field(
         DEFAULT_NGRAM_MAX, ge=1, le=MAX_NGRAM, description="Longest n-gram of prompt lookup and prediction realignment."
