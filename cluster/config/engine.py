@@ -50,7 +50,7 @@ def parse_memory(value: Any) -> int | float:
 #: ``engine.kv_cache_memory``: bytes (an int, or a string such as "4GiB") or a fraction in (0, 1].
 MemoryBudget = Annotated[
     int | float, BeforeValidator(parse_memory),
-    Accepts('integer (bytes) | string (a size: "40GiB", "512MiB") | number (a GPU fraction in (0, 1])'),
+    Accepts('integer (bytes) | string ("40GiB", "512MiB") | number (GPU fraction, (0, 1])'),
 ]
 
 
