@@ -73,9 +73,8 @@ class EngineArgs(Frozen):
     kv_cache_memory: MemoryBudget | None = Field(
         None,
         description="Each model worker's KV cache, allocated at start: bytes, or on a GPU a fraction of the memory free after"
-        " the weights. It holds as many whole-context slots (one per running request) as fit, and at most that "
-        "many requests run; under one slot is refused. Unset: 0.9 on a GPU; on CPU 2 x "
-        "limits.max_concurrent_requests + 4 slots (docs/models.md).",
+        " the weights. Its whole-context slots (one per running request) cap the requests running; under one slot"
+        " is refused. Unset: 0.9 on a GPU; on CPU 2 x limits.max_concurrent_requests + 4 slots (docs/models.md).",
     )
     max_model_len: int | None = Field(
         None, ge=2,
@@ -96,9 +95,9 @@ class EngineArgs(Frozen):
     )
     keep_freed_memory: bool = Field(
         True,
-        description="Workers keep freed memory for their next step (glibc's mmap threshold 32 MiB, trim threshold 256 MiB): a"
-        " step's row tensors reuse the heap, not fresh pages, up to the step's high-water mark. false: glibc's "
-        "defaults; no effect without glibc.",
+        description="Workers keep freed memory for their next step (glibc's mmap threshold 32 MiB, trim threshold 256 MiB): "
+        "row tensors reuse the heap, not fresh pages, up to a step's high-water mark. false: glibc's defaults; no"
+        " effect without glibc.",
     )
     lean_forward: bool = Field(
         True,
@@ -108,8 +107,8 @@ class EngineArgs(Frozen):
     )
     prefix_caching: bool = Field(
         True,
-        description="A new request copies the keys/values of the longest prefix of its prompt its worker holds (an open "
-        "request's, or a finished request's parked slot) instead of computing them; output unchanged.",
+        description="A new request reuses the keys/values of the longest prompt prefix its worker holds (an open request's, "
+        "or a finished request's parked slot); output unchanged.",
     )
     sampling_precision: Literal["auto", "float32", "float64"] = Field(
         "auto",

@@ -81,18 +81,18 @@ class PlacementArgs(Frozen):
 
     placement: Literal["auto", "separate"] | dict[str, Annotated[int, Field(ge=0)]] = Field(
         "auto",
-        description="A mapping model -> device id (every model; models given one id share ONE worker process), "
-        "'separate' (a worker per model) or 'auto': a worker per model when GPUs or nodes are set by hand or the "
-        "cluster has a GPU for each, else the draft shares its target's worker. Printed at start-up (docs/serving.md).",
+        description="A mapping model -> device id (every model; models given one id share ONE worker process), 'separate' (a "
+        "worker per model) or 'auto': a worker per model when GPUs or nodes are set by hand or the cluster has a "
+        "GPU for each, else the draft shares its target's worker. Printed at start-up.",
     )
     cpu_affinity: Literal["auto", "spare", "off"] | CoreLists = Field(
         "off",
-        description="CPU cores the workers run on. 'off': none bound. 'spare' (a shared host): without GPUs, when "
-        "`specserve serve` started Ray and cores outnumber torch_threads, the other processes (Ray, Serve, the "
-        "coordinator) keep off the last torch_threads cores, spared for the target's worker; workers run on any "
-        "core. 'auto' (a host to itself): 'spare', and the target's worker bound to those cores. A mapping model -> "
-        "core ids (e.g. {target: [1], partner: [0]}): the worker hosting listed models runs on the union of their "
-        "cores (GPU workers too), other processes on the rest. Binding unavailable: a warning, nothing bound.",
+        description="CPU cores the workers run on. 'off': none bound. 'spare' (a shared host): without GPUs, when `specserve "
+        "serve` started Ray and cores outnumber torch_threads, the other processes (Ray, Serve, the coordinator) "
+        "keep off the last torch_threads cores, spared for the target's worker; workers run on any core. 'auto' "
+        "(a host to itself): 'spare', and the target's worker bound to those cores. A mapping model -> core ids "
+        "({target: [1]}): the worker hosting listed models runs on the union of their cores (GPU workers too), "
+        "other processes on the rest. Binding unavailable: a warning, nothing bound.",
     )
 
     @field_validator("cpu_affinity", mode="before")

@@ -18,21 +18,21 @@ class LimitsArgs(Frozen):
 
     max_concurrent_requests: int = Field(16, ge=1, description="Requests decoded at once by one coordinator.")
     max_queued_requests: int = Field(
-        64, ge=0, description="Requests waiting for a decoding place; past this a request is refused (HTTP 429, gRPC RESOURCE_EXHAUSTED)."
+        64, ge=0, description="Requests waiting for a decoding place; past this, refused (HTTP 429, gRPC RESOURCE_EXHAUSTED)."
     )
     session_idle_timeout_s: float = Field(
         300.0, gt=0.0, description="A worker frees a request's KV cache after this long without a call."
     )
     request_timeout_s: float = Field(
         600.0, gt=0.0, le=86400.0,
-        description="A request unfinished this long after it arrived (waiting included) ends with HTTP 504 / gRPC "
+        description="A request unfinished this long after arriving (waiting included) ends with HTTP 504 / gRPC "
         "DEADLINE_EXCEEDED, its sessions freed.",
     )
     max_prompt_chars: int = Field(
         DEFAULT_MAX_PROMPT_CHARS,
         ge=1,
-        description="Longest prompt accepted, checked by the ingress before any model work: characters of a "
-        "text prompt (chat: of the rendered conversation), or number of ids of a token-id prompt.",
+        description="Longest prompt, checked by the ingress before any model work: characters of a text prompt (chat: the "
+        "rendered conversation), or ids of a token-id prompt.",
     )
 
 
@@ -59,9 +59,9 @@ class SecurityArgs(Frozen):
     api_key: str | None = Field(
         None,
         repr=False,
-        description="Key clients must send (HTTP `Authorization: Bearer <key>` or `X-API-Key`; gRPC metadata "
-        f"`authorization` or `x-api-key`). Unset: the {API_KEY_ENV} environment variable of the serving processes; "
-        "neither: no authentication. 16-256 printable ASCII characters. GET /health stays open.",
+        description="Key clients send (HTTP `Authorization: Bearer <key>` or `X-API-Key`; gRPC metadata "
+        f"`authorization` or `x-api-key`). Unset: the serving processes' {API_KEY_ENV}; neither: no authentication. "
+        "16-256 printable ASCII characters. GET /health stays open.",
     )
 
     @field_validator("api_key")
@@ -82,7 +82,6 @@ class ServerArgs(Frozen):
     grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
     direct_http_port: int | None = Field(
         None, ge=1, le=65535,
-        description="Each replica also serves HTTP itself, skipping Serve's proxy (Ray Serve's experimental direct "
-        "ingress), on direct_http_port, + 1, ... (one port each; docs/serving.md). Only on a Ray that `specserve "
-        "serve` starts. Unset: off.",
+        description="Each replica also serves HTTP itself, skipping Serve's proxy (Ray Serve's experimental direct ingress), "
+        "on this port, + 1, ... (one each; docs/serving.md). Only on a Ray `specserve serve` starts. Unset: off.",
     )
