@@ -73,8 +73,8 @@ class EngineArgs(Frozen):
     kv_cache_memory: MemoryBudget | None = Field(
         None,
         description="Each model worker's KV cache, allocated at start: bytes, or on a GPU a fraction of the memory free after"
-        " the weights. Its whole-context slots (one per running request) cap the requests running; under one slot"
-        " is refused. Unset: 0.9 on a GPU; on CPU 2 x limits.max_concurrent_requests + 4 slots (docs/models.md).",
+        " the weights; its whole-context slots cap the running requests (docs/models.md). Unset: 0.9 on a GPU; on"
+        " CPU 2 x limits.max_concurrent_requests + 4 slots.",
     )
     max_model_len: int | None = Field(
         None, ge=2,
@@ -113,8 +113,8 @@ class EngineArgs(Frozen):
     sampling_precision: Literal["auto", "float32", "float64"] = Field(
         "auto",
         description="Precision of the rows tokens are drawn from and verified against: float64 (what the proofs enumerate) or"
-        " float32 (the law up to float32 rounding, bounded in the tests; fast on a GPU); auto: float32 on a GPU. "
-        "Ensemble rows and multi-draft rules stay float64.",
+        " float32 (the law up to float32 rounding; fast on a GPU); auto: float32 on a GPU. Ensemble rows and "
+        "multi-draft rules stay float64.",
     )
     goodput_gamma: bool = Field(
         True,
@@ -127,8 +127,8 @@ class EngineArgs(Frozen):
         ge=0,
         le=8,
         description="sd, single-draft rules: while the target verifies a block, the draft drafts the next one after each of "
-        "this many likeliest bonus tokens, used when the block is fully accepted with one of them (draft and "
-        "target on devices of their own). 0: off. Law unchanged; seeded tokens differ.",
+        "this many likeliest bonus tokens (docs/verifiers.md); for a draft and target on devices of their own. 0:"
+        " off. Law unchanged; seeded tokens differ.",
     )
     burst_ms: float = Field(
         1000.0,

@@ -83,5 +83,5 @@ class ServerArgs(Frozen):
     direct_http_port: int | None = Field(
         None, ge=1, le=65535,
         description="Each replica also serves HTTP itself, skipping Serve's proxy (Ray Serve's experimental direct ingress), "
-        "on this port, + 1, ... (one each; docs/serving.md). Only on a Ray `specserve serve` starts. Unset: off.",
+        "on this port, + 1, ... (docs/serving.md). Unset: off.",
     )
