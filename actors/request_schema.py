@@ -269,9 +269,8 @@ class SpeculationParams(_Frozen):
     )
     gamma: GammaValue | None = Field(
         None,
-        description='Draft block length (sd, multi_draft, se with a model proposer), or "auto": each block in [1, '
-        'gamma_max] chosen from the acceptance so far; se alternating: each member\'s proposal length ("auto" keeps '
-        "its gammas, may take plain ensemble steps). Unset: defaults.gamma (se with a model proposer: "
+        description='Draft block length (sd, multi_draft, se with a model proposer), or "auto" (docs/strategies.md); '
+        "se alternating: each member's proposal length. Unset: defaults.gamma (se with a model proposer: "
         "defaults.se_draft_gamma if set).",
     )
     gamma_max: int | None = Field(None, ge=1, le=MAX_GAMMA, description='Largest block "auto" may draft.')
