@@ -75,8 +75,7 @@ class ServerArgs(Frozen):
 
     host: str = Field(
         "127.0.0.1",
-        description="Bind address of HTTP (and direct HTTP). Not of gRPC: Ray Serve's gRPC proxy listens on every "
-        "interface (docs/serving.md, Security).",
+        description="Bind address of HTTP (and direct HTTP), not of gRPC (docs/serving.md, Security).",
     )
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP (OpenAI-compatible) port.")
     grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port.")
