@@ -111,7 +111,7 @@ class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
         "GPUs than the cluster has is refused at start-up.",
     )
     cpus_per_model: float = Field(
-        0.25, ge=0.0, description="CPUs per model worker (small on CPU so a whole group fits on 2 cores)."
+        0.25, ge=0.0, description="CPUs per model worker (0.25: a group fits 2 cores)."
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU model worker.")
     per_model: dict[str, ModelResourceArgs] = Field(
