@@ -351,7 +351,7 @@ class GenerationRequest(_Frozen):
 class RequestStats(_Frozen):
     """Per-request measurements, reported with the final chunk."""
 
-    strategy: str = Field(..., description="The strategy that served the request (ar, sd, multi_draft, ensemble, se).")
+    strategy: str = Field(..., description="The strategy that served the request.")
     method: str | None = Field(None, description="Its verification rule; None for ar and ensemble.")
     prompt_tokens: int = Field(0, description="Tokens of the prompt.")
     completion_tokens: int = Field(0, description="Tokens generated.")
