@@ -194,6 +194,7 @@ SMOKE_PROMPTS = [
 
 @pytest.mark.timeout(300)
 def test_bench_command_smoke(tiny_checkpoints, ray_session, tmp_path):
+    pytest.importorskip("matplotlib", reason="the plots need the `bench` extra: pip install -e '.[bench]'")
     # Three models (target, draft, partner) keep start-up short: every strategy still runs.
     app_args = tiny_args_dict({name: tiny_checkpoints[name] for name in ("target", "draft", "partner")})
     # The smoke compares seeded runs on Ray actors and in one process (same tokens); gamma auto's

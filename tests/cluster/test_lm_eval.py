@@ -19,7 +19,8 @@ import yaml
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import lm_eval  # after the offline settings above, which it reads at import
+# after the offline settings above, which it reads at import; the `eval` extra (not in `test`)
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the `eval` extra: pip install -e '.[eval]'")
 
 TASKS = pathlib.Path(__file__).parent / "lm_eval_tasks"
 TOLERANCE = 1e-4  # float32: the served forward vs one transformers forward

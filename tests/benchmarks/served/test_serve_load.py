@@ -108,6 +108,7 @@ def test_flags_of_the_other_mode_are_refused(tmp_path):
 @pytest.mark.ray  # starts a server (and its own local Ray)
 @pytest.mark.timeout(300)
 def test_serve_load_end_to_end(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="the plots need the `bench` extra: pip install -e '.[bench]'")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # the server starts its own local Ray
     document = yaml.safe_load((REPO / "deploy" / "default.yaml").read_text())
     args = document["applications"][0]["args"]
