@@ -192,7 +192,7 @@ class _HistoryPeekingChooser:
         pass
 
 
-@pytest.mark.parametrize("method", ["token", "block", "greedy_block"])
+@pytest.mark.parametrize("method", [pytest.param("token", marks=pytest.mark.slow), "block", "greedy_block"])
 def test_any_rule_fixed_before_the_draft_is_exact(method):
     draft_fn, target_fn = model_pair(3, 7)
     length, gamma_max = 3, 3
@@ -413,6 +413,7 @@ def test_a_step_mode_decided_outside_keeps_the_target_law_exactly(method, vocab,
     assert total_variation(law, target_law(target_fn, PROMPT, length)) < EXACT_TOLERANCE
 
 
+@pytest.mark.slow
 def test_a_greedy_rule_never_steps_plain_over_a_pending_modification():
     """Plain steps favoured after a first long block: on branches where greedy_block left a
     modification pending, the next step is still a verified block covering it; elsewhere it is

@@ -321,10 +321,17 @@ EXACT_CASES = [
     ("contrastive-2", (3, 3), (2, 2), 3, {"ensemble": "contrastive", "mu": 0.5}, 25),
     ("contrastive-2-amateur-proposes", (2, 2), (2, 3), 4, {"ensemble": "contrastive", "mu": 0.3}, 26),
 ]
+#: Cases left to the slow tier (make test-rest); the fast tier keeps a weighted and a contrastive one.
+SLOW_EXACT_CASES = {"weighted-2", "weighted-3", "weighted-3-middle-member-default", "contrastive-2-amateur-proposes"}
+
+
+def _case_params(cases):
+    """pytest params of ``cases`` named by their id, those in SLOW_EXACT_CASES marked slow."""
+    return [pytest.param(case, id=case[0], marks=[pytest.mark.slow] if case[0] in SLOW_EXACT_CASES else []) for case in cases]
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
-@pytest.mark.parametrize("case", EXACT_CASES, ids=[c[0] for c in EXACT_CASES])
+@pytest.mark.parametrize("case", _case_params(EXACT_CASES))
 def test_speculative_ensemble_is_exact(case, method):
     _, vocabs, gammas, length, ensemble_args, seed = case
     model_fns = _members(vocabs, seed=seed)
@@ -358,7 +365,7 @@ class _ModeScript:
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
-@pytest.mark.parametrize("case", [EXACT_CASES[1], EXACT_CASES[2], EXACT_CASES[5]], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", _case_params([EXACT_CASES[1], EXACT_CASES[2], EXACT_CASES[5]]))
 def test_gamma_auto_with_a_scripted_mode_sequence_keeps_the_ensemble_law(case, method):
     """gamma "auto" of the alternate proposer: plain ensemble steps where the (scripted) measured
     mode says plain (dropping unverified queued tokens), proposals elsewhere; the law is the
@@ -415,7 +422,7 @@ def test_speculative_ensemble_is_exact_with_temperature_top_k_and_masked_logits(
     assert total_variation(law, expected) < EXACT_TV
 
 
-@pytest.mark.parametrize("ensemble", ["weighted", "contrastive"])
+@pytest.mark.parametrize("ensemble", ["weighted", pytest.param("contrastive", marks=pytest.mark.slow)])
 def test_speculative_ensemble_is_exact_with_different_vocab_sizes(ensemble):
     model_fns = _members((3, 4), seed=8)
     expected = _ensemble_law(model_fns, 3, ensemble=ensemble)
@@ -470,6 +477,7 @@ def test_standard_ensemble_loop_is_exact(vocabs, ensemble_args):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # sampling; the exact enumerations above are the fast proof
 @pytest.mark.parametrize(
     "vocabs, gammas, method, ensemble_args, seed",
     [

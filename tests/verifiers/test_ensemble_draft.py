@@ -62,7 +62,8 @@ def _proposer(members, seed: int, proposer):
 
 
 @pytest.mark.parametrize("method", ["token", "block", "greedy_block"])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=[pytest.mark.slow] if c[0] == "contrastive-2-amateur-proposes" else [])
+                                  for c in CASES])
 def test_draft_proposer_keeps_the_ensemble_law(case, method):
     _, vocabs, seed, proposer, length, ensemble_args = case
     members = _members(vocabs, seed=seed)
@@ -72,7 +73,7 @@ def test_draft_proposer_keeps_the_ensemble_law(case, method):
 
 
 # A member proposer draws one more token per chain (its row after the block): 2 tokens keep the tree small.
-@pytest.mark.parametrize("proposer,length", [("draft", 3), (0, 2)], ids=["draft", "member"])
+@pytest.mark.parametrize("proposer,length", [("draft", 3), pytest.param(0, 2, marks=pytest.mark.slow)], ids=["draft", "member"])
 @pytest.mark.parametrize("method", ["sequential_gbv", "spectr"])
 def test_a_multi_draft_rule_keeps_the_ensemble_law(method, proposer, length):
     members = _members((2, 2), seed=36)

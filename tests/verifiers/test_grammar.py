@@ -196,7 +196,8 @@ def test_speculative_ensemble_is_exact_under_a_grammar(ensemble_args, method):
     assert total_variation(law, expected) < EXACT_TOLERANCE
 
 
-@pytest.mark.parametrize(("ensemble_args", "proposer"), [(ENSEMBLE_CASES[0], "draft"), (ENSEMBLE_CASES[1], "member")],
+@pytest.mark.parametrize(("ensemble_args", "proposer"), [(ENSEMBLE_CASES[0], "draft"),
+                                                         pytest.param(ENSEMBLE_CASES[1], "member", marks=pytest.mark.slow)],
                          ids=["weighted-draft", "contrastive-member"])
 def test_ensemble_with_a_draft_proposer_is_exact_under_a_grammar(ensemble_args, proposer):
     """se's other proposer (Speculative Ensemble, arXiv:2502.01662, Sec. 3.2): a draft (a member, or a separate model)

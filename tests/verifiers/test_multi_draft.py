@@ -65,7 +65,7 @@ def _exact_tv(method: str, vocab: int, gamma: int, num_drafts: int, length: int,
 # the state is carried between iterations and stacks up to 4 carried / 6 live modification
 # levels (gamma = 3 cases).
 SPECTR_CASES = [
-    pytest.param(2, 2, 2, 3, 11, {}, id="V2-g2-K2-T3"),
+    pytest.param(2, 2, 2, 3, 11, {}, id="V2-g2-K2-T3", marks=pytest.mark.slow),
     pytest.param(3, 2, 3, 2, 18, {"mask_prob": 0.5, "noise": 2.0}, id="V3-g2-K3-T2-masked"),
     pytest.param(3, 2, 2, 2, 15, {"mask_prob": 0.4, "noise": 2.0}, id="V3-g2-K2-T2-masked"),
     pytest.param(3, 2, 2, 3, 16, {"temperature": 0.0}, id="V3-g2-K2-T3-greedy"),

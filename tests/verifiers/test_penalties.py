@@ -62,13 +62,16 @@ def test_the_penalties_really_change_the_law():
 
 
 @pytest.mark.parametrize("method", ["token", "block", "greedy_block"])
-@pytest.mark.parametrize(("vocab", "gamma", "length", "seed"), [(3, 2, 3, 3), (2, 3, 3, 8), (4, 2, 2, 13)])
+@pytest.mark.parametrize(("vocab", "gamma", "length", "seed"), [
+    pytest.param(3, 2, 3, 3, marks=pytest.mark.slow), (2, 3, 3, 8), pytest.param(4, 2, 2, 13, marks=pytest.mark.slow),
+])
 def test_single_draft_rules_are_exact_under_penalties(method, vocab, gamma, length, seed):
     draft_fn, target_fn = model_pair(vocab, seed)
     law = _speculative_law(draft_fn, target_fn, length, method=method, gamma=gamma)
     assert total_variation(law, _penalized_target_law(target_fn, length)) < EXACT_TOLERANCE
 
 
+@pytest.mark.slow  # tests/verifiers/test_multi_draft.py keeps fast multi-draft enumerations
 @pytest.mark.parametrize("method", ["spectr", "sequential_gbv"])
 def test_multi_draft_rules_are_exact_under_penalties(method):
     draft_fn, target_fn = model_pair(3, 17)

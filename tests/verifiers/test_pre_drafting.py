@@ -49,14 +49,15 @@ def _law(method: str, vocab: int, length: int, seed: int, *, gamma: int = 2, gue
 
 @pytest.mark.parametrize("method", ["token", "block", "greedy_block"])
 @pytest.mark.parametrize(("vocab", "length", "seed", "gamma", "guesses"),
-                         [(2, 4, 3, 1, 1), (2, 4, 5, 2, 2), (3, 3, 11, 1, 2)])
+                         [(2, 4, 3, 1, 1), pytest.param(2, 4, 5, 2, 2, marks=pytest.mark.slow), (3, 3, 11, 1, 2)])
 def test_pre_drafting_keeps_the_target_law(method, vocab, length, seed, gamma, guesses):
     law, reused, (_, target_fn) = _law(method, vocab, length, seed, gamma=gamma, guesses=guesses)
     assert reused > 0
     assert total_variation(law, target_law(target_fn, PROMPT, length)) < EXACT_TOLERANCE
 
 
-@pytest.mark.parametrize("method", ["token", "block", "greedy_block"])
+@pytest.mark.parametrize("method", [pytest.param("token", marks=pytest.mark.slow), "block",
+                                    pytest.param("greedy_block", marks=pytest.mark.slow)])
 def test_pre_drafting_under_penalties_keeps_the_penalized_law(method):
     _, target_fn = model_pair(3, 11)
     plain, _, _ = _law(method, 3, 3, 11, gamma=1, guesses=0, penalties=PENALTIES)
@@ -66,6 +67,7 @@ def test_pre_drafting_under_penalties_keeps_the_penalized_law(method):
     assert total_variation(law, plain) < EXACT_TOLERANCE
 
 
+@pytest.mark.slow  # minutes: the adaptive chooser multiplies the enumerated branches
 @pytest.mark.parametrize("method", ["token", "block", "greedy_block"])
 def test_pre_drafting_with_adaptive_gamma_keeps_the_target_law(method):
     settings = AdaptiveGammaSettings(gamma_max=2, prior_acceptance=0.8)
@@ -138,6 +140,7 @@ def test_a_chain_used_after_the_wrong_bonus_under_penalties_changes_the_law(monk
     assert total_variation(law, exact) > 1e-3
 
 
+@pytest.mark.slow
 def test_a_chain_chosen_by_its_own_draws_changes_the_law(monkeypatch):
     """Control: choosing among the chains by their tokens (the lowest first token) makes the
     verified proposal follow another law than the rows it reports."""

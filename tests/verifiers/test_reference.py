@@ -195,6 +195,7 @@ SAMPLES = 1500
 SIGNIFICANCE = 1e-4
 
 
+@pytest.mark.slow  # sampling; the exact enumerations above are the fast proof
 @pytest.mark.parametrize("method", SINGLE_DRAFT)
 def test_sampled_sequences_fit_the_target_law(method):
     draft_fn, target_fn = model_pair(3, 50)
