@@ -116,6 +116,7 @@ def test_parser_accepts_every_strategy_and_lists_subcommands():
         parser.parse_args(["generate", "--prompt", "p", "--strategy", "beam"])
 
 
+@pytest.mark.slow  # a fresh interpreter imports the whole CLI
 def test_console_module_help_runs():
     result = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--help"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)

@@ -8,6 +8,8 @@ choice sequences are in tests/verifiers/test_ensemble.py and test_ensemble_draft
 
 from __future__ import annotations
 
+import pytest
+
 from actors.request_schema import GenerationRequest
 from actors.coordination.coordinator import Coordinator
 from benchmarks.served.runners import LocalActorHandle
@@ -45,6 +47,7 @@ def _ensemble_pvalue(samples) -> float:
     return chi_square_pvalue(samples, law)
 
 
+@pytest.mark.slow  # samples for a chi-square
 def test_alternate_gamma_auto_measures_both_kinds_of_step_and_keeps_the_ensemble_law():
     coordinator, samples = _served(SPECULATION, 400)
     rates = coordinator.scheduler.policy.alternate_rates.rates

@@ -43,6 +43,7 @@ def _faults(mode: str) -> int:
     return int(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # subprocesses, warm rounds
 def test_freed_step_tensors_are_reused_instead_of_faulted_in_again():
     default, kept = _faults("default"), _faults("kept")
     assert default > 40 * 100  # glibc's starting thresholds: each round maps and faults in fresh pages

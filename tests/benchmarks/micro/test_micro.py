@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from benchmarks.micro import forward_micro, forward_profile, quantized_gemm
 from benchmarks.served import engine_load
 
 
+@pytest.mark.slow  # runs the benchmark on the embedded models
 def test_forward_micro_prints_every_case(capsys):
     assert forward_micro.main(["--rows", "1,2", "--context", "8", "--repeats", "1", "--run-steps", "2"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
@@ -29,6 +32,7 @@ def test_forward_profile_splits_every_forward(capsys):
         assert len(shares) == len(forward_profile.COLUMNS) and shares[0] > 0 and 90 <= sum(shares) <= 110
 
 
+@pytest.mark.slow  # runs the benchmark on the embedded models
 def test_engine_load_generates_every_token(capsys):
     args = ["--strategy", "sd", "--concurrency", "2", "--requests", "3", "--max-tokens", "5", "--prefix-caching", "off"]
     assert engine_load.main(args) == 0

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from benchmarks.peers import real_shape
 
 
+@pytest.mark.slow  # runs the benchmark on the embedded models
 def test_real_shape_prints_every_section(monkeypatch, capsys):
     monkeypatch.setattr(real_shape, "VOCAB", 4352)
     monkeypatch.setattr(real_shape, "CONTEXT", 256)

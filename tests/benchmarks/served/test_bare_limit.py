@@ -91,6 +91,7 @@ def test_the_limit_with_the_prompt_adds_each_requests_prompt_forwards():
     assert "limit_with_prompt_tokens_per_second" not in limit_record(shape, level_forwards(shape, ROLES), ms, 2.5, 120)
 
 
+@pytest.mark.slow  # times forwards of the embedded models
 def test_bare_limits_measure_the_embedded_models():
     paths = {"target": str(embedded_model_path("target")), "draft": str(embedded_model_path("draft"))}
     context = representative_context(paths["target"], ["def main(", "The river"], max_tokens=8)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from benchmarks.peers import real_shape
 from benchmarks.served import long_prompt_itl
 
 
+@pytest.mark.slow  # runs the benchmark on the embedded models
 def test_long_prompt_itl_prints_a_row_per_budget(monkeypatch, capsys):
     monkeypatch.setattr(real_shape, "COMMON_SHAPE", dict(real_shape.COMMON_SHAPE, vocab_size=4352,
                                                          max_position_embeddings=1024))
