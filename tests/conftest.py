@@ -182,6 +182,17 @@ def ray_session():
         ray.shutdown()
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test-fast``), each worker's torch gets its share of the cores:
+    two workers of two threads each on two cores oversubscribe them, and a loaded machine then
+    runs some forwards tens of times slower."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 # Modules whose tests start servers or Ray in subprocesses (no ray_session fixture to see).
 _SERVER_MODULES = ("test_serve_command", "test_app_serve_command", "test_ray_cli", "test_multinode", "test_bringup")
 
