@@ -53,8 +53,8 @@ run: $(VENV)/.base
 
 # The whole suite, the fast tier first: a broken verifier fails in minutes, before Ray starts.
 test: $(VENV)/.extra-test
-	$(MAKE) test-fast
-	$(MAKE) test-rest
+	$(MAKE) --no-print-directory test-fast
+	$(MAKE) --no-print-directory test-rest
 
 test-fast: $(VENV)/.extra-test
 	$(BIN)/python -m pytest tests -m "$(FAST_MARKS)" -q -n $(FAST_WORKERS)

@@ -99,7 +99,7 @@ ENSEMBLE_CASES = [
 
 
 @pytest.mark.parametrize("ensemble_args", ENSEMBLE_CASES, ids=["weighted", "contrastive"])
-@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("method", [pytest.param("token", marks=pytest.mark.slow), "block"])
 def test_speculative_ensemble_is_exact_under_penalties(ensemble_args, method):
     model_fns = [TinyModel(3, 41), TinyModel(3, 42)]
     law = exact_law(lambda s: tuple(ensemble_generate(

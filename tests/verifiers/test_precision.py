@@ -81,7 +81,8 @@ def test_single_draft_rules_compute_in_the_rows_precision(verify):
     assert spy64.dtypes == {torch.float64}
 
 
-@pytest.mark.parametrize("method", ["token", "block", pytest.param("greedy_block", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", [pytest.param("token", marks=pytest.mark.slow), "block",
+                                    pytest.param("greedy_block", marks=pytest.mark.slow)])
 def test_float32_decode_loop_law_is_the_target_law_up_to_rounding(method):
     """Exact enumeration of speculative decoding with float32 rows (two or three iterations
     tokens): within float32 rounding of the target's law, and of the float64 run's law."""
