@@ -74,7 +74,7 @@ def test_draft_proposer_keeps_the_ensemble_law(case, method):
 
 # A member proposer draws one more token per chain (its row after the block): 2 tokens keep the tree small.
 @pytest.mark.parametrize("proposer,length", [("draft", 3), pytest.param(0, 2, marks=pytest.mark.slow)], ids=["draft", "member"])
-@pytest.mark.parametrize("method", ["sequential_gbv", "spectr"])
+@pytest.mark.parametrize("method", ["sequential_gbv", pytest.param("spectr", marks=pytest.mark.slow)])
 def test_a_multi_draft_rule_keeps_the_ensemble_law(method, proposer, length):
     members = _members((2, 2), seed=36)
     args = {"ensemble": "weighted", "weights": (0.3, 0.7)}

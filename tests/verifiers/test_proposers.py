@@ -111,7 +111,8 @@ def _greedy_output(target_fn, length):
     return context[len(PROMPT):]
 
 
-@pytest.mark.parametrize("method", [pytest.param("token", marks=pytest.mark.slow), "block"])
+@pytest.mark.slow  # the fast tier keeps test_prediction_proposer_is_exact
+@pytest.mark.parametrize("method", ["token", "block"])
 def test_a_prediction_that_diverges_and_realigns_is_exact_and_realigns(method):
     """The target's own greedy output with one token changed: at temperature 0 the rejection at
     the change is followed by accepted predicted tokens (realigned), and at temperature 1 the law
