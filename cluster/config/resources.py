@@ -109,6 +109,11 @@ class PlacementArgs(Frozen):
         return "off" if value is False else value
 
 
+#: ``resources.torch_threads``: a thread count, or ``"auto"`` (the worker's cores once bound,
+#: :func:`actors.worker.cpu_binding.torch_thread_count`).
+TorchThreads = Annotated[int, Field(ge=1)] | Literal["auto"]
+
+
 class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
     """What each actor of a model group asks Ray for."""
 
@@ -120,7 +125,12 @@ class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
     cpus_per_model: float = Field(
         0.25, ge=0.0, description="CPUs per model worker (small on CPU so a whole group fits on 2 cores)."
     )
-    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU model worker.")
+    torch_threads: TorchThreads = Field(
+        1,
+        description="torch intra-op threads per CPU model worker: a number, or 'auto': the cores the worker's process may "
+        "run on once bound (its affinity mask: every core of the host under cpu_affinity off or spare, its own one "
+        "under auto; cpu_affinity auto reserves one core for it). Default 1.",
+    )
     per_model: dict[str, ModelResourceArgs] = Field(
         default_factory=dict, description="Per-model overrides keyed by model name (gpus, cpus, custom resources)."
     )
