@@ -27,11 +27,16 @@ neighbours (compare dtypes within a run, never across runs):
    same client against vLLM's CPU build from ``--vllm-venv`` (started as
    :mod:`benchmarks.peers.vllm_peer` starts it, with ``--dtype`` of the case); a venv that does not
    import vllm is reported and skipped (make one with ``python -m benchmarks.peers.vllm_peer --venv``).
+   One server at a time, in ``--serve-rounds`` rounds whose order of servers and dtypes is reversed
+   every other round; per dtype and level: each server's median tokens/s and TTFT p50, the median
+   of each round's specserve / vLLM ratio, and the engine alone's tokens/s and fraction of the
+   limit. ``--record CASE`` writes that table into the results store and regenerates docs/results.md.
 
     python -m benchmarks.peers.real_size --shape 279m
     python -m benchmarks.peers.real_size --shape 1b --dtypes bfloat16 --concurrency 1,4
     python -m benchmarks.peers.real_size --model /models/my-llama --threads 8 --rounds 5
-    python -m benchmarks.peers.real_size --shape 279m --serve specserve,vllm --vllm-venv /tmp/vllm-peer-venv --out /tmp/rs
+    python -m benchmarks.peers.real_size --shape 279m --serve specserve,vllm --vllm-venv /tmp/vllm-peer-venv --out /tmp/rs \
+        --concurrency 1,4 --record real-size-279m
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import torch
 
 from benchmarks.served.engine_load import _clients, _count_forwards
 from benchmarks.served.prompts import load_prompts
+from actors.worker.cpu_binding import torch_thread_count
 from cluster.config import parse_app_args
 
 logger = logging.getLogger("benchmarks.peers.real_size")
@@ -122,7 +128,7 @@ def measure_bandwidth(threads: int, passes: int = 5, nbytes: int | None = None) 
     return nbytes / best
 
 
-def group_args(path: pathlib.Path | str, dtype: str, threads: int, max_concurrency: int, max_model_len: int) -> Any:
+def group_args(path: pathlib.Path | str, dtype: str, threads: int | str, max_concurrency: int, max_model_len: int) -> Any:
     """The config of one target serving ``ar`` in ``dtype`` with ``threads`` torch threads."""
     return parse_app_args({
         "models": {"target": {"path": str(path), "role": "target", "dtype": dtype}},
@@ -167,7 +173,7 @@ def run_level(runner: Any, prompts: list[str], concurrency: int, requests: int, 
     restore = _count_forwards(stats)
     try:
         started = time.perf_counter()
-        tokens = runner.loop.run_until_complete(_clients(runner, prompts, {"strategy": "ar"}, args, first_token_s))
+        tokens = runner.loop.run_until_complete(_clients(runner, prompts, {"strategy": "ar"}, args, first_token_s, []))
         wall = time.perf_counter() - started
     finally:
         restore()
@@ -190,7 +196,7 @@ def engine_rounds(path: pathlib.Path | str, dtypes: list[str], levels: list[int]
             run_level(runners[dtype], prompts, 1, 1, 4)  # warm-up: first forwards, allocator
         samples = Samples()
         for round_index in range(args.rounds):
-            bandwidths.append(measure_bandwidth(args.threads))
+            bandwidths.append(measure_bandwidth(torch_thread_count(args.threads)))
             for concurrency in levels:
                 for dtype in (dtypes if round_index % 2 == 0 else dtypes[::-1]):
                     sample = run_level(runners[dtype], prompts, concurrency, concurrency * args.requests_per_client,
@@ -233,7 +239,7 @@ def engine_table(samples: Samples, dtypes: list[str], levels: list[int], weight_
 
 # ----------------------------------------------------------------------------- served (optional)
 
-def serve_config(path: pathlib.Path | str, dtype: str, threads: int, max_concurrency: int, max_model_len: int) -> dict:
+def serve_config(path: pathlib.Path | str, dtype: str, threads: int | str, max_concurrency: int, max_model_len: int) -> dict:
     """A Ray Serve config holding only this model (``ar``), for ``specserve serve``."""
     return {
         "proxy_location": "HeadOnly",
@@ -259,8 +265,8 @@ def serve_settings(levels: list[int], args: argparse.Namespace) -> Any:
 
 
 def serve_specserve(path: pathlib.Path | str, dtype: str, levels: list[int], args: argparse.Namespace,
-                    out: pathlib.Path) -> list[str]:
-    """``specserve serve`` of this model in ``dtype``, serve-load's client -> table rows."""
+                    out: pathlib.Path) -> list[Any]:
+    """``specserve serve`` of this model in ``dtype``, serve-load's client -> its level summaries."""
     import yaml
 
     from benchmarks.served.serve_load import run_serve_load
@@ -269,13 +275,13 @@ def serve_specserve(path: pathlib.Path | str, dtype: str, levels: list[int], arg
     config_path = out / "serve.yaml"
     config_path.write_text(yaml.safe_dump(serve_config(path, dtype, args.threads, max(levels), args.max_model_len)))
     results = run_serve_load(config_path, serve_settings(levels, args), out, command=COMMAND)
-    return [_served_row("specserve", dtype, s) for s in results.summarize().summaries]
+    return list(results.summarize().summaries)
 
 
 def serve_vllm(path: pathlib.Path | str, dtype: str, levels: list[int], args: argparse.Namespace,
-               out: pathlib.Path) -> list[str]:
+               out: pathlib.Path) -> list[Any]:
     """vLLM's CPU build from ``args.vllm_venv`` serving this model in ``dtype`` with the same client
-    -> table rows; none (a message) where that venv does not import vllm."""
+    -> its level summaries; none (a message) where that venv does not import vllm."""
     import asyncio
 
     from benchmarks.peers import vllm_peer
@@ -312,12 +318,97 @@ def serve_vllm(path: pathlib.Path | str, dtype: str, levels: list[int], args: ar
             results.records.extend(records)
     finally:
         server.stop()
-    return [_served_row("vLLM", dtype, s) for s in results.summarize().summaries]
+    return list(results.summarize().summaries)
 
 
-def _served_row(server: str, dtype: str, summary: Any) -> str:
-    ttft = "n/a" if summary.ttft_median_s is None else f"{1e3 * summary.ttft_median_s:.0f}"
-    return f"| {server} | {dtype} | {summary.concurrency} | {summary.tokens_per_second:.1f} | {ttft} |"
+SERVERS = {"specserve": serve_specserve, "vllm": serve_vllm}
+
+
+@dataclass
+class Served:
+    """Every served round's (tokens/s, TTFT p50 s) per (server, dtype, clients)."""
+
+    by_case: dict[tuple[str, str, int], list[tuple[float, float | None]]] = field(
+        default_factory=lambda: collections.defaultdict(list))
+
+    def add(self, server: str, dtype: str, summaries: list[Any]) -> None:
+        for summary in summaries:
+            self.by_case[(server, dtype, summary.concurrency)].append((summary.tokens_per_second, summary.ttft_median_s))
+
+    def values(self, server: str, dtype: str, clients: int, what: int) -> list[float]:
+        """Each round's tokens/s (``what`` 0) or TTFT p50 in seconds (1)."""
+        return [v[what] for v in self.by_case.get((server, dtype, clients), []) if v[what] is not None]
+
+    def ratios(self, dtype: str, clients: int) -> list[float]:
+        """specserve's tokens/s over vLLM's, round by round (rounds where both ran)."""
+        pairs = zip(self.values("specserve", dtype, clients, 0), self.values("vllm", dtype, clients, 0))
+        return [ours / theirs for ours, theirs in pairs if theirs]
+
+
+def served_rounds(path: pathlib.Path | str, args: argparse.Namespace, out: pathlib.Path) -> Served:
+    """``args.serve_rounds`` rounds of every (dtype, server), one server at a time, the order of the
+    servers and of the dtypes reversed every other round."""
+    served = Served()
+    for round_index in range(args.serve_rounds):
+        flip = round_index % 2 == 1
+        for dtype in (args.dtypes[::-1] if flip else args.dtypes):
+            for server in (args.serve[::-1] if flip else args.serve):
+                summaries = SERVERS[server](path, dtype, args.concurrency, args, out / f"round{round_index + 1}-{server}-{dtype}")
+                served.add(server, dtype, summaries)
+                for summary in summaries:
+                    logger.info("served round %d, %s %s at %d clients: %.1f tok/s, TTFT p50 %s ms", round_index + 1,
+                                server, dtype, summary.concurrency, summary.tokens_per_second,
+                                "n/a" if summary.ttft_median_s is None else f"{1e3 * summary.ttft_median_s:.0f}")
+    return served
+
+
+def _median(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    return "n/a" if not values else f"{scale * statistics.median(values):.{digits}f}"
+
+
+def served_rows(served: Served, samples: Samples, dtypes: list[str], levels: list[int], weight_bytes: dict[str, int],
+                bandwidth: float) -> list[dict[str, Any]]:
+    """One row per (dtype, clients): both servers' medians over rounds, the ratio (median of each
+    round's), the engine alone's tokens/s and its forward's fraction of the bandwidth limit."""
+    from benchmarks.reports.store import rounds
+
+    def figure(values: list[float], scale: float = 1.0, digits: int = 1) -> Any:
+        return rounds([scale * v for v in values], digits) if values else None
+
+    rows = []
+    for dtype in dtypes:
+        for clients in levels:
+            forward = samples.median(dtype, clients, "forward_s")
+            rows.append({
+                "dtype": dtype, "clients": clients,
+                "specserve_tok_s": figure(served.values("specserve", dtype, clients, 0)),
+                "vllm_tok_s": figure(served.values("vllm", dtype, clients, 0)),
+                "x_vllm": figure(served.ratios(dtype, clients), digits=2),
+                "specserve_ttft_p50_ms": figure(served.values("specserve", dtype, clients, 1), 1e3, 0),
+                "vllm_ttft_p50_ms": figure(served.values("vllm", dtype, clients, 1), 1e3, 0),
+                "engine_tok_s": figure([s.tokens_per_s for s in samples.by_case[(dtype, clients)]]),
+                "engine_fraction_of_limit": None if forward is None else round(weight_bytes[dtype] / forward / bandwidth, 2),
+                "bandwidth_gb_s": round(bandwidth / 1e9, 1),
+            })
+    return rows
+
+
+def served_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The markdown lines of the served section (medians over rounds)."""
+    def text(value: Any, digits: int = 1) -> str:
+        from benchmarks.reports.store import figure
+        number = figure(value)
+        return "n/a" if number is None else f"{number:.{digits}f}"
+
+    lines = ["| dtype | clients | specserve tok/s | vLLM tok/s | specserve / vLLM | TTFT p50 specserve (ms) | "
+             "TTFT p50 vLLM (ms) | engine alone tok/s | engine: fraction of the bandwidth limit |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        fraction = row["engine_fraction_of_limit"]
+        lines.append(f"| {row['dtype']} | {row['clients']} | {text(row['specserve_tok_s'])} | {text(row['vllm_tok_s'])} | "
+                     f"{text(row['x_vllm'], 2)} | {text(row['specserve_ttft_p50_ms'], 0)} | {text(row['vllm_ttft_p50_ms'], 0)} | "
+                     f"{text(row['engine_tok_s'])} | {'n/a' if fraction is None else f'{100 * fraction:.0f}%'} |")
+    return lines
 
 
 # ----------------------------------------------------------------------------- the command
@@ -327,6 +418,16 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return values
+
+
+def _threads(text: str) -> int | str:
+    """``--threads``: a positive number or ``auto``."""
+    if text == "auto":
+        return text
+    value = _int_list(text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}")
+    return value[0]
 
 
 def _names(allowed: tuple[str, ...]):
@@ -346,8 +447,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--model", default=None, help="A checkpoint directory of yours instead of --shape.")
     parser.add_argument("--dtypes", type=_names(DTYPES), default=list(DTYPES), help="Default float32,bfloat16.")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="Clients per level (default 1,4,16).")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                        else os.cpu_count() or 1, help="torch threads (default: the cores this process may use).")
+    parser.add_argument("--threads", type=_threads, default="auto",
+                        help="torch threads of the engine and of specserve's worker (resources.torch_threads): a number "
+                        "or auto, the cores the process may use (default auto).")
     parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds (medians over them; default 3).")
     parser.add_argument("--requests-per-client", type=int, default=2, help="Requests per client per level (default 2).")
     parser.add_argument("--max-tokens", type=int, default=32, help="Tokens per request (default 32).")
@@ -355,11 +457,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--serve", type=_names(("specserve", "vllm")), default=[],
                         help="Also serve it: specserve, vllm or both (default: the engine alone only).")
     parser.add_argument("--serve-requests", type=int, default=8, help="Served requests per level (default 8).")
+    parser.add_argument("--serve-rounds", type=int, default=2,
+                        help="Served rounds, the servers' order reversed every other round (medians; default 2).")
     parser.add_argument("--vllm-venv", type=pathlib.Path, default=None, help="vLLM's own venv (benchmarks.peers.vllm_peer).")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="Write the report (and served results) here.")
+    parser.add_argument("--record", default=None, metavar="CASE",
+                        help="Also write the served table into the results store (benchmarks/results/CASE.json; needs "
+                        "--serve) and regenerate docs/results.md.")
     args = parser.parse_args(argv)
-    if args.threads < 1 or args.rounds < 1 or args.requests_per_client < 1:
-        parser.error("--threads, --rounds and --requests-per-client must be >= 1")
+    if args.rounds < 1 or args.requests_per_client < 1 or args.serve_rounds < 1:
+        parser.error("--rounds, --serve-rounds and --requests-per-client must be >= 1")
+    if args.record and not args.serve:
+        parser.error("--record needs --serve (the record is the served table)")
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     return args
 
@@ -368,31 +477,30 @@ def _binary_size(nbytes: int) -> str:
     return f"{nbytes / 2**30:g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:g} MiB"
 
 
-def report(path: pathlib.Path | str, label: str, args: argparse.Namespace) -> list[str]:
-    """Every section of one run, as markdown lines."""
+def report(path: pathlib.Path | str, label: str, args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
+    """Every section of one run, as markdown lines, and the served table's rows (none without ``--serve``)."""
     levels = args.concurrency
     sizes = {dtype: forward_weight_bytes(path, dtype) for dtype in args.dtypes}
     parameters = next(iter(sizes.values()))[0]
     bandwidths: list[float] = []
     samples = engine_rounds(path, args.dtypes, levels, args, bandwidths)
     bandwidth = max(bandwidths)
-    lines = [f"Model: {label}, {parameters / 1e6:.1f}M parameters; torch threads: {args.threads}; `ar`, "
+    lines = [f"Model: {label}, {parameters / 1e6:.1f}M parameters; torch threads: {args.threads} "
+             f"({torch_thread_count(args.threads)} here); `ar`, "
              f"{args.max_tokens} tokens a request, requests a client: {args.requests_per_client}, interleaved rounds: "
              f"{args.rounds} (medians).",
              f"Memory bandwidth (torch sum over {_binary_size(BANDWIDTH_BYTES)}, best pass): {bandwidth / 1e9:.1f} GB/s "
              f"(rounds: {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)}).", "",
              "**The engine alone**", ""]
     lines += engine_table(samples, args.dtypes, levels, {d: s[1] for d, s in sizes.items()}, bandwidth)
-    if args.serve:
-        served = ["| server | dtype | clients | tok/s | TTFT p50 (ms) |", "|---|---|---:|---:|---:|"]
-        out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="real-size-serve-"))
-        for dtype in args.dtypes:
-            if "specserve" in args.serve:
-                served += serve_specserve(path, dtype, levels, args, out / f"specserve-{dtype}")
-            if "vllm" in args.serve:
-                served += serve_vllm(path, dtype, levels, args, out / f"vllm-{dtype}")
-        lines += ["", f"**Served** ({args.serve_requests} requests a level, the same streaming client)", ""] + served
-    return lines
+    if not args.serve:
+        return lines, []
+    out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="real-size-serve-"))
+    served = served_rounds(path, args, out)
+    rows = served_rows(served, samples, args.dtypes, levels, {d: s[1] for d, s in sizes.items()}, bandwidth)
+    lines += ["", f"**Served** ({args.serve_requests} requests a level, the same streaming client, one server at a time; "
+              f"medians of {args.serve_rounds} interleaved rounds; the engine alone's figures from the section above)", ""]
+    return lines + served_table(rows), rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,18 +510,35 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     command = COMMAND + (" " + " ".join(args.argv) if args.argv else "")
     if args.model is not None:
-        lines = report(args.model, args.model, args)
+        lines, rows = report(args.model, args.model, args)
     else:
         with tempfile.TemporaryDirectory(prefix="real-size-") as root:
             path = build_checkpoint(SHAPES[args.shape], pathlib.Path(root), f"llama-{args.shape}")
-            lines = report(path, f"random Llama {args.shape} ({', '.join(f'{k}={v}' for k, v in SHAPES[args.shape].items())})",
+            lines, rows = report(path, f"random Llama {args.shape} ({', '.join(f'{k}={v}' for k, v in SHAPES[args.shape].items())})",
                            args)
     text = "\n".join([f"Command: `{command}`", ""] + lines) + "\n"
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "real-size.md").write_text(text)
+    if args.record:
+        print(f"recorded {record(args, command, rows)}")
     return 0
+
+
+def record(args: argparse.Namespace, command: str, rows: list[dict[str, Any]]) -> pathlib.Path:
+    """Write the served table into the results store (``--record CASE``) and regenerate the page."""
+    from benchmarks.reports.store import make_record
+    from benchmarks.reports.tables import update
+
+    label = args.shape if args.model is None else pathlib.Path(args.model).name
+    notes = (f"`ar`, {args.max_tokens} streamed tokens at temperature 1, {args.serve_requests} requests a level, one "
+             f"server at a time, the same client; medians (lowest-highest) of {args.serve_rounds} interleaved rounds; "
+             "x vLLM: the median of each round's ratio. Engine alone: no Ray, no HTTP, medians of "
+             f"{args.rounds} rounds; fraction of limit: weight bytes per decode forward / forward time / the "
+             "bandwidth measured in the same run (a torch sum over 1 GiB, best pass).")
+    return update(make_record(args.record, f"A real-size model ({label}, random weights) served: specserve and vLLM's "
+                              "CPU build", command, rows, notes=notes, section="Peers"))
 
 
 if __name__ == "__main__":
