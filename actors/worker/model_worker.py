@@ -120,6 +120,8 @@ class ModelWorker:
         if self.device == "cpu":
             # resources.torch_threads; "auto": the cores of this process's mask, read after binding above
             torch.set_num_threads(torch_thread_count(getattr(spec, "torch_threads", 1)))
+            logger.info("worker %s: %d torch thread(s) (resources.torch_threads %s)", spec.name, torch.get_num_threads(),
+                        getattr(spec, "torch_threads", 1))
         self.max_sessions = int(max_sessions)
         if shared_kv_budget and worker_kv_cache_memory(kv_cache_memory, self.device) is not None:
             self.max_sessions = 1

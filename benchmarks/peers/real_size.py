@@ -366,6 +366,12 @@ def _median(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
     return "n/a" if not values else f"{scale * statistics.median(values):.{digits}f}"
 
 
+#: The served table's row keys (as the results page shows them: underscores read as spaces).
+SERVED_KEYS = {"specserve": "specserve_tok/s", "vllm": "vLLM_tok/s", "specserve_ttft": "specserve_TTFT_p50_ms",
+               "vllm_ttft": "vLLM_TTFT_p50_ms", "engine": "engine_alone_tok/s",
+               "fraction": "engine_fraction_of_the_bandwidth_limit", "bandwidth": "bandwidth_GB/s"}
+
+
 def served_rows(served: Served, samples: Samples, dtypes: list[str], levels: list[int], weight_bytes: dict[str, int],
                 bandwidth: float) -> list[dict[str, Any]]:
     """One row per (dtype, clients): both servers' medians over rounds, the ratio (median of each
@@ -373,7 +379,10 @@ def served_rows(served: Served, samples: Samples, dtypes: list[str], levels: lis
     from benchmarks.reports.store import rounds
 
     def figure(values: list[float], scale: float = 1.0, digits: int = 1) -> Any:
-        return rounds([scale * v for v in values], digits) if values else None
+        if not values:
+            return None
+        figures = rounds([scale * v for v in values], digits)
+        return figures if digits else {k: [int(x) for x in v] if k == "rounds" else int(v) for k, v in figures.items()}
 
     rows = []
     for dtype in dtypes:
@@ -381,14 +390,14 @@ def served_rows(served: Served, samples: Samples, dtypes: list[str], levels: lis
             forward = samples.median(dtype, clients, "forward_s")
             rows.append({
                 "dtype": dtype, "clients": clients,
-                "specserve_tok_s": figure(served.values("specserve", dtype, clients, 0)),
-                "vllm_tok_s": figure(served.values("vllm", dtype, clients, 0)),
+                SERVED_KEYS["specserve"]: figure(served.values("specserve", dtype, clients, 0)),
+                SERVED_KEYS["vllm"]: figure(served.values("vllm", dtype, clients, 0)),
                 "x_vllm": figure(served.ratios(dtype, clients), digits=2),
-                "specserve_ttft_p50_ms": figure(served.values("specserve", dtype, clients, 1), 1e3, 0),
-                "vllm_ttft_p50_ms": figure(served.values("vllm", dtype, clients, 1), 1e3, 0),
-                "engine_tok_s": figure([s.tokens_per_s for s in samples.by_case[(dtype, clients)]]),
-                "engine_fraction_of_limit": None if forward is None else round(weight_bytes[dtype] / forward / bandwidth, 2),
-                "bandwidth_gb_s": round(bandwidth / 1e9, 1),
+                SERVED_KEYS["specserve_ttft"]: figure(served.values("specserve", dtype, clients, 1), 1e3, 0),
+                SERVED_KEYS["vllm_ttft"]: figure(served.values("vllm", dtype, clients, 1), 1e3, 0),
+                SERVED_KEYS["engine"]: figure([s.tokens_per_s for s in samples.by_case[(dtype, clients)]]),
+                SERVED_KEYS["fraction"]: None if forward is None else round(weight_bytes[dtype] / forward / bandwidth, 2),
+                SERVED_KEYS["bandwidth"]: round(bandwidth / 1e9, 1),
             })
     return rows
 
@@ -404,10 +413,11 @@ def served_table(rows: list[dict[str, Any]]) -> list[str]:
              "TTFT p50 vLLM (ms) | engine alone tok/s | engine: fraction of the bandwidth limit |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        fraction = row["engine_fraction_of_limit"]
-        lines.append(f"| {row['dtype']} | {row['clients']} | {text(row['specserve_tok_s'])} | {text(row['vllm_tok_s'])} | "
-                     f"{text(row['x_vllm'], 2)} | {text(row['specserve_ttft_p50_ms'], 0)} | {text(row['vllm_ttft_p50_ms'], 0)} | "
-                     f"{text(row['engine_tok_s'])} | {'n/a' if fraction is None else f'{100 * fraction:.0f}%'} |")
+        key = {name: row[column] for name, column in SERVED_KEYS.items()}
+        fraction = key["fraction"]
+        lines.append(f"| {row['dtype']} | {row['clients']} | {text(key['specserve'])} | {text(key['vllm'])} | "
+                     f"{text(row['x_vllm'], 2)} | {text(key['specserve_ttft'], 0)} | {text(key['vllm_ttft'], 0)} | "
+                     f"{text(key['engine'])} | {'n/a' if fraction is None else f'{100 * fraction:.0f}%'} |")
     return lines
 
 
@@ -522,8 +532,28 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "real-size.md").write_text(text)
     if args.record:
-        print(f"recorded {record(args, command, rows)}")
+        print(f"recorded {record(args, public_command(args), rows)}")
     return 0
+
+
+def public_command(args: argparse.Namespace) -> str:
+    """The command as a record shows it: ``--vllm-venv VENV``, without ``--out`` and ``--record`` (places of
+    this machine, not of the measurement)."""
+    words, skip = [], False
+    for word in args.argv:
+        if skip:
+            skip = False
+            continue
+        name = word.split("=", 1)[0]
+        if name in ("--out", "--record"):
+            skip = "=" not in word
+            continue
+        if name == "--vllm-venv":
+            words += [name, "VENV"]
+            skip = "=" not in word
+            continue
+        words.append(word)
+    return " ".join([COMMAND, *words])
 
 
 def record(args: argparse.Namespace, command: str, rows: list[dict[str, Any]]) -> pathlib.Path:

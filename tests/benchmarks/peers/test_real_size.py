@@ -86,10 +86,11 @@ def test_served_rounds_interleave_the_servers_and_the_table_takes_medians_and_ea
             samples.by_case[(dtype, clients)] += [real_size.Sample(5.0 * clients, 0.1, forward)] * 2
     rows = real_size.served_rows(served, samples, args.dtypes, [1, 4], {"float32": 4e9, "bfloat16": 2e9}, 200e9)
     row = next(r for r in rows if r["dtype"] == "bfloat16" and r["clients"] == 4)
-    assert row["specserve_tok_s"] == {"rounds": [40.0, 56.0], "median": 48.0} and row["vllm_tok_s"]["median"] == 80.0
+    assert row["specserve_tok/s"] == {"rounds": [40.0, 56.0], "median": 48.0} and row["vLLM_tok/s"]["median"] == 80.0
     assert row["x_vllm"] == {"rounds": [0.5, 0.7], "median": 0.6}
-    assert row["specserve_ttft_p50_ms"]["median"] == 400 and row["engine_tok_s"]["median"] == 20.0
-    assert row["engine_fraction_of_limit"] == 0.5 and row["bandwidth_gb_s"] == 200.0  # 2 GB / 20 ms = 100 GB/s of 200
+    assert row["specserve_TTFT_p50_ms"] == {"rounds": [400, 400], "median": 400} and row["engine_alone_tok/s"]["median"] == 20.0
+    assert row["engine_fraction_of_the_bandwidth_limit"] == 0.5  # 2 GB / 20 ms = 100 GB/s of 200
+    assert row["bandwidth_GB/s"] == 200.0
     table = "\n".join(real_size.served_table(rows))
     assert "| bfloat16 | 4 | 48.0 | 80.0 | 0.60 | 400 | 400 | 20.0 | 50% |" in table
     written = {}
@@ -104,3 +105,9 @@ def test_served_rounds_interleave_the_servers_and_the_table_takes_medians_and_ea
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(SystemExit):
         real_size.parse_args(bad)
+
+
+def test_a_record_shows_the_command_without_this_machines_places():
+    args = real_size.parse_args(["--serve", "vllm", "--vllm-venv", "/somewhere/venv", "--out=/somewhere/out",
+                                 "--record", "real-size-x", "--concurrency", "1,4"])
+    assert real_size.public_command(args) == "python -m benchmarks.peers.real_size --serve vllm --vllm-venv VENV --concurrency 1,4"
