@@ -3,7 +3,8 @@
 ``os.sched_setaffinity(0, ...)`` binds the calling thread only; a Ray actor's process already runs
 many threads when the actor starts, so every thread of the process is bound (Linux
 ``/proc/self/task``), and threads started later inherit the binding of the thread that starts
-them. The torch thread count is left as configured.
+them. The torch thread count follows ``resources.torch_threads`` (:func:`torch_thread_count`: a
+number, or ``auto``: the cores the process may use once bound).
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ def current_cores() -> tuple[int, ...]:
         return tuple(sorted(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return ()
+
+
+def torch_thread_count(setting: int | str | None) -> int:
+    """``resources.torch_threads`` as a thread count: a number as given (at least 1); ``"auto"``: the
+    cores in this process's affinity mask (call it after :func:`bind_process`), or ``os.cpu_count()``
+    where the platform does not say."""
+    if setting == "auto":
+        return len(current_cores()) or os.cpu_count() or 1
+    return max(1, int(setting or 1))
 
 
 def _thread_ids() -> list[int]:

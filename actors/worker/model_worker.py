@@ -28,7 +28,7 @@ import torch
 from actors.model.backends import SlotBackend
 from actors.worker.bursts import BurstRecord, BurstStops, run_burst
 from actors.worker.allocator import keep_freed_memory
-from actors.worker.cpu_binding import bind_process, current_cores
+from actors.worker.cpu_binding import bind_process, current_cores, torch_thread_count
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
 from actors.messages import FailedSource, ItemOutcome, OpenSession, WorkerInfo, WorkItem
@@ -89,12 +89,13 @@ class ModelWorker:
 
     ``spec`` is a :class:`cluster.config.ModelSpec` (name, path, role, dtype, revision,
     max_context, num_gpus, torch_threads). On a GPU the worker uses the GPU Ray assigned it;
-    on CPU it caps torch to ``spec.torch_threads`` threads. The KV cache holds one slot per open
-    session: as many as ``kv_cache_memory`` holds (bytes, or on a GPU a fraction of the memory
-    free after the weights; unset: 0.9 on a GPU), ``max_sessions`` when there is no budget (CPU,
-    unset); each slot holds ``max_model_len`` tokens (default: the model's context) plus scratch
-    columns (:mod:`actors.model.kv_budget`). ``prefix_caching`` lets a new session copy the longest
-    prefix of its prompt the worker already holds (:mod:`actors.worker.prefix_cache`).
+    on CPU it caps torch to ``spec.torch_threads`` threads (``"auto"``: the cores it may run on,
+    after binding). The KV cache holds one slot per open session: as many as ``kv_cache_memory``
+    holds (bytes, or on a GPU a fraction of the memory free after the weights; unset: 0.9 on a GPU),
+    ``max_sessions`` when there is no budget (CPU, unset); each slot holds ``max_model_len`` tokens
+    (default: the model's context) plus scratch columns (:mod:`actors.model.kv_budget`).
+    ``prefix_caching`` lets a new session copy the longest prefix of its prompt the worker already holds
+    (:mod:`actors.worker.prefix_cache`).
     ``max_tokens_per_step``: the tokens one step feeds at most, prompts' prefill chunks
     included (:mod:`actors.worker.engine`, chunked prefill). ``cpu_cores``: bind this process to
     these cores at start (``resources.cpu_affinity``, :mod:`actors.worker.cpu_binding`; None: not
@@ -117,7 +118,10 @@ class ModelWorker:
         self.max_model_len = max_model_len
         self.device = self._pick_device()
         if self.device == "cpu":
-            torch.set_num_threads(max(1, int(getattr(spec, "torch_threads", 1))))
+            # resources.torch_threads; "auto": the cores of this process's mask, read after binding above
+            torch.set_num_threads(torch_thread_count(getattr(spec, "torch_threads", 1)))
+            logger.info("worker %s: %d torch thread(s) (resources.torch_threads %s)", spec.name, torch.get_num_threads(),
+                        getattr(spec, "torch_threads", 1))
         self.max_sessions = int(max_sessions)
         if shared_kv_budget and worker_kv_cache_memory(kv_cache_memory, self.device) is not None:
             self.max_sessions = 1

@@ -26,12 +26,18 @@ neighbours (compare dtypes within a run, never across runs):
    client against ``specserve serve`` with a config holding only this model (``ar``), then the
    same client against vLLM's CPU build from ``--vllm-venv`` (started as
    :mod:`benchmarks.peers.vllm_peer` starts it, with ``--dtype`` of the case); a venv that does not
-   import vllm is reported and skipped (make one with ``python -m benchmarks.peers.vllm_peer --venv``).
+   import vllm is reported and skipped (make one with ``python -m benchmarks.peers.vllm_peer --venv``;
+   :mod:`benchmarks.peers.real_size_served`).
+   One server at a time, in ``--serve-rounds`` rounds whose order of servers and dtypes is reversed
+   every other round; per dtype and level: each server's median tokens/s and TTFT p50, the median
+   of each round's specserve / vLLM ratio, and the engine alone's tokens/s and fraction of the
+   limit. ``--record CASE`` writes that table into the results store and regenerates docs/results.md.
 
     python -m benchmarks.peers.real_size --shape 279m
     python -m benchmarks.peers.real_size --shape 1b --dtypes bfloat16 --concurrency 1,4
     python -m benchmarks.peers.real_size --model /models/my-llama --threads 8 --rounds 5
-    python -m benchmarks.peers.real_size --shape 279m --serve specserve,vllm --vllm-venv /tmp/vllm-peer-venv --out /tmp/rs
+    python -m benchmarks.peers.real_size --shape 279m --serve specserve,vllm --vllm-venv /tmp/vllm-peer-venv --out /tmp/rs \
+        --concurrency 1,4 --record real-size-279m
 """
 
 from __future__ import annotations
@@ -52,7 +58,9 @@ from typing import Any
 import torch
 
 from benchmarks.served.engine_load import _clients, _count_forwards
+from benchmarks.peers.real_size_served import served_rounds, served_rows, served_table
 from benchmarks.served.prompts import load_prompts
+from actors.worker.cpu_binding import torch_thread_count
 from cluster.config import parse_app_args
 
 logger = logging.getLogger("benchmarks.peers.real_size")
@@ -122,7 +130,7 @@ def measure_bandwidth(threads: int, passes: int = 5, nbytes: int | None = None) 
     return nbytes / best
 
 
-def group_args(path: pathlib.Path | str, dtype: str, threads: int, max_concurrency: int, max_model_len: int) -> Any:
+def group_args(path: pathlib.Path | str, dtype: str, threads: int | str, max_concurrency: int, max_model_len: int) -> Any:
     """The config of one target serving ``ar`` in ``dtype`` with ``threads`` torch threads."""
     return parse_app_args({
         "models": {"target": {"path": str(path), "role": "target", "dtype": dtype}},
@@ -167,7 +175,7 @@ def run_level(runner: Any, prompts: list[str], concurrency: int, requests: int, 
     restore = _count_forwards(stats)
     try:
         started = time.perf_counter()
-        tokens = runner.loop.run_until_complete(_clients(runner, prompts, {"strategy": "ar"}, args, first_token_s))
+        tokens = runner.loop.run_until_complete(_clients(runner, prompts, {"strategy": "ar"}, args, first_token_s, []))
         wall = time.perf_counter() - started
     finally:
         restore()
@@ -190,7 +198,7 @@ def engine_rounds(path: pathlib.Path | str, dtypes: list[str], levels: list[int]
             run_level(runners[dtype], prompts, 1, 1, 4)  # warm-up: first forwards, allocator
         samples = Samples()
         for round_index in range(args.rounds):
-            bandwidths.append(measure_bandwidth(args.threads))
+            bandwidths.append(measure_bandwidth(torch_thread_count(args.threads)))
             for concurrency in levels:
                 for dtype in (dtypes if round_index % 2 == 0 else dtypes[::-1]):
                     sample = run_level(runners[dtype], prompts, concurrency, concurrency * args.requests_per_client,
@@ -231,95 +239,6 @@ def engine_table(samples: Samples, dtypes: list[str], levels: list[int], weight_
     return lines
 
 
-# ----------------------------------------------------------------------------- served (optional)
-
-def serve_config(path: pathlib.Path | str, dtype: str, threads: int, max_concurrency: int, max_model_len: int) -> dict:
-    """A Ray Serve config holding only this model (``ar``), for ``specserve serve``."""
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": 8000},
-        "applications": [{
-            "name": "specserve", "route_prefix": "/", "import_path": "cluster.app:build_app",
-            "args": {
-                "models": {"target": {"path": str(path), "role": "target", "dtype": dtype}},
-                "defaults": {"strategy": "ar"},
-                "resources": {"torch_threads": threads},
-                "limits": {"max_concurrent_requests": max(16, max_concurrency)},
-                "engine": {"max_model_len": max_model_len},
-            },
-        }],
-    }
-
-
-def serve_settings(levels: list[int], args: argparse.Namespace) -> Any:
-    from benchmarks.served.load_cases import ServeLoadSettings
-
-    return ServeLoadSettings(concurrency=tuple(levels), strategies=("ar",), max_tokens=args.max_tokens,
-                             requests_per_level=args.serve_requests, temperature=1.0, bare_limit=False)
-
-
-def serve_specserve(path: pathlib.Path | str, dtype: str, levels: list[int], args: argparse.Namespace,
-                    out: pathlib.Path) -> list[str]:
-    """``specserve serve`` of this model in ``dtype``, serve-load's client -> table rows."""
-    import yaml
-
-    from benchmarks.served.serve_load import run_serve_load
-
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "serve.yaml"
-    config_path.write_text(yaml.safe_dump(serve_config(path, dtype, args.threads, max(levels), args.max_model_len)))
-    results = run_serve_load(config_path, serve_settings(levels, args), out, command=COMMAND)
-    return [_served_row("specserve", dtype, s) for s in results.summarize().summaries]
-
-
-def serve_vllm(path: pathlib.Path | str, dtype: str, levels: list[int], args: argparse.Namespace,
-               out: pathlib.Path) -> list[str]:
-    """vLLM's CPU build from ``args.vllm_venv`` serving this model in ``dtype`` with the same client
-    -> table rows; none (a message) where that venv does not import vllm."""
-    import asyncio
-
-    from benchmarks.peers import vllm_peer
-    from benchmarks.served.load_client import LevelPlan
-    from benchmarks.served.serve_load_records import ServeLoadResults
-
-    if args.vllm_venv is None or vllm_peer.probe_venv(args.vllm_venv / "bin" / "python") is None:
-        print(f"vLLM skipped: {args.vllm_venv or '--vllm-venv (unset)'} has no python that imports vllm; make one with "
-              "`python -m benchmarks.peers.vllm_peer --venv DIR --out DIR --modes plain` (needs the package index once)")
-        return []
-
-    class Server(vllm_peer.VllmServer):
-        def command(self) -> list[str]:
-            command = super().command()
-            command[command.index("--dtype") + 1] = dtype
-            return command
-
-    out.mkdir(parents=True, exist_ok=True)
-    settings = serve_settings(levels, args)
-    prompts = load_prompts(vllm_peer.PROMPTS_PATH)
-    results = ServeLoadResults(settings=settings.model_dump(mode="json"), environment={}, command=COMMAND,
-                               levels=[], records=[])
-    server = Server(args.vllm_venv, pathlib.Path(path), None, out / "server.log", settings.start_timeout_s, 4,
-                    args.max_model_len)
-    try:
-        server.start("/")
-        client = vllm_peer.VllmClient(server.url, vllm_peer.SERVED_NAME, settings, prompts)
-        client.metrics = vllm_peer.SpecCounterProbe(server.url + "/metrics")
-        memory = vllm_peer.ProcessTreeMemory(server.process.pid if server.process else None, "vllm")
-        for concurrency in levels:
-            plan = LevelPlan(vllm_peer.mode_case("plain", 4), concurrency, settings.requests_for(concurrency))
-            run, records = asyncio.run(client.run_level(plan, memory))
-            results.levels.append(run)
-            results.records.extend(records)
-    finally:
-        server.stop()
-    return [_served_row("vLLM", dtype, s) for s in results.summarize().summaries]
-
-
-def _served_row(server: str, dtype: str, summary: Any) -> str:
-    ttft = "n/a" if summary.ttft_median_s is None else f"{1e3 * summary.ttft_median_s:.0f}"
-    return f"| {server} | {dtype} | {summary.concurrency} | {summary.tokens_per_second:.1f} | {ttft} |"
-
-
 # ----------------------------------------------------------------------------- the command
 
 def _int_list(text: str) -> list[int]:
@@ -327,6 +246,16 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return values
+
+
+def _threads(text: str) -> int | str:
+    """``--threads``: a positive number or ``auto``."""
+    if text == "auto":
+        return text
+    value = _int_list(text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}")
+    return value[0]
 
 
 def _names(allowed: tuple[str, ...]):
@@ -346,8 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--model", default=None, help="A checkpoint directory of yours instead of --shape.")
     parser.add_argument("--dtypes", type=_names(DTYPES), default=list(DTYPES), help="Default float32,bfloat16.")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="Clients per level (default 1,4,16).")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                        else os.cpu_count() or 1, help="torch threads (default: the cores this process may use).")
+    parser.add_argument("--threads", type=_threads, default="auto",
+                        help="torch threads of the engine and of specserve's worker (resources.torch_threads): a number "
+                        "or auto, the cores the process may use (default auto).")
     parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds (medians over them; default 3).")
     parser.add_argument("--requests-per-client", type=int, default=2, help="Requests per client per level (default 2).")
     parser.add_argument("--max-tokens", type=int, default=32, help="Tokens per request (default 32).")
@@ -355,11 +285,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--serve", type=_names(("specserve", "vllm")), default=[],
                         help="Also serve it: specserve, vllm or both (default: the engine alone only).")
     parser.add_argument("--serve-requests", type=int, default=8, help="Served requests per level (default 8).")
+    parser.add_argument("--serve-rounds", type=int, default=2,
+                        help="Served rounds, the servers' order reversed every other round (medians; default 2).")
     parser.add_argument("--vllm-venv", type=pathlib.Path, default=None, help="vLLM's own venv (benchmarks.peers.vllm_peer).")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="Write the report (and served results) here.")
+    parser.add_argument("--record", default=None, metavar="CASE",
+                        help="Also write the served table into the results store (benchmarks/results/CASE.json; needs "
+                        "--serve) and regenerate docs/results.md.")
     args = parser.parse_args(argv)
-    if args.threads < 1 or args.rounds < 1 or args.requests_per_client < 1:
-        parser.error("--threads, --rounds and --requests-per-client must be >= 1")
+    if args.rounds < 1 or args.requests_per_client < 1 or args.serve_rounds < 1:
+        parser.error("--rounds, --serve-rounds and --requests-per-client must be >= 1")
+    if args.record and not args.serve:
+        parser.error("--record needs --serve (the record is the served table)")
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     return args
 
@@ -368,31 +305,30 @@ def _binary_size(nbytes: int) -> str:
     return f"{nbytes / 2**30:g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:g} MiB"
 
 
-def report(path: pathlib.Path | str, label: str, args: argparse.Namespace) -> list[str]:
-    """Every section of one run, as markdown lines."""
+def report(path: pathlib.Path | str, label: str, args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
+    """Every section of one run, as markdown lines, and the served table's rows (none without ``--serve``)."""
     levels = args.concurrency
     sizes = {dtype: forward_weight_bytes(path, dtype) for dtype in args.dtypes}
     parameters = next(iter(sizes.values()))[0]
     bandwidths: list[float] = []
     samples = engine_rounds(path, args.dtypes, levels, args, bandwidths)
     bandwidth = max(bandwidths)
-    lines = [f"Model: {label}, {parameters / 1e6:.1f}M parameters; torch threads: {args.threads}; `ar`, "
+    lines = [f"Model: {label}, {parameters / 1e6:.1f}M parameters; torch threads: {args.threads} "
+             f"({torch_thread_count(args.threads)} here); `ar`, "
              f"{args.max_tokens} tokens a request, requests a client: {args.requests_per_client}, interleaved rounds: "
              f"{args.rounds} (medians).",
              f"Memory bandwidth (torch sum over {_binary_size(BANDWIDTH_BYTES)}, best pass): {bandwidth / 1e9:.1f} GB/s "
              f"(rounds: {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)}).", "",
              "**The engine alone**", ""]
     lines += engine_table(samples, args.dtypes, levels, {d: s[1] for d, s in sizes.items()}, bandwidth)
-    if args.serve:
-        served = ["| server | dtype | clients | tok/s | TTFT p50 (ms) |", "|---|---|---:|---:|---:|"]
-        out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="real-size-serve-"))
-        for dtype in args.dtypes:
-            if "specserve" in args.serve:
-                served += serve_specserve(path, dtype, levels, args, out / f"specserve-{dtype}")
-            if "vllm" in args.serve:
-                served += serve_vllm(path, dtype, levels, args, out / f"vllm-{dtype}")
-        lines += ["", f"**Served** ({args.serve_requests} requests a level, the same streaming client)", ""] + served
-    return lines
+    if not args.serve:
+        return lines, []
+    out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="real-size-serve-"))
+    served = served_rounds(path, args, out)
+    rows = served_rows(served, samples, args.dtypes, levels, {d: s[1] for d, s in sizes.items()}, bandwidth)
+    lines += ["", f"**Served** ({args.serve_requests} requests a level, the same streaming client, one server at a time; "
+              f"medians of {args.serve_rounds} interleaved rounds; the engine alone's figures from the section above)", ""]
+    return lines + served_table(rows), rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,18 +338,55 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     command = COMMAND + (" " + " ".join(args.argv) if args.argv else "")
     if args.model is not None:
-        lines = report(args.model, args.model, args)
+        lines, rows = report(args.model, args.model, args)
     else:
         with tempfile.TemporaryDirectory(prefix="real-size-") as root:
             path = build_checkpoint(SHAPES[args.shape], pathlib.Path(root), f"llama-{args.shape}")
-            lines = report(path, f"random Llama {args.shape} ({', '.join(f'{k}={v}' for k, v in SHAPES[args.shape].items())})",
+            lines, rows = report(path, f"random Llama {args.shape} ({', '.join(f'{k}={v}' for k, v in SHAPES[args.shape].items())})",
                            args)
     text = "\n".join([f"Command: `{command}`", ""] + lines) + "\n"
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "real-size.md").write_text(text)
+    if args.record:
+        print(f"recorded {record(args, public_command(args), rows)}")
     return 0
+
+
+def public_command(args: argparse.Namespace) -> str:
+    """The command as a record shows it: ``--vllm-venv VENV``, without ``--out`` and ``--record`` (places of
+    this machine, not of the measurement)."""
+    words, skip = [], False
+    for word in args.argv:
+        if skip:
+            skip = False
+            continue
+        name = word.split("=", 1)[0]
+        if name in ("--out", "--record"):
+            skip = "=" not in word
+            continue
+        if name == "--vllm-venv":
+            words += [name, "VENV"]
+            skip = "=" not in word
+            continue
+        words.append(word)
+    return " ".join([COMMAND, *words])
+
+
+def record(args: argparse.Namespace, command: str, rows: list[dict[str, Any]]) -> pathlib.Path:
+    """Write the served table into the results store (``--record CASE``) and regenerate the page."""
+    from benchmarks.reports.store import make_record
+    from benchmarks.reports.tables import update
+
+    label = args.shape if args.model is None else pathlib.Path(args.model).name
+    notes = (f"`ar`, {args.max_tokens} streamed tokens at temperature 1, {args.serve_requests} requests a level, one "
+             f"server at a time, the same client; medians (lowest-highest) of {args.serve_rounds} interleaved rounds; "
+             "x vLLM: the median of each round's ratio. Engine alone: no Ray, no HTTP, medians of "
+             f"{args.rounds} rounds; fraction of limit: weight bytes per decode forward / forward time / the "
+             "bandwidth measured in the same run (a torch sum over 1 GiB, best pass).")
+    return update(make_record(args.record, f"A real-size model ({label}, random weights) served: specserve and vLLM's "
+                              "CPU build", command, rows, notes=notes, section="Peers"))
 
 
 if __name__ == "__main__":

@@ -170,11 +170,13 @@ def run_benchmark(
     """Run every case of ``settings`` over the prompt set and write the results under ``out_dir``."""
     import torch
 
+    from actors.worker.cpu_binding import torch_thread_count
+
     started = time.perf_counter()
     load_start = _load_avg()
     config = group_args.freeze()
     # The in-process modes use the workers' thread budget, so the modes compare like for like.
-    torch.set_num_threads(config.models[0].torch_threads)
+    torch.set_num_threads(torch_thread_count(config.models[0].torch_threads))
     prompts = load_prompts(prompts_path, settings.num_prompts)
     tokenized, warmup_ids = tokenize_prompts(config.tokenizer_path, prompts, settings.max_prompt_tokens)
     cases = build_cases(settings, config.roles)

@@ -47,6 +47,7 @@ import pathlib
 import time
 from typing import Any
 
+from actors.worker.cpu_binding import torch_thread_count
 from benchmarks.served.bare_limit import LevelShape, bare_limits, context_midway, median_prompt_tokens
 from benchmarks.served.load_cases import ServeLoadSettings, serve_load_cases
 from benchmarks.served.load_client import LevelPlan, LoadClient, load_avg
@@ -167,7 +168,7 @@ def add_bare_limits(results: ServeLoadResults, settings: ServeLoadSettings, grou
     tokenizer = group.tokenizer_path or paths[_first_role(roles, "target")]
     prompt_tokens = median_prompt_tokens(tokenizer, [p.text for p in prompts])
     context = context_midway(prompt_tokens, settings.max_tokens)
-    threads = max(m.torch_threads for m in group.models)
+    threads = max(torch_thread_count(m.torch_threads) for m in group.models)  # "auto": this process's cores
     logger.info("bare-model limit: %d levels at context %d, %d torch thread(s)", len(results.levels), context, threads)
     shapes = [level_shape(settings, run.strategy, run.concurrency, run.label, summary.mean_block)
               for run, summary in zip(results.levels, results.summaries)]

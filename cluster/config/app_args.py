@@ -11,7 +11,7 @@ from actors.coordination.plan import ALTERNATE, ENSEMBLE_STRATEGIES, DecodingDef
 from cluster.config.base import Frozen
 from cluster.config.engine import EngineArgs, SimulatedDeviceArgs
 from cluster.config.model_args import ModelArgs
-from cluster.config.resources import CoordinatorResourceArgs, ModelResourceArgs, PlacementArgs, ResourcesArgs
+from cluster.config.resources import CoordinatorResourceArgs, ModelResourceArgs, PlacementArgs, ResourcesArgs, TorchThreads
 from cluster.config.serving import LimitsArgs, SecurityArgs, ServerArgs
 
 
@@ -136,7 +136,8 @@ class ModelSpec(ModelArgs):
         "bring-up (one GPU when the Ray cluster has GPUs, else none).",
     )
     num_cpus: float = Field(..., ge=0.0, description="CPUs of the worker actor (per_model cpus, else cpus_per_model).")
-    torch_threads: int = Field(..., ge=1, description="torch intra-op threads of a CPU worker (resources.torch_threads).")
+    torch_threads: TorchThreads = Field(
+        ..., description="torch intra-op threads of a CPU worker (resources.torch_threads; 'auto': its cores once bound).")
     resources: dict[str, float] = Field(
         ...,
         description="Custom Ray resources of the worker actor and its placement-group bundle (per_model resources); "

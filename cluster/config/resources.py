@@ -102,6 +102,11 @@ class PlacementArgs(Frozen):
         return "off" if value is False else value
 
 
+#: ``resources.torch_threads``: a thread count, or ``"auto"`` (the worker's cores once bound,
+#: :func:`actors.worker.cpu_binding.torch_thread_count`).
+TorchThreads = Annotated[int, Field(ge=1)] | Literal["auto"]
+
+
 class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
     """What each actor of a model group asks Ray for."""
 
@@ -113,7 +118,15 @@ class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
     cpus_per_model: float = Field(
         0.25, ge=0.0, description="CPUs per model worker (0.25: a group fits 2 cores)."
     )
-    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU model worker.")
+    torch_threads: TorchThreads = Field(
+        1,
+        description="torch intra-op threads per CPU model worker: a number, or 'auto': the cores the worker's process may "
+        "run on once bound (its affinity mask: every core of the host under cpu_affinity off or spare, its own one "
+        "under auto; cpu_affinity auto reserves one core for it). Default 1, chosen by measurement on a shared 2-core "
+        "host (`specserve bench --mode serve-load`, interleaved rounds): there 'auto' (two threads) served fewer "
+        "tokens/s at one client, the embedded family's and a 279M model's alike, and was within the noise at 16; "
+        "try 'auto' where the workers have the host's cores to themselves.",
+    )
     per_model: dict[str, ModelResourceArgs] = Field(
         default_factory=dict, description="Per-model overrides keyed by model name (gpus, cpus, custom resources)."
     )

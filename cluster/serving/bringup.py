@@ -29,7 +29,7 @@ from actors.worker.device_worker import DeviceWorker, HostedModel
 from actors.coordination.metrics import COORDINATOR_NAMESPACE, GroupIdentity
 from actors.worker.model_worker import ModelWorker
 from cluster.config import GroupConfig, SpecServeArgs, parse_app_args
-from cluster.serving.cpu_affinity import CpuPlan, cores_from_env, describe_plan, plan_cpu_affinity
+from cluster.serving.cpu_affinity import CpuPlan, cores_from_env, describe_plan, plan_cpu_affinity, reserved_core_count
 from cluster.config.placement import (
     check_cluster_gpus,
     describe_placement,
@@ -116,7 +116,8 @@ def group_cpu_plan(config: GroupConfig) -> CpuPlan:
     host's cores as ``specserve serve`` recorded them (none recorded: ``auto`` binds nothing)."""
     workers = [list(w) for w in config.workers]
     return plan_cpu_affinity(config.cpu_affinity, workers, config.roles, [worker_gpus(config, w) for w in workers],
-                             max(model.torch_threads for model in config.models), cores_from_env())
+                             max(reserved_core_count(model.torch_threads) for model in config.models),
+                             cores_from_env())
 
 
 def model_group_bundles(args: SpecServeArgs | GroupConfig | dict[str, Any]) -> list[dict[str, float]]:

@@ -66,16 +66,23 @@ def cores_from_env(environ: Mapping[str, str] = os.environ) -> tuple[int, ...] |
         return None
 
 
-def target_worker_cores(cores: Sequence[int], torch_threads: int) -> tuple[int, ...] | None:
+def reserved_core_count(torch_threads: int | str) -> int:
+    """Cores the ``auto`` rule reserves for the target's worker under ``torch_threads``: that many, and
+    one for ``"auto"`` (whose thread count then follows the worker's mask)."""
+    return 1 if torch_threads == "auto" else max(1, int(torch_threads))
+
+
+def target_worker_cores(cores: Sequence[int], torch_threads: int | str) -> tuple[int, ...] | None:
     """The ``auto`` rule's cores of the worker hosting the target: the last ``torch_threads`` of
-    ``cores`` when the host has more cores than that, else None (no core to spare)."""
+    ``cores`` (one for ``"auto"``) when the host has more cores than that, else None (no core to spare)."""
+    torch_threads = reserved_core_count(torch_threads)
     ordered = sorted(set(cores))
     if len(ordered) <= torch_threads:
         return None
     return tuple(ordered[-torch_threads:])
 
 
-def serving_cores(setting: Any, torch_threads: int, cores: Sequence[int], gpu_host: bool) -> tuple[int, ...] | None:
+def serving_cores(setting: Any, torch_threads: int | str, cores: Sequence[int], gpu_host: bool) -> tuple[int, ...] | None:
     """Cores of the processes other than the workers under ``setting`` (``auto``, ``spare``, ``off`` or a
     mapping model -> cores) on a host with ``cores``: ``auto`` and ``spare``: the cores the ``auto``
     rule's target's worker does not take (None on a GPU host or when no core is spare); a mapping:
@@ -98,7 +105,7 @@ def _target_worker(workers: Sequence[Sequence[str]], roles: Mapping[str, str]) -
 
 
 def plan_cpu_affinity(setting: Any, workers: Sequence[Sequence[str]], roles: Mapping[str, str],
-                      worker_gpus: Sequence[float], torch_threads: int, cores: Sequence[int] | None) -> CpuPlan:
+                      worker_gpus: Sequence[float], torch_threads: int | str, cores: Sequence[int] | None) -> CpuPlan:
     """Each worker's cores under ``setting`` (``auto``, ``off``, or a mapping model -> cores), for the
     settled ``workers`` (model names of each), the models' ``roles``, each worker's GPUs, and
     ``cores``: the host's cores recorded by ``specserve serve`` (:func:`cores_from_env`; None: the

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from actors.messages import OpenSession, RowSampling, WorkItem
-from actors.worker.cpu_binding import bind_process
+from actors.worker.cpu_binding import bind_process, torch_thread_count
 from actors.worker.device_worker import DeviceWorker
 from actors.worker.model_worker import ModelWorker
 from actors.worker.sessions import SessionNotFoundError
@@ -253,6 +253,31 @@ def test_a_worker_started_with_cores_runs_on_them_and_reports_them(tiny_checkpoi
         assert unbound.info().cpu_cores == (original[-1],)
         hosted = DeviceWorker([spec], max_sessions=1, cpu_cores=[original[0]])  # models sharing a worker: its process
         assert hosted.info("draft").cpu_cores == (original[0],)
+    finally:
+        bind_process(original, "test process")
+        torch.set_num_threads(threads)
+    assert sorted(os.sched_getaffinity(0)) == original
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="CPU binding needs Linux affinity and two cores")
+def test_a_worker_runs_as_many_torch_threads_as_configured_or_its_cores_under_auto(tiny_checkpoints):
+    """``resources.torch_threads``: a count is set as given; ``"auto"`` is the cores of the worker's
+    process once bound (all of them when it is not bound)."""
+    original = sorted(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+
+    def spec(torch_threads):
+        return ModelSpec(name="draft", path=str(tiny_checkpoints["draft"]), role="draft", num_gpus=0, num_cpus=0.25,
+                         torch_threads=torch_threads, resources={})
+    try:
+        ModelWorker(spec(2), max_sessions=1)
+        assert torch.get_num_threads() == 2
+        ModelWorker(spec("auto"), max_sessions=1)
+        assert torch.get_num_threads() == len(original)  # not bound: every core this process may use
+        ModelWorker(spec("auto"), max_sessions=1, cpu_cores=[original[-1]])
+        assert torch.get_num_threads() == 1  # bound to one core: one thread
+        assert torch_thread_count("auto") == 1 and torch_thread_count(3) == 3
     finally:
         bind_process(original, "test process")
         torch.set_num_threads(threads)

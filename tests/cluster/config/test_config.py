@@ -274,3 +274,13 @@ def test_kv_settings_and_dtype_default_to_unset():
     assert {model.dtype for model in config.models} == {None}  # the checkpoint's on a GPU, float32 on CPU
     explicit = parse_app_args(_with(models__target__dtype="float32")).freeze()
     assert explicit.model("target").dtype == "float32"
+
+
+def test_torch_threads_takes_a_count_or_auto_and_names_the_field_otherwise():
+    assert parse_app_args(_with()).resources.torch_threads == 1
+    for value in (3, "auto"):
+        config = parse_app_args(_with(resources__torch_threads=value)).freeze()
+        assert {model.torch_threads for model in config.models} == {value}  # every worker gets it as given
+    for bad in (0, "many", 1.5):
+        with pytest.raises(ConfigError, match="resources.torch_threads"):
+            parse_app_args(_with(resources__torch_threads=bad))

@@ -11,7 +11,8 @@ import pytest
 
 from cluster.config import ConfigError, parse_app_args, read_serve_config
 from cluster.serving.cpu_affinity import (
-    CPU_CORES_ENV, cores_from_env, describe_plan, plan_cpu_affinity, serving_cores, target_worker_cores,
+    CPU_CORES_ENV, cores_from_env, describe_plan, plan_cpu_affinity, reserved_core_count, serving_cores,
+    target_worker_cores,
 )
 from cluster.serving.serve_command import serving_binding
 
@@ -81,6 +82,14 @@ def test_off_binds_nothing_and_core_lists_bind_the_workers_of_their_models_gpus_
     plan = plan_cpu_affinity({"draft": [3], "target": [2], "partner": [1]}, CO_LOCATED, ROLES, [1, 0, 0], 1, (0, 1, 2, 3))
     assert plan.workers == ((2, 3), (1,), None) and plan.serving == (0,)
     assert plan_cpu_affinity({"target": [1]}, CO_LOCATED, ROLES, [0, 0, 0], 1, None).serving is None
+
+
+def test_torch_threads_auto_reserves_one_core_for_the_targets_worker():
+    """Under ``auto`` the worker's thread count follows its mask: the rule gives it one core of its own."""
+    assert (reserved_core_count("auto"), reserved_core_count(3)) == (1, 3)
+    assert target_worker_cores((0, 1, 2, 3), "auto") == (3,)
+    assert plan_cpu_affinity("auto", CO_LOCATED, ROLES, [0, 0, 0], "auto", (0, 1)).workers == ((1,), (0, 1), (0, 1))
+    assert serving_cores("spare", "auto", (0, 1), gpu_host=False) == (0,)
 
 
 def test_serving_cores_and_the_recorded_host_cores():
