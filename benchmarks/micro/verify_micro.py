@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.reports.store import cpu_model
 from verifiers.registry import VerifierSpec, available_verifiers
 from verifiers.sampling import logits_to_probs
 
@@ -104,7 +105,7 @@ def render_markdown(cases: list[Case], timings: dict[int, list[float]], args: ar
         + (f" `--repeats {args.repeats}`" if args.repeats != DEFAULT_REPEATS else "")
         + f" on {time.strftime('%Y-%m-%d')}.",
         "",
-        f"- machine: {platform.processor() or platform.machine()}, {_cpu_model()}; "
+        f"- machine: {platform.processor() or platform.machine()}, {cpu_model() or 'unknown CPU'}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
         f"{os.cpu_count()} cores, load average {args.load_average} at start (a shared machine)",
         f"- V = {args.vocab}, gamma = {args.gamma}, float64 rows; multi-draft rules with K = {args.num_drafts}",
@@ -130,16 +131,6 @@ def render_markdown(cases: list[Case], timings: dict[int, list[float]], args: ar
         "",
     ]
     return "\n".join(lines)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 DEFAULT_REPEATS = 15

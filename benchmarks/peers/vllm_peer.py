@@ -61,7 +61,8 @@ from typing import Any
 from benchmarks.served.bare_limit import LevelShape, bare_limits, representative_context
 from benchmarks.served.prompts import PROMPTS_PATH, load_prompts
 from benchmarks.served.load_cases import LoadCase, ServeLoadSettings
-from benchmarks.served.load_client import LevelPlan, LoadClient, load_avg
+from benchmarks.reports.store import load_avg
+from benchmarks.served.load_client import LevelPlan, LoadClient
 from benchmarks.served.server_process import MemoryProbe, ServerProcess, descendants
 from benchmarks.served.serve_load_records import ServeLoadResults, write_json
 from benchmarks.served.serve_load_report import bare_section, level_table

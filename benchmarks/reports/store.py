@@ -125,7 +125,16 @@ def git_commit() -> str:
     return commit + ("+changes" if dirty else "")
 
 
-def _cpu_model() -> str | None:
+def load_avg() -> str:
+    """The machine's load averages over 1, 5 and 15 minutes (``"0.52 0.61 0.70"``), or n/a."""
+    try:
+        return " ".join(f"{value:.2f}" for value in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``), or None where it cannot be read."""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -137,7 +146,7 @@ def _cpu_model() -> str | None:
 
 def machine_description() -> str:
     """``x86_64, 2 CPUs (model), no GPU``: what a figure was measured on."""
-    cpus = f"{os.cpu_count()} CPUs" + (f" ({model})" if (model := _cpu_model()) else "")
+    cpus = f"{os.cpu_count()} CPUs" + (f" ({model})" if (model := cpu_model()) else "")
     try:
         import torch
 

@@ -38,7 +38,7 @@ from benchmarks.served.load_cases import SERVE_LOAD_STRATEGIES, ServeLoadSetting
 from cluster.config import load_app_args
 
 
-def _count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) -> Callable[[], None]:
+def count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) -> Callable[[], None]:
     """Wrap ``SlotBackend.forward`` to record (rows, tokens, seconds) per model and row kind;
     returns what puts the original back."""
     forward = backends.SlotBackend.forward
@@ -55,7 +55,7 @@ def _count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) 
     return lambda: setattr(backends.SlotBackend, "forward", forward)
 
 
-async def _clients(runner: LocalRunner, prompts: list[str], speculation: dict[str, Any],
+async def run_clients(runner: LocalRunner, prompts: list[str], speculation: dict[str, Any],
                    args: argparse.Namespace, first_token_s: list[float], finals: list[Any]) -> int:
     """Run the closed-loop clients -> the tokens generated; appends each request's time to its
     first token (seconds) to ``first_token_s`` and its final stats to ``finals``."""
@@ -135,12 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     runner = LocalRunner(group_args, temperature=1.0)
     prompts = [prompt.text for prompt in load_prompts()]
     stats: dict[tuple[str, str], list[tuple[int, int, float]]] = collections.defaultdict(list)
-    restore = _count_forwards(stats)
+    restore = count_forwards(stats)
     first_token_s: list[float] = []
     finals: list[Any] = []
     try:
         started = time.perf_counter()
-        tokens = runner.loop.run_until_complete(_clients(runner, prompts, case.speculation, args, first_token_s, finals))
+        tokens = runner.loop.run_until_complete(run_clients(runner, prompts, case.speculation, args, first_token_s, finals))
         wall = time.perf_counter() - started
     finally:
         restore()

@@ -7,11 +7,11 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.reports.store import load_avg
 from benchmarks.served.load_cases import LoadCase, ServeLoadSettings
 from benchmarks.served.prompts import Prompt
 from benchmarks.served.serve_load_records import LevelRun, RequestRecord
@@ -146,13 +146,6 @@ class LoadClient:
                        memory=memory.read(), load_average=load_avg(), overlap=plan.overlap,
                        busy=busy_fractions(seconds_before, seconds_after, wall_s))
         return run, records
-
-
-def load_avg() -> str:
-    try:
-        return " ".join(f"{value:.2f}" for value in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 def _drafted_tokens(speculation: dict[str, Any]) -> int | None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.reports.store import git_commit, load_avg
 from benchmarks.reports.analysis import adaptive_comparisons, check_targets, distribution_overhead, peer_comparisons, summarize
 from benchmarks.served.harness import WARMUP_PROMPT, Runner, TokenizedPrompt, run_cases
 from benchmarks.served.prompts import PROMPTS_PATH, load_prompts
@@ -27,28 +28,6 @@ from benchmarks.served.suite import BenchSettings, build_cases
 logger = logging.getLogger(__name__)
 
 RunnerFactory = Callable[[Any, BenchSettings], Runner]
-
-
-def _load_avg() -> str:
-    try:
-        return " ".join(f"{value:.2f}" for value in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
-def _git_commit() -> str:
-    """The checkout's commit (with ``+changes`` when the working tree differs), or n/a."""
-    import subprocess
-
-    root = pathlib.Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                                text=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "n/a"
-    return commit + ("+changes" if dirty else "")
 
 
 def environment_info() -> dict[str, Any]:
@@ -69,7 +48,7 @@ def environment_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "ray": ray_version,
         "torch_threads": torch.get_num_threads(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
     }
 
 
@@ -173,7 +152,7 @@ def run_benchmark(
     from actors.worker.cpu_binding import torch_thread_count
 
     started = time.perf_counter()
-    load_start = _load_avg()
+    load_start = load_avg()
     config = group_args.freeze()
     # The in-process modes use the workers' thread budget, so the modes compare like for like.
     torch.set_num_threads(torch_thread_count(config.models[0].torch_threads))
@@ -199,7 +178,7 @@ def run_benchmark(
         "num_prompts": len(prompts),
         "prompt_kinds": ", ".join(f"{sum(p.kind == k for p in prompts)} {k}" for k in ("code", "prose")),
         "load_average_start": load_start,
-        "load_average_end": _load_avg(),
+        "load_average_end": load_avg(),
         "wall_time_s": time.perf_counter() - started,
         "setup_time_s": setup_s,
         "models": {m.name: {"path": m.path, "role": m.role} for m in config.models},

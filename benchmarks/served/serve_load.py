@@ -50,7 +50,8 @@ from typing import Any
 from actors.worker.cpu_binding import torch_thread_count
 from benchmarks.served.bare_limit import LevelShape, bare_limits, context_midway, median_prompt_tokens
 from benchmarks.served.load_cases import ServeLoadSettings, serve_load_cases
-from benchmarks.served.load_client import LevelPlan, LoadClient, load_avg
+from benchmarks.reports.store import load_avg
+from benchmarks.served.load_client import LevelPlan, LoadClient
 from benchmarks.served.prompts import PROMPTS_PATH, Prompt, load_prompts
 from benchmarks.served.serve_load_records import ServeLoadResults, write_json
 from benchmarks.served.serve_load_report import busy_text, write_results
