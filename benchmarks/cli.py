@@ -83,14 +83,6 @@ DESCRIPTION = ("Run every decoding strategy, on separate Ray actors and in one p
                "write results.json, results.md and plots under --out.")
 
 
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``bench`` on an argparse subparsers object; the handler is ``run_bench_command``."""
-    parser = subparsers.add_parser(
-        "bench", help="Benchmark every strategy side by side (and transformers assisted generation).",
-        description=DESCRIPTION)
-    return add_bench_arguments(parser)
-
-
 def build_bench_parser() -> argparse.ArgumentParser:
     """The parser of ``specserve bench`` on its own (what ``main`` parses)."""
     return add_bench_arguments(argparse.ArgumentParser(prog="specserve bench", description=DESCRIPTION))

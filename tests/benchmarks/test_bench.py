@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from benchmarks.reports.analysis import adaptive_comparisons, check_targets, paired_ratios, peer_comparisons, summarize
-from benchmarks.cli import add_bench_parser, gamma_list, settings_from_args
+from benchmarks.cli import build_bench_parser, gamma_list, settings_from_args
 from benchmarks.peers.peer import accepted_lengths_from_cache
 from benchmarks.served.prompts import Prompt, code_prompt, load_prompts, prose_prompts
 from benchmarks.reports.records import RunRecord
@@ -71,9 +71,8 @@ def test_gammas_accept_auto():
     for bad in ("0", "2,x", "", "33"):
         with pytest.raises(argparse.ArgumentTypeError):
             gamma_list(bad)
-    parser = argparse.ArgumentParser(prog="specserve")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "--out", "x", "--gammas", "2,4,auto", "--strategies", "sd,peer"])
+    parser = build_bench_parser()
+    args = parser.parse_args(["--out", "x", "--gammas", "2,4,auto", "--strategies", "sd,peer"])
     settings = settings_from_args(args)
     assert settings.gammas == (2, 4, "auto") and settings.auto_gamma_max() == 4
     assert BenchSettings(**settings.model_dump(mode="json")) == settings  # results.json round trip
@@ -207,10 +206,9 @@ def test_bench_command_smoke(tiny_checkpoints, ray_session, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(p.model_dump_json() + "\n" for p in SMOKE_PROMPTS))
     out = tmp_path / "bench-out"
-    parser = argparse.ArgumentParser(prog="specserve")
-    add_bench_parser(parser.add_subparsers(dest="command"))
+    parser = build_bench_parser()
     args = parser.parse_args([
-        "bench", "--config", str(config), "--out", str(out), "--quick", "--prompts", str(prompts),
+        "--config", str(config), "--out", str(out), "--quick", "--prompts", str(prompts),
         "--strategies", "ar,sd,ensemble,se,peer", "--gammas", "2,auto", "--max-tokens", "8", "--max-prompt-tokens", "48",
     ])
     assert args.handler(args) == 0

@@ -4,7 +4,6 @@ arithmetic that ties a limit to its measured forwards."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -19,7 +18,7 @@ from benchmarks.served.bare_limit import (
     representative_context,
     tokens_per_iteration,
 )
-from benchmarks.cli import add_bench_parser, serve_load_settings_from_args
+from benchmarks.cli import build_bench_parser, serve_load_settings_from_args
 from benchmarks.served.load_cases import ServeLoadSettings
 from benchmarks.served.serve_load import level_shape
 from benchmarks.served.serve_load_records import LevelRun, RequestRecord, ServeLoadResults
@@ -139,12 +138,11 @@ def test_report_puts_the_limit_next_to_the_served_figure():
 
 
 def test_bare_limit_flag_and_level_shapes(tmp_path):
-    parser = argparse.ArgumentParser(prog="specserve")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "--mode", "serve-load", "--bare-limit", "off", "--out", str(tmp_path)])
+    parser = build_bench_parser()
+    args = parser.parse_args(["--mode", "serve-load", "--bare-limit", "off", "--out", str(tmp_path)])
     assert serve_load_settings_from_args(args).bare_limit is False
     assert ServeLoadSettings().bare_limit is True
-    args = parser.parse_args(["bench", "--bare-limit", "on", "--out", str(tmp_path)])
+    args = parser.parse_args(["--bare-limit", "on", "--out", str(tmp_path)])
     assert args.handler(args) == 2  # a serve-load flag in suite mode
     settings = ServeLoadSettings(sd_gamma=3, se_gamma=2)
     assert level_shape(settings, "sd", 4) == LevelShape("sd", 4, gamma=3, num_drafts=2)

@@ -12,7 +12,7 @@ import pathlib
 import pytest
 import yaml
 
-from benchmarks.cli import add_bench_parser, overlap_list, serve_load_settings_from_args
+from benchmarks.cli import build_bench_parser, overlap_list, serve_load_settings_from_args
 from benchmarks.served.run import rerender
 from benchmarks.served.load_cases import ServeLoadSettings, serve_load_cases
 from benchmarks.served.load_client import LoadClient
@@ -27,9 +27,7 @@ ROLES = {"target": "target", "draft": "draft", "partner": "member", "partner2": 
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    return parser
+    return build_bench_parser()
 
 
 def _record(index: int, times: list[float], tokens: list[int], ok: bool = True) -> RequestRecord:
@@ -99,9 +97,9 @@ def test_the_client_sends_the_api_key_of_the_application(monkeypatch):
 
 
 def test_flags_of_the_other_mode_are_refused(tmp_path):
-    args = _parser().parse_args(["bench", "--mode", "serve-load", "--quick", "--out", str(tmp_path)])
+    args = _parser().parse_args(["--mode", "serve-load", "--quick", "--out", str(tmp_path)])
     assert args.handler(args) == 2
-    args = _parser().parse_args(["bench", "--concurrency", "1,2", "--out", str(tmp_path)])
+    args = _parser().parse_args(["--concurrency", "1,2", "--out", str(tmp_path)])
     assert args.handler(args) == 2
 
 
@@ -118,7 +116,7 @@ def test_serve_load_end_to_end(tmp_path, monkeypatch):
     config.write_text(yaml.safe_dump(document))
     out = tmp_path / "out"
     cli = _parser().parse_args([
-        "bench", "--mode", "serve-load", "--config", str(config), "--concurrency", "1,2", "--strategies", "ar,sd",
+        "--mode", "serve-load", "--config", str(config), "--concurrency", "1,2", "--strategies", "ar,sd",
         "--requests-per-level", "2", "--max-tokens", "4", "--out", str(out),
     ])
     assert cli.handler(cli) == 0
@@ -218,11 +216,11 @@ def test_overlap_option_and_config_rewrite(tmp_path):
     assert overlap_list("on,off") == (False, True) and overlap_list("ON") == (True,)
     with pytest.raises(argparse.ArgumentTypeError):
         overlap_list("maybe")
-    args = _parser().parse_args(["bench", "--mode", "serve-load", "--overlap", "on,off", "--out", str(tmp_path)])
+    args = _parser().parse_args(["--mode", "serve-load", "--overlap", "on,off", "--out", str(tmp_path)])
     settings = serve_load_settings_from_args(args)
     assert settings.overlap == (False, True) and settings.overlap_passes() == [False, True]
     assert ServeLoadSettings().overlap_passes() == [None]
-    args = _parser().parse_args(["bench", "--overlap", "on", "--out", str(tmp_path)])
+    args = _parser().parse_args(["--overlap", "on", "--out", str(tmp_path)])
     assert args.handler(args) == 2  # a serve-load flag in suite mode
 
     source = REPO / "deploy" / "default.yaml"
@@ -245,7 +243,7 @@ def test_overlap_option_and_config_rewrite(tmp_path):
 def test_prefix_caching_flag_writes_a_config_copy(tmp_path):
     """--prefix-caching on|off: settings, and a copy of the YAML that differs only in
     args.engine.prefix_caching and that the server accepts."""
-    args = _parser().parse_args(["bench", "--mode", "serve-load", "--prefix-caching", "off", "--out", str(tmp_path)])
+    args = _parser().parse_args(["--mode", "serve-load", "--prefix-caching", "off", "--out", str(tmp_path)])
     assert serve_load_settings_from_args(args).prefix_caching is False
     source = REPO / "deploy" / "default.yaml"
     original = yaml.safe_load(source.read_text())
@@ -262,7 +260,7 @@ def test_prefix_caching_flag_writes_a_config_copy(tmp_path):
 def test_direct_http_flag_starts_the_server_with_a_replica_port_and_the_clients_call_it(tmp_path):
     """--direct-http on: the server gets --direct-http-port (a free port of its own) and the load
     goes there; off (the default): the clients call Serve's proxy."""
-    args = _parser().parse_args(["bench", "--mode", "serve-load", "--direct-http", "on", "--out", str(tmp_path)])
+    args = _parser().parse_args(["--mode", "serve-load", "--direct-http", "on", "--out", str(tmp_path)])
     assert serve_load_settings_from_args(args).direct_http is True
     server = ServerProcess(REPO / "deploy" / "default.yaml", tmp_path / "server.log", 10.0, direct_http=True)
     command = server.command()
