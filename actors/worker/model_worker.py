@@ -119,9 +119,9 @@ class ModelWorker:
         self.device = self._pick_device()
         if self.device == "cpu":
             # resources.torch_threads; "auto": the cores of this process's mask, read after binding above
-            torch.set_num_threads(torch_thread_count(getattr(spec, "torch_threads", 1)))
-            logger.info("worker %s: %d torch thread(s) (resources.torch_threads %s)", spec.name, torch.get_num_threads(),
-                        getattr(spec, "torch_threads", 1))
+            threads = getattr(spec, "torch_threads", 1)
+            torch.set_num_threads(torch_thread_count(threads))
+            logger.info("worker %s: %d torch thread(s) (resources.torch_threads %s)", spec.name, torch.get_num_threads(), threads)
         self.max_sessions = int(max_sessions)
         if shared_kv_budget and worker_kv_cache_memory(kv_cache_memory, self.device) is not None:
             self.max_sessions = 1
