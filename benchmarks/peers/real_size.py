@@ -17,8 +17,8 @@ neighbours (compare dtypes within a run, never across runs):
    process, :class:`benchmarks.served.runners.LocalRunner`): ``ar``, ``--max-tokens`` streamed tokens
    at temperature 1 (EOS ignored), ``--requests-per-client`` requests per client at each of
    ``--concurrency`` levels, one engine per dtype loaded side by side, the cases interleaved in
-   ``--rounds`` rounds (:func:`benchmarks.served.engine_load.run_clients`, the forwards timed by
-   :func:`benchmarks.served.engine_load.count_forwards`). Per dtype and level it prints tokens/s, the
+   ``--rounds`` rounds (:func:`benchmarks.served.engine_load.timed_run`, which also times the
+   forwards). Per dtype and level it prints tokens/s, the
    time to the first token, the decode forward's median, and that forward's fraction of the
    bandwidth limit: (weight bytes read per forward / forward time) / bandwidth. Medians over
    rounds; the bfloat16 / float32 speed ratio is the median of each round's own ratio.
@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.served.engine_load import run_clients, count_forwards
+from benchmarks.served.engine_load import timed_run
 from benchmarks.peers.real_size_served import served_rounds, served_rows, served_table
 from benchmarks.served.prompts import load_prompts
 from actors.worker.cpu_binding import torch_thread_count
@@ -170,17 +170,9 @@ class Samples:
 def run_level(runner: Any, prompts: list[str], concurrency: int, requests: int, max_tokens: int) -> Sample:
     """One closed-loop level on ``runner`` (``ar``) -> its :class:`Sample`."""
     args = types.SimpleNamespace(requests=requests, concurrency=concurrency, max_tokens=max_tokens)
-    stats: dict[tuple[str, str], list[tuple[int, int, float]]] = collections.defaultdict(list)
-    first_token_s: list[float] = []
-    restore = count_forwards(stats)
-    try:
-        started = time.perf_counter()
-        tokens = runner.loop.run_until_complete(run_clients(runner, prompts, {"strategy": "ar"}, args, first_token_s, []))
-        wall = time.perf_counter() - started
-    finally:
-        restore()
-    decode = [run[2] for (_, kind), runs in stats.items() if kind == "short" for run in runs]
-    return Sample(tokens / wall, statistics.median(first_token_s), statistics.median(decode) if decode else None)
+    run = timed_run(runner, prompts, {"strategy": "ar"}, args)
+    decode = [forward[2] for (_, kind), forwards in run.forwards.items() if kind == "short" for forward in forwards]
+    return Sample(run.tokens / run.wall_s, statistics.median(run.first_token_s), statistics.median(decode) if decode else None)
 
 
 def engine_rounds(path: pathlib.Path | str, dtypes: list[str], levels: list[int], args: argparse.Namespace,

@@ -28,6 +28,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from actors.model import backends
@@ -56,7 +57,7 @@ def count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) -
 
 
 async def run_clients(runner: LocalRunner, prompts: list[str], speculation: dict[str, Any],
-                   args: argparse.Namespace, first_token_s: list[float], finals: list[Any]) -> int:
+                      args: argparse.Namespace, first_token_s: list[float], finals: list[Any]) -> int:
     """Run the closed-loop clients -> the tokens generated; appends each request's time to its
     first token (seconds) to ``first_token_s`` and its final stats to ``finals``."""
     counter = iter(range(args.requests))
@@ -79,6 +80,34 @@ async def run_clients(runner: LocalRunner, prompts: list[str], speculation: dict
         return tokens
 
     return sum(await asyncio.gather(*(client() for _ in range(args.concurrency))))
+
+
+@dataclass
+class TimedRun:
+    """One closed-loop run on the engine alone: tokens generated, wall seconds, each request's time
+    to its first token, its final stats, and the forwards (model, row kind) -> (rows, tokens, seconds)."""
+
+    tokens: int
+    wall_s: float
+    first_token_s: list[float]
+    finals: list[Any]
+    forwards: dict[tuple[str, str], list[tuple[int, int, float]]]
+
+
+def timed_run(runner: LocalRunner, prompts: list[str], speculation: dict[str, Any], args: Any) -> TimedRun:
+    """``args.requests`` requests of ``args.max_tokens`` tokens from ``args.concurrency`` closed-loop
+    clients (:func:`run_clients`), timed, with every forward counted (:func:`count_forwards`)."""
+    forwards: dict[tuple[str, str], list[tuple[int, int, float]]] = collections.defaultdict(list)
+    first_token_s: list[float] = []
+    finals: list[Any] = []
+    restore = count_forwards(forwards)
+    try:
+        started = time.perf_counter()
+        tokens = runner.loop.run_until_complete(run_clients(runner, prompts, speculation, args, first_token_s, finals))
+        wall_s = time.perf_counter() - started
+    finally:
+        restore()
+    return TimedRun(tokens, wall_s, first_token_s, finals, forwards)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,16 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         case.speculation["gamma"] = args.gamma if args.gamma == "auto" else int(args.gamma)
     runner = LocalRunner(group_args, temperature=1.0)
     prompts = [prompt.text for prompt in load_prompts()]
-    stats: dict[tuple[str, str], list[tuple[int, int, float]]] = collections.defaultdict(list)
-    restore = count_forwards(stats)
-    first_token_s: list[float] = []
-    finals: list[Any] = []
-    try:
-        started = time.perf_counter()
-        tokens = runner.loop.run_until_complete(run_clients(runner, prompts, case.speculation, args, first_token_s, finals))
-        wall = time.perf_counter() - started
-    finally:
-        restore()
+    run = timed_run(runner, prompts, case.speculation, args)
+    tokens, wall, first_token_s, finals, stats = run.tokens, run.wall_s, run.first_token_s, run.finals, run.forwards
     print(f"{args.strategy} at concurrency {args.concurrency}: {tokens} tokens in {wall:.2f} s = "
           f"{tokens / wall:.1f} tok/s, TTFT p50 {1e3 * statistics.median(first_token_s):.1f} ms")
     if args.record:
