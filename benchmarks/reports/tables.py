@@ -19,7 +19,7 @@ import pathlib
 import sys
 from typing import Any
 
-from benchmarks.reports.store import REPO, RESULTS_DIR, check_record, figure, load_records, write_record
+from benchmarks.reports.store import REPO, RESULTS_DIR, figure, load_records, write_record
 
 PAGE = REPO / "docs" / "results.md"
 REGENERATE = "python -m benchmarks.reports.tables"
@@ -212,7 +212,7 @@ def write_page(page: pathlib.Path = PAGE, results_dir: pathlib.Path = RESULTS_DI
 
 def update(record: dict[str, Any], results_dir: pathlib.Path = RESULTS_DIR, page: pathlib.Path = PAGE) -> pathlib.Path:
     """Write ``record`` into the store and regenerate the page from it; the record's path."""
-    path = write_record(check_record(record), results_dir)
+    path = write_record(record, results_dir)
     write_page(page, results_dir)
     return path
 
