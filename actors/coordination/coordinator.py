@@ -45,7 +45,7 @@ from actors.coordination.plan import DecodingPlan
 from actors.tokenizer import load_tokenizer
 from actors.coordination.prompt_scoring import law_models, prompt_log_rows, prompt_logprobs
 from actors.coordination.preparation import RequestPreparer
-from actors.coordination.scheduler import Scheduler
+from actors.coordination.scheduler import Scheduler, background_task
 from actors.vocabulary import group_vocabulary, tokenizer_identity
 
 logger = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class Coordinator:
         """Start the periodic copy into ``ray.util.metrics`` (once, in the running event loop)."""
         if not self.export_to_ray or (self._export_task is not None and not self._export_task.done()):
             return
-        self._export_task = asyncio.get_running_loop().create_task(self._export_forever())
+        self._export_task = background_task(self._export_forever())  # its worker calls are no request's
 
     async def _export_forever(self) -> None:
         exporter = RayMetricsExporter(self.identity)

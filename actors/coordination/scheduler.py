@@ -29,9 +29,11 @@ call that will not come). A worker call that fails ends only the requests that h
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections import deque
+from collections.abc import Coroutine
 from typing import Any
 
 from actors.coordination.admission import Admission
@@ -46,6 +48,17 @@ from actors.messages import UNAVAILABLE, Prefill
 
 logger = logging.getLogger(__name__)
 
+
+
+def background_task(coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
+    """``coroutine`` as a task of the running loop that belongs to no request.
+
+    A task copies its creator's context, and in an async actor Ray keeps the current task's id
+    there: a loop started inside a request's ``generate`` call would submit its worker calls as
+    that request's children, and ``ray.cancel`` (recursive), which the ingress calls when the
+    request's client goes away, would cancel them, failing every request of the step. A fresh
+    context leaves them to the actor."""
+    return asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
 
 class Scheduler:
     """Runs the step loops over the workers of one model group (inside the coordinator's event
@@ -126,9 +139,8 @@ class Scheduler:
     def _ensure_loops(self) -> None:
         if self._wakeup is None:
             self._wakeup = asyncio.Condition()
-        loop = asyncio.get_running_loop()
         self._loop_tasks = [
-            task if task is not None and not task.done() else loop.create_task(self._run(cohort))
+            task if task is not None and not task.done() else background_task(self._run(cohort))
             for cohort, task in zip(self.cohorts, self._loop_tasks or [None] * len(self.cohorts))
         ]
 

@@ -149,3 +149,30 @@ def test_a_request_past_its_timeout_ends_and_frees_its_sessions(ray_session):
         assert not any(ray.get(w.num_sessions.remote()) for w in group.workers.values())
     finally:
         group.shutdown()
+
+
+def test_the_request_that_started_the_step_loops_leaves_without_failing_the_others(ray_session):
+    """The ingress cancels a request's ``generate`` when its client goes away, and Ray cancels the
+    tasks that call submitted too (``ray.cancel`` is recursive). The step loops start inside the
+    first request's call: their worker calls must not count as its children, or that client
+    leaving would cancel every request's step."""
+    group = start_model_group(fake_group_config(), worker_cls=SlowFunctionModelWorker)
+    speculation = {"strategy": "sd", "method": "block", "gamma": 3}
+    try:
+        async def first_leaves_while_others_run():
+            from tests.actors.coordination.test_coordinator_reference import _collect
+
+            first = group.coordinator.generate.options(num_returns="streaming").remote(_request(1, speculation, max_tokens=60))
+            async for ref in first:  # this request started the loops; it is running
+                await ref
+                break
+            others = [asyncio.create_task(_collect(group.coordinator, _request(seed, speculation, max_tokens=24)))
+                      for seed in range(2, 6)]
+            await asyncio.sleep(0.3)
+            ray.cancel(first)  # what the ingress does when its client goes away
+            return await asyncio.gather(*others)
+
+        results = asyncio.run(first_leaves_while_others_run())
+    finally:
+        group.shutdown()
+    assert [len(_tokens(chunks)) for chunks in results] == [24, 24, 24, 24]
