@@ -138,6 +138,9 @@ WORKER_PREFIX_REUSED_TOKENS = MetricSpec("specserve_worker_prefix_cache_reused_t
                                          "Prompt tokens whose keys/values were copied from what the worker already "
                                          "held instead of computed (prefix caching; hit rate = this / prompt tokens).",
                                          ("worker",))
+WORKER_LEAN_FAILURES = MetricSpec("specserve_worker_lean_forward_failures", COUNTER,
+                                  "Lean decoder forwards that raised (each logged and run again by the batched path or "
+                                  "the model's own decoder; a path failing 3 times in a row is dropped).", ("worker",))
 SCRAPE_WORKERS = MetricSpec("specserve_scrape_workers", GAUGE,
                             "Workers of the group that answered (state=ok) or not (state=failed) in this scrape.",
                             ("state",))
@@ -149,7 +152,7 @@ RECORDED = (REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INT
 #: Families filled at snapshot time.
 SNAPSHOT_GAUGES = (RUNNING, WAITING)
 WORKER_METRICS = (WORKER_FORWARD_SECONDS, WORKER_STEP_SECONDS, WORKER_STEPS, WORKER_FORWARDS, WORKER_SESSIONS,
-                  WORKER_PROMPT_TOKENS, WORKER_PREFIX_REUSED_TOKENS)
+                  WORKER_PROMPT_TOKENS, WORKER_PREFIX_REUSED_TOKENS, WORKER_LEAN_FAILURES)
 #: ``ModelWorker.metrics()`` key of each worker family.
 WORKER_KEYS = {
     WORKER_FORWARD_SECONDS.name: "forward_seconds_total",
@@ -159,6 +162,7 @@ WORKER_KEYS = {
     WORKER_SESSIONS.name: "sessions",
     WORKER_PROMPT_TOKENS.name: "prompt_tokens_total",
     WORKER_PREFIX_REUSED_TOKENS.name: "prefix_reused_tokens_total",
+    WORKER_LEAN_FAILURES.name: "lean_forward_failures_total",
 }
 #: Every family of a coordinator's snapshot, by name.
 METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (*RECORDED, *SNAPSHOT_GAUGES, *WORKER_METRICS,

@@ -22,6 +22,7 @@ import torch
 
 from actors.model.architectures import UnsupportedModelError, apply_head, resolve_architecture
 from actors.model.batch import RowWork, build_batch, is_causal_run, reads_in_place
+from actors.model.device_health import LeanFailures, raise_if_device_broken
 from actors.model.grouped_attention import use_grouped_attention
 from actors.model.layer_masks import ColumnPositions, layer_masks
 from actors.model.lean_decoder import build_lean_decoder
@@ -35,6 +36,8 @@ DEFAULT_MAX_CONTEXT = 2048
 #: one thread (a forward's fixed cost ~4.5 ms; a padded position 0.3-0.9 ms). CUDA: kernel
 #: launches dominate small forwards and a padded position is nearly free; a guess, unmeasured.
 FORWARD_OVERHEAD_TOKENS = {"cpu": 8, "cuda": 512}
+#: The two lean forward paths whose failures are counted apart (:meth:`SlotBackend._lean_failed`).
+ONE_ROW, BATCHED = "the one-row forward", "a batched forward"
 
 
 class SlotBackend:
@@ -97,7 +100,8 @@ class SlotBackend:
         # The lean decoder (actors.model.lean_decoder) where asked for and covered; None: the model's own.
         self.lean, self.forward_path = (build_lean_decoder(model, self.architecture, name) if lean_forward
                                         else (None, "its own decoder (engine.lean_forward is off)"))
-        self.one_row_forward = True  # a forward of one causal row may take _forward_run (off after a failure)
+        self.one_row_forward = True  # a forward of one causal row may take _forward_run (off once the lean path is dropped)
+        self.lean_failures = LeanFailures()  # failed lean forwards (actors.model.device_health)
         # By default every slot is allocated up front: growing a large cache under load stalls a
         # step (measured: 1.9 s to grow the embedded target from 4 to 32 slots mid-request), and
         # the worker's memory is then known at start-up.
@@ -191,19 +195,29 @@ class SlotBackend:
     @torch.inference_mode()
     def forward(self, rows: Sequence[RowWork]) -> list[torch.Tensor]:
         """One model forward over ``rows`` -> per row float32 logits ``[len(row.keep), V]`` on
-        ``self.device``, in ``row.keep`` order. Every row's new keys/values land in its slot."""
+        ``self.device``, in ``row.keep`` order. Every row's new keys/values land in its slot. A
+        device error other than out-of-memory raises
+        :class:`~actors.model.device_health.DeviceBrokenError` (the worker restarts)."""
         if not rows:
             return []
         for row in rows:
             if not self.cache.is_allocated(row.slot):
                 raise ValueError(f"RowWork.slot {row.slot} is not allocated")
+        try:
+            return self._forward(rows)
+        except Exception as error:
+            raise_if_device_broken(error, self.name)
+            raise
+
+    def _forward(self, rows: Sequence[RowWork]) -> list[torch.Tensor]:
+        """:meth:`forward` of checked rows: one row alone where it may (:meth:`_runs_alone`), else batched."""
         if len(rows) == 1 and self._runs_alone(rows[0]):
             try:
-                return [self._forward_run(rows[0])]
+                logits = self._forward_run(rows[0])
+                self.lean_failures.succeeded(ONE_ROW)
+                return [logits]
             except Exception as error:  # noqa: BLE001 - the batched path rewrites the same columns
-                logger.warning("%s: the one-row forward failed (%s: %s); running every forward batched from now on",
-                               self.name, type(error).__name__, error)
-                self.one_row_forward = False
+                self._lean_failed(error, ONE_ROW)
         batch = build_batch(rows, capacity=self.capacity, device=self.device, in_place=reads_in_place(rows))
         key_positions = None
         if self.positions is not None:
@@ -213,17 +227,36 @@ class SlotBackend:
                                      self.model.dtype)  # [B, 1, L, T_kv], or one per layer type
         self.cache.bind(batch.slots, batch.write_columns, batch.kv_length, batch.first_slot)
         try:
-            hidden = self._decoder_forward(batch.input_ids, batch.position_ids, attention_mask)  # [B, L, hidden]
+            hidden, lean = self._decoder_forward(batch.input_ids, batch.position_ids, attention_mask)  # [B, L, hidden]
         finally:
             self.cache.unbind()
         kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.keep_index)  # [N_keep, hidden]
-        head = self.lm_head(kept) if self.lean is None else self.lean.head(self.lm_head, kept)  # [N_keep, V]
+        head = self.lean.head(self.lm_head, kept) if lean else self.lm_head(kept)  # [N_keep, V]
         logits = apply_head(self.architecture, head).float()  # [N_keep, V]: the model's own head
         per_row: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
         for index, row_logits in zip(batch.row_order, logits.split(batch.keep_counts)):
             per_row[index] = row_logits  # [len(keep), V]
         return per_row
 
+    def _lean_failed(self, error: Exception, path: str) -> None:
+        """A lean forward of ``path`` (:data:`ONE_ROW` or :data:`BATCHED`) raised ``error``: a broken
+        device raises on; otherwise it is logged and counted, and after
+        :data:`~actors.model.device_health.LEAN_FAILURES_IN_A_ROW` in a row that path is dropped for
+        good (the one-row forward; for the batched one the lean decoder). The caller runs this
+        forward again (the batched path; the model's own decoder)."""
+        raise_if_device_broken(error, self.name)
+        if not self.lean_failures.failed(path):
+            logger.warning("%s: %s on the lean decoder failed (%s: %s; %d so far); this forward runs %s, the next tries "
+                           "it again", self.name, path, type(error).__name__, error, self.lean_failures.total,
+                           "batched" if path == ONE_ROW else "the model's own decoder")
+            return
+        logger.error("%s: %s on the lean decoder failed %d times in a row (%s: %s); %s from now on", self.name, path,
+                     self.lean_failures.in_a_row[path], type(error).__name__, error,
+                     "every forward runs batched" if path == ONE_ROW else "running the model's own decoder")
+        self.one_row_forward = False
+        if path == BATCHED:
+            self.lean = None
+            self.forward_path = f"its own decoder (the lean decoder failed: {type(error).__name__})"
 
     def _runs_alone(self, row: RowWork) -> bool:
         """Whether ``row``, the forward's only row, takes :meth:`_forward_run`: the lean decoder
@@ -261,20 +294,20 @@ class SlotBackend:
 
     def _decoder_forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | dict[str, torch.Tensor],
-    ) -> torch.Tensor:
-        """The decoder over the bound cache: ``[B, L]`` ids and positions -> ``[B, L, hidden]``; the
-        lean path (:mod:`actors.model.lean_decoder`) where it was built, else the model's own decoder."""
+    ) -> tuple[torch.Tensor, bool]:
+        """The decoder over the bound cache: ``[B, L]`` ids and positions -> (``[B, L, hidden]``,
+        whether the lean path ran): the lean path (:mod:`actors.model.lean_decoder`) where it was
+        built, the model's own decoder where not or when it fails (:meth:`_lean_failed`)."""
         if self.lean is not None:
             try:
-                return self.lean(input_ids, position_ids, attention_mask, self.cache)
+                hidden = self.lean(input_ids, position_ids, attention_mask, self.cache)
+                self.lean_failures.succeeded(BATCHED)
+                return hidden, True
             except Exception as error:  # noqa: BLE001 - the model's own decoder rewrites the same columns
-                logger.warning("%s: the lean decoder failed (%s: %s); running the model's own decoder from now on",
-                               self.name, type(error).__name__, error)
-                self.lean = None
-                self.forward_path = f"its own decoder (the lean decoder failed: {type(error).__name__})"
+                self._lean_failed(error, BATCHED)
         output = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                               past_key_values=self.cache, use_cache=True)
-        return output.last_hidden_state
+        return output.last_hidden_state, False
 
 
 def _config_context(config: Any) -> int:

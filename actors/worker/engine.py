@@ -33,12 +33,13 @@ request: :mod:`actors.worker.step`.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from actors.messages import ItemOutcome, OpenSession, Prefill, RowSampling, WorkItem
+from actors.model.device_health import DeviceBrokenError
 from actors.worker.prefix_cache import PrefixCache
 from actors.worker.sessions import SessionStore
 from actors.worker.step import Step
@@ -68,10 +69,14 @@ class WorkerEngine:
         self.forward_seconds_total = 0.0
         self.step_seconds_total = 0.0
         self.forward_passes_total = 0
+        # Called with the error when the device broke mid-step (actors.model.device_health); the
+        # model worker ends its process there, for Ray to restart it. None: the error raises on.
+        self.on_device_broken: Callable[[DeviceBrokenError], None] | None = None
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters: seconds in forward passes and in step calls, steps, forward
-        passes, prompt tokens opened and reused from the prefix cache, and the open sessions now
+        passes, prompt tokens opened and reused from the prefix cache, failed lean forwards
+        (:mod:`actors.model.device_health`), and the open sessions now
         (``actors.coordination.metrics.WORKER_KEYS``)."""
         return {
             "forward_seconds_total": self.forward_seconds_total,
@@ -81,6 +86,7 @@ class WorkerEngine:
             "sessions": len(self.sessions),
             "prompt_tokens_total": self.prefix_cache.prompt_tokens_total,
             "prefix_reused_tokens_total": self.prefix_cache.reused_tokens_total,
+            "lean_forward_failures_total": getattr(getattr(self.backend, "lean_failures", None), "total", 0),
         }
 
     def prompt_logits(self, session_id: str, prompt_ids: Sequence[int], vocab_limit: int | None = None) -> torch.Tensor:
@@ -128,6 +134,10 @@ class WorkerEngine:
             started = time.perf_counter()
             try:
                 return self._run_step(items, releases, source_payloads)
+            except DeviceBrokenError as error:
+                if self.on_device_broken is not None:
+                    self.on_device_broken(error)
+                raise
             finally:
                 self.step_seconds_total += time.perf_counter() - started
 

@@ -42,6 +42,9 @@ REAPER_PERIOD_S = 5.0
 SCRATCH_COLUMNS = 288  # cache columns past the context per slot: K x gamma drafts, queued segments
 LINK_RETRY_S = 30.0  # a peer link that could not open: Ray calls, then try again after this long
 LINK_RESTART_RETRY_S = 1.0  # ... or after this long when the peer was restarting (it listens again soon)
+#: The exit status of a worker process whose device broke (:meth:`ModelWorker.device_broken`).
+DEVICE_BROKEN_EXIT_STATUS = 75
+_exit_process = os._exit  # replaced in the tests, which cannot break a device
 
 
 class Resolved:
@@ -127,6 +130,7 @@ class ModelWorker:
             self.max_sessions = 1
         self.engine = WorkerEngine(on_simulated_device(self._load_backend(), spec), spec.name, idle_timeout_s,
                                    prefix_caching=prefix_caching, max_tokens_per_step=max_tokens_per_step)
+        self.engine.on_device_broken = self.device_broken
         self.tokenizer_identity = load_tokenizer_identity(spec.path)  # checked against the group's at start-up
         self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
         self._reaper.start()
@@ -196,6 +200,17 @@ class ModelWorker:
             forward_path=str(getattr(self.backend, "forward_path", "")),
             cpu_cores=current_cores(),
         )
+
+    def device_broken(self, error: Exception) -> None:
+        """The device failed beyond repair (:mod:`actors.model.device_health`): end this process
+        at once, as a crash, so that Ray restarts the actor (``max_restarts``) on a fresh device
+        context; the call in flight fails with a ``RayActorError``, which the coordinator handles
+        as any worker that died (its requests end retryably, the group serves again)."""
+        logger.critical("worker %s: its device is broken (%s: %s); ending the process so that Ray restarts it",
+                        self.spec.name, type(error).__name__, error)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        _exit_process(DEVICE_BROKEN_EXIT_STATUS)
 
     # ------------------------------------------------------------------ the step
     def run_step(

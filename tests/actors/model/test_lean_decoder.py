@@ -22,6 +22,7 @@ import transformers
 
 from actors.model.backends import SlotBackend
 from actors.model.batch import RowWork, RunAttend, chains_row, linear_row
+from actors.model.device_health import LEAN_FAILURES_IN_A_ROW
 from actors.model.lean_decoder import LEAN_FAMILIES, ONEDNN_DTYPES, _rms_norm
 from tests.actors.model.test_architectures import CONFIGS, WINDOW, _common
 
@@ -208,10 +209,12 @@ def test_a_row_alone_takes_the_one_row_forward_with_the_batched_logits(family, m
                                batched.cache.storage[:, :, slots[batched], :, :length], atol=1e-6, rtol=0)
 
 
-def test_a_failing_one_row_forward_falls_back_to_the_batched_path(caplog, monkeypatch):
+def test_a_failing_one_row_forward_is_counted_served_batched_and_tried_again(caplog, monkeypatch):
     """A one-row forward that raises (its cause cannot be produced here, so the path is replaced by
-    one that raises): the same row is served by the batched path, with a warning naming the
-    model, and later rows alone go batched too."""
+    one that raises): the same row is served by the batched path with the exact logits, with a
+    warning naming the model, and counted; the next row alone tries the one-row path again; only
+    ``LEAN_FAILURES_IN_A_ROW`` failures in a row drop the one-row path for good (an error log); the
+    batched lean path goes on."""
     model = _model("llama")
     backend = _backend(model, lean_forward=True)
     calls = []
@@ -223,6 +226,38 @@ def test_a_failing_one_row_forward_falls_back_to_the_batched_path(caplog, monkey
     monkeypatch.setattr(SlotBackend, "_forward_run", failing)
     with caplog.at_level(logging.WARNING, logger="actors.model.backends"):
         _rows_against_full_forward(backend, model)
-    assert len(calls) == 1 and backend.one_row_forward is False and backend.lean is not None
+    assert len(calls) == 1 and backend.one_row_forward is True and backend.lean is not None
+    assert backend.lean_failures.total == 1
     assert any("LlamaForCausalLM" in record.getMessage() and "one-row forward" in record.getMessage()
                for record in caplog.records)
+    for _ in range(LEAN_FAILURES_IN_A_ROW - 1):
+        _rows_against_full_forward(backend, model)
+    assert len(calls) == LEAN_FAILURES_IN_A_ROW and backend.lean is not None and backend.one_row_forward is False
+    assert backend.lean_failures.total == LEAN_FAILURES_IN_A_ROW
+    assert any(record.levelno == logging.ERROR and "in a row" in record.getMessage() for record in caplog.records)
+    _rows_against_full_forward(backend, model)  # every forward batched from now on: the same logits
+    assert len(calls) == LEAN_FAILURES_IN_A_ROW
+
+
+def test_a_failing_batched_lean_forward_is_counted_and_tried_again_until_it_fails_in_a_row(caplog, monkeypatch):
+    """A lean decoder call that raises (replaced by one that raises: its cause cannot be produced
+    here): that forward runs the model's own decoder with the exact logits and is counted; the lean
+    decoder is tried again, and dropped only after ``LEAN_FAILURES_IN_A_ROW`` failures in a row."""
+    model = _model("llama")
+    backend = _backend(model, lean_forward=True)
+    backend.one_row_forward = False  # every forward through the lean decoder call
+    failures = iter([True, False, *[True] * LEAN_FAILURES_IN_A_ROW])
+    lean_call = type(backend.lean).__call__
+
+    def flaky(self, *args):
+        if next(failures, False):
+            raise RuntimeError("kernel refused")
+        return lean_call(self, *args)
+
+    monkeypatch.setattr(type(backend.lean), "__call__", flaky)
+    with caplog.at_level(logging.WARNING, logger="actors.model.backends"):
+        _rows_against_full_forward(backend, model)  # 3 forwards: failed, lean, failed
+        assert backend.lean is not None and backend.lean_failures.total == 2
+        _rows_against_full_forward(backend, model)  # failed twice more in a row: dropped
+    assert backend.lean is None and backend.lean_failures.total == 1 + LEAN_FAILURES_IN_A_ROW
+    assert backend.forward_path == "its own decoder (the lean decoder failed: RuntimeError)"
