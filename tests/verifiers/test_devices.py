@@ -16,7 +16,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from tests.devices import device  # noqa: F401 - the fixture
+from tests.devices import DEVICES
 from tests.verifiers.tiny_models import expected_value_law
 from verifiers.multi_draft.sequential_gbv import verify_sequential_gbv
 from verifiers.multi_draft.spectr import verify_spectr
@@ -24,7 +24,7 @@ from verifiers.randomness import TorchRandomSource
 from verifiers.reference.exact import exact_law
 from verifiers.single_draft import verify_block, verify_greedy_block, verify_token
 
-pytestmark = pytest.mark.device
+pytestmark = [pytest.mark.device, pytest.mark.parametrize("device", DEVICES)]
 
 SINGLE = {"token": verify_token, "block": verify_block, "greedy_block": verify_greedy_block}
 TARGET_ROW = [1 / 3, 2 / 3]  # the paper's two-token example (test_single_draft.py)

@@ -18,9 +18,9 @@ import transformers
 
 from actors.model.backends import SlotBackend
 from actors.model.batch import chains_row, linear_row
-from tests.devices import device  # noqa: F401 - the fixture
+from tests.devices import DEVICES
 
-pytestmark = pytest.mark.device
+pytestmark = [pytest.mark.device, pytest.mark.parametrize("device", DEVICES)]
 
 VOCAB = 32_000
 #: float32: cached, batched attention vs one full forward differ by rounding only (test_lean_decoder's ATOL).
