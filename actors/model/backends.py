@@ -22,6 +22,7 @@ import torch
 
 from actors.model.architectures import UnsupportedModelError, apply_head, resolve_architecture
 from actors.model.batch import RowWork, build_batch, is_causal_run, reads_in_place
+from actors.model.decode_graphs import FixedDecode, decode_graphs
 from actors.model.device_health import LeanFailures, raise_if_device_broken
 from actors.model.grouped_attention import use_grouped_attention
 from actors.model.layer_masks import ColumnPositions, layer_masks
@@ -66,6 +67,7 @@ class SlotBackend:
         self, model: Any, device: str, max_context: int | None = None, *, max_slots: int = 64,
         scratch_columns: int = 64, initial_slots: int | None = None, name: str | None = None,
         max_model_len: int | None = None, kv_cache_memory: int | float | None = None, lean_forward: bool = True,
+        cuda_graphs: bool = False,
     ):
         from actors.model.kv_budget import context_limit, plan_kv_slots
         from actors.model.kv_cache import SlotKVCache
@@ -113,18 +115,21 @@ class SlotBackend:
         # Sliding-window layers mask by key position, which a column does not tell (chains).
         self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, device)
                           if self.architecture.has_sliding_layers else None)
+        # engine.cuda_graphs: one-token decodes of a lone row replay a CUDA graph (actors.model.decode_graphs)
+        self.decode_graphs = decode_graphs(self, cuda_graphs)
 
     @classmethod
     def load(
         cls, path: str, *, dtype: str | None = "float32", revision: str | None = None, device: str = "cpu",
         max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64, initial_slots: int | None = None,
         max_model_len: int | None = None, kv_cache_memory: int | float | None = None, lean_forward: bool = True,
-        quantization: str | None = None,
+        quantization: str | None = None, cuda_graphs: bool = False,
     ) -> SlotBackend:
         """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub).
         ``dtype`` None: the checkpoint's own on a GPU, float32 on CPU (:func:`actors.model.kv_budget.resolve_dtype`);
         ``max_model_len`` / ``kv_cache_memory``: the context and the KV budget (:mod:`actors.model.kv_budget`);
-        ``quantization``: its linear layers weight-only quantized (:mod:`actors.model.quantized`; its own decoder runs)."""
+        ``quantization``: its linear layers weight-only quantized (:mod:`actors.model.quantized`; its own decoder runs);
+        ``cuda_graphs``: decode steps replay CUDA graphs (:mod:`actors.model.decode_graphs`)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from actors.model.kv_budget import resolve_dtype
@@ -150,7 +155,7 @@ class SlotBackend:
             forward_path, lean_forward = quantize_model(model, quantization, path), False
         backend = cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
                       initial_slots=initial_slots, name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                      lean_forward=lean_forward)
+                      lean_forward=lean_forward, cuda_graphs=cuda_graphs)
         backend.forward_path = forward_path or backend.forward_path
         return backend
 
@@ -167,6 +172,8 @@ class SlotBackend:
                                              initial_slots=self.max_slots, dtype=self.model.dtype, device=self.device)
         self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, self.device)
                           if self.architecture.has_sliding_layers else None)
+        if self.decode_graphs is not None:  # the graphs read the old storage's addresses
+            self.decode_graphs = decode_graphs(self, True)
 
     def allocate(self) -> int:
         """A free cache slot for a new session."""
@@ -213,7 +220,8 @@ class SlotBackend:
         """:meth:`forward` of checked rows: one row alone where it may (:meth:`_runs_alone`), else batched."""
         if len(rows) == 1 and self._runs_alone(rows[0]):
             try:
-                logits = self._forward_run(rows[0])
+                graphs = self.decode_graphs if self.decode_graphs is not None and FixedDecode.covers(rows[0]) else None
+                logits = graphs.run(rows[0]) if graphs is not None else self._forward_run(rows[0])
                 self.lean_failures.succeeded(ONE_ROW)
                 return [logits]
             except Exception as error:  # noqa: BLE001 - the batched path rewrites the same columns

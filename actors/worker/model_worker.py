@@ -166,6 +166,7 @@ class ModelWorker:
             max_model_len=self.max_model_len,
             kv_cache_memory=None if self.shared_kv_budget else worker_kv_cache_memory(self.kv_cache_memory, self.device),
             lean_forward=getattr(spec, "lean_forward", True), quantization=getattr(spec, "quantization", None),
+            cuda_graphs=getattr(spec, "cuda_graphs", False),
         )
 
     @property

@@ -109,6 +109,7 @@ class SpecServeArgs(Frozen):
                 resources=override.resources,
                 simulated_device=self.engine.simulated_device.get(name),
                 lean_forward=self.engine.lean_forward,
+                cuda_graphs=self.engine.cuda_graphs,
                 keep_freed_memory=self.engine.keep_freed_memory,
             ))
         if self.tokenizer is not None:
@@ -147,6 +148,7 @@ class ModelSpec(ModelArgs):
         None, description="engine.simulated_device's entry for this model (benchmarks only); None: the real device."
     )
     lean_forward: bool = Field(True, description="Whether the worker runs the lean decoder forward (engine.lean_forward).")
+    cuda_graphs: bool = Field(False, description="Whether decode forwards replay CUDA graphs (engine.cuda_graphs).")
     keep_freed_memory: bool = Field(
         True, description="Whether the worker keeps freed memory for its next step (engine.keep_freed_memory)."
     )

@@ -105,6 +105,11 @@ class EngineArgs(Frozen):
         "checked at load against the model's own forward to float32 rounding (one that differs runs its own, with"
         " a warning). false: transformers' decoders.",
     )
+    cuda_graphs: bool = Field(
+        False,
+        description="A lone request's one-token decodes replay a CUDA graph; on only where measured (make gpu-check). CPU: "
+        "ignored, a warning.",
+    )
     prefix_caching: bool = Field(
         True,
         description="A new request reuses the keys/values of the longest prompt prefix its worker holds (an open request's, "
