@@ -13,7 +13,7 @@ FAST_WORKERS ?= 2
 FAST_MARKS := not ray and not slow
 REST_MARKS := ray or slow
 
-.PHONY: install install-dev check-python run test test-fast test-rest lint bench protos clean
+.PHONY: install install-dev check-python run test test-fast test-rest lint bench gpu-check protos clean
 
 # Refuses an interpreter older than the package supports (pyproject.toml's requires-python).
 define CHECK_PYTHON
@@ -68,6 +68,10 @@ lint: $(VENV)/.extra-test
 
 bench: $(VENV)/.extra-bench
 	$(BIN)/specserve bench --config deploy/default.yaml --out bench-out
+
+# The checks for a GPU's first lending (benchmarks/gpu_check.py); DRY=1: the same pipeline on CPU, tiny shapes.
+gpu-check: $(VENV)/.extra-test
+	$(BIN)/python -m benchmarks.gpu_check $(if $(DRY),--dry-run)
 
 # Regenerate the committed gRPC stubs from protos/specserve.proto (tests/protos checks them).
 protos: $(VENV)/.extra-test

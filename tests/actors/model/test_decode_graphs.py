@@ -64,7 +64,7 @@ def test_the_fixed_shape_decode_has_the_eager_logits_and_writes(device, monkeypa
 
 @pytest.mark.device
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
-def test_recorded_decode_graphs_replay_the_eager_logits():
+def test_recorded_cuda_graphs_replay_the_eager_logits():
     device = "cuda"
     eager = _backend(gqa_llama(device=device, vocab=VOCAB), device)
     model = gqa_llama(device=device, vocab=VOCAB)
