@@ -102,8 +102,7 @@ class EngineArgs(Frozen):
     lean_forward: bool = Field(
         True,
         description="Llama-shaped models (llama, mistral, qwen2, qwen3) run the engine's lean decoder (packed weights), "
-        "checked at load against the model's own forward to float32 rounding (one that differs runs its own, with"
-        " a warning). false: transformers' decoders.",
+        "checked at load against their own forward (a mismatch runs their own, with a warning). false: transformers'.",
     )
     cuda_graphs: bool = Field(
         False,
