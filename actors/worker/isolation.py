@@ -5,8 +5,8 @@ The worker engine batches the work of a step's requests (one forward over every 
 call over every sampling row, one verifier call per rule and block length). A batched call that
 raises must not fail every request in it, only those whose own work fails:
 :func:`batched_then_alone` is the one place that runs a batched call and falls back to one call
-per request. A broken device (:class:`actors.model.device_health.DeviceBrokenError`) is no
-request's failure: it raises through, to the worker, which restarts.
+per request. A broken device's error (:func:`actors.model.device_health.is_device_broken`) is no
+request's: it raises through as a ``DeviceBrokenError``, to the worker, which restarts.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from actors.model.device_health import DeviceBrokenError
+from actors.model.device_health import raise_if_device_broken
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +40,8 @@ def batched_then_alone(
         return
     try:
         results: Sequence[Any] | None = batched(keys)
-    except DeviceBrokenError:
-        raise
     except Exception as error:  # noqa: BLE001 - find the keys that fail, below
+        raise_if_device_broken(error, what)
         if len(keys) == 1:
             fail(keys[0], error)
             return
@@ -52,7 +51,6 @@ def batched_then_alone(
     for index, key in enumerate(keys):
         try:
             use(key, alone(key) if results is None else results[index])
-        except DeviceBrokenError:
-            raise
         except Exception as error:  # noqa: BLE001 - reported to the one request
+            raise_if_device_broken(error, what)
             fail(key, error)

@@ -30,6 +30,7 @@ import torch
 
 from actors.messages import CallTiming, ItemOutcome, Prefill, WorkItem
 from actors.model.batch import RowWork
+from actors.model.device_health import raise_if_device_broken
 from actors.worker.forward_plan import forward_groups, prefill_grants
 from actors.worker.isolation import batched_then_alone
 from actors.worker.rows import shared_vocab
@@ -147,7 +148,9 @@ class Step:
 
     def fail(self, i: int, error: Exception) -> None:
         """Item ``i`` failed with ``error``: its task is dropped, its session freed and its outcome
-        is the error."""
+        is the error; unless the error is a broken device's, no request's own: that raises
+        :class:`~actors.model.device_health.DeviceBrokenError` (the worker restarts)."""
+        raise_if_device_broken(error, self.engine.name)
         session_id = self.items[i].session_id
         self.tasks[i] = None
         self.engine.sessions.release(session_id)

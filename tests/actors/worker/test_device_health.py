@@ -107,3 +107,17 @@ def test_an_out_of_memory_lean_forward_is_served_by_the_own_decoder_and_counted_
     # the one-row forward (a prompt alone) failed, then the batched lean forward: two, each logged
     assert worker.metrics()["lean_forward_failures_total"] == 2
     assert worker.backend.lean is not None  # tried again on the next forward
+
+
+def test_a_device_error_after_the_forward_ends_the_worker_process_too(worker, monkeypatch):
+    """CUDA reports errors asynchronously: an illegal access often surfaces at the logits' host copy
+    (mocked here), after the forward returned. Still the device's, not the requests': the worker exits."""
+    from actors.worker import step
+
+    def failing_copy(logits):
+        raise RuntimeError(ILLEGAL_ACCESS)
+
+    monkeypatch.setattr(step, "to_host", failing_copy)
+    with pytest.raises(_Exited):
+        worker.run_step(_items("a", "b"))
+    assert worker.exits == [DEVICE_BROKEN_EXIT_STATUS]
