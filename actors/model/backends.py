@@ -221,7 +221,8 @@ class SlotBackend:
         if len(rows) == 1 and self._runs_alone(rows[0]):
             try:
                 graphs = self.decode_graphs if self.decode_graphs is not None and FixedDecode.covers(rows[0]) else None
-                logits = graphs.run(rows[0]) if graphs is not None else self._forward_run(rows[0])
+                logits = graphs.run(rows[0]) if graphs is not None else None
+                logits = self._forward_run(rows[0]) if logits is None else logits
                 self.lean_failures.succeeded(ONE_ROW)
                 return [logits]
             except Exception as error:  # noqa: BLE001 - the batched path rewrites the same columns

@@ -98,29 +98,42 @@ class DecodeGraphs:
         self.graphs: dict[int, Any] = {}  # slot -> torch.cuda.CUDAGraph
         self.outputs: dict[int, torch.Tensor] = {}  # slot -> the graph's logits [1, V]
         self.pool: Any = None
+        self.failed = False  # a graph could not be recorded: eager from then on
 
-    def run(self, row: RowWork) -> torch.Tensor:
-        """The logits ``[1, V]`` of a one-token decode ``row`` (:meth:`FixedDecode.covers`), by replay."""
+    def run(self, row: RowWork) -> torch.Tensor | None:
+        """The logits ``[1, V]`` of a one-token decode ``row`` (:meth:`FixedDecode.covers`), by replay;
+        None once a graph could not be recorded (the caller runs the eager forward)."""
+        if self.failed:
+            return None
         self.fixed.set_inputs(row)
-        if row.slot not in self.graphs:
-            self._record(row.slot)
+        if row.slot not in self.graphs and not self._record(row.slot):
+            return None
         self.graphs[row.slot].replay()
         return self.outputs[row.slot].clone()
 
-    def _record(self, slot: int) -> None:
-        """Warm up on a side stream (what capture needs), then record ``slot``'s graph. The warm-up
-        writes the same keys/values at the same column as the replay that follows."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.fixed.compute(slot)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[slot] = self.fixed.compute(slot)
+    def _record(self, slot: int) -> bool:
+        """Warm up on a side stream (what capture needs), then record ``slot``'s graph -> whether it
+        was recorded. The warm-up writes the same keys/values at the same column as the forward that
+        follows. A failure is logged and turns the graphs off for good: a device that is really
+        broken fails the eager forward next, where it is told apart (:mod:`actors.model.device_health`)."""
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.fixed.compute(slot)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[slot] = self.fixed.compute(slot)
+        except Exception as error:  # noqa: BLE001 - the eager forward serves this row and every later one
+            self.failed = True
+            logger.error("%s: recording the decode CUDA graph failed (%s: %s); decode forwards run eagerly from now on",
+                         self.fixed.backend.name, type(error).__name__, error)
+            return False
         self.pool = self.pool if self.pool is not None else graph.pool()
         self.graphs[slot] = graph
         logger.info("%s: recorded the decode CUDA graph of slot %d", self.fixed.backend.name, slot)
+        return True
 
 
 def decode_graphs(backend: Any, enabled: bool) -> DecodeGraphs | None:

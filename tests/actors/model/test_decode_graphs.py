@@ -92,6 +92,23 @@ def test_cuda_graphs_on_a_cpu_are_ignored_with_a_warning(caplog):
             torch.testing.assert_close(have, want, atol=0, rtol=0)
 
 
+def test_a_graph_that_cannot_be_recorded_is_logged_and_the_decode_runs_eagerly(caplog):
+    """Recording fails (here: no CUDA at all, so the capture itself raises): an error log naming the
+    model, the same logits from the eager forward, and no further attempt."""
+    from actors.model.decode_graphs import DecodeGraphs
+
+    backend = _backend(gqa_llama(vocab=VOCAB), "cpu")
+    backend.decode_graphs = DecodeGraphs(backend)  # what engine.cuda_graphs builds on a GPU
+    eager = _backend(gqa_llama(vocab=VOCAB), "cpu")
+    with caplog.at_level(logging.ERROR, logger="actors.model.decode_graphs"):
+        for (_, expected), (_, got) in zip(_decode_steps(eager), _decode_steps(backend)):
+            for want, have in zip(expected, got):
+                torch.testing.assert_close(have, want, atol=0, rtol=0)
+    assert backend.decode_graphs.failed and not backend.decode_graphs.graphs
+    assert [r.getMessage().split(":")[0] for r in caplog.records if r.levelno == logging.ERROR] == ["gqa-llama"]
+    assert backend.lean_failures.total == 0
+
+
 def test_the_switch_reaches_every_model_worker_and_is_off_by_default(tiny_checkpoints):
     args = {"models": {"target": {"path": str(tiny_checkpoints["target"]), "role": "target"}}, "defaults": {"strategy": "ar"}}
     assert not any(spec.cuda_graphs for spec in parse_app_args(args).freeze().models)
