@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from actors.model.kv_cache import SlotKVCache, cache_shape
+from actors.model.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, cache_shape
 
 #: ``engine.kv_cache_memory`` when unset on a GPU: this fraction of the memory free after the weights.
 DEFAULT_GPU_FRACTION = 0.9
@@ -59,11 +59,11 @@ def context_limit(model_context: int, max_model_len: int | None, model: str) -> 
 
 
 def slot_bytes(config: Any, capacity: int, dtype: torch.dtype, sliding: bool = False) -> int:
-    """Bytes one session's slot costs: its keys and values (:meth:`SlotKVCache.slot_bytes`) plus,
+    """Bytes one session's slot costs: its keys and values (:meth:`PagedKVCache.slot_bytes`) plus,
     for a model with sliding-window layers, the position of every column (int64,
     ``actors.model.layer_masks.ColumnPositions``)."""
     positions = (capacity + 1) * 8 if sliding else 0
-    return SlotKVCache.slot_bytes(config, capacity, dtype) + positions
+    return PagedKVCache.slot_bytes(config, capacity, dtype) + positions
 
 
 def worker_kv_cache_memory(kv_cache_memory: int | float | None, device: str) -> int | float | None:
@@ -110,7 +110,8 @@ def plan_kv_slots(
             f"model {model!r}: the KV cache budget (engine.kv_cache_memory: {budget} bytes, {budget / 2**30:.2f} GiB) "
             f"holds no slot for one request of max_model_len={max_model_len}: a slot takes {per_slot} bytes "
             f"({per_slot / 2**30:.2f} GiB = {layers} layers x 2 x {kv_heads} kv heads x {head_dim} head dim x "
-            f"{capacity + 1} columns x {itemsize} bytes); raise engine.kv_cache_memory to at least {per_slot} "
+            f"{-(-capacity // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE} columns x {itemsize} bytes); "
+            f"raise engine.kv_cache_memory to at least {per_slot} "
             f"or lower engine.max_model_len"
         )
     return int(slots), per_slot

@@ -60,6 +60,7 @@ class PrefixCache:
         donor, length = self._best_donor(prompt, live) if self.enabled and reuse else (None, 0)
         slot = self.backend.allocate()
         self.records.pop(slot, None)
+        self.backend.truncate(slot, length if donor == slot else 0)  # its stale blocks go back
         if donor is None:
             return slot, 0
         if donor != slot:
@@ -73,31 +74,32 @@ class PrefixCache:
         """Free ``slot``, whose columns ``[0, len(held))`` hold ``held``; park that record."""
         self.backend.free(slot)
         held = tuple(int(t) for t in held)
-        if not self.enabled or len(held) < self.min_tokens:
-            return
-        if any(record[: len(held)] == held for record in self.records.values()):
-            return  # already held by a parked record
-        parking = self._parking_slot()
-        if parking is None:
-            return
-        if parking != slot:
-            self.backend.copy_prefix(slot, parking, len(held))
-        self.records.pop(parking, None)
-        self.records[parking] = held  # the most recently used
+        parking = self._parking_slot(held)
+        if parking is not None and parking != slot:
+            self.backend.copy_prefix(slot, parking, len(held))  # shares its full blocks
+        self.backend.truncate(slot, len(held) if parking == slot else 0)
+        if parking is not None:
+            self.records.pop(parking, None)
+            self.records[parking] = held  # the most recently used
 
     def _best_donor(self, prompt: Sequence[int], live: Iterable[tuple[int, Sequence[int]]]) -> tuple[int | None, int]:
         """The slot holding the longest prefix of ``prompt`` (capped at all but its last token)."""
         limit = len(prompt) - 1
         donor, best = None, self.min_tokens - 1
         for slot, held in itertools.chain(self.records.items(), live):
-            length = common_prefix(held[:limit], prompt)
+            length = common_prefix(held[: min(limit, self.backend.held_columns(slot))], prompt)
             if length > best:
                 donor, best = slot, length
         return (donor, best) if donor is not None else (None, 0)
 
-    def _parking_slot(self) -> int | None:
-        """A free slot without a record (highest first), else the least recently used record's;
-        never the lowest free slot while there is another (it is the next one handed out)."""
+    def _parking_slot(self, held: tuple[int, ...]) -> int | None:
+        """Where to park ``held`` (None: not worth it, or already held by a record): a free slot
+        without a record (highest first), else the least recently used record's; never the
+        lowest free slot while there is another (it is the next one handed out)."""
+        if not self.enabled or len(held) < self.min_tokens:
+            return None
+        if any(record[: len(held)] == held for record in self.records.values()):
+            return None  # already held by a parked record
         free = self.backend.free_slots()  # lowest first
         candidates = free[1:] or free
         empty = [slot for slot in candidates if slot not in self.records]

@@ -20,7 +20,7 @@ from actors.model.kv_budget import (
     slot_bytes,
     worker_kv_cache_memory,
 )
-from actors.model.kv_cache import SlotKVCache
+from actors.model.kv_cache import PagedKVCache
 from actors.messages import WorkerInfo
 from actors.worker.model_worker import SCRATCH_COLUMNS, ModelWorker
 from cluster.config import ModelSpec
@@ -32,17 +32,16 @@ CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slot_bytes_equal_the_allocated_storage(dtype):
     slots, capacity = 3, 40
-    cache = SlotKVCache.from_config(CONFIG, capacity=capacity, max_slots=slots, initial_slots=slots, dtype=dtype)
-    allocated = cache.storage.numel() * cache.storage.element_size()  # [2, layers, S, H, capacity + 1, D]
-    assert SlotKVCache.slot_bytes(CONFIG, capacity, dtype) * slots == allocated
-    # 3 layers x 2 x 2 kv heads x 16 head dim x 41 columns x bytes
-    assert slot_bytes(CONFIG, capacity, dtype) == 3 * 2 * 2 * 16 * 41 * dtype.itemsize
+    cache = PagedKVCache.from_config(CONFIG, capacity=capacity, max_slots=slots, dtype=dtype)
+    assert PagedKVCache.slot_bytes(CONFIG, capacity, dtype) * slots == cache.pool_bytes
+    # 3 layers x 2 x 2 kv heads x 16 head dim x 48 columns (3 blocks of 16) x bytes
+    assert slot_bytes(CONFIG, capacity, dtype) == 3 * 2 * 2 * 16 * 48 * dtype.itemsize
 
 
 def test_sliding_models_also_pay_for_column_positions():
     config = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                            intermediate_size=128, vocab_size=300, sliding_window=16)
-    assert slot_bytes(config, 40, torch.float32, sliding=True) == SlotKVCache.slot_bytes(config, 40, torch.float32) + 41 * 8
+    assert slot_bytes(config, 40, torch.float32, sliding=True) == PagedKVCache.slot_bytes(config, 40, torch.float32) + 41 * 8
 
 
 def test_a_byte_budget_holds_whole_slots():
@@ -68,7 +67,7 @@ def test_a_budget_below_one_slot_is_refused_naming_the_numbers():
                       kv_cache_memory=per_slot - 1, default_slots=4)
     message = str(error.value)
     for part in ("'tiny-llama'", f"{per_slot - 1} bytes", f"{per_slot} bytes", "max_model_len=80",
-                 "engine.kv_cache_memory", "3 layers x 2 x 2 kv heads x 16 head dim x 101 columns x 4 bytes"):
+                 "engine.kv_cache_memory", "3 layers x 2 x 2 kv heads x 16 head dim x 112 columns x 4 bytes"):
         assert part in message, (part, message)
 
 
@@ -119,7 +118,7 @@ def test_a_worker_holds_what_its_budget_fits(tiny_checkpoints):
                              kv_cache_memory=5 * per_slot + per_slot // 2)
         cache = worker.backend.cache
         assert worker.backend.max_slots == cache.num_slots == 5
-        assert cache.storage.numel() * cache.storage.element_size() == 5 * per_slot
+        assert cache.pool_bytes == 5 * per_slot
         info = worker.info()
         assert (info.kv_slots, info.max_context) == (5, 100)
         with pytest.raises(KVCacheBudgetError, match="max_model_len=100"):
