@@ -85,7 +85,7 @@ class SlotBackend:
         self.max_context = context_limit(int(max_context or _config_context(model.config)), max_model_len, name)
         self.capacity = self.max_context + scratch_columns  # columns per slot
         # Slots: as many as the KV budget holds (actors.model.kv_budget); max_slots when there is none.
-        self.max_slots, self.slot_bytes = plan_kv_slots(
+        self.max_slots, self.slot_bytes, num_blocks = plan_kv_slots(
             model.config, model=name, max_model_len=self.max_context, capacity=self.capacity, dtype=model.dtype,
             device=device, kv_cache_memory=kv_cache_memory, default_slots=max_slots,
             sliding=self.architecture.has_sliding_layers,
@@ -100,7 +100,7 @@ class SlotBackend:
         self.one_row_forward = True  # a forward of one causal row may take _forward_run (off after a failure)
         # The block pool is allocated up front: the worker's memory is known at start-up.
         self.cache = PagedKVCache.from_config(model.config, capacity=self.capacity, max_slots=self.max_slots,
-                                              dtype=model.dtype, device=device)
+                                              num_blocks=num_blocks, dtype=model.dtype, device=device)
         # Sliding-window layers mask by key position, which a column does not tell (chains).
         self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, device)
                           if self.architecture.has_sliding_layers else None)
@@ -152,10 +152,12 @@ class SlotBackend:
 
         if self.cache.allocated:
             raise RuntimeError("resize_slots with sessions open")
-        self.cache = None  # the old storage is freed before the new one is allocated
         self.max_slots = int(slots)
+        reclaim = self.cache.reclaim
+        self.cache = None  # the old storage is freed before the new one is allocated
         self.cache = PagedKVCache.from_config(self.model.config, capacity=self.capacity, max_slots=self.max_slots,
                                               dtype=self.model.dtype, device=self.device)
+        self.cache.reclaim = reclaim
         self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, self.device)
                           if self.architecture.has_sliding_layers else None)
 

@@ -25,7 +25,7 @@ decode run of ``python -m benchmarks.micro.forward_micro``, ``docs/benchmarks.md
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -150,6 +150,9 @@ class PagedKVCache(Cache):
         self._allocated: set[int] = set()
         self._released: dict[int, None] = {}  # free slots holding blocks, least recently freed first
         self._gather_buffer = torch.empty((2, 0), dtype=dtype, device=self.device)  # [2, B * H * T_kv * D]
+        #: Called when no block is free and no freed slot holds one: takes an open slot's blocks
+        #: back (a preempted session, :mod:`actors.worker.engine`) -> whether it did.
+        self.reclaim: Callable[[], bool] | None = None
         self.unbind()
 
     @classmethod
@@ -265,9 +268,11 @@ class PagedKVCache(Cache):
 
     def _new_block(self, keep: int) -> int:
         """A block of nobody's, taking back the blocks of the least recently freed slots (never
-        ``keep``'s) when none is free."""
+        ``keep``'s) when none is free, then those :attr:`reclaim` gives back."""
         while not self._free_blocks:
             victim = next((slot for slot in self._released if slot != keep), None)
+            if victim is None and self.reclaim is not None and self.reclaim():
+                continue
             if victim is None:
                 counts = self.block_counts()
                 raise KVBlocksExhaustedError(

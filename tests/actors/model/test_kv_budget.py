@@ -44,17 +44,20 @@ def test_sliding_models_also_pay_for_column_positions():
     assert slot_bytes(config, 40, torch.float32, sliding=True) == PagedKVCache.slot_bytes(config, 40, torch.float32) + 41 * 8
 
 
-def test_a_byte_budget_holds_whole_slots():
+def test_a_byte_budget_holds_as_many_blocks_as_it_fits():
+    """3.5 slots of 7 blocks each: 24 blocks, for the given number of sessions."""
     per_slot = slot_bytes(CONFIG, 100, torch.float32)
-    slots, bytes_per_slot = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32,
-                                          device="cpu", kv_cache_memory=int(3.5 * per_slot), default_slots=99)
-    assert (slots, bytes_per_slot) == (3, per_slot)
+    block = PagedKVCache.block_bytes(CONFIG, 16, torch.float32)
+    assert per_slot == 7 * block  # 100 columns: 7 blocks of 16
+    plan = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32,
+                         device="cpu", kv_cache_memory=int(3.5 * per_slot), default_slots=99)
+    assert plan == (99, per_slot, 24)
 
 
 def test_no_budget_keeps_the_given_slot_count():
-    slots, _ = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32, device="cpu",
-                             kv_cache_memory=None, default_slots=36)
-    assert slots == 36
+    slots, _, blocks = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32, device="cpu",
+                                     kv_cache_memory=None, default_slots=36)
+    assert (slots, blocks) == (36, 36 * 7)  # whole slots
     assert worker_kv_cache_memory(None, "cpu") is None
     assert worker_kv_cache_memory(None, "cuda") == DEFAULT_GPU_FRACTION
     assert worker_kv_cache_memory(1 << 30, "cuda") == 1 << 30
@@ -117,10 +120,12 @@ def test_a_worker_holds_what_its_budget_fits(tiny_checkpoints):
         worker = ModelWorker(_spec(tiny_checkpoints["target"]), max_sessions=64, max_model_len=100,
                              kv_cache_memory=5 * per_slot + per_slot // 2)
         cache = worker.backend.cache
-        assert worker.backend.max_slots == cache.num_slots == 5
-        assert cache.pool_bytes == 5 * per_slot
+        assert worker.backend.max_slots == cache.num_slots == 64  # sessions; the pool holds the blocks
+        blocks_per_slot = -(-(100 + SCRATCH_COLUMNS) // cache.block_size)
+        assert cache.num_blocks == 5 * blocks_per_slot + blocks_per_slot // 2
+        assert cache.pool_bytes <= 5 * per_slot + per_slot // 2
         info = worker.info()
-        assert (info.kv_slots, info.max_context) == (5, 100)
+        assert (info.kv_slots, info.max_context, info.kv_pool.blocks) == (64, 100, cache.num_blocks)
         with pytest.raises(KVCacheBudgetError, match="max_model_len=100"):
             ModelWorker(_spec(tiny_checkpoints["target"]), max_model_len=100, kv_cache_memory=per_slot - 1)
     finally:
