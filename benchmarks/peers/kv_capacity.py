@@ -38,7 +38,7 @@ def _coordinator(paths: dict[str, pathlib.Path], kv_cache_memory: int, requests:
         "models": {"target": {"path": str(paths["target"]), "role": "target", "dtype": "float32"}},
         "defaults": {"strategy": "ar"},
         "resources": {"torch_threads": 1},
-        "limits": {"max_concurrent_requests": requests, "max_queued_requests": requests},
+        "limits": {"max_concurrent_requests": requests, "max_queued_requests": requests, "request_timeout_s": 7200},
         "engine": {"kv_cache_memory": kv_cache_memory, "max_model_len": CONTEXT},
     }).freeze()
     workers = {m.name: LocalActorHandle(ModelWorker(m, config.session_idle_timeout_s, max_sessions=worker_sessions(config),
