@@ -1,4 +1,4 @@
-"""Batched forward passes over slot KV caches, behind one small interface.
+"""Batched forward passes over paged KV caches, behind one small interface.
 
 A backend owns the model and its :class:`actors.model.kv_cache.PagedKVCache`: it hands out cache
 slots (``allocate`` / ``free``), moves cache entries inside a slot (``copy_columns``: keeping an
@@ -55,8 +55,9 @@ class SlotBackend:
     forward (:mod:`actors.model.lean_decoder`: the same law, less work around the ops); other models,
     or with it off, run their own decoder module.
 
-    Slots hold ``max_context`` (capped by ``max_model_len``) plus ``scratch_columns`` columns; there
-    are as many as ``kv_cache_memory`` holds (:mod:`actors.model.kv_budget`), ``max_slots`` when it is None.
+    A slot reaches ``max_context`` (capped by ``max_model_len``) plus ``scratch_columns`` columns in
+    blocks of a pool as large as ``kv_cache_memory`` holds (:mod:`actors.model.kv_budget`), ``max_slots``
+    whole slots when it is None.
     """
 
     def __init__(

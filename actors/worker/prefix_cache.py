@@ -2,21 +2,22 @@
 
 Every cache slot's columns ``[0, n)`` hold the keys/values of some token sequence: a live
 session's committed linear part (``context[:base]``, :mod:`actors.worker.sessions`), or what a
-released session's slot still holds (nothing writes a free slot: a filler row of an in-place
-forward touches only its trash column, :mod:`actors.model.batch`). A new session's prompt is matched
+parked record's slot holds (nothing writes a free slot). A new session's prompt is matched
 against all of them; the longest common prefix, at most the prompt minus its last token (which
-always stays pending, so the first forward still yields the next row), is copied into the new
-session's slot (every layer, one copy) instead of being computed again. A causal LM's key/value
-at column ``j`` is a function of tokens ``0..j`` at positions ``0..j`` alone, so the copied
-entries are what a prefill would compute (up to the float rounding of a different batch shape,
-as for any batched row); the tests compare rows after a reuse with a fresh prefill.
+always stays pending, so the first forward still yields the next row), is given to the new
+session's slot instead of being computed again: its full blocks shared by reference count, the
+last partial one copied (:meth:`actors.model.kv_cache.PagedKVCache.copy_prefix`; a later write
+into a shared block copies it first). A causal LM's key/value at column ``j`` is a function of
+tokens ``0..j`` at positions ``0..j`` alone, so the shared entries are what a prefill would
+compute (up to the float rounding of a different batch shape, as for any batched row); the
+tests compare rows after a reuse with a fresh prefill.
 
-Released slots are *parked*: what a released session's slot holds is copied to the free slot
+Released slots are *parked*: what a released session's slot holds is shared with the free slot
 with no record (highest first) or with the least recently used record, never the lowest free
-slot while there is another, away from the low slots that new sessions get (the cache hands
-out the lowest free slot, which keeps live sessions in a run that attention reads in place). A
-parked record lives until its slot is handed out; a record that another record already
-contains is not parked twice.
+slot while there is another, away from the low slots that new sessions get. A parked record
+lives until its slot is handed out or the pool takes its blocks back (it then holds fewer
+columns: :meth:`~actors.model.kv_cache.PagedKVCache.held_columns`); a record that another
+record already contains is not parked twice.
 """
 
 from __future__ import annotations
