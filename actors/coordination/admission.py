@@ -106,7 +106,7 @@ class Admission:
             if not request.finished and now - request.submitted > self.request_timeout_s:
                 self.results.fail(request, message, timed_out=True)
         for request in [r for r in self.waiting if r.finished]:
-            self.waiting.remove(request)
+            self._leave_waiting(request)
 
     def drop_left(self, cohort: Cohort) -> bool:
         """Remove finished and cancelled requests; queue their sessions for release. True when
@@ -117,8 +117,14 @@ class Admission:
             self.release(request)
         wake = bool(left) and bool(self.waiting)
         for request in [r for r in self.waiting if r.cancelled]:
-            self.waiting.remove(request)
+            self._leave_waiting(request)
         return wake
+
+    def _leave_waiting(self, request: RequestState) -> None:
+        """``request`` leaves the waiting line; a preempted one's sessions are released."""
+        self.waiting.remove(request)
+        if request.preempted:
+            self.release(request)
 
     def blocks_fit(self, requests: list[RequestState]) -> bool:
         """Whether ``requests`` together fit every model's KV block pool (see the module doc)."""
