@@ -6,6 +6,8 @@ with a large budget."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -67,9 +69,10 @@ def test_a_dry_pool_preempts_an_idle_session_which_recomputes_the_same_tokens(ti
         torch.set_num_threads(threads)
 
 
-def _serve(tiny_checkpoints, kv_blocks: int | None, requests: list[GenerationRequest]) -> tuple[list[list], int]:
+def _serve(tiny_checkpoints, kv_blocks: int | None, requests: list[GenerationRequest]) -> tuple[list[list], int, dict]:
     """Serve ``requests`` at once in-process over workers whose pools hold ``kv_blocks`` blocks
-    each (None: no budget) -> (every request's chunks, the coordinator's preemptions)."""
+    each (None: no budget) -> (every request's chunks, the coordinator's preemptions, what
+    ``GET /v1/status`` shows of the group afterwards)."""
     config = AutoConfig.from_pretrained(tiny_checkpoints["target"])
     budget = None if kv_blocks is None else kv_blocks * PagedKVCache.block_bytes(config, DEFAULT_BLOCK_SIZE, torch.float32)
     args = tiny_args_dict(tiny_checkpoints, strategy="sd", method="token", gamma=3)
@@ -83,7 +86,17 @@ def _serve(tiny_checkpoints, kv_blocks: int | None, requests: list[GenerationReq
     group = group.model_copy(update={"models": tuple(m for m in group.models if m.name in workers)})
     coordinator = Coordinator(workers, group, export_to_ray=False)
     chunks = run_in_process(coordinator, requests, timeout_s=600)
-    return chunks, coordinator.scheduler.admission.preemptions
+    return chunks, coordinator.scheduler.admission.preemptions, asyncio.run(coordinator.describe())
+
+
+def test_status_shows_the_blocks_of_every_worker(tiny_checkpoints):
+    """One request served over pools of 30 blocks: the group's status shows each worker's blocks
+    (used, free: the request's parked prefix counts as free) and no preemption."""
+    request = GenerationRequest(request_id="one", prompt_ids=list(range(1, 21)),
+                                sampling={"max_tokens": 4, "seed": 1, "temperature": 1.0, "ignore_eos": True})
+    (chunks,), preempted, described = _serve(tiny_checkpoints, 30, [request])
+    assert chunks[-1].error is None and preempted == described["preemptions"] == 0
+    assert {name: sum(counts.values()) for name, counts in described["kv_blocks"].items()} == {"target": 30, "draft": 30}
 
 
 @pytest.mark.slow
@@ -98,9 +111,9 @@ def test_a_budget_for_half_the_requests_preempts_and_changes_no_token(tiny_check
                                   speculation={"strategy": "ar"} if i % 4 == 3 else {"strategy": "sd", "method": "token", "gamma": 3},
                                   sampling={"max_tokens": 20, "seed": i, "temperature": 1.0, "ignore_eos": True})
                 for i in range(count)]
-    tight, preempted = _serve(tiny_checkpoints, count // 2 * 20 + 4, requests)
-    roomy, none = _serve(tiny_checkpoints, None, requests)
-    assert preempted > 0 and none == 0
+    tight, preempted, described = _serve(tiny_checkpoints, count // 2 * 20 + 4, requests)
+    roomy, none, _ = _serve(tiny_checkpoints, None, requests)
+    assert preempted > 0 and none == 0 and described["preemptions"] == preempted
     for small, large in zip(tight, roomy):
         assert small[-1].error is None and large[-1].error is None, (small[-1].error, large[-1].error)
         tokens = [[t for chunk in chunks for t in chunk.token_ids] for chunks in (small, large)]
