@@ -96,7 +96,8 @@ class WorkerEngine:
         counts = getattr(self.backend, "block_counts", None)
         if counts is None:
             return {}
-        blocks = counts()
+        with self.sessions.lock:  # not while a step changes the tables
+            blocks = counts()
         return {"kv_blocks_used": blocks["used"], "kv_blocks_free": blocks["free"] + blocks["cached"]}
 
     def _reclaim(self) -> bool:
