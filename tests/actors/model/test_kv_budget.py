@@ -1,5 +1,5 @@
-"""KV cache slots from a memory budget (actors/model/kv_budget.py): what a slot costs equals what the
-cache allocates, how many slots a budget holds, the start-up refusal naming the numbers,
+"""KV cache blocks from a memory budget (actors/model/kv_budget.py): what a slot costs equals what the
+cache allocates, how many blocks a budget holds (and how many requests they run), the start-up refusal naming the numbers,
 max_model_len, the default dtype, a real worker sized by its budget, and the running limit the
 coordinator derives from the workers' slot counts."""
 
@@ -52,6 +52,23 @@ def test_a_byte_budget_holds_as_many_blocks_as_it_fits():
     plan = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32,
                          device="cpu", kv_cache_memory=int(3.5 * per_slot), default_slots=99)
     assert plan == (99, per_slot, 24)
+
+
+def test_512_mib_run_forty_requests_of_1000_tokens_of_the_real_shape_target():
+    """The Qwen2.5-shaped target of benchmarks/peers/real_shape.py (6 layers, 2 kv heads x 32, a
+    32,768-token context): 512 MiB hold 5 whole slots but blocks for more than 40 requests of
+    1,000 tokens (+ 8 generated, + 288 scratch columns), as the coordinator counts them."""
+    from transformers import Qwen2Config
+
+    from actors.messages import KVPool
+    from benchmarks.peers.real_shape import CONTEXT, TARGET_SHAPE
+
+    config = Qwen2Config(**TARGET_SHAPE, vocab_size=4352, max_position_embeddings=CONTEXT)
+    capacity = CONTEXT + SCRATCH_COLUMNS
+    _, per_slot, blocks = plan_kv_slots(config, model="real-shape", max_model_len=CONTEXT, capacity=capacity,
+                                        dtype=torch.float32, device="cpu", kv_cache_memory=512 * 2**20, default_slots=64)
+    assert 512 * 2**20 // per_slot == 5 and blocks == 10_922
+    assert blocks // KVPool(blocks, 16, SCRATCH_COLUMNS).blocks_for(1008) >= 40
 
 
 def test_no_budget_keeps_the_given_slot_count():
