@@ -40,6 +40,21 @@ class RowSampling:
 
 
 @dataclass(frozen=True)
+class KVPool:
+    """A worker's KV block pool as the coordinator plans with it (:mod:`actors.model.kv_cache`):
+    ``blocks`` of ``block_size`` tokens; a session holding ``tokens`` tokens holds at most
+    :meth:`blocks_for` of them (``reserve``: the scratch columns of its drafts)."""
+
+    blocks: int
+    block_size: int
+    reserve: int
+
+    def blocks_for(self, tokens: int) -> int:
+        """The most blocks a session of ``tokens`` committed tokens holds (one more for the tokens a step appends)."""
+        return -(-(tokens + self.reserve) // self.block_size) + 1
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """What a ModelWorker reports about itself (``max_context``: the context a request may use
     there, ``engine.max_model_len`` when set; ``kv_slots``: the sessions its KV cache holds)."""
@@ -54,6 +69,7 @@ class WorkerInfo:
     pid: int = 0
     tokenizer: Any = None  # actors.vocabulary.TokenizerIdentity of the model directory's tokenizer; None: none
     kv_slots: int | None = None  # KV cache slots (sessions it can hold at once); None: not reported
+    kv_pool: KVPool | None = None  # its KV block pool; None: not reported (no admission by blocks)
     forward_path: str = ""  # which decoder forward its model runs, in words (SlotBackend.forward_path); "": not reported
     cpu_cores: tuple[int, ...] = ()  # the cores its process runs on (resources.cpu_affinity); (): not reported
 

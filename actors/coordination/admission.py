@@ -1,7 +1,15 @@
 """Admission: the waiting line and who runs. Requests wait in a bounded line (a full one is
 refused with :class:`OverloadedError`) and are admitted into a cohort between steps while fewer
-than ``max_running`` run (continuous batching: requests join and leave between steps); requests
-that finished, were cancelled or ran past the request timeout leave between steps too."""
+than ``max_running`` run and their KV blocks fit every worker's pool (continuous batching:
+requests join and leave between steps); requests that finished, were cancelled or ran past the
+request timeout leave between steps too.
+
+Blocks: a request holding ``n`` tokens holds at most :meth:`actors.messages.KVPool.blocks_for`
+``n`` blocks of each model's pool. When the running requests' blocks would no longer fit (they
+grow by a few tokens a step), the newest running request of the cohort is *preempted*: it goes
+back to the head of the waiting line, and its sessions stay open on the workers, which take its
+blocks back when they need them (``actors.worker.engine``); resumed, it recomputes its context
+and goes on with the same random streams, so its tokens are those it would have produced."""
 
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ from actors.coordination.metrics import SchedulerMetrics
 from actors.coordination.policy import StepPolicy, target_verifies
 from actors.coordination.request_state import RequestState
 from actors.coordination.results import RequestResults
+from actors.messages import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +59,9 @@ class Admission:
         #: (the workers' step budget, ``engine.max_tokens_per_step``); None: never.
         self.max_tokens_per_step = max_tokens_per_step
         self.waiting: deque[RequestState] = deque()
+        #: Each model's KV block pool (``actors.messages.KVPool``); a model missing here is not counted.
+        self.kv_pools: dict[str, KVPool] = {}
+        self.preemptions = 0
 
     @property
     def running(self) -> list[RequestState]:
@@ -57,8 +69,10 @@ class Admission:
         return [request for cohort in self.cohorts for request in cohort.running]
 
     def can_admit(self) -> bool:
-        """Whether a request waits and there is room to run it."""
-        return bool(self.waiting) and len(self.running) < self.max_running
+        """Whether a request waits and there is room to run it (its KV blocks included)."""
+        running = self.running
+        return (bool(self.waiting) and len(running) < self.max_running
+                and (not running or self.blocks_fit([*running, self.waiting[0]])))
 
     def queue(self, request: RequestState) -> None:
         """Queue a request (raises OverloadedError when the waiting line is full)."""
@@ -92,7 +106,7 @@ class Admission:
             if not request.finished and now - request.submitted > self.request_timeout_s:
                 self.results.fail(request, message, timed_out=True)
         for request in [r for r in self.waiting if r.finished]:
-            self.waiting.remove(request)
+            self._leave_waiting(request)
 
     def drop_left(self, cohort: Cohort) -> bool:
         """Remove finished and cancelled requests; queue their sessions for release. True when
@@ -103,16 +117,46 @@ class Admission:
             self.release(request)
         wake = bool(left) and bool(self.waiting)
         for request in [r for r in self.waiting if r.cancelled]:
-            self.waiting.remove(request)
+            self._leave_waiting(request)
         return wake
 
+    def _leave_waiting(self, request: RequestState) -> None:
+        """``request`` leaves the waiting line; a preempted one's sessions are released."""
+        self.waiting.remove(request)
+        if request.preempted:
+            self.release(request)
+
+    def blocks_fit(self, requests: list[RequestState]) -> bool:
+        """Whether ``requests`` together fit every model's KV block pool (see the module doc)."""
+        for model, pool in self.kv_pools.items():
+            tokens = [len(r.prompt_ids) + len(r.output.token_ids) for r in requests if model in r.opens or model in r.opened]
+            if sum(pool.blocks_for(n) for n in tokens) > pool.blocks:
+                return False
+        return True
+
+    def preempt(self, cohort: Cohort) -> None:
+        """While the running requests' blocks do not fit, the newest running request of ``cohort``
+        goes back to the head of the waiting line (never the last running one)."""
+        while len(self.running) > 1 and cohort.running and not self.blocks_fit(self.running):
+            request = max(cohort.running, key=lambda r: r.started)
+            cohort.running.remove(request)
+            self.waiting.appendleft(request)
+            request.preempted += 1
+            self.preemptions += 1
+            logger.info("request %s preempted: the KV blocks of %d running requests would not fit",
+                        request.session_id, len(self.running) + 1)
+
     def admit(self, cohort: Cohort) -> None:
-        """Start waiting requests in ``cohort`` while the total is under ``max_running`` and the
-        cohort is not the larger one (the cohorts stay balanced)."""
+        """Start waiting requests in ``cohort`` while the total is under ``max_running``, their KV
+        blocks fit (a lone request always runs) and the cohort is not the larger one (the cohorts
+        stay balanced). A preempted request resumes where it stopped."""
         while self.can_admit():
             if not should_admit_into(cohort, self.cohorts):
                 return
             request = self.waiting.popleft()
+            if request.preempted:
+                cohort.running.append(request)
+                continue
             request.started = time.perf_counter()
             self.policy.admit(request)
             if target_verifies(request.machine) and request.machine.num_drafts == 1:

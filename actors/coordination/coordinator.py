@@ -158,6 +158,8 @@ class Coordinator:
                 tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None,
             )
             self.scheduler.max_running = running_limit(self.config.max_concurrent_requests, infos)
+            self.scheduler.admission.kv_pools = {name: info.kv_pool for name, info in infos.items()
+                                                 if getattr(info, "kv_pool", None) is not None}
             self.worker_infos = infos
         return self.worker_infos
 
@@ -171,8 +173,17 @@ class Coordinator:
             "max_concurrent_requests": self.config.max_concurrent_requests,
             "max_running": self.scheduler.max_running,
             "kv_slots": {name: info.kv_slots for name, info in infos.items()},
+            "kv_blocks": await self._kv_blocks(),
+            "preemptions": self.scheduler.admission.preemptions,
             "active_requests": sorted(self.scheduler.active_session_ids()),
         }
+
+    async def _kv_blocks(self) -> dict[str, dict[str, int]]:
+        """Each worker's KV blocks now: ``{"used", "free"}`` (workers without a pool, or that do
+        not answer in time, are left out)."""
+        totals, _failed = await self._worker_metrics()
+        return {name: {"used": int(t["kv_blocks_used"]), "free": int(t["kv_blocks_free"])}
+                for name, t in totals.items() if "kv_blocks_used" in t}
 
     async def engine_stats(self) -> dict[str, Any]:
         """Scheduler counters: steps, solo bursts, running and waiting requests, recent batch sizes."""

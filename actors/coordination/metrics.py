@@ -141,6 +141,14 @@ WORKER_PREFIX_REUSED_TOKENS = MetricSpec("specserve_worker_prefix_cache_reused_t
 WORKER_LEAN_FAILURES = MetricSpec("specserve_worker_lean_forward_failures", COUNTER,
                                   "Lean decoder forwards that raised (each logged and run again by the batched path or "
                                   "the model's own decoder; a path failing 3 times in a row is dropped).", ("worker",))
+WORKER_KV_BLOCKS_USED = MetricSpec("specserve_worker_kv_blocks_used", GAUGE,
+                                   "KV cache blocks held by open sessions.", ("worker",))
+WORKER_KV_BLOCKS_FREE = MetricSpec("specserve_worker_kv_blocks_free", GAUGE,
+                                   "KV cache blocks free (or held only by finished requests' parked prefixes).",
+                                   ("worker",))
+WORKER_PREEMPTIONS = MetricSpec("specserve_worker_preemptions", COUNTER,
+                                "Sessions whose KV blocks the worker took back for others (recomputed when resumed).",
+                                ("worker",))
 SCRAPE_WORKERS = MetricSpec("specserve_scrape_workers", GAUGE,
                             "Workers of the group that answered (state=ok) or not (state=failed) in this scrape.",
                             ("state",))
@@ -152,7 +160,8 @@ RECORDED = (REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INT
 #: Families filled at snapshot time.
 SNAPSHOT_GAUGES = (RUNNING, WAITING)
 WORKER_METRICS = (WORKER_FORWARD_SECONDS, WORKER_STEP_SECONDS, WORKER_STEPS, WORKER_FORWARDS, WORKER_SESSIONS,
-                  WORKER_PROMPT_TOKENS, WORKER_PREFIX_REUSED_TOKENS, WORKER_LEAN_FAILURES)
+                  WORKER_PROMPT_TOKENS, WORKER_PREFIX_REUSED_TOKENS, WORKER_LEAN_FAILURES, WORKER_KV_BLOCKS_USED,
+                  WORKER_KV_BLOCKS_FREE, WORKER_PREEMPTIONS)
 #: ``ModelWorker.metrics()`` key of each worker family.
 WORKER_KEYS = {
     WORKER_FORWARD_SECONDS.name: "forward_seconds_total",
@@ -163,6 +172,9 @@ WORKER_KEYS = {
     WORKER_PROMPT_TOKENS.name: "prompt_tokens_total",
     WORKER_PREFIX_REUSED_TOKENS.name: "prefix_reused_tokens_total",
     WORKER_LEAN_FAILURES.name: "lean_forward_failures_total",
+    WORKER_KV_BLOCKS_USED.name: "kv_blocks_used",
+    WORKER_KV_BLOCKS_FREE.name: "kv_blocks_free",
+    WORKER_PREEMPTIONS.name: "preemptions_total",
 }
 #: Every family of a coordinator's snapshot, by name.
 METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (*RECORDED, *SNAPSHOT_GAUGES, *WORKER_METRICS,

@@ -52,6 +52,7 @@ class RequestState:
     finished: bool = False
     prefilling: set[str] = field(default_factory=set)  # models whose session does not hold the prompt yet
     clock: RequestClock = field(default_factory=RequestClock)
+    preempted: int = 0  # times its KV blocks did not fit and it went back to the waiting line
     grammar: Any = None  # the structured-output constraint (verifiers.grammar.GrammarConstraint), if any
 
     @property

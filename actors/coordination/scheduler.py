@@ -172,6 +172,7 @@ class Scheduler:
             self.admission.expire(cohort)
             if self.admission.drop_left(cohort):
                 self._notify()  # an idle cohort may admit now
+            self.admission.preempt(cohort)
             self.admission.admit(cohort)
             if not cohort.running:
                 await self.calls.flush_releases()

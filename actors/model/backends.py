@@ -1,6 +1,6 @@
-"""Batched forward passes over slot KV caches, behind one small interface.
+"""Batched forward passes over paged KV caches, behind one small interface.
 
-A backend owns the model and its :class:`actors.model.kv_cache.SlotKVCache`: it hands out cache
+A backend owns the model and its :class:`actors.model.kv_cache.PagedKVCache`: it hands out cache
 slots (``allocate`` / ``free``), moves cache entries inside a slot (``copy_columns``: keeping an
 accepted draft) and runs ONE forward over the new tokens of many sessions (``forward`` over
 :class:`actors.model.batch.RowWork` rows), returning logits only for the positions each row keeps.
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from actors.model.architectures import UnsupportedModelError, apply_head, resolve_architecture
-from actors.model.batch import RowWork, build_batch, is_causal_run, reads_in_place
+from actors.model.batch import RowWork, build_batch, is_causal_run
 from actors.model.decode_graphs import FixedDecode, decode_graphs
 from actors.model.device_health import LeanFailures, raise_if_device_broken
 from actors.model.grouped_attention import use_grouped_attention
@@ -42,7 +42,7 @@ ONE_ROW, BATCHED = "the one-row forward", "a batched forward"
 
 
 class SlotBackend:
-    """A transformers causal LM (``from_pretrained``) over a SlotKVCache, served exactly or refused.
+    """A transformers causal LM (``from_pretrained``) over a PagedKVCache, served exactly or refused.
 
     Each session owns a cache slot (:meth:`allocate` / :meth:`free`); :meth:`forward` runs the
     new tokens of many sessions (:class:`~actors.model.batch.RowWork` rows) in ONE model forward and
@@ -59,18 +59,19 @@ class SlotBackend:
     forward (:mod:`actors.model.lean_decoder`: the same law, less work around the ops); other models,
     or with it off, run their own decoder module.
 
-    Slots hold ``max_context`` (capped by ``max_model_len``) plus ``scratch_columns`` columns; there
-    are as many as ``kv_cache_memory`` holds (:mod:`actors.model.kv_budget`), ``max_slots`` when it is None.
+    A slot reaches ``max_context`` (capped by ``max_model_len``) plus ``scratch_columns`` columns in
+    blocks of a pool as large as ``kv_cache_memory`` holds (:mod:`actors.model.kv_budget`), ``max_slots``
+    whole slots when it is None.
     """
 
     def __init__(
         self, model: Any, device: str, max_context: int | None = None, *, max_slots: int = 64,
-        scratch_columns: int = 64, initial_slots: int | None = None, name: str | None = None,
+        scratch_columns: int = 64, name: str | None = None,
         max_model_len: int | None = None, kv_cache_memory: int | float | None = None, lean_forward: bool = True,
         cuda_graphs: bool = False,
     ):
         from actors.model.kv_budget import context_limit, plan_kv_slots
-        from actors.model.kv_cache import SlotKVCache
+        from actors.model.kv_cache import PagedKVCache
 
         name = name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
         self.architecture = resolve_architecture(model.config, name)  # UnsupportedModelError: refused
@@ -90,7 +91,7 @@ class SlotBackend:
         self.max_context = context_limit(int(max_context or _config_context(model.config)), max_model_len, name)
         self.capacity = self.max_context + scratch_columns  # columns per slot
         # Slots: as many as the KV budget holds (actors.model.kv_budget); max_slots when there is none.
-        self.max_slots, self.slot_bytes = plan_kv_slots(
+        self.max_slots, self.slot_bytes, num_blocks = plan_kv_slots(
             model.config, model=name, max_model_len=self.max_context, capacity=self.capacity, dtype=model.dtype,
             device=device, kv_cache_memory=kv_cache_memory, default_slots=max_slots,
             sliding=self.architecture.has_sliding_layers,
@@ -104,14 +105,9 @@ class SlotBackend:
                                         else (None, "its own decoder (engine.lean_forward is off)"))
         self.one_row_forward = True  # a forward of one causal row may take _forward_run (off once the lean path is dropped)
         self.lean_failures = LeanFailures()  # failed lean forwards (actors.model.device_health)
-        # By default every slot is allocated up front: growing a large cache under load stalls a
-        # step (measured: 1.9 s to grow the embedded target from 4 to 32 slots mid-request), and
-        # the worker's memory is then known at start-up.
-        self.cache = SlotKVCache.from_config(
-            model.config, capacity=self.capacity, max_slots=self.max_slots, initial_slots=initial_slots or self.max_slots,
-            dtype=model.dtype,
-            device=device,
-        )
+        # The block pool is allocated up front: the worker's memory is known at start-up.
+        self.cache = PagedKVCache.from_config(model.config, capacity=self.capacity, max_slots=self.max_slots,
+                                              num_blocks=num_blocks, dtype=model.dtype, device=device)
         # Sliding-window layers mask by key position, which a column does not tell (chains).
         self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, device)
                           if self.architecture.has_sliding_layers else None)
@@ -121,7 +117,7 @@ class SlotBackend:
     @classmethod
     def load(
         cls, path: str, *, dtype: str | None = "float32", revision: str | None = None, device: str = "cpu",
-        max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64, initial_slots: int | None = None,
+        max_context: int | None = None, max_slots: int = 64, scratch_columns: int = 64,
         max_model_len: int | None = None, kv_cache_memory: int | float | None = None, lean_forward: bool = True,
         quantization: str | None = None, cuda_graphs: bool = False,
     ) -> SlotBackend:
@@ -154,7 +150,7 @@ class SlotBackend:
 
             forward_path, lean_forward = quantize_model(model, quantization, path), False
         backend = cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
-                      initial_slots=initial_slots, name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                      name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                       lean_forward=lean_forward, cuda_graphs=cuda_graphs)
         backend.forward_path = forward_path or backend.forward_path
         return backend
@@ -162,14 +158,16 @@ class SlotBackend:
     def resize_slots(self, slots: int) -> None:
         """Hold ``slots`` slots from now on (a new, empty cache): the worker that hosts several models
         sizes their one KV budget once all of them are loaded (:mod:`actors.worker.device_worker`)."""
-        from actors.model.kv_cache import SlotKVCache
+        from actors.model.kv_cache import PagedKVCache
 
         if self.cache.allocated:
             raise RuntimeError("resize_slots with sessions open")
-        self.cache = None  # the old storage is freed before the new one is allocated
         self.max_slots = int(slots)
-        self.cache = SlotKVCache.from_config(self.model.config, capacity=self.capacity, max_slots=self.max_slots,
-                                             initial_slots=self.max_slots, dtype=self.model.dtype, device=self.device)
+        reclaim = self.cache.reclaim
+        self.cache = None  # the old storage is freed before the new one is allocated
+        self.cache = PagedKVCache.from_config(self.model.config, capacity=self.capacity, max_slots=self.max_slots,
+                                              dtype=self.model.dtype, device=self.device)
+        self.cache.reclaim = reclaim
         self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, self.device)
                           if self.architecture.has_sliding_layers else None)
         if self.decode_graphs is not None:  # the graphs read the old storage's addresses
@@ -192,6 +190,18 @@ class SlotBackend:
         self.cache.copy_prefix(src_slot, dst_slot, length)
         if self.positions is not None:
             self.positions.copy_prefix(src_slot, dst_slot, length)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Give back ``slot``'s KV blocks past its first ``length`` columns (rollback)."""
+        self.cache.truncate(slot, length)
+
+    def held_columns(self, slot: int) -> int:
+        """The leading columns of ``slot`` that KV blocks still back."""
+        return self.cache.held_columns(slot)
+
+    def block_counts(self) -> dict[str, int]:
+        """The KV block pool: ``{"total", "free", "used", "cached"}`` blocks."""
+        return self.cache.block_counts()
 
     def copy_columns(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy every layer's keys/values in ``slot`` from columns ``src`` to columns ``dst``."""
@@ -227,14 +237,14 @@ class SlotBackend:
                 return [logits]
             except Exception as error:  # noqa: BLE001 - the batched path rewrites the same columns
                 self._lean_failed(error, ONE_ROW)
-        batch = build_batch(rows, capacity=self.capacity, device=self.device, in_place=reads_in_place(rows))
+        batch = build_batch(rows, capacity=self.capacity, device=self.device)
         key_positions = None
         if self.positions is not None:
             self.positions.record(batch.slots, batch.write_columns, batch.position_ids)
             key_positions = self.positions.key_positions(batch.slots, batch.kv_length)  # [B, T_kv]
         attention_mask = layer_masks(self.architecture, batch.attention_mask, batch.position_ids, key_positions,
                                      self.model.dtype)  # [B, 1, L, T_kv], or one per layer type
-        self.cache.bind(batch.slots, batch.write_columns, batch.kv_length, batch.first_slot)
+        self.cache.bind(batch.slots, batch.write_columns, batch.kv_length)
         try:
             hidden, lean = self._decoder_forward(batch.input_ids, batch.position_ids, attention_mask)  # [B, L, hidden]
         finally:

@@ -16,14 +16,8 @@ one row (:func:`chains_row`: chains laid out side by side, each token seeing onl
   query row gives NaN in some attention kernels);
 * the flat indices of the kept positions, whose logits are the only ones computed.
 
-**Reading the slots in place.** When the rows' slots form a run ``first_slot, first_slot + 1,
-...`` (:func:`reads_in_place`), row ``b`` of the batch is slot ``first_slot + b`` and attention
-reads keys/values straight out of the cache's storage (a view), instead of gathering every
-row's keys and values of every layer into a new tensor. A slot in the run with no row of its
-own (a *filler*: its session is in another forward, or idle) gets a row that writes only its
-trash column and reads only column 0, so nothing it owns changes. Gathering reads and writes
-all of ``[B, H, T_kv, D]`` per layer: 1.5-3 ms of a 16-row forward of the embedded target at
-context 150 (``python -m benchmarks.micro.forward_micro``, ``docs/benchmarks.md``).
+Every row's keys/values are gathered through the cache's block tables
+(:mod:`actors.model.kv_cache`), so the rows of a forward may live anywhere in the pool.
 """
 
 from __future__ import annotations
@@ -37,12 +31,6 @@ import torch
 #: Rows at least this long whose tokens see exactly the earlier new tokens and themselves get a
 #: triangular block in the mask instead of O(L^2) scattered entries (a long prefill).
 CAUSAL_BLOCK_MIN_TOKENS = 16
-
-#: Filler rows cost a padded row each; they are accepted only in forwards of rows up to this
-#: long (decode, verification), at most one per four real rows.
-IN_PLACE_FILLER_MAX_WIDTH = 16
-IN_PLACE_ROWS_PER_FILLER = 4
-
 
 class RunAttend(Sequence):
     """``attend`` as column runs, O(1) per token: token ``i`` sees (beyond the prefix) columns
@@ -281,18 +269,6 @@ def _check_capacity(row: RowWork, capacity: int) -> None:
             raise ValueError(f"RowWork.attend[{i}] must be < capacity {capacity}, got {seen} (slot {row.slot})")
 
 
-def reads_in_place(rows: Sequence[RowWork]) -> bool:
-    """Whether a forward over ``rows`` should read the slots in place (see the module doc): always
-    when the slots form a run with no gap; with gaps only in short-row forwards and with at most
-    one filler row per :data:`IN_PLACE_ROWS_PER_FILLER` real rows."""
-    slots = [row.slot for row in rows]
-    fillers = max(slots) - min(slots) + 1 - len(rows)
-    if fillers <= 0:
-        return True
-    width = max(len(row) for row in rows)
-    return width <= IN_PLACE_FILLER_MAX_WIDTH and fillers * IN_PLACE_ROWS_PER_FILLER <= len(rows)
-
-
 @dataclass(frozen=True)
 class RaggedBatch:
     """The padded tensors of one forward over ``B`` rows of up to ``L`` new tokens."""
@@ -305,19 +281,17 @@ class RaggedBatch:
     kv_length: int  # T_kv: columns [0, T_kv) of each slot are read by attention
     keep_index: torch.Tensor  # [N_keep] long: flat indices b * L + i of the kept positions, row-major
     keep_counts: tuple[int, ...]  # [R] kept positions per given row, in ``row_order``
-    row_order: tuple[int, ...]  # [R] index into the given rows of each batch row that is not a filler, in batch order
-    first_slot: int | None  # in place: batch row b is slot first_slot + b; None: slots are gathered
+    row_order: tuple[int, ...]  # [R] index into the given rows of each batch row, in batch order
 
 
 def build_batch(
-    rows: Sequence[RowWork], *, capacity: int, device: str | torch.device = "cpu", in_place: bool = False
+    rows: Sequence[RowWork], *, capacity: int, device: str | torch.device = "cpu"
 ) -> RaggedBatch:
     """Pad ``rows`` into the tensors of one forward, on ``device``.
 
     ``capacity`` is the number of usable columns per slot; column ``capacity`` is the trash
-    column padded tokens write to. Rows must use distinct slots. With ``in_place`` the batch
-    rows are the slots from the lowest to the highest given one, in order, filler rows where a
-    slot has no given row; otherwise the batch rows are the given rows, in order.
+    column padded tokens write to. Rows must use distinct slots; the batch rows are the given
+    rows, in order.
     """
     if not rows:
         raise ValueError("build_batch needs at least one RowWork")
@@ -326,8 +300,7 @@ def build_batch(
         raise ValueError(f"RowWork.slot must be distinct within one forward, got {slots}")
     for row in rows:
         _check_capacity(row, capacity)
-    layout = _layout(rows, in_place)  # per batch row: the given row's index, or a filler's slot as ~slot
-    batch, width = len(layout), max(len(row) for row in rows)
+    batch, width = len(rows), max(len(row) for row in rows)
     kv_length = max(row.end_column for row in rows)
 
     batch_slots, prefixes, input_ids, positions, columns = [], [], [], [], []
@@ -335,15 +308,7 @@ def build_batch(
     run_rows, run_queries = [], []  # RunAttend rows: each query (b, i), every query of the row in order ...
     run_bounds: tuple[list[int], ...] = ([], [], [], [])  # ... and its 4 run bounds
     keep_index, causal_rows = [], []
-    for b, entry in enumerate(layout):
-        if entry < 0:  # a filler: writes its trash column, reads column 0
-            batch_slots.append(~entry)
-            prefixes.append(1)
-            input_ids.extend((0,) * width)
-            positions.extend((0,) * width)
-            columns.extend((capacity,) * width)
-            continue
-        row = rows[entry]
+    for b, row in enumerate(rows):
         pad = width - len(row)
         batch_slots.append(row.slot)
         prefixes.append(row.prefix_length)
@@ -387,10 +352,10 @@ def build_batch(
         run_batch_rows = run_rows_t[::width]  # [R]: every query of a run row, in order, so a row every width
         mask[run_batch_rows] = mask[run_batch_rows] | seen.view(-1, width, kv_length)  # [R, L, T_kv]; rows distinct
     for b in causal_rows:
-        length = len(rows[layout[b]])
+        length = len(rows[b])
         block = torch.ones(width, length, dtype=torch.bool, device=device).tril()  # [L, L_b]; padding: all
         mask[b, :, columns_t[b * width : b * width + length]] = block
-    row_order = tuple(entry for entry in layout if entry >= 0)
+    row_order = tuple(range(batch))
     return RaggedBatch(
         slots=slots_t,  # [B]
         input_ids=ids_t.view(batch, width),  # [B, L]
@@ -401,13 +366,4 @@ def build_batch(
         keep_index=keep_t,  # [N_keep]
         keep_counts=tuple(len(rows[i].keep) for i in row_order),
         row_order=row_order,
-        first_slot=min(slots) if in_place else None,
     )
-
-
-def _layout(rows: Sequence[RowWork], in_place: bool) -> list[int]:
-    """Per batch row, the index of its given row, or ``~slot`` (negative) for a filler."""
-    if not in_place:
-        return list(range(len(rows)))
-    by_slot = {row.slot: i for i, row in enumerate(rows)}
-    return [by_slot.get(slot, ~slot) for slot in range(min(by_slot), max(by_slot) + 1)]

@@ -8,13 +8,14 @@ A graph replays fixed shapes and fixed addresses, so the forward it records is
 
 * the token, its position and the column it writes in device tensors the caller fills before a
   replay (no shape or Python number of the step inside the graph);
-* attention over every column of the slot (``capacity``) under a bool mask that lets the token see
-  columns ``[0, column]`` (the same attended set as the eager one-row forward, which reads the slot
-  up to its column; a masked column gets exactly zero weight);
-* the new keys/values written with ``index_copy_`` at the column tensor.
+* attention over every column of the slot (``capacity``), gathered from the paged KV cache through
+  a device tensor of the slot's storage rows, under a bool mask that lets the token see columns
+  ``[0, column]`` (the same attended set as the eager one-row forward, which reads the slot up to
+  its column; a masked column gets exactly zero weight);
+* the new keys/values written with ``index_copy_`` at the column's storage row.
 
-One graph per slot (the slot's storage view is an address of the graph), recorded on the slot's
-first decode and replayed from then on; every graph shares one memory pool. A forward the graph does
+The slot enters only through those tensors, so ONE graph serves every slot: recorded on the first
+lone decode and replayed from then on. A forward the graph does
 not cover (more than one token or row, a sliding-window model, a model off the lean path) runs
 eagerly as before. The logits are the eager forward's up to the summation order of the masked
 attention: ``make gpu-check`` compares them and times both, and the switch is meant to be on only
@@ -38,20 +39,21 @@ logger = logging.getLogger(__name__)
 
 
 class _SlotColumn:
-    """The cache seen by :class:`FixedDecode`'s lean forward: one slot, one new column (a device
-    tensor), every column of the slot read (the lean decoder calls :meth:`write_and_gather`)."""
+    """The cache seen by :class:`FixedDecode`'s lean forward: one new column written at storage row
+    ``write_row`` ``[1]``, every column of the slot read through its storage rows ``rows``
+    ``[capacity]`` (device tensors; the lean decoder calls :meth:`write_and_gather`)."""
 
-    def __init__(self, cache: Any, slot: int, column: torch.Tensor):
-        self.cache, self.slot, self.column = cache, slot, column
+    def __init__(self, cache: Any, rows: torch.Tensor, write_row: torch.Tensor):
+        self.cache, self.rows, self.write_row = cache, rows, write_row
 
     def write_and_gather(self, layer_idx: int, key_states: torch.Tensor,
                          value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``[1, H_kv, 1, d]`` new keys/values at the column; return ``[1, H_kv, capacity, d]`` views."""
+        """Write ``[1, H_kv, 1, d]`` new keys/values at the column; return ``[1, H_kv, capacity, d]``."""
         read = []
         for kind, states in enumerate((key_states, value_states)):
-            layer = self.cache.storage[kind, layer_idx]  # [S, H_kv, capacity + 1, d]
-            layer[self.slot].index_copy_(1, self.column, states[0].to(layer.dtype))  # [H_kv, 1, d] at the column
-            read.append(layer[self.slot : self.slot + 1, :, : self.cache.capacity])  # [1, H_kv, capacity, d]
+            layer = self.cache.storage[kind, layer_idx]  # [H_kv, rows, d]
+            layer.index_copy_(1, self.write_row, states[0].to(layer.dtype))  # [H_kv, 1, d] at the column's row
+            read.append(layer.index_select(1, self.rows)[None])  # [1, H_kv, capacity, d]
         return read[0], read[1]
 
 
@@ -66,6 +68,8 @@ class FixedDecode:
         self.position = torch.zeros((1, 1), dtype=torch.long, device=device)  # [1, 1]
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.mask = torch.zeros((1, 1, 1, capacity), dtype=torch.bool, device=device)  # [1, 1, 1, capacity]
+        self.rows = torch.zeros(capacity, dtype=torch.long, device=device)  # [capacity] the slot's storage rows
+        self.write_row = torch.zeros(1, dtype=torch.long, device=device)  # [1] the new column's storage row
         self._columns = torch.arange(capacity, device=device)  # [capacity]
 
     @staticmethod
@@ -74,31 +78,33 @@ class FixedDecode:
         return len(row) == 1 and tuple(row.keep) == (0,)
 
     def set_inputs(self, row: RowWork) -> None:
-        """Fill the input tensors for ``row`` (:meth:`covers`): token, position, column and mask."""
+        """Fill the input tensors for ``row`` (:meth:`covers`): token, position, column, mask and the
+        slot's storage rows (the block under the column allocated first, or copied where shared)."""
+        self.rows.copy_(self.backend.cache.decode_rows(row.slot, row.columns[0]))
         values = torch.tensor((row.token_ids[0], row.positions[0], row.columns[0]), dtype=torch.long)
         values = values.to(self.token.device, non_blocking=True)  # [3]
         self.token.view(-1).copy_(values[0:1])
         self.position.view(-1).copy_(values[1:2])
         self.column.copy_(values[2:3])
         torch.le(self._columns, self.column, out=self.mask.view(-1))  # True: columns [0, column]
+        self.write_row.copy_(self.rows.index_select(0, self.column))
 
-    def compute(self, slot: int) -> torch.Tensor:
-        """The forward of the filled inputs in ``slot`` -> float32 logits ``[1, V]`` (its new
-        keys/values written at the column)."""
+    def compute(self) -> torch.Tensor:
+        """The forward of the filled inputs -> float32 logits ``[1, V]`` (the new keys/values
+        written at the column's storage row)."""
         backend = self.backend
-        hidden = backend.lean(self.token, self.position, self.mask, _SlotColumn(backend.cache, slot, self.column))
+        hidden = backend.lean(self.token, self.position, self.mask, _SlotColumn(backend.cache, self.rows, self.write_row))
         return apply_head(backend.architecture, backend.lean.head(backend.lm_head, hidden[0])).float()  # [1, V]
 
 
 class DecodeGraphs:
-    """One CUDA graph of :class:`FixedDecode` per slot, recorded on first use, sharing a memory pool."""
+    """One CUDA graph of :class:`FixedDecode` for every slot, recorded on first use."""
 
     def __init__(self, backend: Any):
         self.fixed = FixedDecode(backend)
-        self.graphs: dict[int, Any] = {}  # slot -> torch.cuda.CUDAGraph
-        self.outputs: dict[int, torch.Tensor] = {}  # slot -> the graph's logits [1, V]
-        self.pool: Any = None
-        self.failed = False  # a graph could not be recorded: eager from then on
+        self.graph: Any = None  # torch.cuda.CUDAGraph once recorded
+        self.output: torch.Tensor | None = None  # the graph's logits [1, V]
+        self.failed = False  # the graph could not be recorded: eager from then on
 
     def run(self, row: RowWork) -> torch.Tensor | None:
         """The logits ``[1, V]`` of a one-token decode ``row`` (:meth:`FixedDecode.covers`), by replay;
@@ -106,13 +112,13 @@ class DecodeGraphs:
         if self.failed:
             return None
         self.fixed.set_inputs(row)
-        if row.slot not in self.graphs and not self._record(row.slot):
+        if self.graph is None and not self._record():
             return None
-        self.graphs[row.slot].replay()
-        return self.outputs[row.slot].clone()
+        self.graph.replay()
+        return self.output.clone()
 
-    def _record(self, slot: int) -> bool:
-        """Warm up on a side stream (what capture needs), then record ``slot``'s graph -> whether it
+    def _record(self) -> bool:
+        """Warm up on a side stream (what capture needs), then record the graph -> whether it
         was recorded. The warm-up writes the same keys/values at the same column as the forward that
         follows. A failure is logged and turns the graphs off for good: a device that is really
         broken fails the eager forward next, where it is told apart (:mod:`actors.model.device_health`)."""
@@ -120,19 +126,18 @@ class DecodeGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self.fixed.compute(slot)
+                self.fixed.compute()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[slot] = self.fixed.compute(slot)
+            with torch.cuda.graph(graph):
+                self.output = self.fixed.compute()
         except Exception as error:  # noqa: BLE001 - the eager forward serves this row and every later one
             self.failed = True
             logger.error("%s: recording the decode CUDA graph failed (%s: %s); decode forwards run eagerly from now on",
                          self.fixed.backend.name, type(error).__name__, error)
             return False
-        self.pool = self.pool if self.pool is not None else graph.pool()
-        self.graphs[slot] = graph
-        logger.info("%s: recorded the decode CUDA graph of slot %d", self.fixed.backend.name, slot)
+        self.graph = graph
+        logger.info("%s: recorded the decode CUDA graph", self.fixed.backend.name)
         return True
 
 

@@ -1,20 +1,15 @@
-"""How many KV cache slots a worker holds: sized from a memory budget, as serving engines do.
+"""How much KV cache a worker holds: a pool of blocks sized from a memory budget, as serving engines do.
 
-Each session owns one whole-context slot (:mod:`actors.model.kv_cache`): ``max_model_len`` columns
-plus the scratch columns of drafts (``actors.worker.model_worker.SCRATCH_COLUMNS``) plus one trash
-column, in every layer, for keys and values. A worker computes what one slot costs
-(:func:`slot_bytes`) and holds as many slots as ``engine.kv_cache_memory`` fits
-(:func:`plan_kv_slots`): bytes, or on a GPU a fraction of the device memory free once the
-weights are loaded (vLLM's ``gpu_memory_utilization`` plays the same part). A budget that cannot
-hold one slot is refused at start-up with :class:`KVCacheBudgetError` naming the numbers. The
-coordinator then runs at most as many requests as the smallest slot count of its models, so a
-request waits for a free slot and never fails for lack of one.
-
-One slot is all a request needs on a worker: a finished request's slot is released at the
-start of the next step call, before any new session opens in it (``actors.coordination.scheduler``), and
-prefix caching parks released prefixes in free slots only (``actors.worker.prefix_cache``), so it needs
-no slot of its own. Paged (block) allocation, which would let short requests hold less than a
-whole context, is not built: a slot always costs ``max_model_len`` columns.
+Each session holds blocks of :data:`~actors.model.kv_cache.DEFAULT_BLOCK_SIZE` tokens from one
+pool per model (:mod:`actors.model.kv_cache`) as its context grows, up to ``max_model_len``
+columns plus the scratch columns of drafts (``actors.worker.model_worker.SCRATCH_COLUMNS``): a
+whole *slot* (:func:`slot_bytes`). With ``engine.kv_cache_memory`` (bytes, or on a GPU a
+fraction of the device memory free once the weights are loaded; vLLM's
+``gpu_memory_utilization`` plays the same part) the pool holds as many blocks as the budget
+fits (:func:`plan_kv_slots`); a budget below one slot is refused at start-up with
+:class:`KVCacheBudgetError` naming the numbers (one request of ``max_model_len`` tokens could
+never run). The coordinator admits requests while their blocks fit and preempts the newest
+when they would not (``actors.coordination.admission``), so no request fails for lack of blocks.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from typing import Any
 
 import torch
 
-from actors.model.kv_cache import SlotKVCache, cache_shape
+from actors.model.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, cache_shape
 
 #: ``engine.kv_cache_memory`` when unset on a GPU: this fraction of the memory free after the weights.
 DEFAULT_GPU_FRACTION = 0.9
@@ -59,11 +54,11 @@ def context_limit(model_context: int, max_model_len: int | None, model: str) -> 
 
 
 def slot_bytes(config: Any, capacity: int, dtype: torch.dtype, sliding: bool = False) -> int:
-    """Bytes one session's slot costs: its keys and values (:meth:`SlotKVCache.slot_bytes`) plus,
+    """Bytes one session's slot costs: its keys and values (:meth:`PagedKVCache.slot_bytes`) plus,
     for a model with sliding-window layers, the position of every column (int64,
     ``actors.model.layer_masks.ColumnPositions``)."""
     positions = (capacity + 1) * 8 if sliding else 0
-    return SlotKVCache.slot_bytes(config, capacity, dtype) + positions
+    return PagedKVCache.slot_bytes(config, capacity, dtype) + positions
 
 
 def worker_kv_cache_memory(kv_cache_memory: int | float | None, device: str) -> int | float | None:
@@ -92,25 +87,28 @@ def budget_bytes(kv_cache_memory: int | float | None, device: str, model: str) -
 def plan_kv_slots(
     config: Any, *, model: str, max_model_len: int, capacity: int, dtype: torch.dtype, device: str,
     kv_cache_memory: int | float | None, default_slots: int, sliding: bool = False,
-) -> tuple[int, int]:
-    """``(slots, bytes per slot)`` of a worker: as many slots of ``capacity`` columns as the
-    budget (:func:`budget_bytes`) holds, or ``default_slots`` when there is no budget
-    (``kv_cache_memory`` None). Raises :class:`KVCacheBudgetError` naming the budget, the slot's
-    bytes, the model and ``max_model_len`` when the budget cannot hold one slot: one request of
-    ``max_model_len`` tokens could never run."""
+) -> tuple[int, int, int]:
+    """``(slots, bytes per slot, blocks)`` of a worker: ``default_slots`` sessions over a pool of
+    as many blocks as the budget (:func:`budget_bytes`) holds, or ``default_slots`` whole slots of
+    blocks when there is no budget (``kv_cache_memory`` None). Raises :class:`KVCacheBudgetError`
+    naming the budget, the slot's bytes, the model and ``max_model_len`` when the budget cannot
+    hold one slot: one request of ``max_model_len`` tokens could never run."""
     per_slot = slot_bytes(config, capacity, dtype, sliding)
+    blocks_per_slot = -(-capacity // DEFAULT_BLOCK_SIZE)
     budget = budget_bytes(kv_cache_memory, device, model)
     if budget is None:
-        return int(default_slots), per_slot
-    slots = budget // per_slot
-    if slots < 1:
+        return int(default_slots), per_slot, int(default_slots) * blocks_per_slot
+    if budget < per_slot:
         layers, kv_heads, head_dim = cache_shape(config)
         itemsize = torch.empty((), dtype=dtype).element_size()
         raise KVCacheBudgetError(
             f"model {model!r}: the KV cache budget (engine.kv_cache_memory: {budget} bytes, {budget / 2**30:.2f} GiB) "
             f"holds no slot for one request of max_model_len={max_model_len}: a slot takes {per_slot} bytes "
             f"({per_slot / 2**30:.2f} GiB = {layers} layers x 2 x {kv_heads} kv heads x {head_dim} head dim x "
-            f"{capacity + 1} columns x {itemsize} bytes); raise engine.kv_cache_memory to at least {per_slot} "
+            f"{blocks_per_slot * DEFAULT_BLOCK_SIZE} columns x {itemsize} bytes); "
+            f"raise engine.kv_cache_memory to at least {per_slot} "
             f"or lower engine.max_model_len"
         )
-    return int(slots), per_slot
+    positions = (per_slot - PagedKVCache.slot_bytes(config, capacity, dtype)) * int(default_slots)  # sliding only
+    blocks = max(blocks_per_slot, (budget - positions) // PagedKVCache.block_bytes(config, DEFAULT_BLOCK_SIZE, dtype))
+    return int(default_slots), per_slot, int(blocks)

@@ -1,16 +1,17 @@
-"""A preallocated slot KV cache that runs inside a stock transformers decoder forward.
+"""A paged KV cache that runs inside a stock transformers decoder forward.
 
-Every session owns one *slot*: ``capacity`` storage columns of keys/values in every layer
-(plus one trash column that padded tokens write to and nothing reads). Which columns a new
-token sees is decided by the caller's attention mask (:mod:`actors.model.batch`), so rollback is a
-length change and moving an accepted draft is a column copy (:meth:`SlotKVCache.copy_columns`).
+Every session owns a *slot*: a block table mapping its columns to fixed-size blocks of one
+pool shared by every session of the model (:class:`PagedKVCache`), so memory follows the
+tokens a session holds, not the whole context it may reach. Which columns a new token sees is
+decided by the caller's attention mask (:mod:`actors.model.batch`), so rollback is a length
+change (:meth:`PagedKVCache.truncate` gives back the blocks past it) and moving an accepted
+draft is a column copy (:meth:`PagedKVCache.copy_columns`). A prefix is shared by reference
+count, whole blocks at a time (:meth:`PagedKVCache.copy_prefix`), and copied on write.
 
-Before a forward the caller :meth:`~SlotKVCache.bind` s the rows' slots ``[B]``, their write
+Before a forward the caller :meth:`~PagedKVCache.bind` s the rows' slots ``[B]``, their write
 columns ``[B, L]`` and the key length ``T_kv``; each attention layer then calls ``update``,
-which scatters the new keys/values to their columns and returns ``[B, H, T_kv, D]`` gathered
-from the bound slots. Storage starts with a few slots and doubles on demand up to
-``max_slots`` (a rare copy). Storage is zero-initialised: uninitialised memory can hold NaN,
-and a NaN key poisons sdpa even at a masked position.
+which scatters the new keys/values to their rows and returns ``[B, H, T_kv, D]`` gathered
+through the block tables.
 
 The gathered keys/values of a layer are read by that layer's attention only, so every layer
 gathers into the same two reused buffers instead of fresh tensors. A fresh multi-megabyte
@@ -24,13 +25,14 @@ decode run of ``python -m benchmarks.micro.forward_micro``, ``docs/benchmarks.md
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-DEFAULT_INITIAL_SLOTS = 4
+#: Tokens per KV block (vLLM's default).
+DEFAULT_BLOCK_SIZE = 16
 
 
 def cache_shape(config: Any) -> tuple[int, int, int]:
@@ -43,25 +45,25 @@ def cache_shape(config: Any) -> tuple[int, int, int]:
     return int(config.num_hidden_layers), int(kv_heads), int(head_dim)
 
 
-class SlotKVLayer(CacheLayerMixin):
-    """One layer's view of a :class:`SlotKVCache`; the storage lives in the cache."""
+class PagedKVLayer(CacheLayerMixin):
+    """One layer's view of a :class:`PagedKVCache`; the storage lives in the cache."""
 
     is_sliding = False
     is_croppable = False
     is_initialized = True
 
-    def __init__(self, cache: SlotKVCache, layer_idx: int):
+    def __init__(self, cache: PagedKVCache, layer_idx: int):
         self.cache = cache
         self.layer_idx = layer_idx
 
     @property
     def keys(self) -> torch.Tensor:
-        """This layer's keys, ``[num_slots, kv_heads, capacity + 1, head_dim]``."""
+        """This layer's keys, ``[kv_heads, blocks * block_size + 1, head_dim]``."""
         return self.cache.storage[0, self.layer_idx]
 
     @property
     def values(self) -> torch.Tensor:
-        """This layer's values, ``[num_slots, kv_heads, capacity + 1, head_dim]``."""
+        """This layer's values, ``[kv_heads, blocks * block_size + 1, head_dim]``."""
         return self.cache.storage[1, self.layer_idx]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -86,14 +88,28 @@ class SlotKVLayer(CacheLayerMixin):
         return self.cache.capacity
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Not supported: rows map to slots through :meth:`SlotKVCache.bind`."""
-        raise NotImplementedError("SlotKVCache has no beam reordering; bind the slots to read instead")
+        """Not supported: rows map to slots through :meth:`PagedKVCache.bind`."""
+        raise NotImplementedError("PagedKVCache has no beam reordering; bind the slots to read instead")
 
 
-class SlotKVCache(Cache):
-    """Preallocated per-slot key/value storage for every layer: [num_slots, kv_heads, capacity + 1, head_dim]
-    (the last column is a trash column that padded tokens write to and nothing reads).
-    Zero-initialised (never torch.empty: NaN keys at masked positions poison sdpa)."""
+class KVBlocksExhaustedError(RuntimeError):
+    """Every block of the pool is held by an open sequence; the message names the numbers."""
+
+
+class PagedKVCache(Cache):
+    """Key/value storage in fixed-size blocks shared by every sequence ("slot") of one model.
+
+    Storage is ``[2 (keys, values), layers, kv_heads, num_blocks * block_size + 1, head_dim]``:
+    one row per token of every block, plus one trash row that padded tokens write to and nothing
+    reads. Slot ``s``'s column ``c`` lives in row ``table[s, c // block_size] * block_size +
+    c % block_size``; a column whose block is not allocated reads the (finite) trash row, which
+    masks hide. Blocks are allocated when a forward or a copy writes their first column, shared
+    by reference count (:meth:`copy_prefix`) and copied before a write to a shared one
+    (copy-on-write); :meth:`truncate` frees the blocks past a length (rollback). A freed slot
+    keeps its blocks (its stale contents, which prefix caching reads) until the pool runs dry:
+    then the blocks of the least recently freed slots go back first. Zero-initialised (never
+    ``torch.empty``: a NaN key poisons sdpa even at a masked position).
+    """
 
     def __init__(
         self,
@@ -103,48 +119,72 @@ class SlotKVCache(Cache):
         head_dim: int,
         capacity: int,
         max_slots: int,
-        initial_slots: int = DEFAULT_INITIAL_SLOTS,
+        num_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ):
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        if max_slots < 1 or initial_slots < 1:
-            raise ValueError(f"max_slots and initial_slots must be >= 1, got {max_slots}, {initial_slots}")
-        super().__init__(layers=[SlotKVLayer(self, i) for i in range(num_layers)])
+        if capacity < 1 or max_slots < 1 or block_size < 1:
+            raise ValueError(f"capacity, max_slots and block_size must be >= 1, got {capacity}, {max_slots}, {block_size}")
+        super().__init__(layers=[PagedKVLayer(self, i) for i in range(num_layers)])
         self.capacity = capacity
         self.max_slots = max_slots
+        self.block_size = block_size
+        self.blocks_per_slot = -(-capacity // block_size)
+        self.num_blocks = max_slots * self.blocks_per_slot if num_blocks is None else int(num_blocks)
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         self.dtype = dtype
         self.device = torch.device(device)
-        self._shape = (kv_heads, capacity + 1, head_dim)
-        # Keys and values of every layer in one tensor, so a column copy is one op.
-        self.storage = self._zeros(min(initial_slots, max_slots))  # [2, layers, S, H, capacity + 1, D]
-        # Reused by every layer's gather; grows (rarely) to the largest B * T_kv seen.
-        self._gather_buffer = torch.empty((2, 0), dtype=self.dtype, device=self.device)  # [2, B * H * T_kv * D]
-        self._free = list(range(self.num_slots))  # heap of free slots below num_slots
+        self.heads, self.head_dim = kv_heads, head_dim
+        self.trash = self.num_blocks * block_size  # the trash row
+        self.storage = torch.zeros((2, num_layers, kv_heads, self.trash + 1, head_dim), dtype=dtype,
+                                   device=self.device)  # [2, layers, H, num_blocks * block_size + 1, D]
+        # Block tables: -1 where a slot holds no block. The device copy is what forwards index.
+        self._tables = [[-1] * self.blocks_per_slot for _ in range(max_slots)]
+        self.block_tables = torch.full((max_slots, self.blocks_per_slot), -1, dtype=torch.long,
+                                       device=self.device)  # [S, blocks_per_slot]
+        self._refs = [0] * self.num_blocks  # per block: the slots whose table holds it
+        self._free_blocks = list(range(self.num_blocks))  # heap, lowest first
+        self._free = list(range(max_slots))  # heap of free slots
         self._allocated: set[int] = set()
+        self._released: dict[int, None] = {}  # free slots holding blocks, least recently freed first
+        self._gather_buffer = torch.empty((2, 0), dtype=dtype, device=self.device)  # [2, B * H * T_kv * D]
+        #: Called when no block is free and no freed slot holds one: takes an open slot's blocks
+        #: back (a preempted session, :mod:`actors.worker.engine`) -> whether it did.
+        self.reclaim: Callable[[], bool] | None = None
         self.unbind()
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> SlotKVCache:
+    def from_config(cls, config: Any, **kwargs: Any) -> PagedKVCache:
         """Size the cache for a transformers decoder ``config`` (layers, kv heads, head dim)."""
         num_layers, kv_heads, head_dim = cache_shape(config)
         return cls(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, **kwargs)
 
     @staticmethod
-    def slot_bytes(config: Any, capacity: int, dtype: torch.dtype) -> int:
-        """Bytes one slot of a cache built by :meth:`from_config` holds: layers x 2 (keys,
-        values) x kv heads x head dim x (capacity + 1 trash column) x the dtype's bytes."""
+    def block_bytes(config: Any, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block holds: layers x 2 (keys, values) x kv heads x head dim x ``block_size``
+        x the dtype's bytes."""
         num_layers, kv_heads, head_dim = cache_shape(config)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return num_layers * 2 * kv_heads * head_dim * (capacity + 1) * itemsize
+        return num_layers * 2 * kv_heads * head_dim * block_size * itemsize
+
+    @staticmethod
+    def slot_bytes(config: Any, capacity: int, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+        """Bytes of the blocks one sequence of ``capacity`` columns holds at most."""
+        return -(-capacity // block_size) * PagedKVCache.block_bytes(config, block_size, dtype)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the block pool (the storage but its trash row)."""
+        return self.storage[:, :, :, : self.trash].numel() * self.storage.element_size()
 
     # -- slots ------------------------------------------------------------------------------
 
     @property
     def num_slots(self) -> int:
-        """Slots currently held in storage (grows up to ``max_slots``)."""
-        return self.storage.shape[2]
+        """Slots (sequences) the cache tracks."""
+        return self.max_slots
 
     @property
     def allocated(self) -> frozenset[int]:
@@ -156,37 +196,149 @@ class SlotKVCache(Cache):
         return slot in self._allocated
 
     def allocate(self) -> int:
-        """Hand out a free slot (the lowest), growing storage when every slot is taken."""
+        """Hand out the lowest free slot (with whatever blocks it still holds)."""
         if not self._free:
-            if self.num_slots >= self.max_slots:
-                raise RuntimeError(
-                    f"SlotKVCache is full: all max_slots={self.max_slots} slots are allocated; free one first"
-                )
-            self._grow(min(2 * self.num_slots, self.max_slots))
+            raise RuntimeError(f"PagedKVCache is full: all max_slots={self.max_slots} slots are allocated; free one first")
         slot = heapq.heappop(self._free)
         self._allocated.add(slot)
+        self._released.pop(slot, None)
         return slot
 
     def free(self, slot: int) -> None:
-        """Return ``slot``; its stale contents stay (masks hide them, writes overwrite them)."""
+        """Return ``slot``; its blocks stay (stale contents) until the pool needs them."""
         self._check_allocated(slot)
         self._allocated.remove(slot)
         heapq.heappush(self._free, slot)
+        if self.held_blocks(slot):
+            self._released[slot] = None
 
     def free_slots(self) -> list[int]:
-        """Slots in storage not handed out (their stale contents intact), lowest first."""
+        """Slots not handed out, lowest first."""
         return sorted(self._free)
 
-    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
-        """Copy columns ``[0, length)`` of every layer's keys/values from ``src_slot`` to
-        ``dst_slot`` (either may be free: a free slot keeps its stale contents)."""
-        for name, slot in (("src_slot", src_slot), ("dst_slot", dst_slot)):
-            if not 0 <= slot < self.num_slots:
-                raise ValueError(f"copy_prefix: {name} must be in [0, {self.num_slots}), got {slot}")
+    def _check_allocated(self, slot: int) -> None:
+        if not self.is_allocated(slot):
+            raise ValueError(f"slot {slot} is not allocated (allocated: {sorted(self._allocated)})")
+
+    # -- blocks -----------------------------------------------------------------------------
+
+    def held_blocks(self, slot: int) -> int:
+        """Blocks in ``slot``'s table."""
+        return sum(block >= 0 for block in self._tables[slot])
+
+    def held_columns(self, slot: int) -> int:
+        """The leading columns of ``slot`` that blocks back (``[0, n)``; a freed slot's shrink
+        when the pool takes its blocks back)."""
+        table = self._tables[slot]
+        first_missing = next((i for i, block in enumerate(table) if block < 0), len(table))
+        return min(first_missing * self.block_size, self.capacity)
+
+    def block_counts(self) -> dict[str, int]:
+        """``{"total", "free", "used", "cached"}`` blocks: free ones hold nothing, used ones are
+        held by an open slot, cached ones only by freed slots (given back when needed)."""
+        free = len(self._free_blocks)
+        used = {block for slot in self._allocated for block in self._tables[slot] if block >= 0}
+        return {"total": self.num_blocks, "free": free, "used": len(used),
+                "cached": self.num_blocks - free - len(used)}
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Free ``slot``'s blocks past its first ``length`` columns (those holding no column below it)."""
         if not 0 <= length <= self.capacity:
-            raise ValueError(f"copy_prefix: length must be in [0, {self.capacity}], got {length}")
-        if src_slot != dst_slot and length:
-            self.storage[:, :, dst_slot, :, :length] = self.storage[:, :, src_slot, :, :length]
+            raise ValueError(f"truncate: length must be in [0, {self.capacity}], got {length}")
+        table = self._tables[slot]
+        dropped = [index for index in range(-(-length // self.block_size), self.blocks_per_slot) if table[index] >= 0]
+        for index in dropped:
+            self._unref(table[index])
+            table[index] = -1
+        if dropped:
+            self._sync_table(slot, dropped)
+        if not any(block >= 0 for block in table):
+            self._released.pop(slot, None)
+
+    def _unref(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            heapq.heappush(self._free_blocks, block)
+
+    def _sync_table(self, slot: int, indices: Sequence[int]) -> None:
+        """Copy entries ``indices`` of ``slot``'s host table to the device table."""
+        table = self._tables[slot]
+        self.block_tables[slot, list(indices)] = torch.tensor([table[i] for i in indices], dtype=torch.long,
+                                                              device=self.device)
+
+    def _new_block(self, keep: int) -> int:
+        """A block of nobody's, taking back the blocks of the least recently freed slots (never
+        ``keep``'s) when none is free, then those :attr:`reclaim` gives back."""
+        while not self._free_blocks:
+            victim = next((slot for slot in self._released if slot != keep), None)
+            if victim is None and self.reclaim is not None and self.reclaim():
+                continue
+            if victim is None:
+                counts = self.block_counts()
+                raise KVBlocksExhaustedError(
+                    f"all {self.num_blocks} KV blocks of {self.block_size} tokens are held by open sequences "
+                    f"({counts['used']} used); raise engine.kv_cache_memory or run fewer requests at once")
+            self.truncate(victim, 0)
+        block = heapq.heappop(self._free_blocks)
+        self._refs[block] = 1
+        return block
+
+    def _writable(self, slot: int, columns: set[int]) -> None:
+        """Give ``slot`` a block of its own under every column in ``columns``: a new one where it
+        holds none, a copy where it shares one (copy-on-write)."""
+        table, changed = self._tables[slot], []
+        for index in sorted({column // self.block_size for column in columns}):
+            block = table[index]
+            if block >= 0 and self._refs[block] == 1:
+                continue
+            fresh = self._new_block(keep=slot)
+            if block >= 0:  # shared: copy its rows, then let go of it
+                self._copy_rows(block, fresh, self.block_size)
+                self._unref(block)
+            table[index] = fresh
+            changed.append(index)
+        if changed:
+            self._sync_table(slot, changed)
+
+    def _copy_rows(self, src_block: int, dst_block: int, rows: int) -> None:
+        src, dst = src_block * self.block_size, dst_block * self.block_size
+        self.storage[:, :, :, dst : dst + rows] = self.storage[:, :, :, src : src + rows]
+
+    def _rows(self, slot: int, columns: Sequence[int]) -> list[int]:
+        """Storage rows of ``slot``'s ``columns`` (the trash row where no block backs one)."""
+        table, size = self._tables[slot], self.block_size
+        return [table[c // size] * size + c % size if table[c // size] >= 0 else self.trash for c in columns]
+
+    def read_columns(self, slot: int, columns: Sequence[int]) -> torch.Tensor:
+        """Every layer's keys/values of ``slot``'s ``columns``: ``[2, layers, H, len(columns), D]`` (a copy)."""
+        return self.storage.index_select(3, torch.tensor(self._rows(slot, columns), dtype=torch.long, device=self.device))
+
+    # -- copies -----------------------------------------------------------------------------
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Make columns ``[0, length)`` of ``dst_slot`` hold those of ``src_slot``: its full
+        blocks shared (reference counts), the last partial one copied. ``dst_slot`` lets go of
+        what it held; either slot may be free."""
+        for name, slot in (("src_slot", src_slot), ("dst_slot", dst_slot)):
+            if not 0 <= slot < self.max_slots:
+                raise ValueError(f"copy_prefix: {name} must be in [0, {self.max_slots}), got {slot}")
+        if length and not 0 < length <= self.held_columns(src_slot):
+            raise ValueError(f"copy_prefix: length must be in [0, {self.held_columns(src_slot)}] "
+                             f"(the columns slot {src_slot} holds), got {length}")
+        if src_slot == dst_slot or not length:
+            return
+        self.truncate(dst_slot, 0)
+        full, rest = divmod(length, self.block_size)
+        source, target = self._tables[src_slot], self._tables[dst_slot]
+        for index in range(full):
+            target[index] = source[index]
+            self._refs[source[index]] += 1
+        if rest:
+            target[full] = self._new_block(keep=dst_slot)
+            self._copy_rows(source[full], target[full], rest)
+        self._sync_table(dst_slot, range(full + (1 if rest else 0)))
+        if dst_slot not in self._allocated:
+            self._released[dst_slot] = None
 
     def copy_columns(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy keys/values of every layer from columns ``src`` to columns ``dst`` of ``slot``.
@@ -204,28 +356,11 @@ class SlotKVCache(Cache):
                 raise ValueError(f"copy_columns: {name} columns must be in [0, {self.capacity}), got {list(columns)}")
         if not src:
             return
-        index = torch.tensor([*src, *dst], dtype=torch.long, device=self.device)  # [2 * n]
-        src_t, dst_t = index.split(len(src))  # [n], [n]
-        view = self.storage[:, :, slot]  # [2, layers, H, capacity + 1, D]
-        view.index_copy_(3, dst_t, view.index_select(3, src_t))
-
-    def _check_allocated(self, slot: int) -> None:
-        if not self.is_allocated(slot):
-            raise ValueError(f"slot {slot} is not allocated (allocated: {sorted(self._allocated)})")
-
-    def _zeros(self, slots: int) -> torch.Tensor:
-        return torch.zeros(
-            (2, len(self.layers), slots, *self._shape), dtype=self.dtype, device=self.device
-        )  # [2, layers, slots, H, capacity + 1, D]
-
-    def _grow(self, slots: int) -> None:
-        """Reallocate storage with ``slots`` slots, keeping the existing slots' contents."""
-        old = self.num_slots
-        storage = self._zeros(slots)  # [2, layers, slots, H, capacity + 1, D]
-        storage[:, :, :old] = self.storage
-        self.storage = storage
-        for slot in range(old, slots):
-            heapq.heappush(self._free, slot)
+        source = torch.tensor(self._rows(slot, src), dtype=torch.long, device=self.device)  # [n]
+        values = self.storage.index_select(3, source)  # [2, layers, H, n, D]: read before any write
+        self._writable(slot, set(dst))
+        target = torch.tensor(self._rows(slot, dst), dtype=torch.long, device=self.device)  # [n]
+        self.storage.index_copy_(3, target, values)
 
     # -- one forward ------------------------------------------------------------------------
 
@@ -233,106 +368,99 @@ class SlotKVCache(Cache):
         self, slots: torch.Tensor, write_columns: torch.Tensor, kv_length: int, first_slot: int | None = None
     ) -> None:
         """Set up the next forward: row ``b`` lives in ``slots[b]`` ``[B]``, writes its new tokens
-        to ``write_columns[b]`` ``[B, L]``, and reads columns ``[0, kv_length)``. With
-        ``first_slot``, ``slots`` must be ``first_slot, first_slot + 1, ...`` and attention reads
-        the storage in place (a view) instead of a gathered copy."""
+        to ``write_columns[b]`` ``[B, L]`` (column ``capacity``: the trash row), and reads columns
+        ``[0, kv_length)``, gathered through the block tables. Blocks under the written columns
+        are allocated (or copied, when shared) first. ``first_slot`` is accepted and ignored:
+        paged rows are always gathered."""
         if slots.dim() != 1 or write_columns.dim() != 2 or write_columns.shape[0] != slots.shape[0]:
             raise ValueError(f"bind: need slots [B] and write_columns [B, L], got {tuple(slots.shape)}, "
                              f"{tuple(write_columns.shape)}")
         if not 0 < kv_length <= self.capacity:
             raise ValueError(f"bind: kv_length must be in [1, {self.capacity}], got {kv_length}")
-        if first_slot is not None and not 0 <= first_slot <= self.num_slots - slots.shape[0]:
-            raise ValueError(f"bind: first_slot {first_slot} + {slots.shape[0]} rows exceeds {self.num_slots} slots")
+        host_columns = write_columns.tolist()
+        for slot, columns in zip(slots.tolist(), host_columns):
+            self._writable(slot, {c for c in columns if c < self.capacity})
+        self.unbind()
         self._slots = slots.to(self.device)  # [B]
         self._write_columns = write_columns.to(self.device)  # [B, L]
         self.kv_length = kv_length
-        self._first_slot = first_slot
-        self._run = None
-        self._write_index = self._bind_write_index()  # [layers, 2 B L H]
+        self._write_index, self._read_index = self._bind_indices()  # [layers, 2 B L H], [B H T_kv]
 
     def bind_run(self, slot: int, start: int, length: int) -> None:
         """Set up a forward of one row in ``slot`` whose ``length`` new tokens go to columns
-        ``[start, start + length)`` and which reads columns ``[0, start + length)``: the new
-        keys/values are copied straight into those columns and attention reads the slot in place
-        (no write index, no gather)."""
+        ``[start, start + length)`` and which reads columns ``[0, start + length)``."""
         self._check_allocated(slot)
         if start < 0 or length < 1 or start + length > self.capacity:
             raise ValueError(f"bind_run: columns [{start}, {start + length}) must lie in [0, {self.capacity})")
-        self.unbind()
-        self.kv_length = start + length
-        self._run = (slot, start, length)
+        columns = torch.arange(start, start + length, device=self.device)[None]  # [1, L]
+        self.bind(torch.tensor([slot], device=self.device), columns, start + length)
 
-    def _bind_write_index(self) -> torch.Tensor:
-        """For each layer, the rows of ``storage.view(-1, D)`` that the bound rows' new keys and
-        values go to, in ``[2 (keys, values), B, L, H]`` order: ``[layers, 2 B L H]``. One
-        ``index_copy_`` per layer then writes both (padded tokens all write their slot's trash
-        column; nothing reads it, so which of them lands there does not matter)."""
-        layers, slots = len(self.layers), self.num_slots
-        heads, columns, _ = self._shape
-        head_offsets = torch.arange(heads, device=self.device) * columns  # [H]
-        within_layer = (self._slots[:, None, None] * (heads * columns) + head_offsets
-                        + self._write_columns[:, :, None])  # [B, L, H]
+    def decode_rows(self, slot: int, column: int) -> torch.Tensor:
+        """For a one-token forward of ``slot`` writing ``column``: the block under the column made
+        the slot's own (allocated, or copied where shared), then the storage row of every column of
+        the slot ``[capacity]`` (the trash row where no block backs it; a CUDA graph's input)."""
+        self._check_allocated(slot)
+        self._writable(slot, {column})
+        columns = torch.arange(self.capacity, device=self.device)[None]  # [1, capacity]
+        return self._physical(torch.tensor([slot], device=self.device), columns)[0]  # [capacity]
+
+    def _physical(self, slots: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """Storage rows of ``columns`` ``[B, N]`` of ``slots`` ``[B]``: the trash row where a
+        column is ``capacity`` or no block backs it -> ``[B, N]``."""
+        index = (columns // self.block_size).clamp_(max=self.blocks_per_slot - 1)  # [B, N]
+        blocks = self.block_tables[slots[:, None], index]  # [B, N]
+        rows = blocks * self.block_size + columns % self.block_size  # [B, N]
+        return torch.where((blocks >= 0) & (columns < self.capacity), rows, self.trash)
+
+    def _bind_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``storage.view(-1, D)`` the bound rows write, per layer in ``[2 (keys,
+        values), B, L, H]`` order ``[layers, 2 B L H]``, and the rows of one layer's
+        ``[H * rows, D]`` view they read, in ``[B, H, T_kv]`` order ``[B H T_kv]``."""
+        layers, rows = len(self.layers), self.trash + 1
+        heads = torch.arange(self.heads, device=self.device) * rows  # [H]
+        written = self._physical(self._slots, self._write_columns)  # [B, L]
+        within_layer = written[:, :, None] + heads  # [B, L, H]
         layer_offsets = (torch.arange(2, device=self.device)[None, :] * layers
-                         + torch.arange(layers, device=self.device)[:, None]) * (slots * heads * columns)  # [layers, 2]
-        return (layer_offsets[:, :, None, None, None] + within_layer).view(layers, -1)
+                         + torch.arange(layers, device=self.device)[:, None]) * (self.heads * rows)  # [layers, 2]
+        write_index = (layer_offsets[:, :, None, None, None] + within_layer).view(layers, -1)
+        kv_columns = torch.arange(self.kv_length, device=self.device).expand(self._slots.shape[0], -1)  # [B, T_kv]
+        read = self._physical(self._slots, kv_columns)  # [B, T_kv]
+        return write_index, (read[:, None, :] + heads[:, None]).view(-1)
 
     def unbind(self) -> None:
         """Forget the bound rows (``update`` then refuses to run)."""
         self._slots: torch.Tensor | None = None
         self._write_columns: torch.Tensor | None = None
         self._write_index: torch.Tensor | None = None
+        self._read_index: torch.Tensor | None = None
         self.kv_length = 0
-        self._first_slot: int | None = None
-        self._run: tuple[int, int, int] | None = None  # bind_run's (slot, start, length)
 
     def write_and_gather(
         self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, H, L, D]`` new keys/values of layer ``layer_idx`` to the bound columns of
         the bound slots; return that layer's ``[B, H, T_kv, D]`` keys and values of those slots."""
-        if self._run is not None:
-            return self._write_and_read_run(layer_idx, key_states, value_states)
         if self._slots is None:
-            raise RuntimeError("SlotKVCache.update called with no rows bound; call bind() before the forward")
+            raise RuntimeError("PagedKVCache.update called with no rows bound; call bind() before the forward")
         if key_states.shape[0] != self._slots.shape[0] or key_states.shape[2] != self._write_columns.shape[1]:
             raise ValueError(f"update: key_states {tuple(key_states.shape)} do not match the bound rows "
                              f"[B={self._slots.shape[0]}, L={self._write_columns.shape[1]}]")
-        batch = self._slots.shape[0]
-        # Keys and values in one copy: [2, B, L, H, D] rows of storage's [..., D] rows (see _bind_write_index).
+        # Keys and values in one copy: [2, B, L, H, D] rows of storage's [..., D] rows (see _bind_indices).
         written = torch.stack((key_states.transpose(1, 2), value_states.transpose(1, 2))).to(self.dtype)
-        self.storage.view(-1, self.storage.shape[-1]).index_copy_(
-            0, self._write_index[layer_idx], written.view(-1, written.shape[-1]))
+        self.storage.view(-1, self.head_dim).index_copy_(
+            0, self._write_index[layer_idx], written.view(-1, self.head_dim))
         read = []
-        for kind in range(2):
-            layer = self.storage[kind, layer_idx]  # [S, H, capacity + 1, D]
-            if self._first_slot is not None:  # a view: no copy
-                read.append(layer[self._first_slot : self._first_slot + batch, :, : self.kv_length])  # [B, H, T_kv, D]
-            else:
-                gathered = self._gather_views(batch)[kind]  # [B, H, T_kv, D]
-                read.append(torch.index_select(layer[:, :, : self.kv_length], 0, self._slots, out=gathered))
-        return read[0], read[1]
-
-    def _write_and_read_run(
-        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`write_and_gather` of a :meth:`bind_run` row: ``[1, H, L, D]`` new keys/values
-        copied into their columns; ``[1, H, T_kv, D]`` views of the slot returned."""
-        slot, start, length = self._run
-        if key_states.shape[0] != 1 or key_states.shape[2] != length:
-            raise ValueError(f"update: key_states {tuple(key_states.shape)} do not match the bound run [B=1, L={length}]")
-        read = []
-        for kind, states in enumerate((key_states, value_states)):
-            layer = self.storage[kind, layer_idx]  # [S, H, capacity + 1, D]
-            layer[slot, :, start : start + length].copy_(states[0])  # [H, L, D]
-            read.append(layer[slot : slot + 1, :, : self.kv_length])  # [1, H, T_kv, D]
+        for kind, gathered in enumerate(self._gather_views(self._slots.shape[0])):
+            layer = self.storage[kind, layer_idx].view(-1, self.head_dim)  # [H * rows, D]
+            torch.index_select(layer, 0, self._read_index, out=gathered.view(-1, self.head_dim))
+            read.append(gathered)  # [B, H, T_kv, D]
         return read[0], read[1]
 
     def _gather_views(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values views ``[B, H, T_kv, D]`` into the reused gather buffer (valid until
         the next layer's ``update``: only that layer's attention reads them)."""
-        heads, _, head_dim = self._shape
-        shape = (batch, heads, self.kv_length, head_dim)
-        size = batch * heads * self.kv_length * head_dim
+        shape = (batch, self.heads, self.kv_length, self.head_dim)
+        size = batch * self.heads * self.kv_length * self.head_dim
         if self._gather_buffer.shape[1] < size:  # doubling: contexts grow a column per decoded token
             grown = max(size, 2 * self._gather_buffer.shape[1])
             self._gather_buffer = torch.empty((2, grown), dtype=self.dtype, device=self.device)

@@ -20,7 +20,7 @@ runs the same computation with less around it:
   masks come ready from :func:`actors.model.layer_masks.layer_masks`;
 * each layer is two plain functions over its packed weights (norm + q/k/v + rotary; o_proj +
   residual + norm + MLP + residual) around the cache write (keys and values in one copy,
-  :meth:`actors.model.kv_cache.SlotKVCache.write_and_gather`) and attention;
+  :meth:`actors.model.kv_cache.PagedKVCache.write_and_gather`) and attention;
 * on CPU in float32, and in bfloat16 where oneDNN has bf16 kernels for the CPU
   (:data:`ONEDNN_DTYPES`), the layers' and the head's GEMMs go through oneDNN's matmul
   (:func:`_linear`) over a copy of their weights reordered into oneDNN's blocked layout, what
@@ -150,7 +150,7 @@ def lean_support(model: Any, architecture: Architecture) -> str | None:
 
 class LeanDecoder:
     """The decoder forward of a :data:`LEAN_FAMILIES` model over a bound
-    :class:`actors.model.kv_cache.SlotKVCache` (see the module doc)."""
+    :class:`actors.model.kv_cache.PagedKVCache` (see the module doc)."""
 
     def __init__(self, model: Any, architecture: Architecture):
         reason = lean_support(model, architecture)
@@ -229,12 +229,12 @@ class LeanDecoder:
         """Run ``tokens`` new tokens through this path and through ``model``'s own decoder over a
         scratch one-slot cache -> the largest difference of their hidden states, relative to
         their largest magnitude (a variant this path does not reproduce shows here, at load)."""
-        from actors.model.kv_cache import SlotKVCache
+        from actors.model.kv_cache import PagedKVCache
         from actors.model.layer_masks import layer_masks
 
         device = self.embed_tokens.weight.device
-        cache = SlotKVCache.from_config(model.config, capacity=tokens, max_slots=1, initial_slots=1,
-                                        dtype=self.embed_tokens.weight.dtype, device=device)
+        cache = PagedKVCache.from_config(model.config, capacity=tokens, max_slots=1,
+                                         dtype=self.embed_tokens.weight.dtype, device=device)
         generator = torch.Generator().manual_seed(0)
         input_ids = torch.randint(0, self.embed_tokens.num_embeddings, (1, tokens), generator=generator).to(device)
         positions = torch.arange(tokens, device=device)[None]  # [1, L]

@@ -72,6 +72,11 @@ class WorkerEngine:
         # Called with the error when the device broke mid-step (actors.model.device_health); the
         # model worker ends its process there, for Ray to restart it. None: the error raises on.
         self.on_device_broken: Callable[[DeviceBrokenError], None] | None = None
+        self.preemptions_total = 0  # sessions whose KV blocks went back to the pool (recomputed later)
+        self._step_started = 0.0  # time.monotonic() when the running step began
+        cache = getattr(backend, "cache", None)
+        if cache is not None and hasattr(cache, "reclaim"):
+            cache.reclaim = self._reclaim
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters: seconds in forward passes and in step calls, steps, forward
@@ -87,7 +92,33 @@ class WorkerEngine:
             "prompt_tokens_total": self.prefix_cache.prompt_tokens_total,
             "prefix_reused_tokens_total": self.prefix_cache.reused_tokens_total,
             "lean_forward_failures_total": getattr(getattr(self.backend, "lean_failures", None), "total", 0),
+            "preemptions_total": self.preemptions_total,
+            **self.block_counts(),
         }
+
+    def block_counts(self) -> dict[str, int]:
+        """``kv_blocks_used`` / ``kv_blocks_free`` (free, or held only by freed slots) of the KV
+        block pool; empty for a backend without one."""
+        counts = getattr(self.backend, "block_counts", None)
+        if counts is None:
+            return {}
+        with self.sessions.lock:  # not while a step changes the tables
+            blocks = counts()
+        return {"kv_blocks_used": blocks["used"], "kv_blocks_free": blocks["free"] + blocks["cached"]}
+
+    def _reclaim(self) -> bool:
+        """The KV pool ran dry inside a step: preempt the least recently used open session with no
+        item in this step (the coordinator paused its request, or it has ended and waits for its
+        release). Its blocks go back and its session keeps its committed context and random
+        streams, so when it runs again it recomputes the same keys from its tokens and draws on
+        as if nothing happened. -> whether there was one."""
+        for session in self.sessions.idle(self._step_started):
+            if self.backend.cache.held_blocks(session.slot):
+                session.base, session.chains = 0, []
+                self.backend.truncate(session.slot, 0)
+                self.preemptions_total += 1
+                return True
+        return False
 
     def prompt_logits(self, session_id: str, prompt_ids: Sequence[int], vocab_limit: int | None = None) -> torch.Tensor:
         """The raw logits ``[P - 1, V]`` (float32, the first ``vocab_limit`` ids) at every
@@ -145,6 +176,7 @@ class WorkerEngine:
         self, items: Sequence[WorkItem], releases: Sequence[str], source_payloads: Sequence[Sequence[Any]]
     ) -> tuple[list[ItemOutcome], list[Any]]:
         """The body of :meth:`run_step` (under the session lock)."""
+        self._step_started = time.monotonic()  # the step's sessions are used from now on (not preempted)
         for session_id in releases:
             self.sessions.release(session_id)
         return Step(self, items, source_payloads).run()

@@ -31,7 +31,7 @@ from actors.worker.allocator import keep_freed_memory
 from actors.worker.cpu_binding import bind_process, current_cores, torch_thread_count
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
-from actors.messages import FailedSource, ItemOutcome, OpenSession, WorkerInfo, WorkItem
+from actors.messages import FailedSource, ItemOutcome, KVPool, OpenSession, WorkerInfo, WorkItem
 from actors.worker.peer_link import LinkCall, PeerLink, PeerLinkAddress, PeerLinkError, PeerLinkServer
 from actors.model.simulated_device import on_simulated_device
 from actors.vocabulary import load_tokenizer_identity
@@ -194,6 +194,7 @@ class ModelWorker:
             max_context=self.backend.max_context,
             device=self.device,
             kv_slots=int(self.backend.max_slots),
+            kv_pool=self._kv_pool(),
             gpu_ids=self._gpu_ids(),
             node_id=node_id,
             pid=os.getpid(),
@@ -212,6 +213,13 @@ class ModelWorker:
         for handler in logging.getLogger().handlers:
             handler.flush()
         _exit_process(DEVICE_BROKEN_EXIT_STATUS)
+
+    def _kv_pool(self) -> KVPool | None:
+        """The backend's KV block pool (None: a backend without one)."""
+        cache = getattr(self.backend, "cache", None)
+        if not hasattr(cache, "num_blocks"):
+            return None
+        return KVPool(blocks=int(cache.num_blocks), block_size=int(cache.block_size), reserve=SCRATCH_COLUMNS)
 
     # ------------------------------------------------------------------ the step
     def run_step(

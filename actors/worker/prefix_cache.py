@@ -2,21 +2,22 @@
 
 Every cache slot's columns ``[0, n)`` hold the keys/values of some token sequence: a live
 session's committed linear part (``context[:base]``, :mod:`actors.worker.sessions`), or what a
-released session's slot still holds (nothing writes a free slot: a filler row of an in-place
-forward touches only its trash column, :mod:`actors.model.batch`). A new session's prompt is matched
+parked record's slot holds (nothing writes a free slot). A new session's prompt is matched
 against all of them; the longest common prefix, at most the prompt minus its last token (which
-always stays pending, so the first forward still yields the next row), is copied into the new
-session's slot (every layer, one copy) instead of being computed again. A causal LM's key/value
-at column ``j`` is a function of tokens ``0..j`` at positions ``0..j`` alone, so the copied
-entries are what a prefill would compute (up to the float rounding of a different batch shape,
-as for any batched row); the tests compare rows after a reuse with a fresh prefill.
+always stays pending, so the first forward still yields the next row), is given to the new
+session's slot instead of being computed again: its full blocks shared by reference count, the
+last partial one copied (:meth:`actors.model.kv_cache.PagedKVCache.copy_prefix`; a later write
+into a shared block copies it first). A causal LM's key/value at column ``j`` is a function of
+tokens ``0..j`` at positions ``0..j`` alone, so the shared entries are what a prefill would
+compute (up to the float rounding of a different batch shape, as for any batched row); the
+tests compare rows after a reuse with a fresh prefill.
 
-Released slots are *parked*: what a released session's slot holds is copied to the free slot
+Released slots are *parked*: what a released session's slot holds is shared with the free slot
 with no record (highest first) or with the least recently used record, never the lowest free
-slot while there is another, away from the low slots that new sessions get (the cache hands
-out the lowest free slot, which keeps live sessions in a run that attention reads in place). A
-parked record lives until its slot is handed out; a record that another record already
-contains is not parked twice.
+slot while there is another, away from the low slots that new sessions get. A parked record
+lives until its slot is handed out or the pool takes its blocks back (it then holds fewer
+columns: :meth:`~actors.model.kv_cache.PagedKVCache.held_columns`); a record that another
+record already contains is not parked twice.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class PrefixCache:
         donor, length = self._best_donor(prompt, live) if self.enabled and reuse else (None, 0)
         slot = self.backend.allocate()
         self.records.pop(slot, None)
+        self.backend.truncate(slot, length if donor == slot else 0)  # its stale blocks go back
         if donor is None:
             return slot, 0
         if donor != slot:
@@ -73,31 +75,32 @@ class PrefixCache:
         """Free ``slot``, whose columns ``[0, len(held))`` hold ``held``; park that record."""
         self.backend.free(slot)
         held = tuple(int(t) for t in held)
-        if not self.enabled or len(held) < self.min_tokens:
-            return
-        if any(record[: len(held)] == held for record in self.records.values()):
-            return  # already held by a parked record
-        parking = self._parking_slot()
-        if parking is None:
-            return
-        if parking != slot:
-            self.backend.copy_prefix(slot, parking, len(held))
-        self.records.pop(parking, None)
-        self.records[parking] = held  # the most recently used
+        parking = self._parking_slot(held)
+        if parking is not None and parking != slot:
+            self.backend.copy_prefix(slot, parking, len(held))  # shares its full blocks
+        self.backend.truncate(slot, len(held) if parking == slot else 0)
+        if parking is not None:
+            self.records.pop(parking, None)
+            self.records[parking] = held  # the most recently used
 
     def _best_donor(self, prompt: Sequence[int], live: Iterable[tuple[int, Sequence[int]]]) -> tuple[int | None, int]:
         """The slot holding the longest prefix of ``prompt`` (capped at all but its last token)."""
         limit = len(prompt) - 1
         donor, best = None, self.min_tokens - 1
         for slot, held in itertools.chain(self.records.items(), live):
-            length = common_prefix(held[:limit], prompt)
+            length = common_prefix(held[: min(limit, self.backend.held_columns(slot))], prompt)
             if length > best:
                 donor, best = slot, length
         return (donor, best) if donor is not None else (None, 0)
 
-    def _parking_slot(self) -> int | None:
-        """A free slot without a record (highest first), else the least recently used record's;
-        never the lowest free slot while there is another (it is the next one handed out)."""
+    def _parking_slot(self, held: tuple[int, ...]) -> int | None:
+        """Where to park ``held`` (None: not worth it, or already held by a record): a free slot
+        without a record (highest first), else the least recently used record's; never the
+        lowest free slot while there is another (it is the next one handed out)."""
+        if not self.enabled or len(held) < self.min_tokens:
+            return None
+        if any(record[: len(held)] == held for record in self.records.values()):
+            return None  # already held by a parked record
         free = self.backend.free_slots()  # lowest first
         candidates = free[1:] or free
         empty = [slot for slot in candidates if slot not in self.records]

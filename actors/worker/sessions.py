@@ -144,6 +144,11 @@ class SessionStore:
                 self.slots.release(session.slot, session.context[: session.base])
             return session is not None
 
+    def idle(self, before: float) -> list[Session]:
+        """Open sessions last used before ``before`` (``time.monotonic``), least recently used first."""
+        with self.lock:
+            return sorted((s for s in self._sessions.values() if s.last_used < before), key=lambda s: s.last_used)
+
     def ids(self) -> list[str]:
         with self.lock:
             return sorted(self._sessions)

@@ -65,6 +65,7 @@ def need_task(item: WorkItem, session: Session, source_payloads: Sequence[Sequen
     ``source_payloads``."""
     need = item.need
     pending = session.sync(need.append, backend.copy_columns)
+    backend.truncate(session.slot, session.base)  # rollback: the blocks past the kept columns go back
     if isinstance(need, Sample):
         if need.count < 1 or need.num_drafts < 1:
             raise ValueError(f"count and num_drafts must be >= 1, got {need.count}, {need.num_drafts}")

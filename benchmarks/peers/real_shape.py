@@ -8,7 +8,7 @@ enough for this CPU (:data:`TARGET_SHAPE`, :data:`DRAFT_SHAPE`). Random weights 
 acceptance rate meaningless (both models are nearly uniform over the vocabulary); the costs are
 what this measures. Sections (medians of ``--repeats``, one torch thread, cases interleaved):
 
-1. **KV memory:** bytes per token and per slot, the slots ``--kv-cache-memory`` holds at
+1. **KV memory:** bytes per token and per slot, the blocks ``--kv-cache-memory`` holds at
    ``max_model_len`` = the model's 32,768, and the worker's resident memory after loading.
 2. **Grouped attention:** the target's forward with the grouped keys/values read in place
    (``actors.model.grouped_attention``) against transformers' sdpa, which repeats them per layer.
@@ -97,10 +97,10 @@ def memory_section(path: pathlib.Path, kv_cache_memory: int) -> tuple[list[str],
     config = backend.model.config
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4
     lines = [
-        "| KV bytes per token | slot (32,768 + scratch columns) | budget | slots | resident after load |",
+        "| KV bytes per token | slot (32,768 + scratch columns) | budget | blocks x tokens | resident after load |",
         "|---:|---:|---:|---:|---:|",
         f"| {per_token:,} | {backend.slot_bytes / 2**20:,.1f} MiB | {kv_cache_memory / 2**30:.2f} GiB | "
-        f"{backend.max_slots} | {(after - before) / 2**20:,.0f} MiB |",
+        f"{backend.cache.num_blocks:,} x {backend.cache.block_size} | {(after - before) / 2**20:,.0f} MiB |",
     ]
     return lines, backend
 

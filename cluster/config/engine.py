@@ -73,8 +73,8 @@ class EngineArgs(Frozen):
     kv_cache_memory: MemoryBudget | None = Field(
         None,
         description="Each model worker's KV cache, allocated at start: bytes, or on a GPU a fraction of the memory free after"
-        " the weights; its whole-context slots cap the running requests (docs/models.md). Unset: 0.9 on a GPU; on"
-        " CPU 2 x limits.max_concurrent_requests + 4 slots.",
+        " the weights; a pool of KV blocks that requests run in while they fit (docs/models.md). Unset: 0.9 on a GPU;"
+        " on CPU 2 x limits.max_concurrent_requests + 4 whole slots.",
     )
     max_model_len: int | None = Field(
         None, ge=2,
@@ -112,7 +112,7 @@ class EngineArgs(Frozen):
     prefix_caching: bool = Field(
         True,
         description="A new request reuses the keys/values of the longest prompt prefix its worker holds (an open request's, "
-        "or a finished request's parked slot); output unchanged.",
+        "or a finished request's parked blocks); output unchanged.",
     )
     sampling_precision: Literal["auto", "float32", "float64"] = Field(
         "auto",

@@ -99,6 +99,17 @@ class FunctionBackend:
         for column in range(length):
             target[column] = source[column]  # a KeyError: the prefix cache copied columns nothing wrote
 
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget every column from ``length`` on (as the paged cache gives back its blocks), so
+        a later read of one fails here."""
+        stored = self.columns.get(slot, {})
+        for column in [c for c in stored if c >= length]:
+            del stored[column]
+
+    def held_columns(self, slot: int) -> int:
+        stored = self.columns.get(slot, {})
+        return next(n for n in range(len(stored) + 1) if n not in stored)
+
     def copy_columns(self, slot: int, src, dst) -> None:
         stored = self.columns[slot]
         values = [stored[c] for c in src]

@@ -182,10 +182,10 @@ def test_a_chunked_prefill_writes_the_keys_values_and_row_of_a_one_shot_prefill(
     assert steps == 5  # 299 tokens in chunks of 64
     chunked = llama.run_step([WorkItem("chunked", NextLogits("target", ()))])[0][0]
     assert (chunked.value - one_shot.value).abs().max().item() < 1e-5  # [V]
-    storage, sessions = llama.backend.cache.storage, llama.engine.sessions  # [2, layers, S, H, capacity + 1, D]
+    cache, sessions = llama.backend.cache, llama.engine.sessions
     one_shot_slot, chunked_slot = (sessions.get(name).slot for name in ("one-shot", "chunked"))
-    columns = slice(0, len(prompt))  # the prompt's keys/values, the last token's from NextLogits
-    difference = storage[:, :, one_shot_slot, :, columns] - storage[:, :, chunked_slot, :, columns]
+    columns = range(len(prompt))  # the prompt's keys/values, the last token's from NextLogits
+    difference = cache.read_columns(one_shot_slot, columns) - cache.read_columns(chunked_slot, columns)  # [2, layers, H, n, D]
     assert difference.abs().max().item() < 1e-5
     llama.release("one-shot")
     llama.release("chunked")

@@ -1,7 +1,8 @@
-"""Admission by free KV cache slots, through Ray on tiny real Llamas: workers sized by
-``engine.kv_cache_memory`` to two slots each make the coordinator run two requests at once
-(``limits.max_concurrent_requests`` is 16); six concurrent requests all finish (the others wait,
-none fails for a full cache), and a request past ``engine.max_model_len`` gets a 400 naming it."""
+"""Admission by free KV blocks, through Ray on tiny real Llamas: workers whose
+``engine.kv_cache_memory`` holds the blocks of two and a half whole slots each make the
+coordinator run as many requests as their blocks fit (two here; ``limits.max_concurrent_requests``
+is 16); six concurrent requests all finish (the others wait, none fails for a full cache),
+``/v1/status`` shows the blocks, and a request past ``engine.max_model_len`` gets a 400 naming it."""
 
 from __future__ import annotations
 
@@ -50,10 +51,14 @@ async def _collect(coordinator, request):
     return [await ref async for ref in coordinator.generate.options(num_returns="streaming").remote(request)]
 
 
-def test_workers_report_their_slots_and_the_coordinator_runs_that_many(slot_group):
+def test_workers_report_their_blocks(slot_group):
     described = ray.get(slot_group.coordinator.describe.remote())
-    assert described["kv_slots"] == {"target": SLOTS, "draft": SLOTS}
-    assert described["max_running"] == SLOTS
+    assert described["kv_slots"] == {"target": 36, "draft": 36}  # sessions (bringup.worker_sessions)
+    assert described["max_running"] == 16
+    blocks = -(-(MAX_MODEL_LEN + SCRATCH_COLUMNS) // 16) * SLOTS + -(-(MAX_MODEL_LEN + SCRATCH_COLUMNS) // 16) // 2
+    assert {name: sum(counts.values()) for name, counts in described["kv_blocks"].items()} == {"target": blocks,
+                                                                                              "draft": blocks}
+    assert described["preemptions"] == 0
     assert {info["max_context"] for info in described["models"].values()} == {MAX_MODEL_LEN}
 
 

@@ -9,8 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from actors.model.backends import SlotBackend
-from actors.model.batch import (RowWork, RunAttend, build_batch, chains_row, is_causal_run, linear_row,
-                                reads_in_place)
+from actors.model.batch import (RowWork, RunAttend, build_batch, chains_row, is_causal_run, linear_row)
 from models import resolve_model_path
 
 ATOL = 1e-4  # float32: batched vs per-row attention differ by rounding only
@@ -242,58 +241,6 @@ def test_k_drafts_in_one_row_then_keep_the_winner(backend, slots):
 
 
 # -- reading the slots in place --------------------------------------------------------------
-
-
-def test_reads_in_place_for_a_run_of_slots_and_few_short_fillers():
-    """A run of slots always; gaps only in short-row forwards, at most one filler per four rows."""
-    one = [linear_row(slot, 3, [1], 3, [0]) for slot in (4, 5, 6, 7)]
-    assert reads_in_place(one)
-    assert reads_in_place([linear_row(9, 0, list(range(40)), 0, [39])])  # one prefill: a run of one
-    gap = [linear_row(slot, 3, [1], 3, [0]) for slot in (0, 1, 3, 4)]  # slot 2 missing
-    assert reads_in_place(gap)
-    assert not reads_in_place(gap[:3])  # 1 filler for 3 rows
-    long_gap = [linear_row(slot, 0, list(range(20)), 0, [19]) for slot in (0, 1, 3, 4)]
-    assert not reads_in_place(long_gap)  # a filler would cost a padded 20-token row
-
-
-def test_build_batch_in_place_lays_rows_out_by_slot_with_fillers():
-    """Batch row b is slot first_slot + b; a filler writes only the trash column and sees only
-    column 0; the kept logits come back in the given rows' order through row_order."""
-    rows = [linear_row(5, 2, [7, 8], 2, [1]), linear_row(3, 4, [9], 4, [0]), linear_row(6, 1, [4], 1, [0])]
-    batch = build_batch(rows, capacity=10, in_place=True)
-    assert batch.first_slot == 3
-    assert batch.slots.tolist() == [3, 4, 5, 6]  # slot 4 is a filler
-    assert batch.row_order == (1, 0, 2)
-    assert batch.keep_counts == (1, 1, 1)
-    assert batch.write_columns[1].tolist() == [10, 10]  # the filler: trash column only
-    assert batch.input_ids[1].tolist() == [0, 0]
-    filler_mask = batch.attention_mask[1, 0]  # [L, T_kv]
-    assert filler_mask[:, 0].all() and not filler_mask[:, 1:].any()
-    gathered = build_batch(rows, capacity=10)
-    assert gathered.first_slot is None and gathered.row_order == (0, 1, 2)
-    assert torch.equal(batch.attention_mask[[2, 0, 3]], gathered.attention_mask)  # the real rows' masks
-
-
-def test_in_place_forward_matches_gathered_rows_and_spares_the_filler_slot(backend, slots):
-    """Rows on slots with a gap, read in place (a filler for the gap), give the logits of the
-    gathered path and of a per-row DynamicCache; the filler's slot keeps everything it holds."""
-    generator = torch.Generator().manual_seed(3)
-    used = [slots[i] for i in (0, 1, 3, 4, 5)]  # slots[2] holds a session that is not in the forward
-    contexts = [random_tokens(generator, n) for n in (12, 7, 20, 9, 15)]
-    prefill(backend, used, contexts)
-    prefill(backend, [slots[2]], [random_tokens(generator, 10)])
-    bystander = backend.cache.storage[:, :, slots[2], :, : backend.capacity].clone()  # [2, layers, H, C, D]
-    news = [random_tokens(generator, n) for n in (1, 3, 2, 1, 4)]
-    rows = [linear_row(s, len(c), t, len(c), range(len(t))) for s, c, t in zip(used, contexts, news)]
-    assert reads_in_place(rows)
-    in_place = backend.forward(list(reversed(rows)))[::-1]  # any row order
-    assert torch.equal(backend.cache.storage[:, :, slots[2], :, : backend.capacity], bystander)
-    for context, new, logits in zip(contexts, news, in_place):
-        assert_close(logits, reference_logits(backend, context, new))
-    far_apart = [rows[0], rows[4]]  # slots[0] and slots[5]: 4 fillers for 2 rows, so gathered
-    assert not reads_in_place(far_apart)
-    for gathered, expected in zip(backend.forward(far_apart), (in_place[0], in_place[4])):
-        assert_close(gathered, expected)  # the same columns written again, read through the gather
 
 
 def test_forward_refuses_unallocated_slot(backend):

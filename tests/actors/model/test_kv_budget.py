@@ -1,5 +1,5 @@
-"""KV cache slots from a memory budget (actors/model/kv_budget.py): what a slot costs equals what the
-cache allocates, how many slots a budget holds, the start-up refusal naming the numbers,
+"""KV cache blocks from a memory budget (actors/model/kv_budget.py): what a slot costs equals what the
+cache allocates, how many blocks a budget holds (and how many requests they run), the start-up refusal naming the numbers,
 max_model_len, the default dtype, a real worker sized by its budget, and the running limit the
 coordinator derives from the workers' slot counts."""
 
@@ -20,7 +20,7 @@ from actors.model.kv_budget import (
     slot_bytes,
     worker_kv_cache_memory,
 )
-from actors.model.kv_cache import SlotKVCache
+from actors.model.kv_cache import PagedKVCache
 from actors.messages import WorkerInfo
 from actors.worker.model_worker import SCRATCH_COLUMNS, ModelWorker
 from cluster.config import ModelSpec
@@ -32,30 +32,49 @@ CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slot_bytes_equal_the_allocated_storage(dtype):
     slots, capacity = 3, 40
-    cache = SlotKVCache.from_config(CONFIG, capacity=capacity, max_slots=slots, initial_slots=slots, dtype=dtype)
-    allocated = cache.storage.numel() * cache.storage.element_size()  # [2, layers, S, H, capacity + 1, D]
-    assert SlotKVCache.slot_bytes(CONFIG, capacity, dtype) * slots == allocated
-    # 3 layers x 2 x 2 kv heads x 16 head dim x 41 columns x bytes
-    assert slot_bytes(CONFIG, capacity, dtype) == 3 * 2 * 2 * 16 * 41 * dtype.itemsize
+    cache = PagedKVCache.from_config(CONFIG, capacity=capacity, max_slots=slots, dtype=dtype)
+    assert PagedKVCache.slot_bytes(CONFIG, capacity, dtype) * slots == cache.pool_bytes
+    # 3 layers x 2 x 2 kv heads x 16 head dim x 48 columns (3 blocks of 16) x bytes
+    assert slot_bytes(CONFIG, capacity, dtype) == 3 * 2 * 2 * 16 * 48 * dtype.itemsize
 
 
 def test_sliding_models_also_pay_for_column_positions():
     config = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                            intermediate_size=128, vocab_size=300, sliding_window=16)
-    assert slot_bytes(config, 40, torch.float32, sliding=True) == SlotKVCache.slot_bytes(config, 40, torch.float32) + 41 * 8
+    assert slot_bytes(config, 40, torch.float32, sliding=True) == PagedKVCache.slot_bytes(config, 40, torch.float32) + 41 * 8
 
 
-def test_a_byte_budget_holds_whole_slots():
+def test_a_byte_budget_holds_as_many_blocks_as_it_fits():
+    """3.5 slots of 7 blocks each: 24 blocks, for the given number of sessions."""
     per_slot = slot_bytes(CONFIG, 100, torch.float32)
-    slots, bytes_per_slot = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32,
-                                          device="cpu", kv_cache_memory=int(3.5 * per_slot), default_slots=99)
-    assert (slots, bytes_per_slot) == (3, per_slot)
+    block = PagedKVCache.block_bytes(CONFIG, 16, torch.float32)
+    assert per_slot == 7 * block  # 100 columns: 7 blocks of 16
+    plan = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32,
+                         device="cpu", kv_cache_memory=int(3.5 * per_slot), default_slots=99)
+    assert plan == (99, per_slot, 24)
+
+
+def test_512_mib_run_forty_requests_of_1000_tokens_of_the_real_shape_target():
+    """The Qwen2.5-shaped target of benchmarks/peers/real_shape.py (6 layers, 2 kv heads x 32, a
+    32,768-token context): 512 MiB hold 5 whole slots but blocks for more than 40 requests of
+    1,000 tokens (+ 8 generated, + 288 scratch columns), as the coordinator counts them."""
+    from transformers import Qwen2Config
+
+    from actors.messages import KVPool
+    from benchmarks.peers.real_shape import CONTEXT, TARGET_SHAPE
+
+    config = Qwen2Config(**TARGET_SHAPE, vocab_size=4352, max_position_embeddings=CONTEXT)
+    capacity = CONTEXT + SCRATCH_COLUMNS
+    _, per_slot, blocks = plan_kv_slots(config, model="real-shape", max_model_len=CONTEXT, capacity=capacity,
+                                        dtype=torch.float32, device="cpu", kv_cache_memory=512 * 2**20, default_slots=64)
+    assert 512 * 2**20 // per_slot == 5 and blocks == 10_922
+    assert blocks // KVPool(blocks, 16, SCRATCH_COLUMNS).blocks_for(1008) >= 40
 
 
 def test_no_budget_keeps_the_given_slot_count():
-    slots, _ = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32, device="cpu",
-                             kv_cache_memory=None, default_slots=36)
-    assert slots == 36
+    slots, _, blocks = plan_kv_slots(CONFIG, model="m", max_model_len=80, capacity=100, dtype=torch.float32, device="cpu",
+                                     kv_cache_memory=None, default_slots=36)
+    assert (slots, blocks) == (36, 36 * 7)  # whole slots
     assert worker_kv_cache_memory(None, "cpu") is None
     assert worker_kv_cache_memory(None, "cuda") == DEFAULT_GPU_FRACTION
     assert worker_kv_cache_memory(1 << 30, "cuda") == 1 << 30
@@ -68,7 +87,7 @@ def test_a_budget_below_one_slot_is_refused_naming_the_numbers():
                       kv_cache_memory=per_slot - 1, default_slots=4)
     message = str(error.value)
     for part in ("'tiny-llama'", f"{per_slot - 1} bytes", f"{per_slot} bytes", "max_model_len=80",
-                 "engine.kv_cache_memory", "3 layers x 2 x 2 kv heads x 16 head dim x 101 columns x 4 bytes"):
+                 "engine.kv_cache_memory", "3 layers x 2 x 2 kv heads x 16 head dim x 112 columns x 4 bytes"):
         assert part in message, (part, message)
 
 
@@ -118,10 +137,12 @@ def test_a_worker_holds_what_its_budget_fits(tiny_checkpoints):
         worker = ModelWorker(_spec(tiny_checkpoints["target"]), max_sessions=64, max_model_len=100,
                              kv_cache_memory=5 * per_slot + per_slot // 2)
         cache = worker.backend.cache
-        assert worker.backend.max_slots == cache.num_slots == 5
-        assert cache.storage.numel() * cache.storage.element_size() == 5 * per_slot
+        assert worker.backend.max_slots == cache.num_slots == 64  # sessions; the pool holds the blocks
+        blocks_per_slot = -(-(100 + SCRATCH_COLUMNS) // cache.block_size)
+        assert cache.num_blocks == 5 * blocks_per_slot + blocks_per_slot // 2
+        assert cache.pool_bytes <= 5 * per_slot + per_slot // 2
         info = worker.info()
-        assert (info.kv_slots, info.max_context) == (5, 100)
+        assert (info.kv_slots, info.max_context, info.kv_pool.blocks) == (64, 100, cache.num_blocks)
         with pytest.raises(KVCacheBudgetError, match="max_model_len=100"):
             ModelWorker(_spec(tiny_checkpoints["target"]), max_model_len=100, kv_cache_memory=per_slot - 1)
     finally:

@@ -110,7 +110,7 @@ def test_one_kv_budget_is_split_by_what_a_request_holds_on_each_model(tiny_check
             cache = worker.backend.cache
             assert worker.backend.max_slots == cache.num_slots == worker.info().kv_slots == 3
             assert worker.info().forward_path == "the lean decoder (llama)"  # the tiny models are Llamas
-            assert cache.storage.numel() * cache.storage.element_size() == 3 * worker.backend.slot_bytes
+            assert cache.pool_bytes == 3 * worker.backend.slot_bytes
         with pytest.raises(KVCacheBudgetError, match="one slot in each model"):
             DeviceWorker(specs, max_model_len=100, kv_cache_memory=per_request - 1)
     finally:

@@ -18,8 +18,8 @@ def test_forward_micro_prints_every_case(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
     cases = [row.split("|")[1].strip() for row in rows[1:]]
     assert cases[0].startswith("decode run: 2 x 1")
-    assert "2 x 5, lean, every other slot (gathered)" in cases and "prefill of 131 tokens, lean" in cases
-    assert {"1 x 1, lean, slots in a run (in place)", "1 x 1, model, slots in a run (in place)"} <= set(cases)
+    assert "2 x 5, lean, every other slot" in cases and "prefill of 131 tokens, lean" in cases
+    assert {"1 x 1, lean, slots in a run", "1 x 1, model, slots in a run"} <= set(cases)
     assert all(float(row.split("|")[2]) > 0 for row in rows[1:])
 
 

@@ -21,7 +21,7 @@ def test_real_shape_prints_every_section(monkeypatch, capsys):
             "--prompt-lengths", "40,100", "--requests", "1", "--max-tokens", "4", "--engine-prompt", "64"]
     assert real_shape.main(args) == 0
     out = capsys.readouterr().out
-    assert re.search(r"\| 3,072 \| [\d.]+ MiB \| 0\.06 GiB \| \d+ \|", out)  # 6 layers x 2 x 2 heads x 32 x 4 B
+    assert re.search(r"\| 3,072 \| [\d.]+ MiB \| 0\.06 GiB \| [\d,]+ x 16 \|", out)  # 6 layers x 2 x 2 heads x 32 x 4 B
     assert len(re.findall(r"\| \d x \d \| 32 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", out)) == 3
     assert re.search(r"\| ar \| [\d.]+ \| 1\.00 \|", out) and re.search(r"\| sd \| [\d.]+ \| [\d.]+ \|", out)
     assert re.search(r"\| 100 \| [\d.]+ \|", out)

@@ -14,6 +14,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from actors.model.architectures import resolve_architecture
 from actors.model.kv_budget import context_limit, plan_kv_slots, slot_bytes
+from actors.model.kv_cache import DEFAULT_BLOCK_SIZE
 from actors.worker.model_worker import SCRATCH_COLUMNS
 from actors.worker.device_worker import shared_kv_slots
 from cluster.config.placement import resolve_placement
@@ -53,18 +54,19 @@ def _apps(path: pathlib.Path):
 
 
 def worker_plans(group) -> dict[str, tuple[int, int, int]]:
-    """Model name -> (slots, bytes per slot, context) of each worker of a frozen group."""
+    """Model name -> (whole slots its block pool holds, bytes per slot, context) of each worker of
+    a frozen group."""
     plans = {}
     for spec in group.models:
         config = _config(spec.path)
         context = context_limit(spec.max_context or config.max_position_embeddings, group.max_model_len, spec.name)
         dtype = getattr(torch, spec.dtype or "float32")  # unset: float32 on CPU
         sliding = resolve_architecture(config, spec.name).has_sliding_layers
-        slots, per_slot = plan_kv_slots(
+        _sessions, per_slot, blocks = plan_kv_slots(
             config, model=spec.name, max_model_len=context, capacity=context + SCRATCH_COLUMNS, dtype=dtype,
             device="cpu", kv_cache_memory=group.kv_cache_memory, default_slots=worker_sessions(group), sliding=sliding,
         )
-        plans[spec.name] = (slots, per_slot, context)
+        plans[spec.name] = (blocks // -(-(context + SCRATCH_COLUMNS) // DEFAULT_BLOCK_SIZE), per_slot, context)
     return _shared(group, plans)
 
 
@@ -100,8 +102,8 @@ def test_the_gpu_example_fits_an_80gb_gpu_per_worker():
     plans = worker_plans(group)
     budget = group.kv_cache_memory
     assert (budget, group.max_model_len) == (40 * 2**30, 8192)
-    # target: 32 layers x 2 x 8 kv heads x 128 head dim x 2 bytes = 128 KiB a token, 8192 + 288 + 1 columns
-    assert plans["target"] == (38, 131072 * 8481, 8192)
+    # target: 32 layers x 2 x 8 kv heads x 128 head dim x 2 bytes = 128 KiB a token, 8192 + 288 columns (530 blocks)
+    assert plans["target"] == (38, 131072 * 8480, 8192)
     for spec in group.models:
         slots, per_slot, context = plans[spec.name]
         weights = PUBLISHED[spec.path][1] * 2  # bf16
@@ -128,4 +130,4 @@ def test_the_gpu_example_at_the_models_full_context_would_hold_two_slots():
     group = args.freeze().model_copy(update={"max_model_len": None})
     slots, per_slot, context = worker_plans(group)["target"]
     assert (context, slots) == (131072, 2)
-    assert per_slot == 131072 * (131072 + SCRATCH_COLUMNS + 1)  # 16.04 GiB a slot
+    assert per_slot == 131072 * (131072 + SCRATCH_COLUMNS)  # 16.04 GiB a slot
