@@ -21,7 +21,10 @@ to the step's :class:`StepDecision` (:meth:`StepPolicy.costs`).
 step (the members' proposals, or the plain ensemble's steps) whose whole steps measured more
 tokens per second at this batch, the other probed now and then (measured on steps whose
 requests are all such requests). The machine follows it, a plain step dropping unverified
-proposals (:class:`verifiers.machines.ensemble.SpeculativeEnsembleMachine`).
+proposals (:class:`verifiers.machines.ensemble.SpeculativeEnsembleMachine`). Proposing, the
+machine chooses each member's proposal length from the member calls' measured seconds
+(:class:`actors.coordination.alternate_costs.AlternateCallCosts`, learnt from the steps whose
+needs are all member calls) and its members' acceptance (:mod:`verifiers.alternate_gammas`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from actors.coordination.alternate_costs import AlternateCallCosts, PooledRates
 from actors.coordination.cohorts import Cohort
 from actors.coordination.request_state import RequestState, board_key
 from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
@@ -40,7 +44,7 @@ from verifiers.machines.autoregressive import AutoregressiveMachine
 from verifiers.machines.base import AR_TOKENS_PER_ITERATION
 from verifiers.machines.ensemble import SpeculativeEnsembleMachine
 from verifiers.machines.ensemble_draft import EnsembleDraftMachine
-from verifiers.machines.needs import NextLogits, Sample, ScoreBlock, ScoreVerify
+from verifiers.machines.needs import Extend, NextLogits, Sample, ScoreBlock, ScoreVerify
 from verifiers.machines.speculative import SpeculativeMachine
 
 logger = logging.getLogger(__name__)
@@ -171,7 +175,10 @@ class StepPolicy:
         self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
         self.acceptance_board = AcceptanceBoard()
         self.mode_rates = ModeRates()
-        self.alternate_rates = ModeRates()  # the alternating ensembles' steps, by mode
+        self.alternate_rates = PooledRates()  # the alternating ensembles' steps, by mode
+        self.alternate_calls = AlternateCallCosts()  # their member calls' seconds
+        self._alternate_step: tuple[int, dict[str, int], list[CallReport]] | None = None  # the last, until timed
+        self._opened = False  # the last step opened a session (a prefill)
 
     # ------------------------------------------------------------------ requests
     def admit(self, request: RequestState) -> None:
@@ -197,7 +204,7 @@ class StepPolicy:
     def bind(self, request: RequestState, decision: StepDecision) -> None:
         """Point ``request``'s machine at the costs of a step decided as ``decision``."""
         if isinstance(request.machine, SpeculativeEnsembleMachine):
-            request.machine.step_costs = functools.partial(alternate_costs, decision)
+            request.machine.step_costs = functools.partial(self.alternate_costs, request.machine, decision)
         else:
             request.machine.step_costs = functools.partial(self.costs, request.machine, decision)
 
@@ -352,18 +359,29 @@ class StepPolicy:
         speculative = costed_step(needs)
         if speculative is not None:
             self.cost_model.observe_step(batch, reports, wall_s, speculative=speculative)
+        self._alternate_step = None
+        self._opened = not all(report.uniform for report in reports)  # a prefill's step stands for no mode
+        if needs and all(isinstance(need, Extend) for need in needs):  # timed whole in observe_mode
+            items: dict[str, int] = {}
+            for need in needs:
+                items[need.model] = items.get(need.model, 0) + 1
+            self._alternate_step = (batch, items, list(reports))
 
     def observe_mode(self, decision: StepDecision, batch: int, tokens: int, seconds: float) -> None:
         """What a whole step of the decided mode yielded (steps whose mode was decided and whose
         yield stands for it only)."""
         if decision.mode != "any" and decision.representative:
             self.mode_rates.observe(decision.mode, batch, tokens, seconds)
-        if decision.alternate_only and decision.alternate != "any":
+        if decision.alternate_only and decision.alternate != "any" and not self._opened:
             self.alternate_rates.observe(decision.alternate, batch, tokens, seconds)
+        if self._alternate_step is not None:
+            step_batch, items, reports = self._alternate_step
+            self.alternate_calls.observe_step(step_batch, items, reports, seconds)
+            self._alternate_step = None
 
-
-def alternate_costs(decision: StepDecision) -> StepCosts:
-    """What an alternating ensemble with gamma auto reads: the step's mode for it (the costs
-    themselves are not its business: the policy compared whole steps)."""
-    return StepCosts(draft_s=0.0, verify_s=(0.0,), overhead_s=0.0, plain_s=0.0, plain_overhead_s=0.0, plain_tokens=1,
-                     mode=decision.alternate)
+    def alternate_costs(self, machine: SpeculativeEnsembleMachine, decision: StepDecision) -> StepCosts:
+        """What an alternating ensemble with gamma auto reads: the step's mode for it (the policy
+        compared whole steps) and its members' measured calls (it chooses their lengths)."""
+        calls = self.alternate_calls.member_call_s(machine.members, decision.batch, machine.adaptive.gamma_max)
+        return StepCosts(draft_s=0.0, verify_s=(0.0,), overhead_s=0.0, plain_s=0.0, plain_overhead_s=0.0,
+                         plain_tokens=1, mode=decision.alternate, member_call_s=calls)

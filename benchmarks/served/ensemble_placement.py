@@ -53,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--se-proposers", default="draft",
                         help="Comma-separated se proposers: alternate and/or model names.")
-    parser.add_argument("--se-gamma", type=_gamma, default=1,
-                        help="The alternate proposer's second member's gamma, or auto (gamma auto).")
+    parser.add_argument("--se-gamma", type=_gammas, default=(1,),
+                        help="The alternate proposer's second member's gamma, or auto (gamma auto); comma-separated: "
+                        "one case per value, interleaved.")
     parser.add_argument("--se-draft-gamma", type=_gammas, default=(4,),
                         help="A model proposer's block, or auto; comma-separated: one case per block, interleaved.")
     parser.add_argument("--gamma-max", type=int, default=8, help="Largest block of gamma auto.")
@@ -62,15 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def placement_cases(settings: ServeLoadSettings, roles: dict[str, str],
-                    draft_gammas: tuple[int | str, ...]) -> list[LoadCase]:
+def placement_cases(settings: ServeLoadSettings, roles: dict[str, str], draft_gammas: tuple[int | str, ...],
+                    alternate_gammas: tuple[int | str, ...] | None = None) -> list[LoadCase]:
     """The plain ensemble, then the se cases (``benchmarks.served.serve_load.serve_load_cases``) once per
-    block of a model proposer in ``draft_gammas`` (the alternate proposer's case once)."""
+    block of a model proposer in ``draft_gammas`` and once per gamma of the alternate proposer in
+    ``alternate_gammas`` (default: ``settings.se_gamma``)."""
     cases: list[LoadCase] = []
-    for gamma in draft_gammas:
-        for case in serve_load_cases(settings.model_copy(update={"se_draft_gamma": gamma}), roles):
-            if case.label not in {known.label for known in cases}:
-                cases.append(case)
+    for alternate in alternate_gammas or (settings.se_gamma,):
+        for gamma in draft_gammas:
+            update = {"se_draft_gamma": gamma, "se_gamma": alternate}
+            for case in serve_load_cases(settings.model_copy(update=update), roles):
+                if case.label not in {known.label for known in cases}:
+                    cases.append(case)
     return cases
 
 
@@ -82,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = ServeLoadSettings(
         concurrency=(args.concurrency,), strategies=("ensemble", "se"), max_tokens=args.max_tokens,
-        requests_per_level=args.requests, bare_limit=False, se_gamma=args.se_gamma, gamma_max=args.gamma_max,
+        requests_per_level=args.requests, bare_limit=False, se_gamma=args.se_gamma[0], gamma_max=args.gamma_max,
         se_proposers=tuple(p for p in args.se_proposers.split(",") if p), se_draft_gamma=args.se_draft_gamma[0],
     )
     config = pathlib.Path(args.config)
     application = select_application(read_serve_config(config), None, str(config))
-    cases = placement_cases(settings, load_app_args(config).freeze().roles, args.se_draft_gamma)
+    cases = placement_cases(settings, load_app_args(config).freeze().roles, args.se_draft_gamma, args.se_gamma)
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="ensemble-placement-"))
     out.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(config, out / "server.log", settings.start_timeout_s)
