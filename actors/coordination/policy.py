@@ -191,6 +191,11 @@ class StepPolicy:
             self.start_from_group_acceptance(request)
         elif self.goodput and isinstance(machine, SpeculativeEnsembleMachine) and machine.adaptive is not None:
             self.bind(request, ALONE)
+            for member, chooser in enumerate(machine.acceptance):  # each member's recent acceptance as proposer
+                alpha = self.acceptance_board.acceptance((board_key(request), member))
+                if alpha is not None:
+                    chooser.settings = dataclasses.replace(chooser.settings, prior_acceptance=alpha,
+                                                           prior_weight=board_prior_weight(alpha))
 
     def start_from_group_acceptance(self, request: RequestState) -> None:
         """A gamma-auto request starts from the acceptance its pair met recently

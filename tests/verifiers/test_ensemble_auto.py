@@ -127,3 +127,12 @@ def test_negative_control_a_choice_that_reads_a_queued_token_fails():
 
     law = exact_law(procedure, max_leaves=50_000)
     assert total_variation(law, _ensemble_law(model_fns, length, **ensemble_args)) > 1e-3
+
+
+def test_the_requests_lengths_stay_unless_others_are_clearly_faster():
+    calls = {"a": _calls(0.03, 0.04), "b": _calls(0.03, 0.04)}
+    free = best_alternate_gammas(["a", "b"], [0.75, 0.75], calls, 8)
+    assert free == [1, 2]  # a little faster than (1, 1) here
+    assert alternate_rate(free, [0.75, 0.75], list(calls.values())) < 1.05 * alternate_rate((1, 1), [0.75, 0.75], list(calls.values()))
+    assert best_alternate_gammas(["a", "b"], [0.75, 0.75], calls, 8, current=(1, 1)) == [1, 1]
+    assert best_alternate_gammas(["a", "b"], [0.75, 0.75], calls, 8, current=(4, 4)) == free  # (4, 4) is far slower

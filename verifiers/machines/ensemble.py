@@ -206,7 +206,7 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
         if costs is None or not costs.member_call_s:
             return self.gammas
         chosen = best_alternate_gammas(self.members, [member.acceptance for member in self.acceptance],
-                                       costs.member_call_s, self.adaptive.gamma_max)
+                                       costs.member_call_s, self.adaptive.gamma_max, current=self.gammas)
         return chosen if chosen is not None else self.gammas
 
     def needs(self) -> list[Need]:
