@@ -98,6 +98,9 @@ ONEDNN_DTYPES = frozenset({torch.float32} | ({torch.bfloat16} if _ONEDNN and tor
 #: The dtypes the norms and attention compute in directly (see :func:`_rms_norm`); 16-bit ones round as the model does.
 _FULL_PRECISION = frozenset({torch.float32, torch.float64})
 
+#: Whether a quantized copy attends with :func:`_bmm_attention` whatever its dtype.
+BMM_QUANTIZED = True
+
 #: transformers model types whose decoder layer is the Llama shape described in the module doc.
 LEAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -194,7 +197,9 @@ class LeanDecoder:
         self._before_attention = _before_attention_fn(shape)
         # Attention as two batched matmuls where they beat sdpa's kernel (CPU; see _bmm_attention); in
         # 16 bits sdpa, whose kernel keeps the scores in float32 as the model's own forward does.
-        self._bmm_attention = self.embed_tokens.weight.device.type == "cpu" and model.dtype in _FULL_PRECISION
+        # A quantized copy (a draft: its rows need only be the ones it samples from) takes them in 16 bits too.
+        self._bmm_attention = self.embed_tokens.weight.device.type == "cpu" and (
+            model.dtype in _FULL_PRECISION or (quantization is not None and BMM_QUANTIZED))
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor,
