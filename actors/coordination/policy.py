@@ -251,6 +251,11 @@ class StepPolicy:
                 mode = slower if steps < ALTERNATE_PROBE_STEPS else faster
             else:
                 mode = faster if steps < ALTERNATE_EXPLOIT_STEPS else slower
+        if mode != current:
+            machine = alternating[0].machine
+            logger.info("cohort %d, %d requests: alternating ensembles step %s (measured tokens/s: plain %s, proposals "
+                        "%s; lengths %s at acceptance %s)", cohort.index, batch, mode, _rate(plain), _rate(speculative),
+                        machine.chosen_gammas, [round(member.acceptance, 2) for member in machine.acceptance])
         cohort.alternate_steps = steps + 1 if mode == current else 1
         cohort.alternate_mode = mode
         return mode
@@ -390,3 +395,7 @@ class StepPolicy:
         calls = self.alternate_calls.member_call_s(machine.members, decision.batch, machine.adaptive.gamma_max)
         return StepCosts(draft_s=0.0, verify_s=(0.0,), overhead_s=0.0, plain_s=0.0, plain_overhead_s=0.0,
                          plain_tokens=1, mode=decision.alternate, member_call_s=calls)
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.1f}"
