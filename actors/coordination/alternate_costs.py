@@ -47,6 +47,10 @@ class PooledRates:
         buckets = self.steps.setdefault(mode, {})
         buckets.setdefault(_bucket(batch), deque(maxlen=POOLED_WINDOW)).append((float(tokens), float(seconds)))
 
+    def forget(self, mode: str, batch: int) -> None:
+        """Drop what ``mode`` measured at ``batch``'s bucket (a probe measures afresh)."""
+        self.steps.get(mode, {}).pop(_bucket(batch), None)
+
     def rate(self, mode: str, batch: int) -> float | None:
         """The measured rate of ``mode`` for a step of ``batch`` requests; None before any."""
         buckets = self.steps.get(mode)

@@ -62,6 +62,9 @@ class StepDecision:
     alternate: str = "any"
     #: Every request of the step alternates with gamma auto: the step measures ``alternate``'s rate.
     alternate_only: bool = False
+    #: The first step in ``alternate`` after the other mode: it stands for neither (a proposal into
+    #: an empty queue commits nothing), so it is not measured.
+    alternate_switched: bool = False
     #: Whether the step's yield stands for its mode (:meth:`StepPolicy.observe_mode`): not a
     #: speculative step right after a plain one, whose draft first feeds the plain steps' tokens.
     representative: bool = True
@@ -69,7 +72,7 @@ class StepDecision:
 
 #: The alternating ensembles' gamma auto: steps in a row a mode is tried (probed), and steps the
 #: faster one runs before the slower is probed again.
-ALTERNATE_PROBE_STEPS = 4
+ALTERNATE_PROBE_STEPS = 6
 ALTERNATE_EXPLOIT_STEPS = 96
 
 #: A step of one request alone (each request's own choice; a burst's iterations).
@@ -219,9 +222,12 @@ class StepPolicy:
         previous = cohort.mode
         mode = self._cohort_mode(cohort)
         alternating = [request for request in cohort.stepping() if alternates_by_goodput(request)]
+        previous_alternate = cohort.alternate_mode
+        alternate = self._alternate_mode(cohort, alternating)
         decision = StepDecision(mode, self._cohort_block(cohort) if mode == "speculative" else 0,
-                                len(cohort.running), self._alternate_mode(cohort, alternating),
+                                len(cohort.running), alternate,
                                 bool(alternating) and len(alternating) == len(cohort.running),
+                                alternate_switched=alternate != previous_alternate,
                                 representative=not (mode == "speculative" and previous == "plain"))
         logger.debug("cohort %d, %d requests: %s", cohort.index, len(cohort.running), decision)
         for request in cohort.running:
@@ -233,7 +239,9 @@ class StepPolicy:
         """The alternating ensembles' mode for the step: each mode is tried for
         ``ALTERNATE_PROBE_STEPS`` steps in a row (a proposal's tokens are committed only steps
         later), then the faster measured at this batch runs ``ALTERNATE_EXPLOIT_STEPS`` steps
-        before the slower is probed again."""
+        before the slower is probed again. A probe measures afresh (the probed mode's earlier steps
+        are forgotten): measured while the machine was slower, they kept a cohort in plain steps
+        for hundreds of steps after proposals had become 1.5x faster again."""
         if not alternating:
             return "any"
         batch = len(cohort.running)
@@ -251,6 +259,8 @@ class StepPolicy:
                 mode = slower if steps < ALTERNATE_PROBE_STEPS else faster
             else:
                 mode = faster if steps < ALTERNATE_EXPLOIT_STEPS else slower
+                if mode == slower:
+                    self.alternate_rates.forget(slower, batch)
         if mode != current:
             machine = alternating[0].machine
             logger.info("cohort %d, %d requests: alternating ensembles step %s (measured tokens/s: plain %s, proposals "
@@ -382,7 +392,7 @@ class StepPolicy:
         yield stands for it only)."""
         if decision.mode != "any" and decision.representative:
             self.mode_rates.observe(decision.mode, batch, tokens, seconds)
-        if decision.alternate_only and decision.alternate != "any" and not self._opened:
+        if decision.alternate_only and decision.alternate != "any" and not self._opened and not decision.alternate_switched:
             self.alternate_rates.observe(decision.alternate, batch, tokens, seconds)
         if self._alternate_step is not None:
             step_batch, items, reports = self._alternate_step

@@ -23,7 +23,9 @@ import asyncio
 import logging
 import pathlib
 import statistics
+import sys
 import tempfile
+from typing import Any
 
 from benchmarks.served.prompts import PROMPTS_PATH, load_prompts
 
@@ -60,7 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="A model proposer's block, or auto; comma-separated: one case per block, interleaved.")
     parser.add_argument("--gamma-max", type=int, default=8, help="Largest block of gamma auto.")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="Directory of the server log (a temp dir).")
-    return parser.parse_args(argv)
+    parser.add_argument("--record", default=None, metavar="CASE", help="Write the table into the results store.")
+    args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    return args
 
 
 def placement_cases(settings: ServeLoadSettings, roles: dict[str, str], draft_gammas: tuple[int | str, ...],
@@ -123,11 +128,34 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_tokens} tokens")
     print("| case | tok/s (median) | ratio to the ensemble (median of rounds) | block efficiency |")
     print("|---|---|---|---|")
+    rows = []
     for case in cases:
         ratios = [rate / base for rate, base in zip(rates[case.label], rates[baseline]) if base > 0]
+        rows.append({"clients": args.concurrency, "case": case.label, "tok/s": round(statistics.median(rates[case.label]), 2),
+                     "x the plain ensemble": f"{statistics.median(ratios):.2f}x",
+                     "block_efficiency": round(statistics.median(efficiency[case.label]), 2)})
         print(f"| {case.label} | {statistics.median(rates[case.label]):.2f} | {statistics.median(ratios):.2f}x | "
               f"{statistics.median(efficiency[case.label]):.2f} |")
+    if args.record:
+        print(f"recorded {record(args, rows)}")
     return 0
+
+
+def record(args: argparse.Namespace, rows: list[dict[str, Any]]) -> pathlib.Path:
+    """Write the table into the results store (``--record CASE``) and regenerate the page."""
+    from benchmarks.reports.store import make_record
+    from benchmarks.reports.tables import update
+
+    words, skip = [], False
+    for word in args.argv:  # the command without --out / --record (places of this machine)
+        if skip or word.split("=", 1)[0] in ("--out", "--record"):
+            skip = not skip and "=" not in word
+            continue
+        words.append(word)
+    notes = (f"Medians of {args.rounds} interleaved rounds ({args.requests} requests of {args.max_tokens} tokens per case "
+             "per round, temperature 1, members [target, partner] weighted 0.5 / 0.5); x: the median of each round's ratio.")
+    return update(make_record(args.record, f"Ensembles served on {args.config}: the plain ensemble against se",
+                              " ".join(["python -m benchmarks.served.ensemble_placement", *words]), rows, notes=notes))
 
 
 if __name__ == "__main__":

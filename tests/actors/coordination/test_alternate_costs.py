@@ -43,3 +43,12 @@ def test_pooled_rates_are_tokens_over_seconds_not_a_median_of_steps():
     assert rates.rate("speculative", 1) == pytest.approx(5 / 0.35)
     assert rates.rate("plain", 1) is None
     assert rates.rate("speculative", 16) == pytest.approx(5 / 0.35)  # the nearest measured bucket
+
+
+def test_a_probe_forgets_what_the_mode_measured_before():
+    rates = PooledRates()
+    rates.observe("speculative", 1, 1, 0.5)  # measured while the machine was slow
+    rates.forget("speculative", 1)
+    assert rates.rate("speculative", 1) is None
+    rates.observe("speculative", 1, 1, 0.05)
+    assert rates.rate("speculative", 1) == pytest.approx(20.0)
