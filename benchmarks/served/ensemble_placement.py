@@ -152,8 +152,8 @@ def record(args: argparse.Namespace, rows: list[dict[str, Any]]) -> pathlib.Path
             skip = not skip and "=" not in word
             continue
         words.append(word)
-    notes = (f"Medians of {args.rounds} interleaved rounds ({args.requests} requests of {args.max_tokens} tokens per case "
-             "per round, temperature 1, members [target, partner] weighted 0.5 / 0.5); x: the median of each round's ratio.")
+    notes = (f"Medians of {args.rounds} interleaved rounds, {args.requests} requests of {args.max_tokens} tokens a case a "
+             "round, T = 1, members [target, partner] 0.5 / 0.5; g1: gammas [1, 1]; gauto: gamma auto.")
     return update(make_record(args.record, f"Ensembles served on {args.config}: the plain ensemble against se",
                               " ".join(["python -m benchmarks.served.ensemble_placement", *words]), rows, notes=notes))
 
