@@ -128,7 +128,8 @@ def rows(measured: dict[str, dict[str, list[float]]], args: argparse.Namespace) 
     table = []
     for label, values in measured.items():
         ratios = [rate / base for rate, base in zip(values["tokens_per_s"], baseline) if base > 0]
-        table.append({"clients": args.concurrency, "case": label if label == "ar" else f"{label}, {args.quantization} copy",
+        case = label if label == "ar" else f"{label.replace('sd/block/', 'sd block ')}, {args.quantization} copy"
+        table.append({"case": case,
                       "tok/s": round(statistics.median(values["tokens_per_s"]), 2),
                       "x ar": f"{statistics.median(ratios):.2f}x",
                       "block_efficiency": round(statistics.median(values["block_efficiency"]), 2)})
@@ -178,13 +179,12 @@ def record(args: argparse.Namespace, table: list[dict[str, Any]]) -> pathlib.Pat
     from benchmarks.reports.tables import update
 
     label = args.shape if args.model is None else pathlib.Path(args.model).name
-    notes = (f"One server: the target in {args.dtype} and its weight-only {args.quantization} copy as the draft "
-             f"(one worker, the copy built from the target's weights, the lean decoder). {args.max_tokens} streamed "
-             f"tokens at temperature 1, {args.requests} requests per case per round; medians of {args.rounds} "
-             "interleaved rounds (x ar: the median of each round's ratio). Random weights give near-uniform rows, "
-             "which the copy matches closely: the acceptance (block efficiency) is optimistic; the costs are real.")
-    return update(make_record(args.record, f"A real-size model ({label}, random weights) drafting for itself: sd with "
-                              f"its {args.quantization} copy against ar", public_command(args), table, notes=notes,
+    clients = "one client" if args.concurrency == 1 else f"{args.concurrency} clients"
+    notes = (f"One worker: the {args.dtype} target and its {args.quantization} copy (built from its weights, lean "
+             f"decoder). {args.max_tokens} tokens, T = 1, {args.requests} requests a case a round, {args.rounds} "
+             "interleaved rounds. Random weights give near-uniform rows: acceptance is optimistic.")
+    return update(make_record(args.record, f"{label} random Llama: sd with its {args.quantization} "
+                              f"copy against ar, served, {clients}", public_command(args), table, notes=notes,
                               section="Peers"))
 
 

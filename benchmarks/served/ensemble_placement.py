@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in cases:
         ratios = [rate / base for rate, base in zip(rates[case.label], rates[baseline]) if base > 0]
-        rows.append({"clients": args.concurrency, "case": case.label, "tok/s": round(statistics.median(rates[case.label]), 2),
+        rows.append({"case": case.label, "tok/s": round(statistics.median(rates[case.label]), 2),
                      "x the plain ensemble": f"{statistics.median(ratios):.2f}x",
                      "block_efficiency": round(statistics.median(efficiency[case.label]), 2)})
         print(f"| {case.label} | {statistics.median(rates[case.label]):.2f} | {statistics.median(ratios):.2f}x | "
@@ -154,7 +154,8 @@ def record(args: argparse.Namespace, rows: list[dict[str, Any]]) -> pathlib.Path
         words.append(word)
     notes = (f"Medians of {args.rounds} interleaved rounds, {args.requests} requests of {args.max_tokens} tokens a case a "
              "round, T = 1, members [target, partner] 0.5 / 0.5; g1: gammas [1, 1]; gauto: gamma auto.")
-    return update(make_record(args.record, f"Ensembles served on {args.config}: the plain ensemble against se",
+    clients = "one client" if args.concurrency == 1 else f"{args.concurrency} clients"
+    return update(make_record(args.record, f"Ensembles served on {args.config}: the plain ensemble against se, {clients}",
                               " ".join(["python -m benchmarks.served.ensemble_placement", *words]), rows, notes=notes))
 
 
