@@ -25,9 +25,11 @@ float32).
 The copy is a draft model like any other: it has its own worker (or shares its target's: one
 process, one tokenizer, :mod:`actors.worker.device_worker`), its own KV cache, and every rule
 that takes a draft takes it; the output law stays the target's, because verification never
-assumed anything of the draft's rows. It runs its model's own decoder forward (the lean decoder,
-:mod:`actors.model.lean_decoder`, packs float weights of its own and is not taken;
-:func:`quantize_model` says so in the forward path).
+assumed anything of the draft's rows. A Llama-shaped copy runs the lean decoder
+(:mod:`actors.model.lean_decoder`) over :func:`quantized_gemm` modules of its packed weights; one
+that shares its target's process is built from the target's loaded weights
+(:meth:`actors.model.backends.SlotBackend.load`), else the loaded float linears are replaced by
+:func:`quantize_model` (the model's own forward, and its fall-back, then runs the quantized ones).
 """
 
 from __future__ import annotations
