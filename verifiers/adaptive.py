@@ -44,7 +44,8 @@ batch size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 ALPHA_CEILING = 1.0 - 1e-9  # E[tokens] is gamma + 1 at alpha = 1; keep the closed form finite
 
@@ -128,6 +129,9 @@ class StepCosts:
     #: runs as many forwards as its longest block); 0: each request chooses its own.
     block: int = 0
     draft_first_s: float | None = None
+    #: The alternating ensemble's calls (se, gamma "auto"): per member, the seconds of a step whose
+    #: call of that member draws ``g`` tokens at ``[g - 1]`` (:mod:`verifiers.alternate_gammas`); empty: unmeasured.
+    member_call_s: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in STEP_MODES:

@@ -21,7 +21,10 @@ to the step's :class:`StepDecision` (:meth:`StepPolicy.costs`).
 step (the members' proposals, or the plain ensemble's steps) whose whole steps measured more
 tokens per second at this batch, the other probed now and then (measured on steps whose
 requests are all such requests). The machine follows it, a plain step dropping unverified
-proposals (:class:`verifiers.machines.ensemble.SpeculativeEnsembleMachine`).
+proposals (:class:`verifiers.machines.ensemble.SpeculativeEnsembleMachine`). Proposing, the
+machine chooses each member's proposal length from the member calls' measured seconds
+(:class:`actors.coordination.alternate_costs.AlternateCallCosts`, learnt from the steps whose
+needs are all member calls) and its members' acceptance (:mod:`verifiers.alternate_gammas`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from actors.coordination.alternate_costs import AlternateCallCosts, PooledRates
 from actors.coordination.cohorts import Cohort
 from actors.coordination.request_state import RequestState, board_key
 from actors.coordination.step_costs import AcceptanceBoard, CallReport, ModeRates, StepCostModel, board_prior_weight
@@ -40,7 +44,7 @@ from verifiers.machines.autoregressive import AutoregressiveMachine
 from verifiers.machines.base import AR_TOKENS_PER_ITERATION
 from verifiers.machines.ensemble import SpeculativeEnsembleMachine
 from verifiers.machines.ensemble_draft import EnsembleDraftMachine
-from verifiers.machines.needs import NextLogits, Sample, ScoreBlock, ScoreVerify
+from verifiers.machines.needs import Extend, NextLogits, Sample, ScoreBlock, ScoreVerify
 from verifiers.machines.speculative import SpeculativeMachine
 
 logger = logging.getLogger(__name__)
@@ -58,6 +62,9 @@ class StepDecision:
     alternate: str = "any"
     #: Every request of the step alternates with gamma auto: the step measures ``alternate``'s rate.
     alternate_only: bool = False
+    #: The first step in ``alternate`` after the other mode: it stands for neither (a proposal into
+    #: an empty queue commits nothing), so it is not measured.
+    alternate_switched: bool = False
     #: Whether the step's yield stands for its mode (:meth:`StepPolicy.observe_mode`): not a
     #: speculative step right after a plain one, whose draft first feeds the plain steps' tokens.
     representative: bool = True
@@ -65,7 +72,7 @@ class StepDecision:
 
 #: The alternating ensembles' gamma auto: steps in a row a mode is tried (probed), and steps the
 #: faster one runs before the slower is probed again.
-ALTERNATE_PROBE_STEPS = 4
+ALTERNATE_PROBE_STEPS = 6
 ALTERNATE_EXPLOIT_STEPS = 96
 
 #: A step of one request alone (each request's own choice; a burst's iterations).
@@ -171,7 +178,10 @@ class StepPolicy:
         self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
         self.acceptance_board = AcceptanceBoard()
         self.mode_rates = ModeRates()
-        self.alternate_rates = ModeRates()  # the alternating ensembles' steps, by mode
+        self.alternate_rates = PooledRates()  # the alternating ensembles' steps, by mode
+        self.alternate_calls = AlternateCallCosts()  # their member calls' seconds
+        self._alternate_step: tuple[int, dict[str, int], list[CallReport]] | None = None  # the last, until timed
+        self._opened = False  # the last step opened a session (a prefill)
 
     # ------------------------------------------------------------------ requests
     def admit(self, request: RequestState) -> None:
@@ -184,6 +194,11 @@ class StepPolicy:
             self.start_from_group_acceptance(request)
         elif self.goodput and isinstance(machine, SpeculativeEnsembleMachine) and machine.adaptive is not None:
             self.bind(request, ALONE)
+            for member, chooser in enumerate(machine.acceptance):  # each member's recent acceptance as proposer
+                alpha = self.acceptance_board.acceptance((board_key(request), member))
+                if alpha is not None:
+                    chooser.settings = dataclasses.replace(chooser.settings, prior_acceptance=alpha,
+                                                           prior_weight=board_prior_weight(alpha))
 
     def start_from_group_acceptance(self, request: RequestState) -> None:
         """A gamma-auto request starts from the acceptance its pair met recently
@@ -197,7 +212,7 @@ class StepPolicy:
     def bind(self, request: RequestState, decision: StepDecision) -> None:
         """Point ``request``'s machine at the costs of a step decided as ``decision``."""
         if isinstance(request.machine, SpeculativeEnsembleMachine):
-            request.machine.step_costs = functools.partial(alternate_costs, decision)
+            request.machine.step_costs = functools.partial(self.alternate_costs, request.machine, decision)
         else:
             request.machine.step_costs = functools.partial(self.costs, request.machine, decision)
 
@@ -207,9 +222,12 @@ class StepPolicy:
         previous = cohort.mode
         mode = self._cohort_mode(cohort)
         alternating = [request for request in cohort.stepping() if alternates_by_goodput(request)]
+        previous_alternate = cohort.alternate_mode
+        alternate = self._alternate_mode(cohort, alternating)
         decision = StepDecision(mode, self._cohort_block(cohort) if mode == "speculative" else 0,
-                                len(cohort.running), self._alternate_mode(cohort, alternating),
+                                len(cohort.running), alternate,
                                 bool(alternating) and len(alternating) == len(cohort.running),
+                                alternate_switched=alternate != previous_alternate,
                                 representative=not (mode == "speculative" and previous == "plain"))
         logger.debug("cohort %d, %d requests: %s", cohort.index, len(cohort.running), decision)
         for request in cohort.running:
@@ -221,7 +239,9 @@ class StepPolicy:
         """The alternating ensembles' mode for the step: each mode is tried for
         ``ALTERNATE_PROBE_STEPS`` steps in a row (a proposal's tokens are committed only steps
         later), then the faster measured at this batch runs ``ALTERNATE_EXPLOIT_STEPS`` steps
-        before the slower is probed again."""
+        before the slower is probed again. A probe measures afresh (the probed mode's earlier steps
+        are forgotten): measured while the machine was slower, they kept a cohort in plain steps
+        for hundreds of steps after proposals had become 1.5x faster again."""
         if not alternating:
             return "any"
         batch = len(cohort.running)
@@ -239,6 +259,13 @@ class StepPolicy:
                 mode = slower if steps < ALTERNATE_PROBE_STEPS else faster
             else:
                 mode = faster if steps < ALTERNATE_EXPLOIT_STEPS else slower
+                if mode == slower:
+                    self.alternate_rates.forget(slower, batch)
+        if mode != current:
+            machine = alternating[0].machine
+            logger.info("cohort %d, %d requests: alternating ensembles step %s (measured tokens/s: plain %s, proposals "
+                        "%s; lengths %s at acceptance %s)", cohort.index, batch, mode, _rate(plain), _rate(speculative),
+                        machine.chosen_gammas, [round(member.acceptance, 2) for member in machine.acceptance])
         cohort.alternate_steps = steps + 1 if mode == current else 1
         cohort.alternate_mode = mode
         return mode
@@ -352,18 +379,33 @@ class StepPolicy:
         speculative = costed_step(needs)
         if speculative is not None:
             self.cost_model.observe_step(batch, reports, wall_s, speculative=speculative)
+        self._alternate_step = None
+        self._opened = not all(report.uniform for report in reports)  # a prefill's step stands for no mode
+        if needs and all(isinstance(need, Extend) for need in needs):  # timed whole in observe_mode
+            items: dict[str, int] = {}
+            for need in needs:
+                items[need.model] = items.get(need.model, 0) + 1
+            self._alternate_step = (batch, items, list(reports))
 
     def observe_mode(self, decision: StepDecision, batch: int, tokens: int, seconds: float) -> None:
         """What a whole step of the decided mode yielded (steps whose mode was decided and whose
         yield stands for it only)."""
         if decision.mode != "any" and decision.representative:
             self.mode_rates.observe(decision.mode, batch, tokens, seconds)
-        if decision.alternate_only and decision.alternate != "any":
+        if decision.alternate_only and decision.alternate != "any" and not self._opened and not decision.alternate_switched:
             self.alternate_rates.observe(decision.alternate, batch, tokens, seconds)
+        if self._alternate_step is not None:
+            step_batch, items, reports = self._alternate_step
+            self.alternate_calls.observe_step(step_batch, items, reports, seconds)
+            self._alternate_step = None
+
+    def alternate_costs(self, machine: SpeculativeEnsembleMachine, decision: StepDecision) -> StepCosts:
+        """What an alternating ensemble with gamma auto reads: the step's mode for it (the policy
+        compared whole steps) and its members' measured calls (it chooses their lengths)."""
+        calls = self.alternate_calls.member_call_s(machine.members, decision.batch, machine.adaptive.gamma_max)
+        return StepCosts(draft_s=0.0, verify_s=(0.0,), overhead_s=0.0, plain_s=0.0, plain_overhead_s=0.0,
+                         plain_tokens=1, mode=decision.alternate, member_call_s=calls)
 
 
-def alternate_costs(decision: StepDecision) -> StepCosts:
-    """What an alternating ensemble with gamma auto reads: the step's mode for it (the costs
-    themselves are not its business: the policy compared whole steps)."""
-    return StepCosts(draft_s=0.0, verify_s=(0.0,), overhead_s=0.0, plain_s=0.0, plain_overhead_s=0.0, plain_tokens=1,
-                     mode=decision.alternate)
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.1f}"

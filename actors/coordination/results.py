@@ -113,9 +113,10 @@ class RequestResults:
         if not accepted:
             return
         if request.plan.strategy == "se" and request.plan.proposer == ALTERNATE:
-            lengths = machine.segment_lengths[first_new:]
-            for length, count in zip(lengths, accepted):
+            lengths, producers = machine.segment_lengths[first_new:], machine.proposers[first_new:]
+            for length, count, producer in zip(lengths, accepted, producers):
                 self.metrics.verified(request.labels, 1, length, count)
+                self.acceptance_board.observe((board_key(request), producer), length, count)  # per proposing member
             return
         sample = next((need for need in request.last_needs if isinstance(need, Sample)), None)
         drafts = 1 if sample is None else sample.num_drafts

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from actors.model.architectures import UnsupportedModelError, apply_head, resolv
 from actors.model.batch import RowWork, build_batch, is_causal_run
 from actors.model.decode_graphs import FixedDecode, decode_graphs
 from actors.model.device_health import LeanFailures, raise_if_device_broken
-from actors.model.grouped_attention import use_grouped_attention
+from actors.model.grouped_attention import GROUPED_SDPA, use_grouped_attention
 from actors.model.layer_masks import ColumnPositions, layer_masks
 from actors.model.lean_decoder import build_lean_decoder
 
@@ -39,6 +40,11 @@ DEFAULT_MAX_CONTEXT = 2048
 FORWARD_OVERHEAD_TOKENS = {"cpu": 8, "cuda": 512}
 #: The two lean forward paths whose failures are counted apart (:meth:`SlotBackend._lean_failed`).
 ONE_ROW, BATCHED = "the one-row forward", "a batched forward"
+
+#: Models this process loaded unquantized, by (checkpoint, revision, dtype, device): a weight-only
+#: quantized copy of one (a draft that shares its target's worker) is built from its weights, the
+#: checkpoint read once and the embeddings, norms and rotary tables held once.
+_LOADED_MODELS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class SlotBackend:
@@ -68,7 +74,7 @@ class SlotBackend:
         self, model: Any, device: str, max_context: int | None = None, *, max_slots: int = 64,
         scratch_columns: int = 64, name: str | None = None,
         max_model_len: int | None = None, kv_cache_memory: int | float | None = None, lean_forward: bool = True,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool = False, lean: tuple[Any, str] | None = None,
     ):
         from actors.model.kv_budget import context_limit, plan_kv_slots
         from actors.model.kv_cache import PagedKVCache
@@ -76,14 +82,16 @@ class SlotBackend:
         name = name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
         self.architecture = resolve_architecture(model.config, name)  # UnsupportedModelError: refused
         attn = getattr(model.config, "_attn_implementation", None)
-        if attn != self.architecture.attn_implementation:
+        # A model another backend of this process serves already (a quantized copy's) is switched to grouped sdpa.
+        switched = attn == GROUPED_SDPA and self.architecture.attn_implementation == "sdpa"
+        if attn != self.architecture.attn_implementation and not switched:
             raise UnsupportedModelError(
                 name, f"attn_implementation={attn!r}; this architecture is served with "
                       f"{self.architecture.attn_implementation!r} (load it with SlotBackend.load)")
         if scratch_columns < 0:
             raise ValueError(f"scratch_columns must be >= 0, got {scratch_columns}")
         # GQA models read their grouped keys/values in place (no per-layer repeat; same law).
-        self.grouped_attention = use_grouped_attention(model)
+        self.grouped_attention = use_grouped_attention(model) or switched
         self.model = model
         self.device = device
         self.vocab_size = int(model.config.vocab_size)
@@ -101,8 +109,9 @@ class SlotBackend:
         self.lm_head = model.get_output_embeddings()
         self.name = name
         # The lean decoder (actors.model.lean_decoder) where asked for and covered; None: the model's own.
-        self.lean, self.forward_path = (build_lean_decoder(model, self.architecture, name) if lean_forward
-                                        else (None, "its own decoder (engine.lean_forward is off)"))
+        # ``lean``: built by the caller (a quantized copy's, SlotBackend.load), with its path in words.
+        self.lean, self.forward_path = lean or (build_lean_decoder(model, self.architecture, name) if lean_forward
+                                                else (None, "its own decoder (engine.lean_forward is off)"))
         self.one_row_forward = True  # a forward of one causal row may take _forward_run (off once the lean path is dropped)
         self.lean_failures = LeanFailures()  # failed lean forwards (actors.model.device_health)
         # The block pool is allocated up front: the worker's memory is known at start-up.
@@ -124,7 +133,10 @@ class SlotBackend:
         """Load with ``AutoModelForCausalLM.from_pretrained`` (local dirs never touch the hub).
         ``dtype`` None: the checkpoint's own on a GPU, float32 on CPU (:func:`actors.model.kv_budget.resolve_dtype`);
         ``max_model_len`` / ``kv_cache_memory``: the context and the KV budget (:mod:`actors.model.kv_budget`);
-        ``quantization``: its linear layers weight-only quantized (:mod:`actors.model.quantized`; its own decoder runs);
+        ``quantization``: a weight-only quantized copy (:mod:`actors.model.quantized`): the lean decoder over
+        int8 / int4 GEMMs where the family has it (built from the weights of the same checkpoint when this
+        process loaded it already, :data:`_LOADED_MODELS`: no second read), else its own decoder over
+        quantized linears.
         ``cuda_graphs``: decode steps replay CUDA graphs (:mod:`actors.model.decode_graphs`)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -134,6 +146,15 @@ class SlotBackend:
         config = AutoConfig.from_pretrained(path, revision=revision, local_files_only=local)
         architecture = resolve_architecture(config, path)  # refused before any weight is read
         dtype = resolve_dtype(dtype, device, config)
+        key = (os.path.realpath(path) if local else path, revision, dtype, device)
+        options = dict(max_slots=max_slots, scratch_columns=scratch_columns, name=path, max_model_len=max_model_len,
+                       kv_cache_memory=kv_cache_memory, lean_forward=lean_forward, cuda_graphs=cuda_graphs)
+        loaded = _LOADED_MODELS.get(key) if quantization is not None and lean_forward else None
+        if loaded is not None:
+            lean = build_lean_decoder(loaded, architecture, f"{path} ({quantization} copy)", quantization)
+            if lean[0] is not None:
+                logger.info("%s: a weight-only %s copy built from the weights this process loaded", path, quantization)
+                return cls(loaded, device, max_context, lean=lean, **options)
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=getattr(torch, dtype),
@@ -144,16 +165,12 @@ class SlotBackend:
         model.to(device).eval()
         logger.info("loaded %s (%s, %s, %s) on %s", path, type(model).__name__, dtype,
                     architecture.attn_implementation, device)
-        forward_path = None
+        lean = None
         if quantization is not None:
-            from actors.model.quantized import quantize_model
-
-            forward_path, lean_forward = quantize_model(model, quantization, path), False
-        backend = cls(model, device, max_context, max_slots=max_slots, scratch_columns=scratch_columns,
-                      name=path, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                      lean_forward=lean_forward, cuda_graphs=cuda_graphs)
-        backend.forward_path = forward_path or backend.forward_path
-        return backend
+            lean = _quantized_copy(model, architecture, path, quantization, lean_forward)
+        else:
+            _LOADED_MODELS[key] = model
+        return cls(model, device, max_context, lean=lean, **options)
 
     def resize_slots(self, slots: int) -> None:
         """Hold ``slots`` slots from now on (a new, empty cache): the worker that hosts several models
@@ -336,3 +353,17 @@ def _config_context(config: Any) -> int:
             return value
     logger.warning("model config names no context length; assuming %d", DEFAULT_MAX_CONTEXT)
     return DEFAULT_MAX_CONTEXT
+
+
+def _quantized_copy(model: Any, architecture: Any, path: str, quantization: str, lean_forward: bool) -> tuple[Any, str]:
+    """Quantize a freshly loaded ``model`` in place -> its lean decoder over int8 / int4 GEMMs (built
+    from the float weights first) and its path in words; its own decoder over quantized linears
+    where the lean decoder is off or does not cover it."""
+    from actors.model.quantized import quantize_model
+
+    lean, words = build_lean_decoder(model, architecture, path, quantization) if lean_forward else (None, "")
+    own = quantize_model(model, quantization, path)  # the float linears replaced, and freed
+    if lean is None:
+        return None, own
+    lean.drop_float_head()  # the model's head is quantized now: the lean path calls it
+    return lean, words

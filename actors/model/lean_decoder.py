@@ -53,6 +53,13 @@ float32 GEMMs): logits equal transformers' own forward to float32 rounding
 (``tests/actors/model/test_lean_decoder.py``); in bfloat16 they equal it to the rounding of
 bf16 GEMMs summed in another order. A model that does not match this shape exactly is
 not taken (:func:`lean_support` says why) and runs its own decoder.
+
+A weight-only quantized copy of a model (``quantization``, :mod:`actors.model.quantized`) runs this
+path too, over the model's own embeddings, norms and rotary module (one copy in memory, shared
+with the model it copies): each packed GEMM weight (q/k/v, gate/up, o, down, the head) becomes an
+int8 / int4 module built from the float weights (:func:`actors.model.quantized.quantized_gemm`), and
+the model's own weights are left untouched. Its load-time check allows the quantization's error
+(:data:`QUANTIZED_SELF_CHECK_TOLERANCE`).
 """
 
 from __future__ import annotations
@@ -76,6 +83,9 @@ logger = logging.getLogger(__name__)
 #: rounding; a 16-bit model's GEMMs may round differently when packed (3 significant digits).
 SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
 SELF_CHECK_TOLERANCE_16_BIT = 2e-2
+#: The same check for a quantized copy, against the float model's own decoder: the weights' rounding
+#: moves the hidden states (int4 on the embedded target ~0.1), a wrongly packed weight moves them ~1.
+QUANTIZED_SELF_CHECK_TOLERANCE = 0.5
 
 #: The batch size oneDNN lays the layers' weights out for (any row count runs on that layout).
 ONEDNN_LAYOUT_ROWS = 16
@@ -87,6 +97,9 @@ ONEDNN_DTYPES = frozenset({torch.float32} | ({torch.bfloat16} if _ONEDNN and tor
                                               else set()))
 #: The dtypes the norms and attention compute in directly (see :func:`_rms_norm`); 16-bit ones round as the model does.
 _FULL_PRECISION = frozenset({torch.float32, torch.float64})
+
+#: Whether a quantized copy attends with :func:`_bmm_attention` whatever its dtype.
+BMM_QUANTIZED = True
 
 #: transformers model types whose decoder layer is the Llama shape described in the module doc.
 LEAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -152,7 +165,7 @@ class LeanDecoder:
     """The decoder forward of a :data:`LEAN_FAMILIES` model over a bound
     :class:`actors.model.kv_cache.PagedKVCache` (see the module doc)."""
 
-    def __init__(self, model: Any, architecture: Architecture):
+    def __init__(self, model: Any, architecture: Architecture, quantization: str | None = None):
         reason = lean_support(model, architecture)
         if reason is not None:
             raise ValueError(f"LeanDecoder: {reason}")
@@ -162,11 +175,18 @@ class LeanDecoder:
         self.rotary_emb = decoder.rotary_emb
         self.final_norm = (decoder.norm.weight, float(decoder.norm.variance_epsilon))
         # oneDNN's layout for the layers' GEMMs: on CPU in ONEDNN_DTYPES (see the module doc).
-        self.onednn = _ONEDNN and self.embed_tokens.weight.device.type == "cpu" and model.dtype in ONEDNN_DTYPES
-        self.layers = [_pack_layer(layer, kind, self.onednn) for layer, kind in zip(decoder.layers, architecture.layer_types)]
+        self.quantization = quantization
+        self.onednn = (_ONEDNN and self.embed_tokens.weight.device.type == "cpu" and model.dtype in ONEDNN_DTYPES
+                       and quantization is None)
+        gemm = _gemm_fn(self.onednn, quantization)
+        self.layers = [_pack_layer(layer, kind, gemm, share=quantization is None)
+                       for layer, kind in zip(decoder.layers, architecture.layer_types)]
         head = model.get_output_embeddings()
         self._head = head if type(head) is torch.nn.Linear else None
-        self._head_weight = None if self._head is None else _onednn_weight(self._head.weight.detach(), self.onednn)
+        if quantization is not None and self._head is None:
+            raise ValueError("LeanDecoder: a quantized copy needs the model's plain nn.Linear head")
+        self._head_weight, self._head_bias = (None, None) if self._head is None else gemm(
+            self._head.weight.detach(), _detached(self._head.bias))
         attention = decoder.layers[0].self_attn
         shape = _HeadShape(int(model.config.num_attention_heads),
                            int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
@@ -177,7 +197,9 @@ class LeanDecoder:
         self._before_attention = _before_attention_fn(shape)
         # Attention as two batched matmuls where they beat sdpa's kernel (CPU; see _bmm_attention); in
         # 16 bits sdpa, whose kernel keeps the scores in float32 as the model's own forward does.
-        self._bmm_attention = self.embed_tokens.weight.device.type == "cpu" and model.dtype in _FULL_PRECISION
+        # A quantized copy (a draft: its rows need only be the ones it samples from) takes them in 16 bits too.
+        self._bmm_attention = self.embed_tokens.weight.device.type == "cpu" and (
+            model.dtype in _FULL_PRECISION or (quantization is not None and BMM_QUANTIZED))
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -221,8 +243,12 @@ class LeanDecoder:
         """``lm_head(hidden)`` (``[N, hidden]`` -> ``[N, V]``), through :func:`_linear` over the
         weight in oneDNN's layout when ``lm_head`` is the model's plain ``nn.Linear`` head."""
         if lm_head is self._head:
-            return _linear(hidden, self._head_weight, lm_head.bias)
+            return _linear(hidden, self._head_weight, self._head_bias)
         return lm_head(hidden)
+
+    def drop_float_head(self) -> None:
+        """Forget the model's float head (replaced by a quantized one): :meth:`head` calls the model's."""
+        self._head, self._head_weight, self._head_bias = None, None, None
 
     @torch.inference_mode()
     def self_check(self, model: Any, tokens: int = 6) -> float:
@@ -302,9 +328,12 @@ def _bmm_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return attended.view(batch, heads, length, size).transpose(1, 2).reshape(batch, length, heads * size)
 
 
-def _linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(inputs: torch.Tensor, weight: torch.Tensor | torch.nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(inputs, weight, bias)``, as oneDNN's matmul when ``weight`` is in its layout
-    (:func:`_onednn_weight`): the same float32 GEMM. ``inputs`` ``[..., in]`` -> ``[..., out]``."""
+    (:func:`_onednn_weight`): the same float32 GEMM; a quantized module (its bias inside) is called.
+    ``inputs`` ``[..., in]`` -> ``[..., out]``."""
+    if isinstance(weight, torch.nn.Module):
+        return weight(inputs)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(inputs, weight, bias, "none", [], "")
     return F.linear(inputs, weight, bias)
@@ -315,7 +344,7 @@ def _linear_add(inputs: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     """``residual + F.linear(inputs, weight, bias)``; in float32 in oneDNN's layout the add is the
     matmul's own post-op (one op, the same float32 sum); in 16 bits a separate add of the rounded
     product, as the model's own forward sums them. ``inputs`` ``[..., in]``, ``residual`` ``[..., out]``."""
-    if weight.is_mkldnn and weight.dtype == torch.float32:
+    if isinstance(weight, torch.Tensor) and weight.is_mkldnn and weight.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise.binary(inputs, residual, weight, bias, "add")
     return residual + _linear(inputs, weight, bias)
 
@@ -399,14 +428,27 @@ def _after_attention(
     return _linear_add(F.silu(gate).mul_(up), hidden, down_weight, down_bias)
 
 
-def _pack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for ``linears`` stacked by output rows; each ``nn.Linear`` keeps a view
-    of its rows, so the model holds each weight once and its own forward is unchanged."""
+def _gemm_fn(reorder: bool, quantization: str | None) -> Callable[..., tuple[Any, torch.Tensor | None]]:
+    """How a packed float ``(weight [out, in], bias)`` becomes what :func:`_linear` takes: the weight
+    in oneDNN's layout when ``reorder``; a weight-only quantized module (bias inside) with ``quantization``."""
+    if quantization is None:
+        return lambda weight, bias: (_onednn_weight(weight, reorder), bias)
+    from actors.model.quantized import quantized_gemm
+
+    return lambda weight, bias: (quantized_gemm(weight, bias, quantization), None)
+
+
+def _pack(linears: list[torch.nn.Linear], share: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``linears`` stacked by output rows; with ``share`` each ``nn.Linear``
+    keeps a view of its rows, so the model holds each weight once and its own forward is unchanged
+    (without: a copy, the model untouched, for a quantized copy that keeps only its own form)."""
     weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum of out, in]
     biases = [linear.bias for linear in linears]
     if any(bias is not None for bias in biases) and not all(bias is not None for bias in biases):
         raise ValueError("LeanDecoder: some packed projections have a bias and some do not")
     bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None  # [sum of out]
+    if not share:
+        return weight, bias
     start = 0
     for linear in linears:
         rows = linear.weight.shape[0]
@@ -417,12 +459,11 @@ def _pack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-def _pack_layer(layer: Any, kind: str, reorder: bool) -> _LeanLayer:
-    """One layer's :class:`_LeanLayer`; its four GEMM weights in oneDNN's layout when ``reorder``."""
+def _pack_layer(layer: Any, kind: str, gemm: Callable[..., tuple[Any, torch.Tensor | None]], share: bool = True) -> _LeanLayer:
+    """One layer's :class:`_LeanLayer`; its four GEMM weights as ``gemm`` makes them (:func:`_gemm_fn`)."""
     attention, mlp = layer.self_attn, layer.mlp
-    qkv_weight, qkv_bias = _pack([attention.q_proj, attention.k_proj, attention.v_proj])
-    gate_up_weight, gate_up_bias = _pack([mlp.gate_proj, mlp.up_proj])
-    qkv_weight, gate_up_weight = _onednn_weight(qkv_weight, reorder), _onednn_weight(gate_up_weight, reorder)
+    qkv_weight, qkv_bias = gemm(*_pack([attention.q_proj, attention.k_proj, attention.v_proj], share))
+    gate_up_weight, gate_up_bias = gemm(*_pack([mlp.gate_proj, mlp.up_proj], share))
     q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
     qk_norm_weight, head_eps = None, 0.0
     if q_norm is not None:
@@ -434,10 +475,10 @@ def _pack_layer(layer: Any, kind: str, reorder: bool) -> _LeanLayer:
         head_eps = float(q_norm.variance_epsilon)
     before = (layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon), qkv_weight,
               qkv_bias, qk_norm_weight, head_eps)
-    after = (_onednn_weight(attention.o_proj.weight.detach(), reorder), _detached(attention.o_proj.bias),
-             layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
-             gate_up_weight, gate_up_bias, _onednn_weight(mlp.down_proj.weight.detach(), reorder),
-             _detached(mlp.down_proj.bias))
+    o_weight, o_bias = gemm(attention.o_proj.weight.detach(), _detached(attention.o_proj.bias))
+    down_weight, down_bias = gemm(mlp.down_proj.weight.detach(), _detached(mlp.down_proj.bias))
+    after = (o_weight, o_bias, layer.post_attention_layernorm.weight.detach(),
+             float(layer.post_attention_layernorm.variance_epsilon), gate_up_weight, gate_up_bias, down_weight, down_bias)
     return _LeanLayer(attention=attention, before=before, after=after, kind=kind)
 
 
@@ -445,27 +486,31 @@ def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach()
 
 
-def build_lean_decoder(model: Any, architecture: Architecture, name: str) -> tuple[LeanDecoder | None, str]:
+def build_lean_decoder(model: Any, architecture: Architecture, name: str,
+                       quantization: str | None = None) -> tuple[LeanDecoder | None, str]:
     """The lean decoder of ``model`` (``name`` names it in logs), or None when the model's own
     decoder must run: a family or shape the lean path does not cover (logged), or a failure while
     building it (a warning naming the model; the model's own decoder gives the same law); and the
-    path it runs, in words (for the start-up log)."""
+    path it runs, in words (for the start-up log). ``quantization``: the decoder of a weight-only
+    quantized copy of ``model`` (see the module doc; None back: the caller builds the copy otherwise)."""
     reason = lean_support(model, architecture)
     if reason is not None:
         logger.info("%s runs its own decoder forward (lean path: %s)", name, reason)
         return None, f"its own decoder ({reason})"
     try:
-        decoder = LeanDecoder(model, architecture)
+        decoder = LeanDecoder(model, architecture, quantization)
         difference = decoder.self_check(model)
     except Exception as error:  # noqa: BLE001 - any failure means the model's own forward, never a crash
         logger.warning("%s: the lean decoder could not be built (%s: %s); running the model's own decoder",
                        name, type(error).__name__, error)
         return None, f"its own decoder (the lean decoder failed to build: {type(error).__name__})"
-    tolerance = SELF_CHECK_TOLERANCE.get(model.dtype, SELF_CHECK_TOLERANCE_16_BIT)
+    tolerance = (QUANTIZED_SELF_CHECK_TOLERANCE if quantization is not None
+                 else SELF_CHECK_TOLERANCE.get(model.dtype, SELF_CHECK_TOLERANCE_16_BIT))
     if not difference <= tolerance:  # NaN included
         logger.warning("%s: the lean decoder's hidden states differ from the model's own by %.3g (over %g); "
                        "running the model's own decoder", name, difference, tolerance)
         return None, f"its own decoder (the lean decoder differed by {difference:.3g} at load)"
-    logger.info("%s runs the lean decoder forward (%s, packed q/k/v and gate/up weights%s)", name,
-                architecture.model_type, ", oneDNN's layout" if decoder.onednn else "")
-    return decoder, f"the lean decoder ({architecture.model_type})"
+    weights = f"weight-only {quantization}" if quantization is not None else ("oneDNN's layout" if decoder.onednn else "")
+    logger.info("%s runs the lean decoder forward (%s, packed q/k/v and gate/up weights%s; self-check %.3g)", name,
+                architecture.model_type, f", {weights}" if weights else "", difference)
+    return decoder, f"the lean decoder ({architecture.model_type}{', weight-only ' + quantization if quantization else ''})"

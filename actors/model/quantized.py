@@ -25,14 +25,17 @@ float32).
 The copy is a draft model like any other: it has its own worker (or shares its target's: one
 process, one tokenizer, :mod:`actors.worker.device_worker`), its own KV cache, and every rule
 that takes a draft takes it; the output law stays the target's, because verification never
-assumed anything of the draft's rows. It runs its model's own decoder forward (the lean decoder,
-:mod:`actors.model.lean_decoder`, packs float weights of its own and is not taken;
-:func:`quantize_model` says so in the forward path).
+assumed anything of the draft's rows. A Llama-shaped copy runs the lean decoder
+(:mod:`actors.model.lean_decoder`) over :func:`quantized_gemm` modules of its packed weights; one
+that shares its target's process is built from the target's loaded weights
+(:meth:`actors.model.backends.SlotBackend.load`), else the loaded float linears are replaced by
+:func:`quantize_model` (the model's own forward, and its fall-back, then runs the quantized ones).
 """
 
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import torch
@@ -142,13 +145,21 @@ class Int4Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
 
 
-def quantize_linear(linear: torch.nn.Linear, quantization: str) -> torch.nn.Module:
+def quantize_linear(linear: Any, quantization: str) -> torch.nn.Module:
     """The weight-only quantized module for ``linear`` (an ``int4`` layer whose input columns are
     not a multiple of :data:`INT4_GROUP_SIZE` comes back as :class:`Int8Linear`)."""
     check_quantization(quantization, linear.weight.dtype)
     if quantization == "int4" and linear.in_features % INT4_GROUP_SIZE == 0:
         return Int4Linear(linear)
     return Int8Linear(linear)
+
+
+def quantized_gemm(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str) -> torch.nn.Module:
+    """The weight-only quantized module of a float ``weight`` ``[out, in]`` (and ``bias`` ``[out]``)
+    that no ``nn.Linear`` holds (the lean decoder's packed GEMMs, :mod:`actors.model.lean_decoder`)."""
+    out_features, in_features = weight.shape
+    return quantize_linear(types.SimpleNamespace(weight=weight, bias=bias, in_features=in_features,
+                                                 out_features=out_features), quantization)
 
 
 def quantize_model(model: Any, quantization: str, name: str = "") -> str:

@@ -23,7 +23,9 @@ import asyncio
 import logging
 import pathlib
 import statistics
+import sys
 import tempfile
+from typing import Any
 
 from benchmarks.served.prompts import PROMPTS_PATH, load_prompts
 
@@ -53,24 +55,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--se-proposers", default="draft",
                         help="Comma-separated se proposers: alternate and/or model names.")
-    parser.add_argument("--se-gamma", type=_gamma, default=1,
-                        help="The alternate proposer's second member's gamma, or auto (gamma auto).")
+    parser.add_argument("--se-gamma", type=_gammas, default=(1,),
+                        help="The alternate proposer's second member's gamma, or auto (gamma auto); comma-separated: "
+                        "one case per value, interleaved.")
     parser.add_argument("--se-draft-gamma", type=_gammas, default=(4,),
                         help="A model proposer's block, or auto; comma-separated: one case per block, interleaved.")
     parser.add_argument("--gamma-max", type=int, default=8, help="Largest block of gamma auto.")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="Directory of the server log (a temp dir).")
-    return parser.parse_args(argv)
+    parser.add_argument("--record", default=None, metavar="CASE", help="Write the table into the results store.")
+    args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    return args
 
 
-def placement_cases(settings: ServeLoadSettings, roles: dict[str, str],
-                    draft_gammas: tuple[int | str, ...]) -> list[LoadCase]:
+def placement_cases(settings: ServeLoadSettings, roles: dict[str, str], draft_gammas: tuple[int | str, ...],
+                    alternate_gammas: tuple[int | str, ...] | None = None) -> list[LoadCase]:
     """The plain ensemble, then the se cases (``benchmarks.served.serve_load.serve_load_cases``) once per
-    block of a model proposer in ``draft_gammas`` (the alternate proposer's case once)."""
+    block of a model proposer in ``draft_gammas`` and once per gamma of the alternate proposer in
+    ``alternate_gammas`` (default: ``settings.se_gamma``)."""
     cases: list[LoadCase] = []
-    for gamma in draft_gammas:
-        for case in serve_load_cases(settings.model_copy(update={"se_draft_gamma": gamma}), roles):
-            if case.label not in {known.label for known in cases}:
-                cases.append(case)
+    for alternate in alternate_gammas or (settings.se_gamma,):
+        for gamma in draft_gammas:
+            update = {"se_draft_gamma": gamma, "se_gamma": alternate}
+            for case in serve_load_cases(settings.model_copy(update=update), roles):
+                if case.label not in {known.label for known in cases}:
+                    cases.append(case)
     return cases
 
 
@@ -82,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = ServeLoadSettings(
         concurrency=(args.concurrency,), strategies=("ensemble", "se"), max_tokens=args.max_tokens,
-        requests_per_level=args.requests, bare_limit=False, se_gamma=args.se_gamma, gamma_max=args.gamma_max,
+        requests_per_level=args.requests, bare_limit=False, se_gamma=args.se_gamma[0], gamma_max=args.gamma_max,
         se_proposers=tuple(p for p in args.se_proposers.split(",") if p), se_draft_gamma=args.se_draft_gamma[0],
     )
     config = pathlib.Path(args.config)
     application = select_application(read_serve_config(config), None, str(config))
-    cases = placement_cases(settings, load_app_args(config).freeze().roles, args.se_draft_gamma)
+    cases = placement_cases(settings, load_app_args(config).freeze().roles, args.se_draft_gamma, args.se_gamma)
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="ensemble-placement-"))
     out.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(config, out / "server.log", settings.start_timeout_s)
@@ -119,11 +128,35 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_tokens} tokens")
     print("| case | tok/s (median) | ratio to the ensemble (median of rounds) | block efficiency |")
     print("|---|---|---|---|")
+    rows = []
     for case in cases:
         ratios = [rate / base for rate, base in zip(rates[case.label], rates[baseline]) if base > 0]
+        rows.append({"case": case.label, "tok/s": round(statistics.median(rates[case.label]), 2),
+                     "x the plain ensemble": f"{statistics.median(ratios):.2f}x",
+                     "block_efficiency": round(statistics.median(efficiency[case.label]), 2)})
         print(f"| {case.label} | {statistics.median(rates[case.label]):.2f} | {statistics.median(ratios):.2f}x | "
               f"{statistics.median(efficiency[case.label]):.2f} |")
+    if args.record:
+        print(f"recorded {record(args, rows)}")
     return 0
+
+
+def record(args: argparse.Namespace, rows: list[dict[str, Any]]) -> pathlib.Path:
+    """Write the table into the results store (``--record CASE``) and regenerate the page."""
+    from benchmarks.reports.store import make_record
+    from benchmarks.reports.tables import update
+
+    words, skip = [], False
+    for word in args.argv:  # the command without --out / --record (places of this machine)
+        if skip or word.split("=", 1)[0] in ("--out", "--record"):
+            skip = not skip and "=" not in word
+            continue
+        words.append(word)
+    notes = (f"Medians of {args.rounds} interleaved rounds, {args.requests} requests of {args.max_tokens} tokens a case a "
+             "round, T = 1, members [target, partner] 0.5 / 0.5; g1: gammas [1, 1]; gauto: gamma auto.")
+    clients = "one client" if args.concurrency == 1 else f"{args.concurrency} clients"
+    return update(make_record(args.record, f"Ensembles served on {args.config}: the plain ensemble against se, {clients}",
+                              " ".join(["python -m benchmarks.served.ensemble_placement", *words]), rows, notes=notes))
 
 
 if __name__ == "__main__":

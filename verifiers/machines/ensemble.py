@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verifiers.adaptive import AdaptiveGammaSettings, StepCosts
+from verifiers.adaptive import AdaptiveGamma, AdaptiveGammaSettings, StepCosts
+from verifiers.alternate_gammas import best_alternate_gammas
 from verifiers.ensemble import default_proposer, make_ensemble, next_scorer, verify_segment
 from verifiers.machines.base import DecodeMachine, Unsent
 from verifiers.machines.needs import DrawLogprob, Extend, Need, NextLogits
@@ -185,20 +186,32 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
         self.segment_lengths: list[int] = []
         self.proposers: list[int] = []
         self.adaptive = adaptive
+        # gamma auto: each member's acceptance of its proposed tokens (per-member lengths)
+        self.acceptance = [AdaptiveGamma(adaptive) for _ in self.members] if adaptive is not None else []
+        self.chosen_gammas = list(self.gammas)  # the lengths of the last proposing iteration
         self.step_costs: Callable[[], StepCosts | None] | None = None
         self.plain_step = False  # this iteration is a plain ensemble step
         self.plain_steps = 0
         self.dropped_tokens = 0  # queued tokens dropped by plain steps
 
-    def _plain_now(self) -> bool:
-        """gamma "auto": whether the step's measured mode is ``plain``."""
+    def _step_costs(self) -> StepCosts | None:
+        """gamma "auto": the step's costs (read once per iteration), else None."""
         if self.adaptive is None or self.step_costs is None:
-            return False
-        costs = self.step_costs()
-        return costs is not None and costs.mode == "plain"
+            return None
+        return self.step_costs()
+
+    def _lengths(self, costs: StepCosts | None) -> list[int]:
+        """The members' proposal lengths for this iteration: chosen from the measured calls and
+        the members' acceptance (gamma "auto"), else the fixed ``gammas``."""
+        if costs is None or not costs.member_call_s:
+            return self.gammas
+        chosen = best_alternate_gammas(self.members, [member.acceptance for member in self.acceptance],
+                                       costs.member_call_s, self.adaptive.gamma_max, current=self.gammas)
+        return chosen if chosen is not None else self.gammas
 
     def needs(self) -> list[Need]:
-        self.plain_step = self._plain_now()
+        costs = self._step_costs()
+        self.plain_step = costs is not None and costs.mode == "plain"
         if self.plain_step:
             self.dropped_tokens += len(self.queue.tokens())
             self.queue.clear()  # unverified proposals dropped: decided without reading them
@@ -206,11 +219,13 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
             return [NextLogits(name, self.unsent.take(name)) for name in self.members]
         queued = self.queue.tokens()
         room = self.max_new_tokens - len(self.committed) - len(queued)
+        lengths = self.chosen_gammas = list(self._lengths(costs))
         if not self.queue.segments:
-            member, count = self.proposer, min(self.gammas[self.proposer], room)
+            self.proposer = default_proposer(lengths)
+            member, count = self.proposer, min(lengths[self.proposer], room)
         else:
             member = next_scorer(self.queue.coverage())
-            count = min(self.gammas[member], room) if room >= 1 else 0
+            count = min(lengths[member], room) if room >= 1 else 0
         self.pending_member = member
         name = self.members[member]
         return [Extend(name, self.unsent.take(name), tuple(queued), count)]
@@ -255,6 +270,8 @@ class SpeculativeEnsembleMachine(_EnsembleMachine):
             generator=self.own_source,
         )
         self.accepted_lengths.append(int(verdict.num_accepted[0]))
+        if self.acceptance:
+            self.acceptance[segment.producer].observe(length, int(verdict.num_accepted[0]))
         self.segment_lengths.append(length)
         self.proposers.append(segment.producer)
         if bool(verdict.fully_accepted[0]):

@@ -50,7 +50,7 @@ def _ensemble_pvalue(samples) -> float:
 @pytest.mark.slow  # samples for a chi-square
 def test_alternate_gamma_auto_measures_both_kinds_of_step_and_keeps_the_ensemble_law():
     coordinator, samples = _served(SPECULATION, 400)
-    rates = coordinator.scheduler.policy.alternate_rates.rates
+    rates = coordinator.scheduler.policy.alternate_rates.steps
     assert set(rates) == {"plain", "speculative"}, rates  # both measured: each was tried
     assert _ensemble_pvalue(samples) > CHI_SQUARE_SIGNIFICANCE
 

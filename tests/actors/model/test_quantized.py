@@ -184,15 +184,48 @@ def test_slot_backend_loads_a_quantized_copy_and_its_cache_forward_is_its_own(ti
 
     backend = SlotBackend.load(str(tiny_checkpoint), dtype="float32", max_slots=2, scratch_columns=8,
                                quantization=quantization)
-    assert backend.lean is None and f"weight-only {quantization}" in backend.forward_path
+    assert backend.lean is not None and f"weight-only {quantization}" in backend.forward_path  # the lean decoder
     assert backend.lm_head is backend.model.get_output_embeddings() and type(backend.lm_head) is not torch.nn.Linear
     tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     slot = backend.allocate()
     prefill = backend.forward([linear_row(slot, 0, tokens[:9], 0, list(range(9)))])[0]  # [9, V]
     step = backend.forward([linear_row(slot, 9, tokens[9:], 9, [0, 1, 2])])[0]  # [3, V]
-    with torch.no_grad():
+    with torch.no_grad():  # the model's own decoder over its quantized linears: the same products, packed
         full = backend.model(torch.tensor([tokens])).logits[0].float()  # [12, V]
     assert torch.allclose(torch.cat([prefill, step]), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_copy_of_a_loaded_model_is_built_from_its_weights_and_leaves_it_alone(tiny_checkpoint, quantization):
+    """Loaded after its target in one process (a draft sharing its target's worker), the copy reads
+    no checkpoint: the target's model object, its own quantized GEMMs in the lean decoder; its rows
+    are those of a copy loaded alone, and the target's rows do not change."""
+    from actors.model import backends
+    from actors.model.backends import SlotBackend
+    from actors.model.batch import linear_row
+
+    backends._LOADED_MODELS.clear()  # what earlier tests loaded
+    alone = SlotBackend.load(str(tiny_checkpoint), dtype="float32", max_slots=2, scratch_columns=8,
+                             quantization=quantization)
+    target = SlotBackend.load(str(tiny_checkpoint), dtype="float32", max_slots=2, scratch_columns=8)
+    tokens = torch.randint(0, 96, (10,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def rows(backend):
+        slot = backend.allocate()
+        try:
+            return backend.forward([linear_row(slot, 0, tokens, 0, list(range(len(tokens))))])[0]  # [L, V]
+        finally:
+            backend.free(slot)
+
+    before = rows(target)
+    copy = SlotBackend.load(str(tiny_checkpoint), dtype="float32", max_slots=2, scratch_columns=8,
+                            quantization=quantization)
+    assert copy.model is target.model and copy.lean is not None and copy.lean is not target.lean
+    assert alone.model is not target.model
+    assert f"weight-only {quantization}" in copy.forward_path
+    assert torch.equal(rows(target), before)
+    assert torch.allclose(rows(copy), rows(alone), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(rows(copy), before, atol=1e-4, rtol=1e-4)  # quantized: not the target's rows
 
 
 def test_a_quantized_copy_on_a_gpu_or_in_float64_is_refused(tiny_checkpoint):

@@ -11,7 +11,7 @@ ROLES = {"target": "target", "draft": "draft", "partner": "member"}
 def test_several_draft_blocks_give_one_case_each_after_the_plain_ensemble_and_the_alternate_case_once():
     args = parse_args(["--se-proposers", "draft,alternate", "--se-draft-gamma", "4,5,auto", "--se-gamma", "auto"])
     assert args.se_draft_gamma == (4, 5, "auto")
-    settings = ServeLoadSettings(concurrency=(1,), strategies=("ensemble", "se"), se_gamma=args.se_gamma,
+    settings = ServeLoadSettings(concurrency=(1,), strategies=("ensemble", "se"), se_gamma=args.se_gamma[0],
                                  se_proposers=("draft", "alternate"), se_draft_gamma=4, bare_limit=False)
     cases = placement_cases(settings, ROLES, args.se_draft_gamma)
     assert [case.label for case in cases] == [
@@ -24,3 +24,13 @@ def test_several_draft_blocks_give_one_case_each_after_the_plain_ensemble_and_th
 def test_one_draft_block_by_default():
     args = parse_args([])
     assert args.se_draft_gamma == (4,)
+
+
+def test_several_alternate_gammas_give_one_case_each():
+    args = parse_args(["--se-proposers", "alternate", "--se-gamma", "1,auto"])
+    assert args.se_gamma == (1, "auto")
+    settings = ServeLoadSettings(concurrency=(1,), strategies=("ensemble", "se"), se_proposers=("alternate",),
+                                 bare_limit=False)
+    cases = placement_cases(settings, ROLES, args.se_draft_gamma, args.se_gamma)
+    assert [case.label for case in cases] == ["ensemble/weighted/n2", "se/weighted/n2/g1", "se/weighted/n2/gauto"]
+    assert cases[1].speculation["gammas"] == [1, 1] and cases[2].speculation["gamma"] == "auto"

@@ -1,0 +1,192 @@
+"""A real-size model drafting for itself (not a test): ``sd`` with a weight-only quantized copy of the
+target as its draft against ``ar``, served by specserve, in interleaved rounds.
+
+One server (``specserve serve``) holding the model of ``--shape`` (a random-weight Llama built as
+:mod:`benchmarks.peers.real_size` builds it; ``--model PATH`` for a checkpoint of yours) as the target and
+``{path: the same, role: draft, quantization: --quantization}`` as its draft (``placement: auto``: on
+CPU the copy shares its target's worker and is built from its loaded weights,
+:mod:`actors.model.quantized`), in ``--dtype``; then ``--rounds`` rounds, each running ``ar`` and
+``sd`` (block verification) at every ``--gamma`` with ``--concurrency`` closed-loop clients,
+``--requests`` completions of ``--max-tokens`` tokens each (temperature 1, EOS ignored, serve-load's
+prompts and client), in the same order. Prints each case's median tokens/s, the median over rounds
+of its ratio to ``ar`` of the same round and its block efficiency (tokens per target forward, from
+the responses' ``speculation`` stats). Random weights give near-uniform rows, which a quantized copy
+matches closely: its acceptance there is optimistic; the costs are real.
+
+    python -m benchmarks.peers.self_draft --shape 279m --dtype bfloat16 --quantization int4 --gamma 4 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import pathlib
+import statistics
+import tempfile
+from typing import Any
+
+from benchmarks.peers.real_size import SHAPES, build_checkpoint
+from benchmarks.served.load_cases import LoadCase, ServeLoadSettings
+from benchmarks.served.load_client import LevelPlan, LoadClient
+from benchmarks.served.prompts import PROMPTS_PATH, load_prompts
+from benchmarks.served.serve_load_records import ServeLoadResults
+from benchmarks.served.server_process import MemoryProbe, ServerProcess
+
+logger = logging.getLogger("benchmarks.peers.self_draft")
+
+COMMAND = "python -m benchmarks.peers.self_draft"
+
+
+def _gammas(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--shape", choices=sorted(SHAPES), default="279m", help="Build this random Llama (default 279m).")
+    source.add_argument("--model", default=None, help="A checkpoint directory of yours instead of --shape.")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--quantization", default="int4", choices=("int8", "int4"), help="The draft copy's weights.")
+    parser.add_argument("--gamma", type=_gammas, default=(4,), help="sd's block; comma-separated: one case each.")
+    parser.add_argument("--concurrency", type=int, default=1, help="Closed-loop clients.")
+    parser.add_argument("--rounds", type=int, default=5, help="Interleaved rounds (ratios are their median).")
+    parser.add_argument("--requests", type=int, default=3, help="Completions per case per round.")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--threads", default="auto", help="resources.torch_threads (default auto).")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="Directory of the config and the server log.")
+    parser.add_argument("--record", default=None, metavar="CASE", help="Write the table into the results store.")
+    args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else None
+    return args
+
+
+def serve_config(path: pathlib.Path | str, args: argparse.Namespace) -> dict[str, Any]:
+    """A Ray Serve config: the model as target, its quantized copy as the draft (sharing its worker)."""
+    threads = int(args.threads) if str(args.threads).isdigit() else args.threads
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": 8000},
+        "applications": [{
+            "name": "specserve", "route_prefix": "/", "import_path": "cluster.app:build_app",
+            "args": {
+                "models": {"target": {"path": str(path), "role": "target", "dtype": args.dtype},
+                           "draft": {"path": str(path), "role": "draft", "dtype": args.dtype,
+                                     "quantization": args.quantization}},
+                "defaults": {"strategy": "sd", "method": "block", "gamma": args.gamma[0]},
+                "resources": {"placement": "auto", "torch_threads": threads},
+                "limits": {"max_concurrent_requests": max(16, args.concurrency)},
+                "engine": {"max_model_len": args.max_model_len},
+            },
+        }],
+    }
+
+
+def cases(gammas: tuple[int, ...]) -> list[LoadCase]:
+    """``ar``, then ``sd`` with block verification at each block length."""
+    return [LoadCase("ar", "ar", {"strategy": "ar"})] + [
+        LoadCase("sd", f"sd/block/g{gamma}", {"strategy": "sd", "method": "block", "gamma": gamma}) for gamma in gammas]
+
+
+def run_rounds(path: pathlib.Path | str, args: argparse.Namespace, out: pathlib.Path) -> dict[str, dict[str, list[float]]]:
+    """One server, ``args.rounds`` interleaved rounds -> per case label its tokens/s and block
+    efficiency per round."""
+    import yaml
+
+    settings = ServeLoadSettings(concurrency=(args.concurrency,), strategies=("ar", "sd"), max_tokens=args.max_tokens,
+                                 requests_per_level=args.requests, temperature=1.0, bare_limit=False)
+    config_path = out / "serve.yaml"
+    config_path.write_text(yaml.safe_dump(serve_config(path, args)))
+    server = ServerProcess(config_path, out / "server.log", settings.start_timeout_s)
+    measured = {case.label: {"tokens_per_s": [], "block_efficiency": []} for case in cases(args.gamma)}
+    try:
+        server.start("/")
+        client = LoadClient(server.url, "specserve", settings, load_prompts(PROMPTS_PATH, None), None)
+        memory = MemoryProbe(server.process.pid if server.process else None, settings.worker_class)
+        for round_index in range(args.rounds):
+            for case in cases(args.gamma):
+                results = ServeLoadResults(settings=settings.model_dump(mode="json"), environment={}, command="",
+                                           levels=[], records=[])
+                run, records = asyncio.run(client.run_level(LevelPlan(case, args.concurrency, args.requests), memory))
+                results.levels.append(run)
+                results.records.extend(records)
+                summary = results.summarize().summaries[-1]
+                measured[case.label]["tokens_per_s"].append(summary.tokens_per_second)
+                measured[case.label]["block_efficiency"].append(summary.block_efficiency or 1.0)
+                logger.info("round %d %s: %.2f tok/s (%d ok, %d failed), block efficiency %.2f", round_index, case.label,
+                            summary.tokens_per_second, summary.completed, summary.failed, summary.block_efficiency or 1.0)
+    finally:
+        server.stop()
+    return measured
+
+
+def rows(measured: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per case: its median tokens/s, the median of its per-round ratio to ``ar``, its block efficiency."""
+    baseline = measured["ar"]["tokens_per_s"]
+    table = []
+    for label, values in measured.items():
+        ratios = [rate / base for rate, base in zip(values["tokens_per_s"], baseline) if base > 0]
+        case = label if label == "ar" else f"{label.replace('sd/block/', 'sd block ')}, {args.quantization} copy"
+        table.append({"case": case,
+                      "tok/s": round(statistics.median(values["tokens_per_s"]), 2),
+                      "x ar": f"{statistics.median(ratios):.2f}x",
+                      "block_efficiency": round(statistics.median(values["block_efficiency"]), 2)})
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = parse_args(argv)
+    out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="self-draft-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.model is not None:
+        measured = run_rounds(args.model, args, out)
+    else:
+        with tempfile.TemporaryDirectory(prefix="self-draft-model-") as root:
+            measured = run_rounds(build_checkpoint(SHAPES[args.shape], pathlib.Path(root), f"llama-{args.shape}"), args, out)
+    table = rows(measured, args)
+    print(f"\n{args.shape if args.model is None else args.model}, {args.dtype}, {args.concurrency} client(s), "
+          f"{args.rounds} rounds x {args.requests} requests of {args.max_tokens} tokens")
+    print("| case | tok/s (median) | x ar (median of rounds) | block efficiency |")
+    print("|---|---|---|---|")
+    for row in table:
+        print(f"| {row['case']} | {row['tok/s']:.2f} | {row['x ar']} | {row['block_efficiency']:.2f} |")
+    if args.record:
+        print(f"recorded {record(args, table)}")
+    return 0
+
+
+def public_command(args: argparse.Namespace) -> str:
+    """The command as a record shows it, without ``--out`` and ``--record``."""
+    words, skip = [], False
+    for word in args.argv or []:
+        if skip:
+            skip = False
+            continue
+        if word.split("=", 1)[0] in ("--out", "--record"):
+            skip = "=" not in word
+            continue
+        words.append(word)
+    return " ".join([COMMAND, *words])
+
+
+def record(args: argparse.Namespace, table: list[dict[str, Any]]) -> pathlib.Path:
+    """Write the table into the results store (``--record CASE``) and regenerate the page."""
+    from benchmarks.reports.store import make_record
+    from benchmarks.reports.tables import update
+
+    label = args.shape if args.model is None else pathlib.Path(args.model).name
+    clients = "one client" if args.concurrency == 1 else f"{args.concurrency} clients"
+    notes = (f"One worker: the {args.dtype} target and its {args.quantization} copy (built from its weights, lean "
+             f"decoder). {args.max_tokens} tokens, T = 1, {args.requests} requests a case a round, {args.rounds} "
+             "interleaved rounds. Random weights give near-uniform rows: acceptance is optimistic.")
+    return update(make_record(args.record, f"{label} random Llama: sd with its {args.quantization} "
+                              f"copy against ar, served, {clients}", public_command(args), table, notes=notes,
+                              section="Peers"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(__import__("sys").argv[1:]))
