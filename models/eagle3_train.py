@@ -14,6 +14,7 @@ weighted ``0.8 ** s``.
 Usage (CPU, one thread, minutes)::
 
     python -m models.eagle3_train --minutes 25
+    python -m models.eagle3_train --resume --minutes 5 --lr 5e-4
 """
 
 from __future__ import annotations
@@ -131,28 +132,44 @@ def unrolled_loss(head: Eagle3Head, tokens: torch.Tensor, aux: torch.Tensor, tar
     return total / sum(weights), agreement
 
 
-def train(minutes: float, max_steps: int, threads: int) -> dict:
-    """Train for ``minutes`` (or ``max_steps``) and export to ``models/embedded/eagle3``."""
+def resumed_head(target) -> tuple[Eagle3Head, dict]:
+    """The exported head, trainable again, and its training record."""
+    from actors.model.eagle3 import load_head
+
+    head = load_head(EMBEDDED_ROOT / "eagle3", target).train()
+    for name, parameter in head.named_parameters():
+        parameter.requires_grad_(not name.startswith("embed_tokens"))
+    return head, json.loads((EMBEDDED_ROOT / "eagle3" / "training_meta.json").read_text())
+
+
+def train(minutes: float, max_steps: int, threads: int, *, resume: bool = False, lr: float = LR) -> dict:
+    """Train for ``minutes`` (or ``max_steps``) and export to ``models/embedded/eagle3``; ``resume``:
+    continue the exported head (a new schedule from ``lr``; the record sums both runs)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     target = AutoModelForCausalLM.from_pretrained(EMBEDDED_ROOT / "target", dtype=torch.float32).eval()
     target.requires_grad_(False)
     tokens = library_tokens()
-    draft_ids = draft_vocabulary(tokens, target.config.vocab_size, DRAFT_VOCAB)
-    head = build_head(target, draft_ids)
+    earlier: dict = {}
+    if resume:
+        head, earlier = resumed_head(target)
+        draft_ids = torch.arange(head.config.draft_vocab_size) + head.d2t  # [Vd]
+    else:
+        draft_ids = draft_vocabulary(tokens, target.config.vocab_size, DRAFT_VOCAB)
+        head = build_head(target, draft_ids)
     parameters = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=LR, weight_decay=0.0, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     started, step, history = time.monotonic(), 0, []
     while step < max_steps:
         elapsed = time.monotonic() - started
         progress = max(step / max_steps, elapsed / (60 * minutes))
         if progress >= 1:
             break
-        lr = LR * min(1.0, (step + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * progress))
+        rate = lr * min(1.0, (step + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
-            group["lr"] = lr
-        inputs, _ = sample_batch(tokens, BATCH, SEQ_LEN, SEED, step)  # [B, L]
+            group["lr"] = rate
+        inputs, _ = sample_batch(tokens, BATCH, SEQ_LEN, SEED, earlier.get("steps_completed", 0) + step)  # [B, L]
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             out = target(inputs, output_hidden_states=True)
             aux = torch.cat([out.hidden_states[i] for i in AUX_LAYERS], dim=-1).float()  # [B, L, 3H]
@@ -166,13 +183,16 @@ def train(minutes: float, max_steps: int, threads: int) -> dict:
         optimizer.step()
         step += 1
         if step % 20 == 0:
-            LOG.info("step %d  %.0fs  lr %.2e  loss %.4f  top-1 agreement %s", step, elapsed, lr, float(loss),
+            LOG.info("step %d  %.0fs  lr %.2e  loss %.4f  top-1 agreement %s", step, elapsed, rate, float(loss),
                      [round(a, 3) for a in agreement])
             history.append({"step": step, "loss": round(float(loss), 4), "agreement": [round(a, 3) for a in agreement]})
     out = save_head(head, EMBEDDED_ROOT / "eagle3")
-    meta = {"name": "eagle3", "target": "target", "steps_completed": step, "training_seconds": round(time.monotonic() - started),
+    seconds = round(time.monotonic() - started)
+    runs = earlier.get("runs", []) + [{"steps": step, "seconds": seconds, "lr": lr}]
+    meta = {"name": "eagle3", "target": "target", "steps_completed": sum(r["steps"] for r in runs),
+            "training_seconds": sum(r["seconds"] for r in runs), "runs": runs,
             "aux_layers": list(AUX_LAYERS), "draft_vocab_size": DRAFT_VOCAB, "unrolled_steps": STEPS, "batch_size": BATCH,
-            "seq_len": SEQ_LEN, "lr": LR, "seed": SEED, "torch_threads": threads, "last": history[-1] if history else None,
+            "seq_len": SEQ_LEN, "seed": SEED, "torch_threads": threads, "last": history[-1] if history else None,
             "parameters_shipped": sum(p.numel() for n, p in head.named_parameters() if not n.startswith("embed_tokens"))}
     (out / "training_meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     LOG.info("exported the head to %s: %s", out, meta)
@@ -184,9 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minutes", type=float, default=25.0, help="Wall-clock cap of the training (default 25).")
     parser.add_argument("--steps", type=int, default=100_000, help="Step cap (default: the time cap ends it).")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1).")
+    parser.add_argument("--lr", type=float, default=LR, help=f"Peak learning rate (default {LR}).")
+    parser.add_argument("--resume", action="store_true", help="Continue the exported head (a new schedule).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    train(args.minutes, args.steps, args.threads)
+    train(args.minutes, args.steps, args.threads, resume=args.resume, lr=args.lr)
 
 
 if __name__ == "__main__":

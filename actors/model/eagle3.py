@@ -15,9 +15,9 @@ vLLM's ``llama_eagle3.py`` and SGLang's ``llama_eagle3.py``):
   ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (default
   ``hidden_size / heads``), ``rms_norm_eps``, ``rope_theta`` (or ``rope_parameters.rope_theta``),
   ``vocab_size`` (the target's), ``draft_vocab_size`` (default ``vocab_size``),
-  ``target_hidden_size`` (default ``hidden_size``), ``eagle_config.eagle_aux_hidden_state_layer_ids``
-  (the target layers whose INPUT is read; default vLLM's ``(2, L // 2, L - 3)`` for an
-  ``L``-layer target);
+  ``target_hidden_size`` (default ``hidden_size``), ``eagle_aux_hidden_state_layer_ids`` (or
+  under ``eagle_config``: the target layers whose INPUT is read, i.e. transformers'
+  ``hidden_states[i]``; default vLLM's ``(2, L // 2, L - 3)`` for an ``L``-layer target);
 * tensors: ``fc.weight`` ``[hidden, 3 * target_hidden]``; ``midlayer.input_layernorm.weight``,
   ``midlayer.hidden_norm.weight``, ``midlayer.post_attention_layernorm.weight`` ``[hidden]``;
   ``midlayer.self_attn.{q,k,v}_proj.weight`` ``[heads * head_dim, 2 * hidden]``,
@@ -90,7 +90,8 @@ class Eagle3Config:
                               f"{list(EAGLE3_ARCHITECTURES)})")
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-        aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
         return cls(
             hidden_size=hidden, intermediate_size=int(config["intermediate_size"]), num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
@@ -112,7 +113,7 @@ class Eagle3Config:
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "hidden_act": "silu",
             "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size, "max_position_embeddings": fields["max_position_embeddings"],
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)}, "tie_word_embeddings": False,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers), "tie_word_embeddings": False,
         }
 
 

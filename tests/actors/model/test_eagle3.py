@@ -80,6 +80,13 @@ def pair():
     return target, _tiny_head(target)
 
 
+@pytest.fixture(scope="module")
+def fns(pair):
+    """(head_fn, target_fn) shared by the module's tests (their rows cached once)."""
+    target, head = pair
+    return _head_fn(target, head), _target_fn(target)
+
+
 def _aux(target, tokens: tuple[int, ...]) -> torch.Tensor:
     with torch.no_grad():
         return target_aux_states(target, torch.tensor([tokens]), AUX)[0]  # [n, 3H]
@@ -145,7 +152,7 @@ def test_a_saved_head_loads_back_to_the_same_rows_sharing_the_targets_embeddings
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == DRAFT_VOCAB and config["target_hidden_size"] == 64
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(AUX)
     from safetensors.torch import load_file
 
     names = set(load_file(str(tmp_path / "head" / "model.safetensors")))
@@ -185,15 +192,18 @@ def test_a_checkpoint_that_is_no_eagle3_head_is_refused(pair, tmp_path):
         load_head(tmp_path / "missing", target)
 
 
-def test_default_aux_layers_are_vllms():
+def test_aux_layers_top_level_or_under_eagle_config_default_vllms():
     assert default_aux_layers(32) == (2, 16, 29)
-    assert Eagle3Config.from_dict(_tiny_config().to_dict() | {"eagle_config": {}}, 32).aux_layers == (2, 16, 29)
+    config = _tiny_config().to_dict()
+    layers = config.pop("eagle_aux_hidden_state_layer_ids")
+    assert Eagle3Config.from_dict(config, 32).aux_layers == (2, 16, 29)
+    nested = config | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": layers}}  # EAGLE's own spelling
+    assert Eagle3Config.from_dict(nested, 32).aux_layers == AUX
 
 
 # ---------------------------------------------------------------------------------- chain law
-def test_rows_give_zero_probability_outside_the_draft_vocabulary(pair):
-    target, head = pair
-    logits = _head_fn(target, head)((3, 7, 1), (2,))  # [V]
+def test_rows_give_zero_probability_outside_the_draft_vocabulary(fns):
+    logits = fns[0]((3, 7, 1), (2,))  # [V]
     probs = torch.softmax(logits, -1)
     outside = [t for t in range(VOCAB) if t not in DRAFT_IDS]
     assert torch.all(probs[outside] == 0) and torch.all(probs[list(DRAFT_IDS)] > 0)
@@ -217,28 +227,50 @@ def test_the_cached_chain_equals_the_recomputed_one(pair):
 
 # ---------------------------------------------------------------------------------- exact law
 @pytest.mark.parametrize("method", SINGLE_DRAFT)
-def test_the_eagle3_head_as_draft_is_exact(pair, method):
-    target, head = pair
-    target_fn = _target_fn(target)
-    law = _eagle_law(_head_fn(target, head), target_fn, LAW_TOKENS, method=method)
+def test_the_eagle3_head_as_draft_is_exact(fns, method):
+    head_fn, target_fn = fns
+    law = _eagle_law(head_fn, target_fn, LAW_TOKENS, method=method)
     assert total_variation(law, target_law(target_fn, PROMPT, LAW_TOKENS, top_k=LAW_TOP_K)) < EXACT_TOLERANCE
 
 
-def test_two_sampled_chains_are_exact_under_multi_draft_verification(pair):
+@pytest.mark.slow
+def test_two_sampled_chains_are_exact_under_multi_draft_verification(fns):
     """SpecTr K-SEQ over K = 2 chains the head samples independently: the target's law."""
-    target, head = pair
-    target_fn = _target_fn(target)
-    law = _eagle_law(_head_fn(target, head), target_fn, 2, method="spectr", num_drafts=2)
+    head_fn, target_fn = fns
+    law = _eagle_law(head_fn, target_fn, 2, method="spectr", num_drafts=2)
     assert total_variation(law, target_law(target_fn, PROMPT, 2, top_k=LAW_TOP_K)) < EXACT_TOLERANCE
 
 
 @pytest.mark.parametrize("method", SINGLE_DRAFT)
-def test_negative_control_the_verifier_handed_the_heads_rows_as_the_targets(pair, method):
+def test_negative_control_the_verifier_handed_the_heads_rows_as_the_targets(fns, method):
     """The harness sees a wrong law: verifying against the head's own rows (from the whole context
     as committed) emits the head's law, which is measurably not the target's."""
-    target, head = pair
-    head_fn, target_fn = _head_fn(target, head), _target_fn(target)
+    head_fn, target_fn = fns
     as_target = functools.lru_cache(maxsize=None)(lambda context: head_fn(context, ()))
     law = _eagle_law(head_fn, target_fn, LAW_TOKENS, method=method, as_target=as_target)
     assert total_variation(law, target_law(as_target, PROMPT, LAW_TOKENS, top_k=LAW_TOP_K)) < EXACT_TOLERANCE
     assert total_variation(law, target_law(target_fn, PROMPT, LAW_TOKENS, top_k=LAW_TOP_K)) > 1e-4
+
+
+# ---------------------------------------------------------------------------------- shipped head
+def test_the_shipped_head_serves_the_embedded_target_and_refuses_another():
+    """``models/embedded/eagle3`` loads for the embedded target (sharing its embeddings, rows over
+    its vocabulary, top-1 agreeing with the target often) and is refused for partner2, whose
+    hidden size differs, naming both."""
+    from transformers import AutoModelForCausalLM
+
+    from models import EMBEDDED_ROOT
+
+    target = AutoModelForCausalLM.from_pretrained(EMBEDDED_ROOT / "target", dtype=torch.float32).eval()
+    head = load_head(EMBEDDED_ROOT / "eagle3", target, head_name="embedded:eagle3")
+    assert head.config.aux_layers == (1, 3, 5) and head.config.draft_vocab_size == 2048
+    tokens = torch.tensor([[0] + list(range(40, 120))])  # [1, 81]
+    with torch.no_grad():
+        aux = target_aux_states(target, tokens, head.config.aux_layers)[0]  # [81, 3H]
+        expected = target(tokens).logits[0].argmax(-1)  # [81]
+        prenorm, _ = head.layer(tokens[:, 1:], head.fc(aux[None, :-1]), torch.arange(1, 81)[None])  # [1, 80, H]
+        got = head.target_logits(prenorm[0]).argmax(-1)  # [80]: the token after position j = 1 .. 80
+    assert float((got == expected[1:]).float().mean()) > 0.3
+    partner2 = AutoModelForCausalLM.from_pretrained(EMBEDDED_ROOT / "partner2", dtype=torch.float32)
+    with pytest.raises(Eagle3Error, match="target_hidden_size 384 does not match target embedded:partner2's hidden_size 192"):
+        load_head(EMBEDDED_ROOT / "eagle3", partner2, head_name="embedded:eagle3", target_name="embedded:partner2")
