@@ -38,6 +38,12 @@ target aux states ``a_0 .. a_{n-2}`` are known (the target's forward over them),
 vocabulary: the draft vocabulary's logits scattered through ``d2t``, ``-inf`` (probability 0)
 elsewhere. The rows are a function of the committed tokens and the chain alone, so every rule that
 takes a draft model verifies them and the output law stays the target's.
+
+Not served yet. The hook it needs: the target's forward (lean decoder and its own) keeping the
+inputs of the aux layers per (slot, column), moved with the columns it keeps (``copy_columns``,
+``copy_prefix``); a proposer hosted in the target's worker that, for a ``Sample``, runs
+:meth:`Eagle3Head.prefill` / :meth:`Eagle3Head.extend` over its own small cache on the target
+session's aux states of the committed tokens (all but the last, which the target has not run).
 """
 
 from __future__ import annotations
@@ -306,7 +312,7 @@ def save_head(head: Eagle3Head, directory: str | pathlib.Path, *, dtype: torch.d
 def load_head(directory: str | pathlib.Path, target: Any, *, head_name: str | None = None,
               target_name: str = "target", dtype: torch.dtype = torch.float32) -> Eagle3Head:
     """Load the head in ``directory`` for ``target`` (a transformers causal LM whose input
-    embeddings are shared when the head has none); refused (:class:`Eagle3Error`) when it is not
+    embeddings are shared when the head has none, copied when ``dtype`` is not theirs); refused (:class:`Eagle3Error`) when it is not
     an EAGLE-3 head or was made for another target."""
     from safetensors.torch import load_file
 
@@ -320,6 +326,8 @@ def load_head(directory: str | pathlib.Path, target: Any, *, head_name: str | No
     check_target(config, target.config, name, target_name)
     state = load_file(str(path / "model.safetensors"))
     shared = None if "embed_tokens.weight" in state else target.get_input_embeddings()
+    if shared is not None and shared.weight.dtype != dtype:  # a copy in the head's dtype; the target's stays
+        shared = torch.nn.Embedding.from_pretrained(shared.weight.detach().to(dtype), freeze=True)
     head = Eagle3Head(config, shared)
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)

@@ -271,6 +271,8 @@ def test_the_shipped_head_serves_the_embedded_target_and_refuses_another():
         prenorm, _ = head.layer(tokens[:, 1:], head.fc(aux[None, :-1]), torch.arange(1, 81)[None])  # [1, 80, H]
         got = head.target_logits(prenorm[0]).argmax(-1)  # [80]: the token after position j = 1 .. 80
     assert float((got == expected[1:]).float().mean()) > 0.3
+    wide = load_head(EMBEDDED_ROOT / "eagle3", target, dtype=torch.float64)  # its own copy of the embeddings
+    assert wide.embed_tokens.weight.dtype == torch.float64 and target.get_input_embeddings().weight.dtype == torch.float32
     partner2 = AutoModelForCausalLM.from_pretrained(EMBEDDED_ROOT / "partner2", dtype=torch.float32)
     with pytest.raises(Eagle3Error, match="target_hidden_size 384 does not match target embedded:partner2's hidden_size 192"):
         load_head(EMBEDDED_ROOT / "eagle3", partner2, head_name="embedded:eagle3", target_name="embedded:partner2")
