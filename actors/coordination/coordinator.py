@@ -45,6 +45,7 @@ from actors.coordination.plan import DecodingPlan
 from actors.tokenizer import load_tokenizer
 from actors.coordination.prompt_scoring import law_models, prompt_log_rows, prompt_logprobs
 from actors.coordination.preparation import RequestPreparer
+from actors.coordination.row_transport import RowTransport
 from actors.coordination.scheduler import Scheduler, background_task
 from actors.vocabulary import group_vocabulary, tokenizer_identity
 
@@ -135,6 +136,7 @@ class Coordinator:
             max_tokens_per_step=config.max_tokens_per_step,
             burst_s=config.burst_ms / 1e3,
         )
+        self.scheduler.calls.transport = RowTransport(getattr(config, "row_transport", "auto"))
         self.worker_infos: dict[str, WorkerInfo] | None = None
         self.vocab_limit: int | None = None  # the group's real tokens (actors.vocabulary), set with the infos
         self._export_task: asyncio.Task | None = None

@@ -138,6 +138,12 @@ class EngineArgs(Frozen):
         "multi_draft) for up to this many ms per call, calling the draft directly; an arrival or cancel ends the "
         "burst after the current iteration. Tokens unchanged; 0: off.",
     )
+    row_transport: Literal["auto", "gloo", "nccl", "object_store"] = Field(
+        "auto",
+        description="How a draft's rows reach a target on a worker of its own: object_store; gloo or nccl (Ray Direct "
+        "Transport; the object store when that fails); auto: nccl when every worker has a GPU, else the object store. "
+        "Tokens unchanged.",
+    )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,
         description="Benchmarks only: model name -> a modelled device; the worker runs each real forward, then waits until "
