@@ -177,7 +177,8 @@ class Coordinator:
         }
 
     async def engine_stats(self) -> dict[str, Any]:
-        """Scheduler counters: steps, solo bursts, running and waiting requests, recent batch sizes."""
+        """Scheduler counters: steps, solo bursts, running and waiting requests, recent batch sizes
+        and step seconds, how draft rows move (``engine.row_transport``) and its fallbacks."""
         return {
             "steps": self.scheduler.steps,
             "bursts": self.scheduler.bursts,
@@ -185,6 +186,8 @@ class Coordinator:
             "waiting": len(self.scheduler.waiting),
             "batch_sizes": list(self.scheduler.batch_sizes),
             "step_seconds": list(self.scheduler.step_seconds),
+            "row_transport": self.scheduler.calls.transport.backend or "object_store",
+            "row_fallbacks": self.scheduler.calls.transport.counters.fallbacks,
         }
 
     # ------------------------------------------------------------------ metrics

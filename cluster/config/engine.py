@@ -136,13 +136,12 @@ class EngineArgs(Frozen):
         le=10_000.0,
         description="Solo bursts: while one request runs and none waits, its target's worker runs its iterations (ar, sd, "
         "multi_draft) for up to this many ms per call, calling the draft directly; an arrival or cancel ends the "
-        "burst after the current iteration. Tokens unchanged; 0: off.",
+        "burst. Tokens unchanged; 0: off.",
     )
     row_transport: Literal["auto", "gloo", "nccl", "object_store"] = Field(
         "auto",
-        description="How a draft's rows reach a target on a worker of its own: object_store; gloo or nccl (Ray Direct "
-        "Transport; the object store when that fails); auto: nccl when every worker has a GPU, else the object store. "
-        "Tokens unchanged.",
+        description="Draft rows to a target on its own worker: object_store, gloo or nccl (Ray Direct Transport; object "
+        "store on failure); auto: nccl on GPU workers. Tokens unchanged.",
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,
