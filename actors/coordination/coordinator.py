@@ -178,7 +178,8 @@ class Coordinator:
 
     async def engine_stats(self) -> dict[str, Any]:
         """Scheduler counters: steps, solo bursts, running and waiting requests, recent batch sizes
-        and step seconds, how draft rows move (``engine.row_transport``) and its fallbacks."""
+        and step seconds, how draft rows move (``engine.row_transport``), its fallbacks and the time
+        recent steps' proposals took to reach their verifier (seconds)."""
         return {
             "steps": self.scheduler.steps,
             "bursts": self.scheduler.bursts,
@@ -188,6 +189,7 @@ class Coordinator:
             "step_seconds": list(self.scheduler.step_seconds),
             "row_transport": self.scheduler.calls.transport.backend or "object_store",
             "row_fallbacks": self.scheduler.calls.transport.counters.fallbacks,
+            "row_moving_s": list(self.scheduler.calls.transport.moving_s),
         }
 
     # ------------------------------------------------------------------ metrics

@@ -11,13 +11,15 @@ tensor sender to receiver (Gloo: host tensors; NCCL: device tensors, between GPU
 store moved a step's rows faster than Gloo did: ``python -m benchmarks.micro.row_transport``).
 
 Models hosted together (:mod:`actors.worker.device_worker`) move nothing: a verifier reads its
-proposer's payloads in the host's process. A group that cannot be created, or a transfer that
-fails, falls back to the object store for good: logged once, counted (``fallbacks``).
+proposer's payloads in the host's process. A group that cannot be created, a transfer that fails
+or a worker that restarts (its new process is in no group) falls back to the object store for
+good: logged once, counted (``fallbacks``, in the coordinator's ``engine_stats``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 from dataclasses import dataclass
@@ -84,6 +86,8 @@ class RowTransport:
         self.counters = RowCounters()
         self._keys = itertools.count()
         self._warned = False
+        #: seconds from a step's proposers' end to a verifying call having their payloads and rows, recent steps
+        self.moving_s: collections.deque[float] = collections.deque(maxlen=4096)
 
     @property
     def active(self) -> bool:
@@ -93,6 +97,10 @@ class RowTransport:
     def rows_device(self) -> str:
         """Where a proposing worker holds its rows for the transport to read."""
         return "cuda" if self.backend == "nccl" else "cpu"
+
+    def moved_in(self, seconds: float) -> None:
+        """One verifying call had its step's proposals ``seconds`` after its proposers ended."""
+        self.moving_s.append(seconds)
 
     def key(self) -> str:
         """A fresh key for one proposing call's held rows."""

@@ -63,6 +63,7 @@ class WorkerCalls:
         self.workers = dict(workers)
         self.transport = transport or RowTransport("object_store")
         self.rows_calls: set[str] = set()  # models whose phase-1 call this step reads rows over RDT
+        self.read_from: dict[str, list[str]] = {}  # model -> the models whose proposals its phase-1 call reads
         #: model -> the id of the worker hosting it with others (actors.worker.device_worker); None: its own worker
         self.hosts: dict[str, str | None] = {name: host_of(handle) for name, handle in self.workers.items()}
         self.releases: dict[str, list[str]] = {name: [] for name in self.workers}
@@ -74,6 +75,7 @@ class WorkerCalls:
         run = StepRun({id(r): {} for r in requests}, set(),
                       needs=[entry.item.need for phases in placed.values() for phase in phases for entry in phase])
         started = time.perf_counter()
+        stamps: dict[tuple[str, int], Any] = {}  # (model, phase) -> a timing of the call
         for (model, phase), (ref, entries) in self.call_workers(placed).items():
             try:
                 outcomes = await ref
@@ -81,10 +83,15 @@ class WorkerCalls:
                 outcomes = self.failed_call(model, phase, error, run.lost, len(entries))
             for entry, outcome in zip(entries, outcomes):
                 run.outcomes[id(entry.request)][entry.need_index] = outcome
+            if outcomes and outcomes[0].error is None:
+                stamps[(model, phase)] = outcomes[0].timing
             if entries:
                 run.reports.append(call_report(model, entries, outcomes))
         run.wall_s = time.perf_counter() - started
+        self.time_moves(stamps)
         run.lost |= self.co_hosted(run.lost)  # a worker that died took every model it hosted
+        if run.lost and self.transport.active:  # its restarted process is in no collective group
+            self.transport.fail(RuntimeError(f"workers {sorted(run.lost)} restarted"), "a worker left the collective group")
         return run
 
     def failed_call(self, model: str, phase: int, error: Exception, lost: set[str], count: int) -> list[ItemOutcome]:
@@ -100,6 +107,15 @@ class WorkerCalls:
         logger.error("worker %s call failed (%s); its sessions are lost", model, type(error).__name__)
         lost.add(model)
         return [ItemOutcome(error=UNAVAILABLE.format(model=model))] * count
+
+    def time_moves(self, stamps: dict[tuple[str, int], Any]) -> None:
+        """Record how long this step's proposals took to reach each verifying call of a worker of its
+        own: from its proposers' end to its having their payloads and rows (``CallTiming`` stamps)."""
+        for model, sources in self.read_from.items():
+            verifier = stamps.get((model, 1))
+            ends = [stamps[(source, 0)].ended_at for source in sources if (source, 0) in stamps]
+            if verifier is not None and verifier.sources_at and len(ends) == len(sources) and all(ends):
+                self.transport.moved_in(max(0.0, verifier.sources_at - max(ends)))
 
     def release(self, request: RequestState) -> None:
         for model in request.opened:
@@ -157,7 +173,7 @@ class WorkerCalls:
         payload_refs: dict[str, Any] = {}
         rows_refs: dict[str, Any] = {}  # model -> its take_rows ref (rows over RDT)
         held = self.rows_over_rdt(placed)
-        self.rows_calls = set()
+        self.rows_calls, self.read_from = set(), {}
         hosts = self.hosted(placed)
         whole = {host for host, models in hosts.items() if self.host_self_contained(models, placed)}
         for model, (phase0, _) in placed.items():
@@ -175,6 +191,8 @@ class WorkerCalls:
             if not phase1 or self.hosts[model] is not None:
                 continue
             source_models = sorted({e.item.proposal_source[0] for e in phase1 if e.item.proposal_source})
+            if source_models and not any(e.carried is not None for e in phase1):
+                self.read_from[model] = source_models
             sources = [payload_refs[name] for name in source_models]  # refs nested: see ModelWorker.run_step
             index_of: dict[Any, int] = {name: i for i, name in enumerate(source_models)}
             items = [self.phase1_item(e, index_of, sources) for e in phase1]

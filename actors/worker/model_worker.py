@@ -15,6 +15,7 @@ Random streams: each session owns the streams the request's layout assigns to th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -83,6 +84,15 @@ def _fetch(refs: Sequence[Any]) -> list[Any]:
     if all(isinstance(ref, Resolved) for ref in refs):
         return [ref.value for ref in refs]
     return [ref.result() for ref in refs]
+
+
+def stamped(returns: tuple[list[ItemOutcome], list[Any]], sources_at: float) -> tuple[list[ItemOutcome], list[Any]]:
+    """A call's (outcomes, payloads) with each outcome's timing stamped with ``sources_at`` and the
+    call's end (:class:`~actors.messages.CallTiming`)."""
+    outcomes, payloads = returns
+    ended_at = time.time()
+    stamp = {"sources_at": sources_at, "ended_at": ended_at}
+    return [dataclasses.replace(o, timing=dataclasses.replace(o.timing, **stamp)) for o in outcomes], payloads
 
 
 class ModelWorker:
@@ -207,14 +217,15 @@ class ModelWorker:
         ``source_payloads`` are the payload lists of the calls this one's ScoreVerify items read,
         as ObjectRefs inside the list (so Ray does not fail the whole call when one source failed: a source
         that cannot be read fails only the items that read it) or as plain lists."""
-        return self.engine.run_step(items, releases, [resolve_source(source) for source in source_payloads])
+        sources = [resolve_source(source) for source in source_payloads]
+        return stamped(self.engine.run_step(items, releases, sources), time.time() if source_payloads else 0.0)
 
     # ------------------------------------------------------------------ rows over Ray Direct Transport
     def run_step_holding(self, items: Sequence[WorkItem], key: str, rows_device: str = "cpu",
                          releases: Sequence[str] = ()) -> tuple[list[ItemOutcome], list[Any]]:
         """:meth:`run_step` whose payloads' logits are held back under ``key`` (on ``rows_device``)
         for :meth:`take_rows` (:mod:`actors.worker.row_transport`); its payloads carry tokens only."""
-        outcomes, payloads = self.engine.run_step(items, releases, [])
+        outcomes, payloads = stamped(self.engine.run_step(items, releases, []), 0.0)
         payloads, held = hold_rows(payloads, rows_device)
         self._held_rows.keep(key, held)
         return outcomes, payloads
@@ -232,7 +243,7 @@ class ModelWorker:
         for index, held in zip(rows_of, rows):
             if isinstance(sources[index], list):  # else a FailedSource: its items fail as before
                 sources[index] = attach_rows(sources[index], held)
-        return self.engine.run_step(items, releases, sources)
+        return stamped(self.engine.run_step(items, releases, sources), time.time())
 
     def burst(
         self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),

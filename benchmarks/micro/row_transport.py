@@ -15,7 +15,9 @@ with ``--clients`` requests drafting ``--gamma`` tokens over a ``--vocab``-token
 The time moving rows per step is a path's median chain (draft call to target call's return)
 less the tokens-only chain's. ``--served`` also serves the embedded family on separate workers
 (``deploy/default.yaml``, ``sd`` gamma 4, ``--clients`` seeded requests at once) under each
-``engine.row_transport`` and prints tokens/s, the median step and whether the tokens agree.
+``engine.row_transport`` (``--rounds`` interleaved rounds) and prints tokens/s, the median step, the
+median time a step's proposals took to reach the target (from the draft call's end to the target
+call holding payloads and rows, the workers' ``CallTiming`` stamps) and whether the tokens agree.
 ``--record CASE`` writes the figures into the results store. Starts its own local Ray.
 """
 
@@ -150,17 +152,37 @@ def served_run(transport: str, clients: int, max_tokens: int) -> dict[str, Any]:
             return await asyncio.gather(*(one(r) for r in requests))
 
         asyncio.run(run_all())  # warm-up: loads, first steps, the collective group
-        ray.get(group.coordinator.engine_stats.remote())
+        before = len(ray.get(group.coordinator.engine_stats.remote())["row_moving_s"])
         started = time.perf_counter()
         tokens = asyncio.run(run_all())
         wall = time.perf_counter() - started
         stats = ray.get(group.coordinator.engine_stats.remote())
     finally:
         group.shutdown()
-    steps = stats["step_seconds"]
+    steps, moving = stats["step_seconds"], stats["row_moving_s"][before:]
     return {"tokens": tokens, "tokens_per_second": sum(map(len, tokens)) / wall,
             "step_ms": 1e3 * statistics.median(steps) if steps else None, "transport": stats["row_transport"],
-            "fallbacks": stats["row_fallbacks"]}
+            "fallbacks": stats["row_fallbacks"], "moving_ms": 1e3 * statistics.median(moving) if moving else None}
+
+
+def served_rounds(transports: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--rounds`` rounds of :func:`served_run` per transport, the order reversed every other round
+    (the first group a process starts runs slower); per transport the median tokens/s and step."""
+    runs: dict[str, list[dict[str, Any]]] = {transport: [] for transport in transports}
+    for round_index in range(args.rounds):
+        for transport in transports if round_index % 2 == 0 else transports[::-1]:
+            result = served_run(transport, args.clients, args.max_tokens)
+            runs[transport].append(result)
+            print(f"  served, round {round_index}, {transport}: {result['tokens_per_second']:.1f} tok/s, median step "
+                  f"{result['step_ms']:.1f} ms, moving rows {result['moving_ms']:.2f} ms (transport {result['transport']}, "
+                  f"fallbacks {result['fallbacks']})")
+    same = len({str(result["tokens"]) for results in runs.values() for result in results}) == 1
+    print(f"  seeded tokens identical across transports and rounds: {same}")
+    return {transport: {"tokens": results[0]["tokens"] if same else None,
+                        "tokens_per_second": statistics.median(r["tokens_per_second"] for r in results),
+                        "step_ms": statistics.median(r["step_ms"] for r in results),
+                        "moving_ms": statistics.median(r["moving_ms"] for r in results)}
+            for transport, results in runs.items()}
 
 
 def _record(case: str, argv: list[str] | None, hops: dict[str, float], served: dict[str, dict[str, Any]], args) -> None:
@@ -175,14 +197,18 @@ def _record(case: str, argv: list[str] | None, hops: dict[str, float], served: d
     command = "python -m benchmarks.micro.row_transport " + " ".join(shlex.quote(w) for w in words)
     rows = []
     for path, transport in (("object store", "object_store"), ("gloo", "gloo")):
-        row = {"path": path, "KiB": round(hops["bytes"] / 1024), "moving rows ms": round(hops[path] - hops["tokens only"], 1)}
+        row = {"rows via": path, "hop ms": round(hops[path] - hops["tokens only"], 1)}
         if transport in served:
-            row["served tok/s"] = round(served[transport]["tokens_per_second"], 1)
+            row["served ms"] = round(served[transport]["moving_ms"], 1)
+            row["step ms"] = round(served[transport]["step_ms"], 1)
+            row["tok/s"] = round(served[transport]["tokens_per_second"], 1)
         rows.append(row)
-    title = f"Draft rows per step, separate workers, sd gamma {args.gamma} @{args.clients}, V {args.vocab:,}"
+    title = (f"Draft rows between separate workers ({hops['bytes'] / 1024:,.0f} KiB a step), ms a step: sd gamma "
+             f"{args.gamma} @{args.clients}")
     notes = None
     if served:
-        notes = "Seeded tokens identical." if len({str(r["tokens"]) for r in served.values()}) == 1 else "Tokens DIFFER."
+        same = all(r["tokens"] is not None for r in served.values()) and len({str(r["tokens"]) for r in served.values()}) == 1
+        notes = f"Tokens identical; {args.rounds} interleaved rounds." if same else "Tokens DIFFER."
     record = make_record(case, title, command, rows, notes=notes, section="Micro-benchmarks")
     print(f"recorded {update(record)}")
 
@@ -195,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--served", action="store_true", help="Also serve the embedded family under each transport.")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="--served: rounds per transport, interleaved.")
     parser.add_argument("--transports", default="object_store,gloo", help="--served: the transports, in this order.")
     parser.add_argument("--record", default=None, metavar="CASE", help="Write the figures into the results store.")
     args = parser.parse_args(argv)
@@ -210,15 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in ("tokens only", "object store", "gloo"):
             moving = "" if path == "tokens only" else f", moving rows {hops[path] - hops['tokens only']:.2f} ms"
             print(f"  {path:12s} chain {hops[path]:.2f} ms{moving}")
-        served = {}
-        if args.served:
-            for transport in args.transports.split(","):
-                served[transport] = served_run(transport, args.clients, args.max_tokens)
-                result = served[transport]
-                print(f"  served, {transport}: {result['tokens_per_second']:.1f} tok/s, median step "
-                      f"{result['step_ms']:.1f} ms (transport {result['transport']}, fallbacks {result['fallbacks']})")
-            same = len({str(result["tokens"]) for result in served.values()}) == 1
-            print(f"  seeded tokens identical across transports: {same}")
+        served = served_rounds(args.transports.split(","), args) if args.served else {}
         if args.record:
             _record(args.record, argv, hops, served, args)
     finally:

@@ -14,6 +14,7 @@ from actors.coordination.row_transport import RowTransport, choose_backend
 from actors.coordination.worker_calls import Placed, WorkerCalls
 from actors.messages import ItemOutcome, WorkItem
 from actors.worker.row_transport import MAX_HELD, HeldRows, attach_rows, hold_rows, rows_nbytes
+from tests.actors.fake_models import FunctionModelWorker
 from verifiers.machines.needs import Sample, Sampled, ScoreVerify
 
 
@@ -92,6 +93,13 @@ def test_only_proposals_read_by_workers_of_their_own_go_over_rdt():
 
 
 # ---------------------------------------------------------------------------------- through Ray
+class BrokenRowsWorker(FunctionModelWorker):
+    """A fake worker whose held rows cannot be handed over (a transfer that fails)."""
+
+    def take_rows(self, key: str):
+        raise RuntimeError("no rows here")
+
+
 def _group(row_transport: str):
     from cluster.serving.bringup import start_model_group
     from tests.actors.fake_models import FunctionModelWorker, fake_group_config
@@ -144,3 +152,56 @@ def test_a_group_that_cannot_be_created_falls_back_to_the_object_store(ray_sessi
         destroy_collective_group(taken)
         for handle in workers.values():
             ray.kill(handle)
+
+
+def test_a_transfer_that_fails_fails_its_step_retryably_then_rows_go_through_the_object_store(ray_session):
+    import ray
+
+    from cluster.serving.bringup import start_model_group
+    from tests.actors.coordination.test_coordinator_reference import _request, _tokens, run_requests
+    from tests.actors.fake_models import fake_group_config
+
+    config = fake_group_config(overlap=False, burst_ms=0.0).model_copy(update={"row_transport": "gloo"})
+    group = start_model_group(config, worker_cls=BrokenRowsWorker)
+    try:
+        speculation = {"strategy": "sd", "method": "block", "gamma": 4}
+        (first,) = run_requests(group, [_request(0, speculation, max_tokens=12)])
+        assert first[-1].error is not None and first[-1].retryable and "could not be moved" in first[-1].error
+        stats = ray.get(group.coordinator.engine_stats.remote())
+        assert stats["row_transport"] == "object_store" and stats["row_fallbacks"] == 1
+        (again,) = run_requests(group, [_request(0, speculation, max_tokens=12)])
+        assert len(_tokens(again)) == 12  # served again, over the object store
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+def test_rows_move_over_nccl_between_gpu_workers(ray_session):
+    import ray
+    from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+    @ray.remote(num_gpus=1, enable_tensor_transport=True)
+    class GpuWorker:
+        def __init__(self):
+            self.store = HeldRows()
+
+        def hold(self, key: str) -> list:
+            kept, held = hold_rows(_payloads(), "cuda")
+            self.store.keep(key, held)
+            return kept
+
+        def take_rows(self, key: str):
+            return self.store.take(key)
+
+        def equal(self, kept: list, held) -> bool:
+            restored = attach_rows(kept, held)
+            return all(torch.equal(a.logits, b.logits) for a, b in zip(restored, _payloads())
+                       if isinstance(a, Sampled) and a.logits is not None)
+
+    draft, target = GpuWorker.remote(), GpuWorker.remote()
+    group = create_collective_group([draft, target], backend="nccl")
+    try:
+        kept = draft.hold.remote("k")
+        assert ray.get(target.equal.remote(kept, draft.take_rows.options(tensor_transport="nccl").remote("k")))
+    finally:
+        destroy_collective_group(group)
