@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import time
 from typing import Any
@@ -200,15 +201,14 @@ def _record(case: str, argv: list[str] | None, hops: dict[str, float], served: d
         row = {"rows via": path, "hop ms": round(hops[path] - hops["tokens only"], 1)}
         if transport in served:
             row["served ms"] = round(served[transport]["moving_ms"], 1)
-            row["step ms"] = round(served[transport]["step_ms"], 1)
             row["tok/s"] = round(served[transport]["tokens_per_second"], 1)
         rows.append(row)
-    title = (f"Draft rows between separate workers ({hops['bytes'] / 1024:,.0f} KiB a step), ms a step: sd gamma "
-             f"{args.gamma} @{args.clients}")
+    title = f"Draft rows, separate workers, sd gamma {args.gamma} @{args.clients}, {hops['bytes'] / 1024:,.0f} KiB/step"
     notes = None
     if served:
         same = all(r["tokens"] is not None for r in served.values()) and len({str(r["tokens"]) for r in served.values()}) == 1
-        notes = f"Tokens identical; {args.rounds} interleaved rounds." if same else "Tokens DIFFER."
+        load = os.getloadavg()[0]
+        notes = f"Tokens identical; {args.rounds} interleaved rounds; loadavg {load:.0f}." if same else "Tokens DIFFER."
     record = make_record(case, title, command, rows, notes=notes, section="Micro-benchmarks")
     print(f"recorded {update(record)}")
 

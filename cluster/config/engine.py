@@ -139,8 +139,8 @@ class EngineArgs(Frozen):
     )
     row_transport: Literal["auto", "gloo", "nccl", "object_store"] = Field(
         "auto",
-        description="Draft rows to a target on its own worker: object_store, gloo or nccl (Ray Direct Transport; object "
-        "store on failure); auto: nccl on GPU workers. Tokens unchanged.",
+        description="Draft rows to a target on its own worker: object_store, or gloo / nccl (Ray Direct Transport; object "
+        "store on failure; auto: nccl on GPUs). Tokens unchanged.",
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,

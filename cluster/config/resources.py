@@ -122,7 +122,7 @@ class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
         1,
         description="torch intra-op threads per CPU model worker: a number, or 'auto': the cores of the worker's affinity "
         "mask once bound (cpu_affinity). Default 1: 'auto' served fewer tokens/s on a shared 2-core host (`specserve "
-        "bench --mode serve-load`); try it where the workers have the cores to themselves.",
+        "bench --mode serve-load`); try it on a host of your own.",
     )
     per_model: dict[str, ModelResourceArgs] = Field(
         default_factory=dict, description="Per-model overrides keyed by model name (gpus, cpus, custom resources)."
