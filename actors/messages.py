@@ -90,6 +90,11 @@ class CallTiming:
     #: set-up, the tokens the last verification accepted, caches the other models' forwards
     #: evicted) apart from each further round; 0: not measured.
     first_round_s: float = 0.0
+    #: Wall-clock times (``time.time()``) the call had its sources' payloads and rows, and ended its
+    #: work: a verifying call's ``sources_at`` less its proposer's ``ended_at`` is the time the
+    #: proposals took to move (:mod:`actors.coordination.row_transport`); 0: not stamped.
+    sources_at: float = 0.0
+    ended_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from actors.coordination.plan import DecodingPlan
 from actors.tokenizer import load_tokenizer
 from actors.coordination.prompt_scoring import law_models, prompt_log_rows, prompt_logprobs
 from actors.coordination.preparation import RequestPreparer
+from actors.coordination.row_transport import RowTransport
 from actors.coordination.scheduler import Scheduler, background_task
 from actors.vocabulary import group_vocabulary, tokenizer_identity
 
@@ -135,6 +136,7 @@ class Coordinator:
             max_tokens_per_step=config.max_tokens_per_step,
             burst_s=config.burst_ms / 1e3,
         )
+        self.scheduler.calls.transport = RowTransport(getattr(config, "row_transport", "auto"))
         self.worker_infos: dict[str, WorkerInfo] | None = None
         self.vocab_limit: int | None = None  # the group's real tokens (actors.vocabulary), set with the infos
         self._export_task: asyncio.Task | None = None
@@ -186,7 +188,9 @@ class Coordinator:
                 for name, t in totals.items() if "kv_blocks_used" in t}
 
     async def engine_stats(self) -> dict[str, Any]:
-        """Scheduler counters: steps, solo bursts, running and waiting requests, recent batch sizes."""
+        """Scheduler counters: steps, solo bursts, running and waiting requests, recent batch sizes
+        and step seconds, how draft rows move (``engine.row_transport``), its fallbacks and the time
+        recent steps' proposals took to reach their verifier (seconds)."""
         return {
             "steps": self.scheduler.steps,
             "bursts": self.scheduler.bursts,
@@ -194,6 +198,9 @@ class Coordinator:
             "waiting": len(self.scheduler.waiting),
             "batch_sizes": list(self.scheduler.batch_sizes),
             "step_seconds": list(self.scheduler.step_seconds),
+            "row_transport": self.scheduler.calls.transport.backend or "object_store",
+            "row_fallbacks": self.scheduler.calls.transport.counters.fallbacks,
+            "row_moving_s": list(self.scheduler.calls.transport.moving_s),
         }
 
     # ------------------------------------------------------------------ metrics

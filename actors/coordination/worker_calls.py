@@ -6,7 +6,9 @@ first (phase 0) and its payload ref is an argument of the verifying worker's cal
 Ray runs the two back to back and the proposals' logits travel worker to worker, never through
 the coordinator. A model with nothing to propose for others gets all its items in the second
 call. Models hosted by one worker (:mod:`actors.worker.device_worker`) get one call per host.
-Sessions of requests that left are released in the next call to each worker.
+Sessions of requests that left are released in the next call to each worker. Between workers of
+their own the proposals' logits may move over Ray Direct Transport instead
+(:mod:`actors.coordination.row_transport`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.coordination.request_state import RequestState
+from actors.coordination.row_transport import ROWS_LOST, RowTransport
 from actors.coordination.step_costs import CallReport
 from actors.messages import UNAVAILABLE, ItemOutcome, WorkItem
 from actors.worker.device_worker import HostCall, host_of
@@ -56,32 +59,63 @@ class StepRun:
 class WorkerCalls:
     """The workers of one model group and how a step calls them (see the module doc)."""
 
-    def __init__(self, workers: dict[str, Any]):
+    def __init__(self, workers: dict[str, Any], transport: RowTransport | None = None):
         self.workers = dict(workers)
+        self.transport = transport or RowTransport("object_store")
+        self.rows_calls: set[str] = set()  # models whose phase-1 call this step reads rows over RDT
+        self.read_from: dict[str, list[str]] = {}  # model -> the models whose proposals its phase-1 call reads
         #: model -> the id of the worker hosting it with others (actors.worker.device_worker); None: its own worker
         self.hosts: dict[str, str | None] = {name: host_of(handle) for name, handle in self.workers.items()}
         self.releases: dict[str, list[str]] = {name: [] for name in self.workers}
 
     async def run(self, requests: list[RequestState]) -> StepRun:
         """Place the requests' ``last_needs``, call the workers and wait for every call."""
+        await self.transport.prepare(self.workers, self.hosts)
         placed = self.place([(request, request.last_needs) for request in requests])
         run = StepRun({id(r): {} for r in requests}, set(),
                       needs=[entry.item.need for phases in placed.values() for phase in phases for entry in phase])
         started = time.perf_counter()
-        for (model, _), (ref, entries) in self.call_workers(placed).items():
+        stamps: dict[tuple[str, int], Any] = {}  # (model, phase) -> a timing of the call
+        for (model, phase), (ref, entries) in self.call_workers(placed).items():
             try:
                 outcomes = await ref
             except Exception as error:  # noqa: BLE001 - the worker call failed: its requests fail
-                logger.error("worker %s call failed (%s); its sessions are lost", model, type(error).__name__)
-                run.lost.add(model)
-                outcomes = [ItemOutcome(error=UNAVAILABLE.format(model=model))] * len(entries)
+                outcomes = self.failed_call(model, phase, error, run.lost, len(entries))
             for entry, outcome in zip(entries, outcomes):
                 run.outcomes[id(entry.request)][entry.need_index] = outcome
+            if outcomes and outcomes[0].error is None:
+                stamps[(model, phase)] = outcomes[0].timing
             if entries:
                 run.reports.append(call_report(model, entries, outcomes))
         run.wall_s = time.perf_counter() - started
+        self.time_moves(stamps)
         run.lost |= self.co_hosted(run.lost)  # a worker that died took every model it hosted
+        if run.lost and self.transport.active:  # its restarted process is in no collective group
+            self.transport.fail(RuntimeError(f"workers {sorted(run.lost)} restarted"), "a worker left the collective group")
         return run
+
+    def failed_call(self, model: str, phase: int, error: Exception, lost: set[str], count: int) -> list[ItemOutcome]:
+        """The outcomes of ``model``'s failed call. A verifying call that read rows over RDT and failed
+        for anything but its own worker's death never ran (its rows, or their source, failed): its
+        requests fail, retryable, its sessions stay, and the transport falls back to the object store
+        unless the source itself was lost. Else the worker's sessions are lost."""
+        if phase == 1 and model in self.rows_calls and getattr(error, "actor_id", None) != actor_id(self.workers[model]):
+            if not lost:
+                self.transport.fail(error, f"moving rows to {model} failed")
+            message = ROWS_LOST.format(model=model, error=type(error).__name__)
+            return [ItemOutcome(error=message, retryable=True)] * count
+        logger.error("worker %s call failed (%s); its sessions are lost", model, type(error).__name__)
+        lost.add(model)
+        return [ItemOutcome(error=UNAVAILABLE.format(model=model))] * count
+
+    def time_moves(self, stamps: dict[tuple[str, int], Any]) -> None:
+        """Record how long this step's proposals took to reach each verifying call of a worker of its
+        own: from its proposers' end to its having their payloads and rows (``CallTiming`` stamps)."""
+        for model, sources in self.read_from.items():
+            verifier = stamps.get((model, 1))
+            ends = [stamps[(source, 0)].ended_at for source in sources if (source, 0) in stamps]
+            if verifier is not None and verifier.sources_at and len(ends) == len(sources) and all(ends):
+                self.transport.moved_in(max(0.0, verifier.sources_at - max(ends)))
 
     def release(self, request: RequestState) -> None:
         for model in request.opened:
@@ -137,11 +171,17 @@ class WorkerCalls:
         its own (else one call per phase). Calls that others read go out first."""
         calls: dict[tuple[str, int], tuple[Any, list[Placed]]] = {}
         payload_refs: dict[str, Any] = {}
+        rows_refs: dict[str, Any] = {}  # model -> its take_rows ref (rows over RDT)
+        held = self.rows_over_rdt(placed)
+        self.rows_calls, self.read_from = set(), {}
         hosts = self.hosted(placed)
         whole = {host for host, models in hosts.items() if self.host_self_contained(models, placed)}
         for model, (phase0, _) in placed.items():
             if phase0 and self.hosts[model] is None:
-                outcomes_ref, payloads_ref = self.call(model, [e.item for e in phase0])
+                if model in held:
+                    outcomes_ref, payloads_ref, rows_refs[model] = self.call_holding(model, [e.item for e in phase0])
+                else:
+                    outcomes_ref, payloads_ref = self.call(model, [e.item for e in phase0])
                 calls[(model, 0)] = (outcomes_ref, phase0)
                 payload_refs[model] = payloads_ref
         for host, models in hosts.items():
@@ -151,10 +191,17 @@ class WorkerCalls:
             if not phase1 or self.hosts[model] is not None:
                 continue
             source_models = sorted({e.item.proposal_source[0] for e in phase1 if e.item.proposal_source})
+            if source_models and not any(e.carried is not None for e in phase1):
+                self.read_from[model] = source_models
             sources = [payload_refs[name] for name in source_models]  # refs nested: see ModelWorker.run_step
             index_of: dict[Any, int] = {name: i for i, name in enumerate(source_models)}
             items = [self.phase1_item(e, index_of, sources) for e in phase1]
-            outcomes_ref, payloads_ref = self.call(model, items, sources)
+            rows = [(i, rows_refs[name]) for i, name in enumerate(source_models) if name in rows_refs]
+            if rows:
+                self.rows_calls.add(model)
+                outcomes_ref, payloads_ref = self.call_rows(model, items, sources, rows)
+            else:
+                outcomes_ref, payloads_ref = self.call(model, items, sources)
             calls[(model, 1)] = (outcomes_ref, phase1)
             for position, entry in enumerate(phase1):
                 if isinstance(entry.item.need, PreDraft):  # the next step may verify one of its chains
@@ -271,10 +318,43 @@ class WorkerCalls:
             return item
         return WorkItem(session_id=item.session_id, need=item.need, open=item.open, proposal_source=source)
 
+    def rows_over_rdt(self, placed: dict[str, list[list[Placed]]]) -> set[str]:
+        """The models whose phase-0 rows go over RDT this step: workers of their own whose proposals
+        only other workers of their own read (a host reads a payload whole, in its process)."""
+        if not self.transport.active:
+            return set()
+        reads = {(e.item.proposal_source[0], m) for m, (_, phase1) in placed.items() for e in phase1
+                 if e.item.proposal_source is not None and e.carried is None}
+        sources = {source for source, _ in reads if self.hosts[source] is None}
+        return sources - {source for source, m in reads if self.hosts[m] is not None or m == source}
+
+    def call_holding(self, model: str, items: list[WorkItem]) -> tuple[Any, Any, Any]:
+        """``model``'s phase-0 call holding its rows back, and the ``take_rows`` call that hands them
+        over RDT: (outcomes ref, payloads ref, rows ref)."""
+        releases, self.releases[model] = self.releases[model], []
+        key, worker = self.transport.key(), self.workers[model]
+        outcomes_ref, payloads_ref = worker.run_step_holding.options(num_returns=2).remote(
+            items, key, self.transport.rows_device, releases)
+        rows_ref = worker.take_rows.options(tensor_transport=self.transport.backend).remote(key)
+        self.transport.counters.moved += 1
+        return outcomes_ref, payloads_ref, rows_ref
+
+    def call_rows(self, model: str, items: list[WorkItem], sources: list[Any], rows: list[tuple[int, Any]]) -> tuple[Any, Any]:
+        """``model``'s call reading ``rows`` (source index, take_rows ref) as top-level arguments."""
+        releases, self.releases[model] = self.releases[model], []
+        call = self.workers[model].run_step_rows.options(num_returns=2)
+        return call.remote(items, list(sources), releases, [i for i, _ in rows], *[ref for _, ref in rows])
+
     def call(self, model: str, items: list[WorkItem], sources: list[Any] = ()) -> tuple[Any, Any]:
         releases, self.releases[model] = self.releases[model], []
         call = self.workers[model].run_step.options(num_returns=2)
         return call.remote(items, source_payloads=list(sources), releases=releases)
+
+
+def actor_id(handle: Any) -> str | None:
+    """The hex id of the Ray actor behind ``handle`` (None: not a Ray actor)."""
+    actor = getattr(handle, "_actor_id", None)
+    return None if actor is None else actor.hex()
 
 
 def call_report(model: str, entries: list[Placed], outcomes: list[ItemOutcome]) -> CallReport:

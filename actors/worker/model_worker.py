@@ -15,6 +15,7 @@ Random streams: each session owns the streams the request's layout assigns to th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -33,6 +34,7 @@ from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
 from actors.messages import FailedSource, ItemOutcome, KVPool, OpenSession, WorkerInfo, WorkItem
 from actors.worker.peer_link import LinkCall, PeerLink, PeerLinkAddress, PeerLinkError, PeerLinkServer
+from actors.worker.row_transport import HeldRows, Layout, attach_rows, hold_rows
 from actors.model.simulated_device import on_simulated_device
 from actors.vocabulary import load_tokenizer_identity
 
@@ -87,6 +89,15 @@ def _fetch(refs: Sequence[Any]) -> list[Any]:
     return [ref.result() for ref in refs]
 
 
+def stamped(returns: tuple[list[ItemOutcome], list[Any]], sources_at: float) -> tuple[list[ItemOutcome], list[Any]]:
+    """A call's (outcomes, payloads) with each outcome's timing stamped with ``sources_at`` and the
+    call's end (:class:`~actors.messages.CallTiming`)."""
+    outcomes, payloads = returns
+    ended_at = time.time()
+    stamp = {"sources_at": sources_at, "ended_at": ended_at}
+    return [dataclasses.replace(o, timing=dataclasses.replace(o.timing, **stamp)) for o in outcomes], payloads
+
+
 class ModelWorker:
     """Hosts one model; use as a Ray actor: ``ray.remote(ModelWorker).options(...).remote(spec)``.
 
@@ -139,6 +150,7 @@ class ModelWorker:
         self._link_retry_at: dict[str, float] = {}  # peer actor id -> when to try opening a link again
         self._links_lock = threading.Lock()
         self._burst_stops = BurstStops()  # written by stop_burst, in its own concurrency group
+        self._held_rows = HeldRows()  # rows kept back for take_rows (actors.worker.row_transport)
 
     # ------------------------------------------------------------------ set-up
     def _pick_device(self) -> str:
@@ -229,7 +241,33 @@ class ModelWorker:
         ``source_payloads`` are the payload lists of the calls this one's ScoreVerify items read,
         as ObjectRefs inside the list (so Ray does not fail the whole call when one source failed: a source
         that cannot be read fails only the items that read it) or as plain lists."""
-        return self.engine.run_step(items, releases, [resolve_source(source) for source in source_payloads])
+        sources = [resolve_source(source) for source in source_payloads]
+        return stamped(self.engine.run_step(items, releases, sources), time.time() if source_payloads else 0.0)
+
+    # ------------------------------------------------------------------ rows over Ray Direct Transport
+    def run_step_holding(self, items: Sequence[WorkItem], key: str, rows_device: str = "cpu",
+                         releases: Sequence[str] = ()) -> tuple[list[ItemOutcome], list[Any]]:
+        """:meth:`run_step` whose payloads' logits are held back under ``key`` (on ``rows_device``)
+        for :meth:`take_rows` (:mod:`actors.worker.row_transport`); its payloads carry tokens only."""
+        outcomes, payloads = stamped(self.engine.run_step(items, releases, []), 0.0)
+        payloads, held = hold_rows(payloads, rows_device)
+        self._held_rows.keep(key, held)
+        return outcomes, payloads
+
+    def take_rows(self, key: str) -> tuple[Layout, torch.Tensor]:
+        """The rows :meth:`run_step_holding` held under ``key``: ``(layout, rows [N])``. Called with
+        ``.options(tensor_transport=...)``, so ``rows`` moves straight to the worker whose call reads it."""
+        return self._held_rows.take(key)
+
+    def run_step_rows(self, items: Sequence[WorkItem], source_payloads: Sequence[Any], releases: Sequence[str],
+                      rows_of: Sequence[int], *rows: tuple[Layout, torch.Tensor]) -> tuple[list[ItemOutcome], list[Any]]:
+        """:meth:`run_step` whose sources ``rows_of[i]`` had their logits held back: ``rows[i]`` (top-level
+        arguments, which Ray Direct Transport moves; :meth:`take_rows`) puts them back first."""
+        sources = [resolve_source(source) for source in source_payloads]
+        for index, held in zip(rows_of, rows):
+            if isinstance(sources[index], list):  # else a FailedSource: its items fail as before
+                sources[index] = attach_rows(sources[index], held)
+        return stamped(self.engine.run_step(items, releases, sources), time.time())
 
     def burst(
         self, machine_blob: bytes, session_id: str, peers: dict[str, Any], eos_token_ids: Sequence[int] = (),
@@ -347,12 +385,13 @@ class ModelWorker:
         return len(self.engine.sessions)
 
     def engine_stats(self) -> dict[str, Any]:
-        """Steps run, open sessions, the recent rows per forward (batch sizes) and the calls other
-        workers' bursts made over this worker's peer link (:mod:`actors.worker.peer_link`)."""
+        """Steps run, open sessions, the recent rows per forward (batch sizes), the calls other
+        workers' bursts made over this worker's peer link (:mod:`actors.worker.peer_link`) and the
+        held rows handed over Ray Direct Transport (:meth:`take_rows`)."""
         rows = list(self.engine.rows_per_forward)
         link_calls = self._link_server.calls if self._link_server is not None else 0
         return {"steps": self.engine.steps, "sessions": len(self.engine.sessions), "rows_per_forward": rows,
-                "peer_link_calls": link_calls}
+                "peer_link_calls": link_calls, "rows_taken": self._held_rows.taken}
 
     def metrics(self) -> dict[str, float]:
         """Cumulative since this worker started: seconds in forward passes and in step calls,

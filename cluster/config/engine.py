@@ -138,9 +138,13 @@ class EngineArgs(Frozen):
         1000.0,
         ge=0.0,
         le=10_000.0,
-        description="Solo bursts: while one request runs and none waits, its target's worker runs its iterations (ar, sd, "
-        "multi_draft) for up to this many ms per call, calling the draft directly; an arrival or cancel ends the "
-        "burst after the current iteration. Tokens unchanged; 0: off.",
+        description="Solo bursts: a request running alone has its target's worker run its iterations (ar, sd, multi_draft) "
+        "for up to this many ms a call, calling the draft directly, until an arrival or cancel. Tokens unchanged; 0: off.",
+    )
+    row_transport: Literal["auto", "gloo", "nccl", "object_store"] = Field(
+        "auto",
+        description="Draft rows to a target on its own worker: object_store, or gloo / nccl (Ray Direct Transport; object "
+        "store on failure; auto: nccl on GPUs). Tokens unchanged.",
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,

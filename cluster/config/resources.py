@@ -120,12 +120,9 @@ class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
     )
     torch_threads: TorchThreads = Field(
         1,
-        description="torch intra-op threads per CPU model worker: a number, or 'auto': the cores the worker's process may "
-        "run on once bound (its affinity mask: every core of the host under cpu_affinity off or spare, its own one "
-        "under auto; cpu_affinity auto reserves one core for it). Default 1, chosen by measurement on a shared 2-core "
-        "host (`specserve bench --mode serve-load`, interleaved rounds): there 'auto' (two threads) served fewer "
-        "tokens/s at one client, the embedded family's and a 279M model's alike, and was within the noise at 16; "
-        "try 'auto' where the workers have the host's cores to themselves.",
+        description="torch intra-op threads per CPU model worker: a number, or 'auto': the cores of the worker's affinity "
+        "mask once bound (cpu_affinity). Default 1: 'auto' served fewer tokens/s on a shared 2-core host (`specserve "
+        "bench --mode serve-load`); try it on a host of your own.",
     )
     per_model: dict[str, ModelResourceArgs] = Field(
         default_factory=dict, description="Per-model overrides keyed by model name (gpus, cpus, custom resources)."

@@ -190,12 +190,13 @@ def worker_sessions(config: GroupConfig) -> int:
     return 2 * config.max_concurrent_requests + 4
 
 
-def _worker_actor(cls: type) -> Any:
+def _worker_actor(cls: type, direct_transport: bool = False) -> Any:
     """``cls`` as a Ray actor class whose ``stop_burst`` runs in a concurrency group of its own,
-    beside a busy burst call (:mod:`actors.worker.bursts`, the stop signal)."""
+    beside a busy burst call (:mod:`actors.worker.bursts`, the stop signal); ``direct_transport``:
+    its calls may return tensors over Ray Direct Transport (``engine.row_transport``)."""
     import ray
 
-    return ray.remote(concurrency_groups={BURST_CONTROL_GROUP: 1})(cls)
+    return ray.remote(concurrency_groups={BURST_CONTROL_GROUP: 1}, enable_tensor_transport=direct_transport)(cls)
 
 
 def start_model_group(
@@ -246,7 +247,8 @@ def start_model_group(
         if cpu_plan.workers[index] is not None:
             worker_args["cpu_cores"] = cpu_plan.workers[index]
         if len(models) == 1:
-            handle = _worker_actor(worker_cls).options(**options).remote(
+            direct = config.row_transport in ("gloo", "nccl") or (config.row_transport == "auto" and bool(gpus))
+            handle = _worker_actor(worker_cls, direct).options(**options).remote(
                 config.model(models[0]), config.session_idle_timeout_s, **worker_args)
             workers[models[0]] = handle
         else:
