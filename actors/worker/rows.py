@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,6 +48,11 @@ def shared_vocab(session: Session, logits: torch.Tensor) -> torch.Tensor:
     limit = session.sampling.vocab_limit
     return logits if limit is None else logits[..., :limit]
 
+#: The largest tensor a step's rows and verification make at once: glibc maps a fresh block (whose
+#: pages the kernel faults in and zeroes on every step) for anything above its largest mmap
+#: threshold, 32 MiB (``actors.worker.allocator``), so larger batches are cut into runs below it.
+STEP_TENSOR_BYTES = 16 << 20
+
 
 @dataclass(frozen=True)
 class RowRequest:
@@ -79,21 +85,46 @@ def rows_together(requests: Sequence[RowRequest]) -> list[torch.Tensor]:
             rows[index] = request.alone()
         else:
             groups.setdefault(key, []).append(index)
-    for (temperature, top_k, top_p, min_p, dtype, vocab, _), members in groups.items():
-        if len(members) == 1:
-            rows[members[0]] = requests[members[0]].alone()
-            continue
-        flat = [shared_vocab(requests[i].session, requests[i].logits).reshape(-1, vocab) for i in members]  # [n_i, V]
-        stacked = torch.empty(sum(len(x) for x in flat), vocab, dtype=dtype, device=flat[0].device)  # [N, V]
-        offsets = [0]
-        for logits in flat:
-            stacked[offsets[-1]: offsets[-1] + len(logits)].copy_(logits)  # the dtype conversion .to(dtype) does
-            offsets.append(offsets[-1] + len(logits))
-        probs = penalized_probs(stacked, temperature=temperature, top_k=top_k, top_p=top_p,
-                                penalties=Penalties(min_p=min_p), dtype=dtype)  # [N, V]
-        for i, start, end in zip(members, offsets, offsets[1:]):
-            rows[i] = probs[start:end].reshape(*requests[i].logits.shape[:-1], vocab)
+    for (temperature, top_k, top_p, min_p, dtype, vocab, _), group in groups.items():
+        row_bytes = vocab * dtype.itemsize
+        for members in byte_chunks(group, [requests[i].logits[..., 0].numel() * row_bytes for i in group]):
+            if len(members) == 1:
+                rows[members[0]] = requests[members[0]].alone()
+            else:
+                _transform_together([requests[i] for i in members], members, rows,
+                                    (temperature, top_k, top_p, min_p, dtype, vocab))
     return rows  # type: ignore[return-value]
+
+
+def byte_chunks(keys: Sequence[Any], sizes: Sequence[int], budget: int = STEP_TENSOR_BYTES) -> list[list[Any]]:
+    """``keys`` in order, cut into runs whose ``sizes`` (bytes) sum to at most ``budget`` (a key
+    larger than it runs alone)."""
+    chunks: list[list[Any]] = []
+    total = budget + 1
+    for key, size in zip(keys, sizes):
+        if total + size > budget:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(key)
+        total += size
+    return chunks
+
+
+def _transform_together(requests: Sequence[RowRequest], members: list[int], rows: list[torch.Tensor | None],
+                        settings: tuple) -> None:
+    """The rows of ``requests`` (of one settings group) in ONE transform, each request's a view
+    stored at ``rows[members[i]]``."""
+    temperature, top_k, top_p, min_p, dtype, vocab = settings
+    flat = [shared_vocab(request.session, request.logits).reshape(-1, vocab) for request in requests]  # [n_i, V]
+    stacked = torch.empty(sum(len(x) for x in flat), vocab, dtype=dtype, device=flat[0].device)  # [N, V]
+    offsets = [0]
+    for logits in flat:
+        stacked[offsets[-1]: offsets[-1] + len(logits)].copy_(logits)  # the dtype conversion .to(dtype) does
+        offsets.append(offsets[-1] + len(logits))
+    probs = penalized_probs(stacked, temperature=temperature, top_k=top_k, top_p=top_p,
+                            penalties=Penalties(min_p=min_p), dtype=dtype)  # [N, V]
+    for i, request, start, end in zip(members, requests, offsets, offsets[1:]):
+        rows[i] = probs[start:end].reshape(*request.logits.shape[:-1], vocab)
 
 
 def _group_key(request: RowRequest) -> tuple | None:

@@ -32,7 +32,7 @@ from actors.messages import CallTiming, ItemOutcome, Prefill, WorkItem
 from actors.model.batch import RowWork
 from actors.worker.forward_plan import forward_groups, prefill_grants
 from actors.worker.isolation import batched_then_alone
-from actors.worker.rows import RowRequest, rows_together, shared_vocab
+from actors.worker.rows import RowRequest, byte_chunks, rows_together, shared_vocab
 from actors.worker.sessions import Session, SessionNotFoundError, SessionStore
 from actors.worker.tasks import ExtendTask, NextLogitsTask, PreDraftTask, PrefillTask, SampleTask, Task
 from actors.worker.verify_tasks import ScoreBlockTask, ScoreVerifyTask, verify_together
@@ -322,14 +322,18 @@ class Step:
 
     def _verify_waiting(self) -> None:
         """Verify the blocks waiting after this forward, one verifier call per rule and block
-        length (:func:`verify_together`); if a call raises, each block alone, failing only the
-        requests whose verification fails (:func:`batched_then_alone`)."""
+        length (:func:`verify_together`; cut where its rows would pass ``STEP_TENSOR_BYTES``); if a
+        call raises, each block alone, failing only the requests whose verification fails
+        (:func:`batched_then_alone`)."""
         tasks = self.tasks
         groups: dict[tuple[str, int], list[int]] = {}
         for i, task in enumerate(tasks):
             if isinstance(task, ScoreVerifyTask) and task.result is None and task.batch_key is not None:
                 groups.setdefault(task.batch_key, []).append(i)
-        for indices in groups.values():
+        chunks = [chunk for indices in groups.values()  # each call's tensors below the step's largest
+                  for chunk in byte_chunks(indices, [tasks[i].inputs[2].numel() * tasks[i].inputs[2].itemsize
+                                                     for i in indices])]
+        for indices in chunks:
             batched_then_alone(
                 indices,
                 lambda keys: verify_together([tasks[i] for i in keys]),
