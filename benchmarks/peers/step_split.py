@@ -133,15 +133,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             runner.close()
     step = seconds["step"]
-    row = {"case": args.label, "clients": args.clients, "top_p": args.top_p, "tokens_per_second": round(tokens / wall, 2),
-           "step_s": round(step, 2)}
-    for part in PARTS:
-        row[f"{part} %"] = round(100 * seconds[part] / step, 1)
-    row["rows + verification %"] = round(100 * (seconds["rows"] + seconds["draws"] + seconds["verification"]) / step, 1)
+    row = {"case": args.label, "top_p": args.top_p}
+    share = {part: round(100 * seconds[part] / step, 1) for part in PARTS}
+    row |= {"forward": share["forward"], "rows": round(share["rows"] + share["draws"], 1),
+            "verification": share["verification"], "transport": share["transport"],
+            "rows + verification": round(share["rows"] + share["draws"] + share["verification"], 1)}
+    print(" | ".join(f"{part}: {value}" for part, value in share.items()), "(% of the step time; rows below count the draws)")
+    print(f"{tokens / wall:.2f} tok/s, {step:.2f} s in steps")
     return row
 
 
-def record(case: str, row: dict[str, Any], argv: list[str]) -> pathlib.Path:
+def record(case: str, row: dict[str, Any], argv: list[str], clients: int) -> pathlib.Path:
     """Put ``row`` into the results store's ``case`` (replacing the row of the same label)."""
     from benchmarks.reports.store import load_records, make_record
     from benchmarks.reports.tables import update
@@ -150,9 +152,7 @@ def record(case: str, row: dict[str, Any], argv: list[str]) -> pathlib.Path:
     rows = [r for r in (previous or {}).get("rows", []) if r["case"] != row["case"]] + [row]
     command = f"{COMMAND} " + " ".join(shlex.quote(word) for word in argv)
     return update(make_record(
-        case, f"The step's time split at V = {VOCAB:,} (engine alone, sd block gamma {GAMMA})", command, rows,
-        notes="Shares of the workers' step time; rows + verification counts the draws. Qwen2.5-shaped random "
-              "target and draft of benchmarks.peers.real_shape, one torch thread."))
+        case, f"Step split, V = {VOCAB:,}, {clients} clients, sd gamma {GAMMA}, %", command, rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     row = measure(args)
-    print(" | ".join(f"{key}: {value}" for key, value in row.items()))
+    print(" | ".join(f"{key}: {value}" for key, value in row.items()), "(% of the step time)")
     if args.record:
-        print(f"recorded {record(args.record, row, sys.argv[1:] if argv is None else argv)}")
+        print(f"recorded {record(args.record, row, sys.argv[1:] if argv is None else argv, args.clients)}")
     return 0
 
 
