@@ -4,8 +4,9 @@ needs a row, the draws and verifications after each forward, then the outcomes.
 Each forward round is ONE ragged forward over the row of every task that still needs one, cut by
 length where padding would cost more than another forward
 (:func:`actors.worker.forward_plan.forward_groups`); logits leave the device once per forward (one
-copy of the kept rows of every session). After each forward the tokens of every sampling task are
-drawn in one call and the waiting blocks verified, one verifier call per rule and block length.
+copy of the kept rows of every session). After each forward the rows of every sampling and verifying
+task are made in one call (:func:`batch_rows`), the tokens of every sampling task are drawn in one
+call and the waiting blocks verified, one verifier call per rule and block length.
 
 Prompt log-probabilities: a session opened with ``OpenSession.prompt_logits`` keeps the logits
 of every prompt position in the forward that feeds its prompt (:func:`keep_prompt_positions`),
