@@ -10,7 +10,7 @@ top-k / top-p), the draws, the verification calls and the copies of logits to th
 the workers' step calls (``Step.run``), which is the step's time.
 
     python -m benchmarks.peers.step_split
-    python -m benchmarks.peers.step_split --top-p 0.9 --label after --record real-shape-step-split
+    python -m benchmarks.peers.step_split --top-p 0.9 --label "after, top_p 0.9"
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ TIMED: tuple[tuple[str, str, str], ...] = (
     ("forward", "actors.model.backends", "SlotBackend.forward"),
     ("rows", "actors.worker.step", "batch_rows"),
     ("rows", "actors.worker.tasks", "session_rows"),
-    ("rows", "actors.worker.verify_tasks", "session_rows"),
+    ("rows", "actors.worker.rows", "session_rows"),
     ("draws", "actors.worker.step", "categorical_together"),
     ("verification", "actors.worker.verify_tasks", "verify_blocks"),
     ("verification", "actors.worker.verify_tasks", "verify_rows"),
