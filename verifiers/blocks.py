@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from verifiers.machines.needs import Verified
-from verifiers.randomness import RandomSource, RowSources
+from verifiers.randomness import RandomSource, RowSources, cat_adjacent
 from verifiers.sampling import token_logprob
 
 #: (draft tokens, draft rows, target rows) in a rule's batch layout: ``[B, gamma]``,
@@ -78,8 +78,8 @@ def verify_blocks(
     if not _shareable(spec) or state is not None:
         raise ValueError("only stateless single-draft blocks are verified together")
     draft_tokens = torch.cat([block[0] for block in blocks])  # [B, gamma]
-    draft_probs = torch.cat([block[1] for block in blocks])  # [B, gamma, V]
-    target_probs = torch.cat([block[2] for block in blocks])  # [B, gamma+1, V]
+    draft_probs = cat_adjacent([block[1] for block in blocks])  # [B, gamma, V]; no copy for adjacent rows
+    target_probs = cat_adjacent([block[2] for block in blocks])  # [B, gamma+1, V]
     return spec.verify(draft_tokens, draft_probs, target_probs, generator=RowSources(list(sources)), state=None)
 
 

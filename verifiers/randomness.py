@@ -108,9 +108,25 @@ def categorical_together(draws: list[tuple[RandomSource, torch.Tensor]]) -> list
                and probs.dtype == dtype for source, probs in draws):
         return [source.categorical(probs) for source, probs in draws]
     counts = [probs.shape[0] for _, probs in draws]
-    flat = torch.cat([_flat_rows(probs) for _, probs in draws])  # [sum k_i, V]
+    flat = cat_adjacent([_flat_rows(probs) for _, probs in draws])  # [sum k_i, V]
     uniform = torch.cat([source.uniforms(count) for (source, _), count in zip(draws, counts)])  # [sum k_i, 1]
     return list(torch.split(_inverse_cdf(flat, uniform), counts))
+
+
+def cat_adjacent(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(tensors)`` along dim 0; a view, without a copy, when the tensors already lie one
+    after the other in one storage (the rows a step makes together, ``actors.worker.rows.rows_together``)."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    adjacent = first.is_contiguous()
+    for tensor in tensors:
+        adjacent = (adjacent and tensor.is_contiguous() and tensor.dtype == first.dtype and tensor.device == first.device
+                    and tensor.shape[1:] == first.shape[1:] and tensor.storage_offset() == offset
+                    and tensor.untyped_storage().data_ptr() == first.untyped_storage().data_ptr())
+        offset += tensor.numel()
+    if not adjacent or len(tensors) == 1:
+        return torch.cat(tensors)
+    return first.as_strided((sum(len(tensor) for tensor in tensors), *first.shape[1:]), first.stride())
 
 
 def _skip_zero_mass(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ def logits_to_probs(
     logits = _checked_logits(logits, dtype)  # [..., V] in dtype (a copy)
     if temperature == 0:
         return _argmax_one_hot(logits)
-    scaled = logits / float(temperature)  # [..., V]
+    scaled = logits if temperature == 1 else logits / float(temperature)  # [..., V]; x / 1 is x, bit for bit
     if top_k > 0 and top_k < scaled.shape[-1]:
         kth_largest = torch.topk(scaled, top_k, dim=-1).values[..., -1:]  # [..., 1]
         scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))

@@ -4,8 +4,9 @@ needs a row, the draws and verifications after each forward, then the outcomes.
 Each forward round is ONE ragged forward over the row of every task that still needs one, cut by
 length where padding would cost more than another forward
 (:func:`actors.worker.forward_plan.forward_groups`); logits leave the device once per forward (one
-copy of the kept rows of every session). After each forward the tokens of every sampling task are
-drawn in one call and the waiting blocks verified, one verifier call per rule and block length.
+copy of the kept rows of every session). After each forward the rows of every sampling and verifying
+task are made in one call (:func:`batch_rows`), the tokens of every sampling task are drawn in one
+call and the waiting blocks verified, one verifier call per rule and block length.
 
 Prompt log-probabilities: a session opened with ``OpenSession.prompt_logits`` keeps the logits
 of every prompt position in the forward that feeds its prompt (:func:`keep_prompt_positions`),
@@ -33,7 +34,7 @@ from actors.model.batch import RowWork
 from actors.model.device_health import raise_if_device_broken
 from actors.worker.forward_plan import forward_groups, prefill_grants
 from actors.worker.isolation import batched_then_alone
-from actors.worker.rows import shared_vocab
+from actors.worker.rows import RowRequest, byte_chunks, rows_together, shared_vocab
 from actors.worker.sessions import Session, SessionNotFoundError, SessionStore
 from actors.worker.tasks import ExtendTask, NextLogitsTask, PreDraftTask, PrefillTask, SampleTask, Task
 from actors.worker.verify_tasks import ScoreBlockTask, ScoreVerifyTask, verify_together
@@ -102,6 +103,21 @@ def to_host(logits: list[torch.Tensor]) -> list[torch.Tensor]:
         return logits
     host = torch.cat(logits).cpu()
     return list(host.split([len(x) for x in logits]))
+
+
+def batch_rows(requests: Sequence[Sequence[RowRequest]]) -> list[list[torch.Tensor]]:
+    """The rows of many tasks (``requests[t]``: task ``t``'s row requests) in ONE
+    :func:`actors.worker.rows.rows_together` call -> each task's rows, aligned with its requests.
+    The requests go in by their place in a task, then by task (every task's first request, then
+    every second one), so the blocks of tasks with the same settings come out adjacent, and
+    the verifier stacks them without a copy (:func:`verifiers.blocks.verify_blocks`)."""
+    order = [(t, k) for k in range(max((len(r) for r in requests), default=0)) for t in range(len(requests))
+             if k < len(requests[t])]
+    made = rows_together([requests[t][k] for t, k in order])
+    rows: list[list[torch.Tensor]] = [[None] * len(r) for r in requests]  # type: ignore[list-item]
+    for (t, k), row in zip(order, made):
+        rows[t][k] = row
+    return rows
 
 
 class StepHost(Protocol):
@@ -244,9 +260,10 @@ class Step:
         return logits
 
     def _take(self, rows: dict[int, RowWork], logits: dict[int, torch.Tensor]) -> None:
-        """Hand each task its row's logits, then draw the sampling tasks' tokens together and
-        verify the waiting blocks."""
-        sampling: dict[int, torch.Tensor] = {}  # task -> its rows [K, V], to draw together
+        """Hand each task its row's logits, make the rows of every sampling and verifying task
+        together (:meth:`_rows_together`), then draw the sampling tasks' tokens together and verify
+        the waiting blocks."""
+        requests: dict[int, list[RowRequest]] = {}  # task -> the rows it needs made
         for i, row_logits in logits.items():
             task = self.tasks[i]
             task.forwards += 1
@@ -259,13 +276,40 @@ class Step:
                 row_logits = row_logits[count:]
             try:
                 if isinstance(task, SampleTask):
-                    sampling[i] = task.rows_to_draw(row_logits)
+                    requests[i] = [task.row_request(row_logits)]
+                elif type(task) is ScoreVerifyTask:
+                    requests[i] = task.row_requests(row_logits)
                 else:
                     task.take(row_logits)
             except Exception as error:  # noqa: BLE001 - reported to the one request
                 self.fail(i, error)
+        sampling: dict[int, torch.Tensor] = {}  # task -> its rows [K, V], to draw together
+        self._rows_together(requests, sampling)
         self._draw_together(sampling)
         self._verify_waiting()
+
+    def _rows_together(self, requests: dict[int, list[RowRequest]], sampling: dict[int, torch.Tensor]) -> None:
+        """Make the rows of every task of ``requests`` in ONE call (:func:`batch_rows`); a sampling
+        task's rows go to ``sampling``, a verifying task takes its own (:meth:`ScoreVerifyTask.rows_taken`).
+        If that call raises, each task's alone, failing only the tasks that fail."""
+        tasks = self.tasks
+        share = [0.0]  # the batched call's seconds per task, counted in each verifying task's verify_s
+
+        def batched(keys: list[int]) -> list[list[torch.Tensor]]:
+            started = time.perf_counter()
+            made = batch_rows([requests[i] for i in keys])
+            share[0] = (time.perf_counter() - started) / len(keys)
+            return made
+
+        def use(i: int, made: list[torch.Tensor]) -> None:
+            if isinstance(tasks[i], SampleTask):
+                sampling[i] = made[0]
+            else:
+                tasks[i].verify_s += share[0]
+                tasks[i].rows_taken(made)
+
+        batched_then_alone(list(requests), batched, lambda i: [request.alone() for request in requests[i]],
+                           use, self.fail, f"{self.engine.name}: making rows together")
 
     def _draw_together(self, sampling: dict[int, torch.Tensor]) -> None:
         """Draw this forward's tokens of every sampling task (``sampling``: task -> its rows
@@ -283,14 +327,18 @@ class Step:
 
     def _verify_waiting(self) -> None:
         """Verify the blocks waiting after this forward, one verifier call per rule and block
-        length (:func:`verify_together`); if a call raises, each block alone, failing only the
-        requests whose verification fails (:func:`batched_then_alone`)."""
+        length (:func:`verify_together`; cut where its rows would pass ``STEP_TENSOR_BYTES``); if a
+        call raises, each block alone, failing only the requests whose verification fails
+        (:func:`batched_then_alone`)."""
         tasks = self.tasks
         groups: dict[tuple[str, int], list[int]] = {}
         for i, task in enumerate(tasks):
             if isinstance(task, ScoreVerifyTask) and task.result is None and task.batch_key is not None:
                 groups.setdefault(task.batch_key, []).append(i)
-        for indices in groups.values():
+        chunks = [chunk for indices in groups.values()  # each call's tensors below the step's largest
+                  for chunk in byte_chunks(indices, [tasks[i].inputs[2].numel() * tasks[i].inputs[2].itemsize
+                                                     for i in indices])]
+        for indices in chunks:
             batched_then_alone(
                 indices,
                 lambda keys: verify_together([tasks[i] for i in keys]),

@@ -19,7 +19,7 @@ import torch
 
 from actors.messages import Prefill, PrefillProgress
 from actors.model.batch import RowWork, RunAttend, linear_row
-from actors.worker.rows import session_rows, shared_vocab
+from actors.worker.rows import RowRequest, session_rows, shared_vocab
 from actors.worker.sessions import Session
 from verifiers.machines.needs import Extend, MemberBlock, NextLogits, PreDraft, PreDrafted, Sample, Sampled, bonus_guesses
 from verifiers.sampling import token_logprob
@@ -103,6 +103,11 @@ class SampleTask(Task):
         """The first half of :meth:`take`: this position's rows ``[K, V]`` (float64), to be drawn
         from :attr:`source` (the engine draws every sampling task of a forward together,
         :func:`verifiers.randomness.categorical_together`); then :meth:`drawn`."""
+        return self.row_request(logits).alone()
+
+    def row_request(self, logits: torch.Tensor) -> RowRequest:
+        """The rows :meth:`rows_to_draw` makes, as a request (the engine makes every task's of a
+        forward together, :func:`actors.worker.rows.rows_together`)."""
         if self.pending:
             self._pending_fed()
             logits = logits.expand(self.need.num_drafts, -1)  # [K, V]: the K drafts share the first row
@@ -111,7 +116,7 @@ class SampleTask(Task):
             self.position_logits.append(logits)
         # A block the machine verifies itself: drawn from float64 rows, which it recomputes so.
         dtype = torch.float64 if self.need.report_logits else None
-        return session_rows(self.session, logits, self.drafts, dtype)  # [K, V]
+        return RowRequest(self.session, logits, [list(draft) for draft in self.drafts], dtype)  # rows [K, V]
 
     def drawn(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """The second half of :meth:`take`: the tokens ``[K]`` drawn from this position's ``rows``."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from actors.model.batch import RowWork, RunAttend
-from actors.worker.rows import session_rows, shared_vocab
+from actors.worker.rows import RowRequest, shared_vocab
 from actors.worker.sessions import Session
 from actors.worker.tasks import Task
 from verifiers.blocks import block_inputs, block_key, verified_row, verify_blocks
@@ -76,29 +76,48 @@ class ScoreVerifyTask(Task):
         )
 
     def take(self, logits: torch.Tensor) -> None:
-        """The target rows and the draft's rows of the block; a rule the engine verifies for many
-        requests at once (:attr:`batch_key`) waits for :func:`verify_together`, any other is
-        verified here."""
-        session = self.session
-        draft_tokens = self.proposal.tokens  # [K, gamma]
-        num_drafts, gamma = draft_tokens.shape
-        self._pending_fed()
+        """The target rows and the draft's rows of the block (each made alone), then
+        :meth:`rows_taken`."""
+        requests = self.row_requests(logits)
         started = time.perf_counter()
-        first = logits[:1].expand(num_drafts, 1, -1)  # [K, 1, V]: every draft's first row
-        chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
-        drafts = draft_tokens.tolist()
-        target_after = [draft[:j] for draft in drafts for j in range(gamma + 1)]
-        target_probs = session_rows(session, torch.cat([first, chained], dim=1), target_after)  # [K, gamma+1, V]
+        rows = [request.alone() for request in requests]
+        self.verify_s += time.perf_counter() - started
+        self.rows_taken(rows)
+
+    def row_requests(self, logits: torch.Tensor) -> list[RowRequest]:
+        """The first half of :meth:`take`: the rows to make from this row's ``logits [1 + K*gamma, V]``
+        (the engine makes every task's of a step together, :func:`actors.worker.rows.rows_together`):
+        the target's ``[K, gamma+1, V]``, then, unless the proposal is model-free, the draft's
+        ``[K, gamma, V]``, recomputed bit for bit from its logits by the same transform it sampled
+        with (same request sampling parameters and penalty contexts, same code)."""
+        session = self.session
+        drafts = self.proposal.tokens.tolist()  # [K][gamma]
+        num_drafts, gamma = len(drafts), len(drafts[0])
+        self._pending_fed()
+        if num_drafts == 1:  # the first row, then the chain's: the block's rows as they are
+            target_logits = logits.reshape(1, gamma + 1, -1)  # [1, gamma+1, V]
+        else:
+            first = logits[:1].expand(num_drafts, 1, -1)  # [K, 1, V]: every draft's first row
+            chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
+            target_logits = torch.cat([first, chained], dim=1)  # [K, gamma+1, V]
+        requests = [RowRequest(session, target_logits, [draft[:j] for draft in drafts for j in range(gamma + 1)])]
+        if self.proposal.logits is not None:
+            requests.append(RowRequest(session, self.proposal.logits, [draft[:j] for draft in drafts for j in range(gamma)]))
+        return requests
+
+    def rows_taken(self, rows: list[torch.Tensor]) -> None:
+        """The second half of :meth:`take`: ``rows`` (those of :meth:`row_requests`) into the rule's
+        inputs; a rule the engine verifies for many requests at once (:attr:`batch_key`) waits for
+        :func:`verify_together`, any other is verified here."""
+        started = time.perf_counter()
+        target_probs = rows[0]  # [K, gamma+1, V]
         if self.proposal.logits is None:  # a model-free proposal: one-hot rows
-            draft_probs = one_hot_rows(draft_tokens.to(target_probs.device), target_probs.shape[-1],
+            draft_probs = one_hot_rows(self.proposal.tokens.to(target_probs.device), target_probs.shape[-1],
                                        target_probs.dtype)  # [K, gamma, V]
         else:
-            # The draft's rows, recomputed bit for bit from its logits by the same transform it
-            # sampled with (same request sampling parameters and penalty contexts, same code).
-            draft_after = [draft[:j] for draft in drafts for j in range(gamma)]
-            draft_probs = session_rows(session, self.proposal.logits, draft_after)  # [K, gamma, V]
-        self.inputs = block_inputs(self.spec, draft_tokens, draft_probs, target_probs)
-        self.verify_s = time.perf_counter() - started
+            draft_probs = rows[1]  # [K, gamma, V]
+        self.inputs = block_inputs(self.spec, self.proposal.tokens, draft_probs, target_probs)
+        self.verify_s += time.perf_counter() - started
         if self.batch_key is None:
             self.verify_alone()
 

@@ -64,11 +64,12 @@ DRAFT_SHAPE = dict(hidden_size=224, intermediate_size=608, num_hidden_layers=2, 
 GAMMA = 4
 
 
-def build_checkpoints(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Save the random target and draft (with the embedded tokenizer) under ``root``."""
+def build_checkpoints(root: pathlib.Path, every_id: bool = False) -> dict[str, pathlib.Path]:
+    """Save the random target and draft with the embedded tokenizer (or, with ``every_id``, a
+    word-level one naming all 151,936 ids, so that rows span the whole vocabulary) under ``root``."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path("target"))
+    tokenizer = every_id_tokenizer() if every_id else AutoTokenizer.from_pretrained(embedded_model_path("target"))
     paths = {}
     for name, shape, seed in (("target", TARGET_SHAPE, 0), ("draft", DRAFT_SHAPE, 1)):
         config = Qwen2Config(**COMMON_SHAPE, **shape, bos_token_id=tokenizer.bos_token_id,
@@ -78,6 +79,19 @@ def build_checkpoints(root: pathlib.Path) -> dict[str, pathlib.Path]:
         Qwen2ForCausalLM(config).save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
     return paths
+
+
+def every_id_tokenizer() -> Any:
+    """A word-level tokenizer whose 151,936 tokens are ``t0`` ... (``t0`` also the end of sequence)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    model = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    model.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="t0", eos_token="t0", bos_token="t0",
+                                   pad_token="t0")
 
 
 def _rss_bytes() -> int:
