@@ -134,6 +134,8 @@ class Coordinator:
             pre_drafting=config.pre_drafting,
             max_tokens_per_step=config.max_tokens_per_step,
             burst_s=config.burst_ms / 1e3,
+            step_tokens=config.step_tokens,
+            first_step_tokens=config.first_step_tokens,
         )
         self.worker_infos: dict[str, WorkerInfo] | None = None
         self.vocab_limit: int | None = None  # the group's real tokens (actors.vocabulary), set with the infos

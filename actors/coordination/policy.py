@@ -90,16 +90,22 @@ COHORT_PROBE_EVERY = 16
 #: 16 clients on 2 CPU cores left the target's worker idle a fifth of the time, and the chunks kept
 #: the serving processes on about a third of the cores (docs/design.md, "Tokens per step"). A
 #: request alone keeps :data:`~verifiers.machines.base.AR_TOKENS_PER_ITERATION` (its burst streams each
-#: iteration as it ends).
+#: iteration as it ends). The default of ``engine.step_tokens``.
 COHORT_PLAIN_TOKENS = 8
 
 
-def plain_tokens(batch: int) -> int:
-    """Tokens a plain iteration draws in a step of ``batch`` requests."""
-    return AR_TOKENS_PER_ITERATION if batch < 2 else COHORT_PLAIN_TOKENS
+def plain_tokens(batch: int, tokens: int = COHORT_PLAIN_TOKENS) -> int:
+    """Tokens a plain iteration draws in a step of ``batch`` requests (``tokens``: a step of
+    several's, ``engine.step_tokens``)."""
+    return AR_TOKENS_PER_ITERATION if batch < 2 else tokens
 
 
-def set_plain_tokens(machine: Any, batch: int) -> None:
+def first_token_due(request: RequestState) -> bool:
+    """Whether ``request``'s next step gives it its first token (its prompt is in every session)."""
+    return not request.prefilling and not request.machine.committed
+
+
+def set_plain_tokens(machine: Any, batch: int, tokens: int = COHORT_PLAIN_TOKENS) -> None:
     """Set a machine's plain draws for a step of ``batch`` requests where that cannot change a seeded
     request's tokens: an ``ar`` machine's (its tokens do not depend on the count), and the plain
     steps of ``sd`` with gamma "auto" weighing measured costs (its tokens already depend on
@@ -109,7 +115,7 @@ def set_plain_tokens(machine: Any, batch: int) -> None:
     other draws, so there it draws as many as the rest."""
     if isinstance(machine, AutoregressiveMachine) or (
             type(machine) is SpeculativeMachine and machine.step_costs is not None):
-        machine.plain_tokens = plain_tokens(batch)
+        machine.plain_tokens = plain_tokens(batch, tokens)
     if isinstance(machine, AutoregressiveMachine):  # alone, the first token streams after one draw
         machine.first_tokens = 1 if batch < 2 else None
 
@@ -164,10 +170,11 @@ class StepPolicy:
     """Decides each step's :class:`StepDecision` from what was measured, and learns from the steps
     run (:meth:`observe_step`, :meth:`observe_mode`, the results' verifications on
     :attr:`acceptance_board`). ``goodput``: gamma-auto requests weigh measured costs (else
-    their acceptance alone)."""
+    their acceptance alone). ``step_tokens``: a plain iteration's draws in a step of several."""
 
-    def __init__(self, *, goodput: bool = True):
+    def __init__(self, *, goodput: bool = True, step_tokens: int = COHORT_PLAIN_TOKENS):
         self.goodput = goodput
+        self.step_tokens = int(step_tokens)  # a plain iteration's draws in a step of several (engine.step_tokens)
         self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
         self.acceptance_board = AcceptanceBoard()
         self.mode_rates = ModeRates()
@@ -332,7 +339,7 @@ class StepPolicy:
         if costs is not None and isinstance(machine, EnsembleDraftMachine):
             costs = dataclasses.replace(costs, plain_tokens=1)
         elif costs is not None:  # what a plain step of this batch draws (set_plain_tokens)
-            costs = dataclasses.replace(costs, plain_tokens=plain_tokens(batch))
+            costs = dataclasses.replace(costs, plain_tokens=plain_tokens(batch, self.step_tokens))
         return costs
 
     def _group_acceptance(self, autos: list[RequestState]) -> float:

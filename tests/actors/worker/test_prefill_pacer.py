@@ -1,0 +1,58 @@
+"""Decode first (actors/worker/prefill_pacer.py): while other rows run, a step's prefill chunks are
+sized from the measured step costs; alone, a prompt keeps the static budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.worker.prefill_pacer import FIRST_PACED_TOKENS, MIN_PACED_TOKENS, PrefillPacer, paced
+
+
+def test_no_pacing_without_other_rows_or_before_a_decode_step_is_measured():
+    pacer = PrefillPacer()
+    assert pacer.allowed(other_tokens=8) is None  # nothing measured yet
+    pacer.observe(0.1, prefill_tokens=0, other_tokens=8)
+    assert pacer.allowed(other_tokens=0) is None  # alone: nothing to stall
+    assert pacer.allowed(other_tokens=8) == FIRST_PACED_TOKENS  # a first chunk measures the cost
+
+
+def test_the_chunk_adds_the_stretch_of_a_decode_step_at_the_measured_token_cost():
+    pacer = PrefillPacer(stretch=0.25)
+    for _ in range(3):
+        pacer.observe(0.100, prefill_tokens=0, other_tokens=8)
+    pacer.observe(0.164, prefill_tokens=64, other_tokens=8)  # 1 ms a prefill token
+    assert pacer.token_s == pytest.approx(0.001)
+    assert pacer.allowed(other_tokens=8) == 25  # 0.25 x 100 ms / 1 ms
+    pacer.observe(0.100 + 2.0, prefill_tokens=25, other_tokens=8)  # a very slow token cost: the floor holds
+    assert pacer.allowed(other_tokens=8) == MIN_PACED_TOKENS
+
+
+def test_a_prefill_measured_free_doubles_the_chunk():
+    pacer = PrefillPacer()
+    pacer.observe(0.100, prefill_tokens=0, other_tokens=8)
+    pacer.observe(0.090, prefill_tokens=40, other_tokens=8)  # faster than a decode step: a busy host's noise
+    assert pacer.allowed(other_tokens=8) == 80
+
+
+def test_steps_without_other_rows_teach_nothing():
+    pacer = PrefillPacer()
+    pacer.observe(5.0, prefill_tokens=512, other_tokens=0)
+    assert pacer.decode_step_s is None and pacer.token_s is None
+
+
+@pytest.mark.parametrize(
+    ("grants", "allowed", "expected"),
+    [
+        ([300, 200], None, [300, 200]),
+        ([300, 200], 50, [50, 0]),
+        ([30, 200], 50, [30, 20]),
+        ([0, 200], 16, [0, 16]),
+    ],
+)
+def test_paced_cuts_the_grants_in_line_order(grants, allowed, expected):
+    assert paced(grants, allowed) == expected
+
+
+def test_a_stretch_of_zero_is_refused():
+    with pytest.raises(ValueError, match="stretch"):
+        PrefillPacer(stretch=0)
