@@ -131,6 +131,7 @@ class Step:
         self.errors: dict[int, str] = {}
         self.lost: set[int] = set()
         self.prefill_tokens = 0  # granted to this step's prefill chunks
+        self.prefill_s = 0.0  # seconds of the forwards that carried them
         for index, item in enumerate(self.items):
             try:
                 self.tasks.append(self._task(item, source_payloads))
@@ -148,7 +149,7 @@ class Step:
         self.engine.steps += 1
         call_s = time.perf_counter() - started
         others = sum(1 for task in self.tasks if task is not None and not isinstance(task, PrefillTask))
-        self.engine.prefill_pacer.observe(call_s, self.prefill_tokens, others)
+        self.engine.prefill_pacer.observe(call_s, others, self.prefill_tokens, self.prefill_s)
         return self._outcomes(forward_s, call_s, first_round_s)
 
     def fail(self, i: int, error: Exception) -> None:
@@ -228,7 +229,10 @@ class Step:
         engine = self.engine
         logits: dict[int, torch.Tensor] = {}
         for group in forward_groups(rows, engine.backend.forward_overhead_tokens):
+            started = time.perf_counter()
             logits.update(self._forward(group))
+            if any(isinstance(self.tasks[i], PrefillTask) for i in group):  # what the pacer learns a token's cost from
+                self.prefill_s += time.perf_counter() - started
             engine.rows_per_forward.append(len(group))
             engine.forward_passes_total += 1
         del engine.rows_per_forward[:-RECENT_FORWARDS]

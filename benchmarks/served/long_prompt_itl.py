@@ -29,6 +29,7 @@ import pathlib
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -141,29 +142,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="engine.max_tokens_per_step values (off: no chunking; N:static: N without pacing).")
     parser.add_argument("--rounds", type=int, default=1, help="Runs of each budget, interleaved (gaps pooled).")
     parser.add_argument("--out", default=None, help="Also write the table here (markdown).")
+    parser.add_argument("--record", default=None, metavar="CASE",
+                        help="Also write the rows into the results store (benchmarks/results/CASE.json) and regenerate "
+                        "docs/results.md.")
     return parser.parse_args(argv)
 
 
-def _row(text: str, gaps: list[float], quiet: list[float], firsts: list[float]) -> str:
-    """One budget's table row (gaps pooled over its rounds)."""
+def _row(text: str, gaps: list[float], quiet: list[float], firsts: list[float]) -> dict[str, Any]:
+    """One budget's figures (gaps pooled over its rounds), keyed by column."""
     if not gaps:
         raise RuntimeError("the streams ended before the long prompts arrived: raise --decode-tokens")
-    quiet_p99 = f"{1e3 * _p99(quiet):.0f}" if quiet else "-"
-    ratio = f"{_p99(gaps) / _p99(quiet):.2f}" if quiet else "-"
-    return (f"| {text} | {len(gaps)} | {1e3 * statistics.median(gaps):.0f} | {1e3 * _p99(gaps):.0f} | "
-            f"{1e3 * max(gaps):.0f} | {quiet_p99} | {ratio} | {statistics.median(firsts):.2f} |")
+    return {
+        "engine.max_tokens_per_step": text, "stream chunk gaps measured": len(gaps),
+        "gap p50 ms": round(1e3 * statistics.median(gaps)), "gap p99 ms": round(1e3 * _p99(gaps)),
+        "gap max ms": round(1e3 * max(gaps)), "quiet gap p99 ms": round(1e3 * _p99(quiet)) if quiet else None,
+        "p99 / quiet p99": round(_p99(gaps) / _p99(quiet), 2) if quiet else None,
+        "long prompt first token, median s": round(statistics.median(firsts), 2),
+    }
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows as a markdown table."""
+    head = list(rows[0])
+    return (["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+            + ["| " + " | ".join("-" if row[key] is None else str(row[key]) for key in head) + " |" for row in rows])
+
+
+def _record(case: str, command: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Write the rows into the results store (``--record CASE``) and regenerate docs/results.md."""
+    from benchmarks.reports.store import load_avg, make_record
+    from benchmarks.reports.tables import update
+
+    title = (f"Long prompts: {args.streams} running streams while {args.long_prompts} {args.long_tokens:,}-token prompts "
+             f"arrive (the {args.model.replace('_', '-')} target, engine alone)")
+    notes = (f"Budgets interleaved over {args.rounds} rounds, gaps pooled; quiet: the streams' gaps before the long "
+             f"prompts, same runs. Host busy with other jobs (load average {load_avg()}).")
+    print(f"recorded {update(make_record(case, title, command, rows, notes=notes))}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    lines = [f"Command: `{COMMAND} --model {args.model} --streams {args.streams} --long-tokens {args.long_tokens} "
-             f"--long-prompts {args.long_prompts} --arrival-s {args.arrival_s:g} --budgets {args.budgets} "
-             f"--rounds {args.rounds}`", "",
-             "| max_tokens_per_step | stream chunk gaps measured | gap p50 (ms) | gap p99 (ms) | gap max (ms) "
-             "| quiet gap p99 (ms) | p99 / quiet p99 | long prompt first token, median (s) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    command = (f"{COMMAND} --model {args.model} --streams {args.streams} --long-tokens {args.long_tokens} "
+               f"--long-prompts {args.long_prompts} --arrival-s {args.arrival_s:g} --decode-tokens {args.decode_tokens} "
+               f"--budgets {args.budgets} --rounds {args.rounds}")
     budgets = args.budgets.split(",")
     pooled = {text: ([], [], []) for text in budgets}
     with tempfile.TemporaryDirectory(prefix="long-prompt-itl-") as root:
@@ -180,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
                     runner.close()
                 for into, values in zip(pooled[text], measured):
                     into.extend(values)
-    lines += [_row(text, *pooled[text]) for text in budgets]
-    text = "\n".join(lines) + "\n"
+    rows = [_row(text, *pooled[text]) for text in budgets]
+    text = "\n".join([f"Command: `{command}`", "", *_table(rows)]) + "\n"
     print(text)
     if args.out:
         pathlib.Path(args.out).write_text(text)
+    if args.record:
+        _record(args.record, command, rows, args)
     return 0
 
 
