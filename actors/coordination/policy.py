@@ -81,8 +81,10 @@ PROBE_STEPS = {"plain": 1, "speculative": 2}
 #: Steps in a row a cohort runs in the faster mode (gamma auto) before it probes the other one for
 #: :data:`PROBE_STEPS`. A speculative probe after plain steps costs a catch-up step (the draft is fed
 #: every token the plain steps made, 8 a request each): probed every 4 steps, a cohort at 16 clients
-#: spent a third of its steps probing.
+#: spent a third of its steps probing. Each probe that leaves the faster mode as it was doubles the
+#: steps before the next, up to :data:`COHORT_PROBE_EVERY_MAX`; a change of the faster mode starts over.
 COHORT_PROBE_EVERY = 16
+COHORT_PROBE_EVERY_MAX = 128
 
 #: Tokens a plain iteration draws in a step of two or more requests (``ar``; ``sd``'s plain steps
 #: with gamma "auto" weighing step costs, :func:`set_plain_tokens`). Every step is a round trip
@@ -264,7 +266,8 @@ class StepPolicy:
         decided once (a step whose requests split pays the draft's forwards AND the plain
         forwards): speculative when a fixed block drafts anyway; else the mode whose whole steps
         measured more tokens per second at this batch (:class:`actors.coordination.step_costs.ModeRates`), the
-        other probed after :data:`COHORT_PROBE_EVERY` steps in a row (for :data:`PROBE_STEPS`); before
+        other probed after ``cohort.probe_every`` steps in a row (for :data:`PROBE_STEPS`; from
+        :data:`COHORT_PROBE_EVERY`, doubled by each probe that confirms the faster mode); before
         both are measured, what the cost model and the pair's recent acceptance favour. ``any``:
         alone, or nothing measured yet; each request weighs the costs itself."""
         stepping = cohort.stepping()
@@ -280,7 +283,14 @@ class StepPolicy:
             mode = self._faster_mode(autos, len(stepping))
             if mode is None:
                 return "any"
-            if mode == cohort.mode and cohort.mode_steps >= COHORT_PROBE_EVERY:  # probe the other mode
+            if cohort.probed_from is not None:  # a probe just ended: back off while probes confirm
+                confirmed = mode == cohort.probed_from
+                cohort.probe_every = min(2 * cohort.probe_every, COHORT_PROBE_EVERY_MAX) if confirmed else COHORT_PROBE_EVERY
+                cohort.probed_from = None
+            elif mode != cohort.mode:  # the faster mode changed between probes: start over
+                cohort.probe_every = COHORT_PROBE_EVERY
+            if mode == cohort.mode and cohort.mode_steps >= cohort.probe_every:  # probe the other mode
+                cohort.probed_from = mode
                 mode = "plain" if mode == "speculative" else "speculative"
                 cohort.probe_steps_left = PROBE_STEPS[mode] - 1
         cohort.mode_steps = cohort.mode_steps + 1 if mode == cohort.mode else 1
