@@ -168,16 +168,20 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
             + ["| " + " | ".join("-" if row[key] is None else str(row[key]) for key in head) + " |" for row in rows])
 
 
+#: The columns the results page shows.
+RECORD_COLUMNS = ["engine.max_tokens_per_step", "gap p50 ms", "gap p99 ms", "p99 / quiet p99",
+                  "long prompt first token, median s"]
+
+
 def _record(case: str, command: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Write the rows into the results store (``--record CASE``) and regenerate docs/results.md."""
     from benchmarks.reports.store import load_avg, make_record
     from benchmarks.reports.tables import update
 
-    title = (f"Long prompts: {args.streams} running streams while {args.long_prompts} {args.long_tokens:,}-token prompts "
-             f"arrive (the {args.model.replace('_', '-')} target, engine alone)")
-    notes = (f"Budgets interleaved over {args.rounds} rounds, gaps pooled; quiet: the streams' gaps before the long "
-             f"prompts, same runs. Host busy with other jobs (load average {load_avg()}).")
-    print(f"recorded {update(make_record(case, title, command, rows, notes=notes))}")
+    title = (f"Long prompts: {args.streams} streams, {args.long_prompts} prompts of {args.long_tokens:,} tokens "
+             f"({args.model.replace('_', '-')} target, engine alone)")
+    notes = f"Quiet: gaps before the long prompts; rounds interleaved. Host load {load_avg()}."
+    print(f"recorded {update(make_record(case, title, command, rows, notes=notes, columns=RECORD_COLUMNS))}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,17 +85,17 @@ class EngineArgs(Frozen):
     max_tokens_per_step: int = Field(
         512, ge=8,
         description="Most tokens a worker feeds in one step: the running requests' rows, then chunks of new prompts (chunked "
-        "prefill, paced to measured step costs while others decode; output unchanged). Lower: steadier gaps, later "
-        "long-prompt first tokens; 2048-8192 suit a GPU.",
+        "prefill, paced while others decode; output unchanged). Lower: steadier gaps, later long-prompt first "
+        "tokens; 2048-8192 suit a GPU.",
     )
     step_tokens: int = Field(
         8, ge=1, le=64,
-        description="Tokens an ar step (and sd's plain steps under gamma auto) draws per request when several run: what a "
-        "chunk coalesces. Higher: throughput; lower: shorter gaps between chunks. Tokens unchanged.",
+        description="Tokens an ar step (sd's plain steps under gamma auto too) draws per request when several run: what a "
+        "chunk coalesces (more: throughput; fewer: shorter gaps). Tokens unchanged.",
     )
     first_step_tokens: int = Field(
         2, ge=1, le=64,
-        description="step_tokens (at most) in a step giving a request its first token. Tokens unchanged.",
+        description="step_tokens (at most) in a step giving a request its first token.",
     )
     overlap: bool | Literal["auto"] = Field(
         "auto",
