@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -223,8 +224,9 @@ class Scheduler:
         next prompt chunks); a request whose machine fails to plan leaves the cohort."""
         decision = self.policy.decide(cohort)
         tokens = self.policy.step_tokens
-        if any(first_token_due(request) for request in cohort.running):  # a newcomer's first chunk sooner
-            tokens = self.first_step_tokens
+        if any(first_token_due(request) for request in cohort.running) and self.first_step_tokens < tokens:
+            tokens = self.first_step_tokens  # a newcomer's first chunk sooner; a short step's yield is not its mode's
+            decision = dataclasses.replace(decision, representative=False)
         for request in list(cohort.running):
             set_plain_tokens(request.machine, len(cohort.running), tokens)
             if request.prefilling:
