@@ -18,8 +18,10 @@ class Cohort:
     index: int
     running: list[RequestState] = field(default_factory=list)
     mode: str = "any"  # the step mode last decided for the whole cohort (StepCosts.mode)
-    mode_steps: int = 0  # steps in a row in that mode (the other is probed after policy.COHORT_PROBE_EVERY)
+    mode_steps: int = 0  # steps in a row in that mode (the other is probed after probe_every)
     probe_steps_left: int = 0  # steps a probe of the other mode still runs
+    probe_every: int = 16  # steps in a row before the next probe (policy.COHORT_PROBE_EVERY, doubled while probes confirm)
+    probed_from: str | None = None  # the faster mode when the probe going on began
     blocks_chosen: int = 0  # speculative steps whose block the policy chose (every EXPLORE_EVERY-th is a neighbour)
     alternate_mode: str = "any"  # the alternating ensembles' mode last decided (gamma auto)
     alternate_steps: int = 0  # steps in a row in it

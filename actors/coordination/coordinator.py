@@ -135,6 +135,8 @@ class Coordinator:
             pre_drafting=config.pre_drafting,
             max_tokens_per_step=config.max_tokens_per_step,
             burst_s=config.burst_ms / 1e3,
+            step_tokens=config.step_tokens,
+            first_step_tokens=config.first_step_tokens,
         )
         self.scheduler.calls.transport = RowTransport(getattr(config, "row_transport", "auto"))
         self.worker_infos: dict[str, WorkerInfo] | None = None

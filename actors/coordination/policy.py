@@ -88,8 +88,10 @@ PROBE_STEPS = {"plain": 1, "speculative": 2}
 #: Steps in a row a cohort runs in the faster mode (gamma auto) before it probes the other one for
 #: :data:`PROBE_STEPS`. A speculative probe after plain steps costs a catch-up step (the draft is fed
 #: every token the plain steps made, 8 a request each): probed every 4 steps, a cohort at 16 clients
-#: spent a third of its steps probing.
+#: spent a third of its steps probing. Each probe that leaves the faster mode as it was doubles the
+#: steps before the next, up to :data:`COHORT_PROBE_EVERY_MAX`; a change of the faster mode starts over.
 COHORT_PROBE_EVERY = 16
+COHORT_PROBE_EVERY_MAX = 128
 
 #: Tokens a plain iteration draws in a step of two or more requests (``ar``; ``sd``'s plain steps
 #: with gamma "auto" weighing step costs, :func:`set_plain_tokens`). Every step is a round trip
@@ -97,16 +99,22 @@ COHORT_PROBE_EVERY = 16
 #: 16 clients on 2 CPU cores left the target's worker idle a fifth of the time, and the chunks kept
 #: the serving processes on about a third of the cores (docs/design.md, "Tokens per step"). A
 #: request alone keeps :data:`~verifiers.machines.base.AR_TOKENS_PER_ITERATION` (its burst streams each
-#: iteration as it ends).
+#: iteration as it ends). The default of ``engine.step_tokens``.
 COHORT_PLAIN_TOKENS = 8
 
 
-def plain_tokens(batch: int) -> int:
-    """Tokens a plain iteration draws in a step of ``batch`` requests."""
-    return AR_TOKENS_PER_ITERATION if batch < 2 else COHORT_PLAIN_TOKENS
+def plain_tokens(batch: int, tokens: int = COHORT_PLAIN_TOKENS) -> int:
+    """Tokens a plain iteration draws in a step of ``batch`` requests (``tokens``: a step of
+    several's, ``engine.step_tokens``)."""
+    return AR_TOKENS_PER_ITERATION if batch < 2 else tokens
 
 
-def set_plain_tokens(machine: Any, batch: int) -> None:
+def first_token_due(request: RequestState) -> bool:
+    """Whether ``request``'s next step gives it its first token (its prompt is in every session)."""
+    return not request.prefilling and not request.machine.committed
+
+
+def set_plain_tokens(machine: Any, batch: int, tokens: int = COHORT_PLAIN_TOKENS) -> None:
     """Set a machine's plain draws for a step of ``batch`` requests where that cannot change a seeded
     request's tokens: an ``ar`` machine's (its tokens do not depend on the count), and the plain
     steps of ``sd`` with gamma "auto" weighing measured costs (its tokens already depend on
@@ -116,7 +124,7 @@ def set_plain_tokens(machine: Any, batch: int) -> None:
     other draws, so there it draws as many as the rest."""
     if isinstance(machine, AutoregressiveMachine) or (
             type(machine) is SpeculativeMachine and machine.step_costs is not None):
-        machine.plain_tokens = plain_tokens(batch)
+        machine.plain_tokens = plain_tokens(batch, tokens)
     if isinstance(machine, AutoregressiveMachine):  # alone, the first token streams after one draw
         machine.first_tokens = 1 if batch < 2 else None
 
@@ -171,10 +179,11 @@ class StepPolicy:
     """Decides each step's :class:`StepDecision` from what was measured, and learns from the steps
     run (:meth:`observe_step`, :meth:`observe_mode`, the results' verifications on
     :attr:`acceptance_board`). ``goodput``: gamma-auto requests weigh measured costs (else
-    their acceptance alone)."""
+    their acceptance alone). ``step_tokens``: a plain iteration's draws in a step of several."""
 
-    def __init__(self, *, goodput: bool = True):
+    def __init__(self, *, goodput: bool = True, step_tokens: int = COHORT_PLAIN_TOKENS):
         self.goodput = goodput
+        self.step_tokens = int(step_tokens)  # a plain iteration's draws in a step of several (engine.step_tokens)
         self.cost_model = StepCostModel(plain_tokens=AR_TOKENS_PER_ITERATION)
         self.acceptance_board = AcceptanceBoard()
         self.mode_rates = ModeRates()
@@ -284,7 +293,8 @@ class StepPolicy:
         decided once (a step whose requests split pays the draft's forwards AND the plain
         forwards): speculative when a fixed block drafts anyway; else the mode whose whole steps
         measured more tokens per second at this batch (:class:`actors.coordination.step_costs.ModeRates`), the
-        other probed after :data:`COHORT_PROBE_EVERY` steps in a row (for :data:`PROBE_STEPS`); before
+        other probed after ``cohort.probe_every`` steps in a row (for :data:`PROBE_STEPS`; from
+        :data:`COHORT_PROBE_EVERY`, doubled by each probe that confirms the faster mode); before
         both are measured, what the cost model and the pair's recent acceptance favour. ``any``:
         alone, or nothing measured yet; each request weighs the costs itself."""
         stepping = cohort.stepping()
@@ -300,7 +310,14 @@ class StepPolicy:
             mode = self._faster_mode(autos, len(stepping))
             if mode is None:
                 return "any"
-            if mode == cohort.mode and cohort.mode_steps >= COHORT_PROBE_EVERY:  # probe the other mode
+            if cohort.probed_from is not None:  # a probe just ended: back off while probes confirm
+                confirmed = mode == cohort.probed_from
+                cohort.probe_every = min(2 * cohort.probe_every, COHORT_PROBE_EVERY_MAX) if confirmed else COHORT_PROBE_EVERY
+                cohort.probed_from = None
+            elif mode != cohort.mode:  # the faster mode changed between probes: start over
+                cohort.probe_every = COHORT_PROBE_EVERY
+            if mode == cohort.mode and cohort.mode_steps >= cohort.probe_every:  # probe the other mode
+                cohort.probed_from = mode
                 mode = "plain" if mode == "speculative" else "speculative"
                 cohort.probe_steps_left = PROBE_STEPS[mode] - 1
         cohort.mode_steps = cohort.mode_steps + 1 if mode == cohort.mode else 1
@@ -359,7 +376,7 @@ class StepPolicy:
         if costs is not None and isinstance(machine, EnsembleDraftMachine):
             costs = dataclasses.replace(costs, plain_tokens=1)
         elif costs is not None:  # what a plain step of this batch draws (set_plain_tokens)
-            costs = dataclasses.replace(costs, plain_tokens=plain_tokens(batch))
+            costs = dataclasses.replace(costs, plain_tokens=plain_tokens(batch, self.step_tokens))
         return costs
 
     def _group_acceptance(self, autos: list[RequestState]) -> float:

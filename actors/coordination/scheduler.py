@@ -7,7 +7,9 @@ Each cohort's step loop (:meth:`Scheduler._run`): requests join and leave betwee
 target's worker (:mod:`actors.coordination.solo_bursts`); else a step (:meth:`Scheduler._step`):
 
 1. schedule: the step policy decides what the cohort's gamma-auto requests do
-   (:mod:`actors.coordination.policy`), then each request's machine says its needs
+   (:mod:`actors.coordination.policy`), a plain iteration draws ``engine.step_tokens`` (at most
+   ``engine.first_step_tokens`` in a step that gives a request its first token: a newcomer waits
+   for few forwards, not a whole multi-token step), then each request's machine says its needs
    (:mod:`verifiers.machines`). A request whose prompt is longer than ``max_tokens_per_step``
    is admitted in a prefill phase first: each step it sends a :class:`~actors.messages.Prefill`
    item to every model it uses, and each worker feeds the next chunk of the prompt with what its
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -39,7 +42,7 @@ from typing import Any
 from actors.coordination.admission import Admission
 from actors.coordination.cohorts import Cohort
 from actors.coordination.metrics import SchedulerMetrics, StepCounters
-from actors.coordination.policy import StepDecision, StepPolicy, set_plain_tokens
+from actors.coordination.policy import COHORT_PLAIN_TOKENS, StepDecision, StepPolicy, first_token_due, set_plain_tokens
 from actors.coordination.request_state import RequestState
 from actors.coordination.results import RequestResults
 from actors.coordination.solo_bursts import SoloBursts
@@ -67,7 +70,8 @@ class Scheduler:
 
     def __init__(self, workers: dict[str, Any], *, max_running: int, max_waiting: int, cohorts: int = 1,
                  request_timeout_s: float = 600.0, metrics: SchedulerMetrics | None = None, goodput: bool = True,
-                 pre_drafting: int = 0, max_tokens_per_step: int | None = None, burst_s: float = 0.0):
+                 pre_drafting: int = 0, max_tokens_per_step: int | None = None, burst_s: float = 0.0,
+                 step_tokens: int = COHORT_PLAIN_TOKENS, first_step_tokens: int | None = None):
         if cohorts not in (1, 2):
             raise ValueError(f"cohorts must be 1 or 2, got {cohorts}")
         self.calls = WorkerCalls(workers)
@@ -77,7 +81,9 @@ class Scheduler:
         self._wakeup: asyncio.Condition | None = None
         self._loop_tasks: list[asyncio.Task] = []
         self._notify_tasks: set[asyncio.Task] = set()
-        self.policy = StepPolicy(goodput=goodput)
+        self.policy = StepPolicy(goodput=goodput, step_tokens=step_tokens)
+        #: A plain iteration's draws in a step that gives a request its first token (engine.first_step_tokens).
+        self.first_step_tokens = step_tokens if first_step_tokens is None else min(step_tokens, int(first_step_tokens))
         self.results = RequestResults(self.metrics, self.policy.acceptance_board)
         self.admission = Admission(self.cohorts, policy=self.policy, results=self.results, metrics=self.metrics,
                                    release=self.calls.release, max_running=max_running, max_waiting=max_waiting,
@@ -218,8 +224,12 @@ class Scheduler:
         """The policy's decision for the step, then each request's needs (a prefilling request's
         next prompt chunks); a request whose machine fails to plan leaves the cohort."""
         decision = self.policy.decide(cohort)
+        tokens = self.policy.step_tokens
+        if any(first_token_due(request) for request in cohort.running) and self.first_step_tokens < tokens:
+            tokens = self.first_step_tokens  # a newcomer's first chunk sooner; a short step's yield is not its mode's
+            decision = dataclasses.replace(decision, representative=False)
         for request in list(cohort.running):
-            set_plain_tokens(request.machine, len(cohort.running))
+            set_plain_tokens(request.machine, len(cohort.running), tokens)
             if request.prefilling:
                 request.last_needs = [Prefill(model) for model in sorted(request.prefilling)]
             elif not self.results.plan_iteration(request):

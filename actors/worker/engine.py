@@ -21,7 +21,9 @@ Chunked prefill: a :class:`actors.messages.Prefill` item feeds the next chunk of
 session's prompt. A step's token budget (``max_tokens_per_step``) goes first to the rows of the
 other items (decoding, verification, short prompts), and what is left to the prefill chunks, in
 item order (:func:`actors.worker.forward_plan.prefill_grants`); the first prompt in line always
-gets at least a share of the budget, so no prompt waits forever behind running streams. A
+gets at least a share of the budget, so no prompt waits forever behind running streams; while
+other rows run, the chunks are also paced to the measured step costs
+(:mod:`actors.worker.prefill_pacer`). A
 chunk is an ordinary causal row at the session's own columns and positions, so the keys/values
 it writes are those a one-shot prefill writes; the prompt's last token stays pending, and the
 decoding machine's first need computes the row after the prompt once the whole prompt is cached.
@@ -40,6 +42,7 @@ import torch
 
 from actors.messages import ItemOutcome, OpenSession, Prefill, RowSampling, WorkItem
 from actors.model.device_health import DeviceBrokenError
+from actors.worker.prefill_pacer import PrefillPacer
 from actors.worker.prefix_cache import PrefixCache
 from actors.worker.sessions import SessionStore
 from actors.worker.step import Step
@@ -61,6 +64,7 @@ class WorkerEngine:
         self.backend = backend
         self.name = name
         self.max_tokens_per_step = int(max_tokens_per_step)
+        self.prefill_pacer = PrefillPacer()  # decode first: prefill chunks sized from measured step costs
         self.prefix_cache = PrefixCache(backend, enabled=prefix_caching)
         self.sessions = SessionStore(self.prefix_cache, idle_timeout_s, name)
         self.steps = 0

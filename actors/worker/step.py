@@ -34,6 +34,7 @@ from actors.model.batch import RowWork
 from actors.model.device_health import raise_if_device_broken
 from actors.worker.forward_plan import forward_groups, prefill_grants
 from actors.worker.isolation import batched_then_alone
+from actors.worker.prefill_pacer import PrefillPacer, paced
 from actors.worker.rows import RowRequest, byte_chunks, rows_together, shared_vocab
 from actors.worker.sessions import Session, SessionNotFoundError, SessionStore
 from actors.worker.tasks import ExtendTask, NextLogitsTask, PreDraftTask, PrefillTask, SampleTask, Task
@@ -129,6 +130,7 @@ class StepHost(Protocol):
     backend: Any
     sessions: SessionStore
     max_tokens_per_step: int
+    prefill_pacer: PrefillPacer
     steps: int
     rows_per_forward: list[int]
     forward_seconds_total: float
@@ -146,6 +148,8 @@ class Step:
         self.tasks: list[Task | None] = []
         self.errors: dict[int, str] = {}
         self.lost: set[int] = set()
+        self.prefill_tokens = 0  # granted to this step's prefill chunks
+        self.prefill_s = 0.0  # seconds of the forwards that carried them
         for index, item in enumerate(self.items):
             try:
                 self.tasks.append(self._task(item, source_payloads))
@@ -161,7 +165,10 @@ class Step:
         started = time.perf_counter()
         forward_s, first_round_s = self._run_forwards(started)
         self.engine.steps += 1
-        return self._outcomes(forward_s, time.perf_counter() - started, first_round_s)
+        call_s = time.perf_counter() - started
+        others = sum(1 for task in self.tasks if task is not None and not isinstance(task, PrefillTask))
+        self.engine.prefill_pacer.observe(call_s, others, self.prefill_tokens, self.prefill_s)
+        return self._outcomes(forward_s, call_s, first_round_s)
 
     def fail(self, i: int, error: Exception) -> None:
         """Item ``i`` failed with ``error``: its task is dropped, its session freed and its outcome
@@ -190,7 +197,8 @@ class Step:
 
     def _grant_prefills(self) -> None:
         """Share the step's token budget: the other tasks' first rows first, then the prefill
-        chunks in item order (:func:`prefill_grants`)."""
+        chunks in item order (:func:`prefill_grants`), paced to the measured step costs while
+        other rows run (:class:`~actors.worker.prefill_pacer.PrefillPacer`)."""
         prefills = [task for task in self.tasks if isinstance(task, PrefillTask)]
         if not prefills:
             return
@@ -202,8 +210,10 @@ class Step:
                 except Exception:  # noqa: BLE001 - the row fails again, and is reported, in the forward
                     pass
         grants = prefill_grants(other_tokens, [task.remaining for task in prefills], self.engine.max_tokens_per_step)
+        grants = paced(grants, self.engine.prefill_pacer.allowed(other_tokens))
         for task, grant in zip(prefills, grants):
             task.grant = grant
+        self.prefill_tokens = sum(grants)
 
     # ------------------------------------------------------------------ the forwards
     def _run_forwards(self, started: float) -> tuple[float, float]:
@@ -239,7 +249,10 @@ class Step:
         engine = self.engine
         logits: dict[int, torch.Tensor] = {}
         for group in forward_groups(rows, engine.backend.forward_overhead_tokens):
+            started = time.perf_counter()
             logits.update(self._forward(group))
+            if any(isinstance(self.tasks[i], PrefillTask) for i in group):  # what the pacer learns a token's cost from
+                self.prefill_s += time.perf_counter() - started
             engine.rows_per_forward.append(len(group))
             engine.forward_passes_total += 1
         del engine.rows_per_forward[:-RECENT_FORWARDS]

@@ -1,17 +1,23 @@
 """Running streams while long prompts arrive (not a test): inter-token latency with and without
-chunked prefill (``engine.max_tokens_per_step``).
+chunked prefill (``engine.max_tokens_per_step``) and its pacing to measured step costs
+(:mod:`actors.worker.prefill_pacer`).
 
 The engine alone (the production Coordinator and ModelWorkers in this process, no Ray, no
 HTTP), on the Qwen2.5-shaped random target of :mod:`benchmarks.peers.real_shape` (32,768-token
-context): ``--streams`` ar requests decode ``--decode-tokens`` tokens each; once every stream has
-its first tokens, ``--long-prompts`` requests with ``--long-tokens``-token prompts arrive one
-after another (one token each). For each budget in ``--budgets`` (``off``: larger than any
-prompt, so every prompt is prefilled in one forward), the gaps between the chunks a running
-stream receives (each chunk carries the tokens of one step) while the long prompts are in the
-engine, median and p99, and each long prompt's time to its first token.
+context) or, with ``--model embedded``, the embedded target: ``--streams`` ar requests decode
+``--decode-tokens`` tokens each; ``--quiet-s`` after every stream has its first tokens,
+``--long-prompts`` requests with ``--long-tokens``-token prompts arrive one after another (one
+token each), or every ``--arrival-s`` seconds. For each budget in ``--budgets`` (``off``: larger
+than any prompt, so every prompt is prefilled in one forward; ``N:static``: N without pacing),
+run ``--rounds`` times in turn: the gaps between the chunks a running stream receives (each chunk
+carries the tokens of one step) while the long prompts are in the engine, median and p99, the p99
+of the gaps of the quiet time before they arrive in the same runs, and each long prompt's time to
+its first token.
 
     python -m benchmarks.served.long_prompt_itl
     python -m benchmarks.served.long_prompt_itl --streams 8 --long-tokens 4000 --budgets off,512
+    python -m benchmarks.served.long_prompt_itl --model embedded --long-tokens 828 --long-prompts 4 \\
+        --arrival-s 1.5 --budgets 512:static,512 --rounds 3
 """
 
 from __future__ import annotations
@@ -23,30 +29,44 @@ import pathlib
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 
 from actors.request_schema import GenerationRequest, SamplingParams
+from actors.worker.prefill_pacer import PrefillPacer
 from benchmarks.peers.real_shape import CONTEXT, build_checkpoints
 from benchmarks.served.runners import LocalRunner
 from cluster.config import parse_app_args
 
 COMMAND = "python -m benchmarks.served.long_prompt_itl"
 NO_CHUNKING = CONTEXT  # a budget no prompt exceeds: every prefill in one forward
+EMBEDDED_CONTEXT = 1024
+UNPACED = 1e9  # a pacing stretch no step reaches: the static budget alone
 
 
-def _budget(text: str) -> int:
-    return NO_CHUNKING if text == "off" else int(text)
+def _budget(text: str, context: int) -> tuple[int, bool]:
+    """(``engine.max_tokens_per_step``, paced) of a ``--budgets`` entry."""
+    if text == "off":
+        return max(NO_CHUNKING, context), False
+    value, _, kind = text.partition(":")
+    if kind not in ("", "static"):
+        raise ValueError(f"--budgets: {text!r} is not N, N:static or off")
+    return int(value), kind == ""
 
 
-def _runner(target: pathlib.Path, budget: int, streams: int) -> LocalRunner:
-    return LocalRunner(parse_app_args({
-        "models": {"target": {"path": str(target), "role": "target", "dtype": "float32"}},
+def _runner(target: str, budget: int, paced: bool, streams: int, context: int) -> LocalRunner:
+    runner = LocalRunner(parse_app_args({
+        "models": {"target": {"path": target, "role": "target", "dtype": "float32"}},
         "defaults": {"strategy": "ar"},
         "resources": {"torch_threads": 1},
         "limits": {"max_concurrent_requests": streams + 4},
-        "engine": {"max_model_len": CONTEXT, "max_tokens_per_step": budget, "kv_cache_memory": 2 * 2**30},
+        "engine": {"max_model_len": context, "max_tokens_per_step": budget, "kv_cache_memory": 2 * 2**30},
     }), temperature=1.0)
+    if not paced:
+        for handle in runner.workers.values():
+            handle._instance.engine.prefill_pacer = PrefillPacer(stretch=UNPACED)
+    return runner
 
 
 def _request(name: str, prompt: list[int], max_tokens: int) -> GenerationRequest:
@@ -54,9 +74,10 @@ def _request(name: str, prompt: list[int], max_tokens: int) -> GenerationRequest
                              sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0, ignore_eos=True))
 
 
-async def _measure(runner: LocalRunner, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+async def _measure(runner: LocalRunner, args: argparse.Namespace) -> tuple[list[float], list[float], list[float]]:
     """(gaps in seconds between consecutive chunks of a running stream that overlap the time the
-    long prompts are in the engine, each long prompt's seconds to its first token)."""
+    long prompts are in the engine, the gaps of the quiet time before, each long prompt's seconds
+    to its first token)."""
     generator = torch.Generator().manual_seed(5)
     times: list[list[float]] = [[] for _ in range(args.streams)]  # chunk arrival times per stream
     started = asyncio.Event()
@@ -71,23 +92,35 @@ async def _measure(runner: LocalRunner, args: argparse.Namespace) -> tuple[list[
             if all(times):
                 started.set()
 
-    async def long_prompts() -> tuple[float, float, list[float]]:
-        await started.wait()
-        begin, firsts = time.perf_counter(), []
-        for index in range(args.long_prompts):
-            prompt = torch.randint(1, 4000, (args.long_tokens,), generator=generator).tolist()
-            sent = time.perf_counter()
-            async for chunk in runner.coordinator.generate(_request(f"long-{index}", prompt, 1)):
-                if chunk.error:
-                    raise RuntimeError(chunk.error)
-                if chunk.token_ids:
-                    firsts.append(time.perf_counter() - sent)
-        return begin, time.perf_counter(), firsts
+    firsts: list[float] = []
 
-    (begin, end, firsts), *_ = await asyncio.gather(long_prompts(), *(stream(i) for i in range(args.streams)))
-    gaps = [later - earlier for arrivals in times for earlier, later in zip(arrivals, arrivals[1:])
-            if later >= begin and earlier <= end]
-    return gaps, firsts
+    async def long_prompt(index: int, prompt: list[int]) -> None:
+        await asyncio.sleep(index * args.arrival_s)  # 0: sent at once (one after another)
+        sent = time.perf_counter()
+        async for chunk in runner.coordinator.generate(_request(f"long-{index}", prompt, 1)):
+            if chunk.error:
+                raise RuntimeError(chunk.error)
+            if chunk.token_ids:
+                firsts.append(time.perf_counter() - sent)
+
+    async def long_prompts() -> tuple[float, float]:
+        await started.wait()
+        await asyncio.sleep(args.quiet_s)
+        prompts = [torch.randint(1, 4000, (args.long_tokens,), generator=generator).tolist()
+                   for _ in range(args.long_prompts)]
+        begin = time.perf_counter()
+        if args.arrival_s > 0:
+            await asyncio.gather(*(long_prompt(index, prompt) for index, prompt in enumerate(prompts)))
+        else:
+            for index, prompt in enumerate(prompts):
+                await long_prompt(index, prompt)
+        return begin, time.perf_counter()
+
+    (begin, end), *_ = await asyncio.gather(long_prompts(), *(stream(i) for i in range(args.streams)))
+    pairs = [(earlier, later) for arrivals in times for earlier, later in zip(arrivals, arrivals[1:])]
+    gaps = [later - earlier for earlier, later in pairs if later >= begin and earlier <= end]
+    quiet = [later - earlier for earlier, later in pairs if later < begin]
+    return gaps, quiet, firsts
 
 
 def _p99(values: list[float]) -> float:
@@ -101,35 +134,86 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=400, help="Tokens each running stream asks for.")
     parser.add_argument("--long-prompts", type=int, default=3, help="Long prompts arriving one after another.")
     parser.add_argument("--long-tokens", type=int, default=4000, help="Tokens of each long prompt.")
-    parser.add_argument("--budgets", default="off,512", help="engine.max_tokens_per_step values (off: no chunking).")
+    parser.add_argument("--arrival-s", type=float, default=0.0,
+                        help="Seconds between the long prompts' arrivals (0: each after the previous one's first token).")
+    parser.add_argument("--quiet-s", type=float, default=1.0, help="Seconds the streams run alone before the long prompts.")
+    parser.add_argument("--model", choices=("real_shape", "embedded"), default="real_shape")
+    parser.add_argument("--budgets", default="off,512",
+                        help="engine.max_tokens_per_step values (off: no chunking; N:static: N without pacing).")
+    parser.add_argument("--rounds", type=int, default=1, help="Runs of each budget, interleaved (gaps pooled).")
     parser.add_argument("--out", default=None, help="Also write the table here (markdown).")
+    parser.add_argument("--record", default=None, metavar="CASE",
+                        help="Also write the rows into the results store (benchmarks/results/CASE.json) and regenerate "
+                        "docs/results.md.")
     return parser.parse_args(argv)
+
+
+def _row(text: str, gaps: list[float], quiet: list[float], firsts: list[float]) -> dict[str, Any]:
+    """One budget's figures (gaps pooled over its rounds), keyed by column."""
+    if not gaps:
+        raise RuntimeError("the streams ended before the long prompts arrived: raise --decode-tokens")
+    return {
+        "engine.max_tokens_per_step": text, "stream chunk gaps measured": len(gaps),
+        "gap p50 ms": round(1e3 * statistics.median(gaps)), "gap p99 ms": round(1e3 * _p99(gaps)),
+        "gap max ms": round(1e3 * max(gaps)), "quiet gap p99 ms": round(1e3 * _p99(quiet)) if quiet else None,
+        "p99 / quiet p99": round(_p99(gaps) / _p99(quiet), 2) if quiet else None,
+        "long prompt first token, median s": round(statistics.median(firsts), 2),
+    }
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows as a markdown table."""
+    head = list(rows[0])
+    return (["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+            + ["| " + " | ".join("-" if row[key] is None else str(row[key]) for key in head) + " |" for row in rows])
+
+
+#: The columns the results page shows.
+RECORD_COLUMNS = ["engine.max_tokens_per_step", "gap p50 ms", "gap p99 ms", "p99 / quiet p99",
+                  "long prompt first token, median s"]
+
+
+def _record(case: str, command: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Write the rows into the results store (``--record CASE``) and regenerate docs/results.md."""
+    from benchmarks.reports.store import load_avg, make_record
+    from benchmarks.reports.tables import update
+
+    title = (f"Long prompts: {args.streams} streams, {args.long_prompts} prompts of {args.long_tokens:,} tokens "
+             f"({args.model.replace('_', '-')} target, engine alone)")
+    notes = f"Quiet: gaps before the long prompts; rounds interleaved. Host load {load_avg()}."
+    print(f"recorded {update(make_record(case, title, command, rows, notes=notes, columns=RECORD_COLUMNS))}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    lines = [f"Command: `{COMMAND} --streams {args.streams} --long-tokens {args.long_tokens} "
-             f"--long-prompts {args.long_prompts} --budgets {args.budgets}`", "",
-             "| max_tokens_per_step | stream chunk gaps measured | gap p50 (ms) | gap p99 (ms) | gap max (ms) "
-             "| long prompt first token, median (s) |", "|---|---:|---:|---:|---:|---:|"]
+    command = (f"{COMMAND} --model {args.model} --streams {args.streams} --long-tokens {args.long_tokens} "
+               f"--long-prompts {args.long_prompts} --arrival-s {args.arrival_s:g} --decode-tokens {args.decode_tokens} "
+               f"--budgets {args.budgets} --rounds {args.rounds}")
+    budgets = args.budgets.split(",")
+    pooled = {text: ([], [], []) for text in budgets}
     with tempfile.TemporaryDirectory(prefix="long-prompt-itl-") as root:
-        target = build_checkpoints(pathlib.Path(root))["target"]
-        for text in args.budgets.split(","):
-            runner = _runner(target, _budget(text), args.streams)
-            try:
-                gaps, firsts = runner.loop.run_until_complete(_measure(runner, args))
-            finally:
-                runner.close()
-            if not gaps:
-                raise RuntimeError("the streams ended before the long prompts arrived: raise --decode-tokens")
-            lines.append(f"| {text} | {len(gaps)} | {1e3 * statistics.median(gaps):.0f} | {1e3 * _p99(gaps):.0f} | "
-                         f"{1e3 * max(gaps):.0f} | {statistics.median(firsts):.2f} |")
-    text = "\n".join(lines) + "\n"
+        if args.model == "embedded":
+            target, context = "embedded:target", EMBEDDED_CONTEXT
+        else:
+            target, context = str(build_checkpoints(pathlib.Path(root))["target"]), CONTEXT
+        for _ in range(args.rounds):
+            for text in budgets:  # interleaved: each round runs every budget in turn
+                runner = _runner(target, *_budget(text, context), args.streams, context)
+                try:
+                    measured = runner.loop.run_until_complete(_measure(runner, args))
+                finally:
+                    runner.close()
+                for into, values in zip(pooled[text], measured):
+                    into.extend(values)
+    rows = [_row(text, *pooled[text]) for text in budgets]
+    text = "\n".join([f"Command: `{command}`", "", *_table(rows)]) + "\n"
     print(text)
     if args.out:
         pathlib.Path(args.out).write_text(text)
+    if args.record:
+        _record(args.record, command, rows, args)
     return 0
 
 

@@ -85,8 +85,17 @@ class EngineArgs(Frozen):
     max_tokens_per_step: int = Field(
         512, ge=8,
         description="Most tokens a worker feeds in one step: the running requests' rows, then chunks of new prompts (chunked "
-        "prefill; output unchanged). Lower: steadier inter-token latency, slower first tokens for long prompts; "
-        "2048-8192 suit a GPU.",
+        "prefill, paced while others decode; output unchanged). Lower: steadier gaps, later long-prompt first "
+        "tokens; 2048-8192 suit a GPU.",
+    )
+    step_tokens: int = Field(
+        8, ge=1, le=64,
+        description="Tokens an ar step (sd's plain steps under gamma auto too) draws per request when several run: what a "
+        "chunk coalesces (more: throughput; fewer: shorter gaps). Tokens unchanged.",
+    )
+    first_step_tokens: int = Field(
+        2, ge=1, le=64,
+        description="step_tokens (at most) in a step giving a request its first token.",
     )
     overlap: bool | Literal["auto"] = Field(
         "auto",
@@ -95,9 +104,8 @@ class EngineArgs(Frozen):
     )
     keep_freed_memory: bool = Field(
         True,
-        description="Workers keep freed memory for their next step (glibc's mmap threshold 32 MiB, trim threshold 256 MiB): "
-        "row tensors reuse the heap, not fresh pages, up to a step's high-water mark. false: glibc's defaults; no"
-        " effect without glibc.",
+        description="Workers keep freed memory for their next step (glibc mmap threshold 32 MiB, trim 256 MiB): row tensors "
+        "reuse the heap, not fresh pages. false: glibc's defaults.",
     )
     lean_forward: bool = Field(
         True,
@@ -148,6 +156,6 @@ class EngineArgs(Frozen):
     )
     simulated_device: dict[str, SimulatedDeviceArgs] = Field(
         default_factory=dict,
-        description="Benchmarks only: model name -> a modelled device; the worker runs each real forward, then waits until "
-        "fixed_ms + per_token_ms x its tokens have passed (tokens unchanged; docs/benchmarks.md).",
+        description="Benchmarks only: model name -> a modelled device: each real forward, then a wait until fixed_ms + "
+        "per_token_ms x its tokens have passed (docs/benchmarks.md).",
     )

@@ -25,7 +25,7 @@ from actors.coordination.metrics import (
     SchedulerMetrics,
     group_snapshot,
 )
-from actors.coordination.policy import COHORT_PLAIN_TOKENS
+from cluster.config.engine import EngineArgs
 from actors.coordination.scheduler import Scheduler
 from benchmarks.served.runners import LocalActorHandle
 from tests.actors.fake_models import FunctionModelWorker, fake_group_config
@@ -210,12 +210,13 @@ def test_counters_match_what_the_requests_returned(local_coordinator):
         assert families["specserve_time_to_first_token_seconds"][labels][2] == 2
         assert families["specserve_e2e_request_latency_seconds"][labels][2] == 2
         # Every token after each request's first scheduler chunk is one ITL observation (ar: its first
-        # iteration's draws, 1 alone, 8 in a step of several requests).
+        # iteration's draws, 1 alone, engine.first_step_tokens in a step of several requests).
         itl_count = families["specserve_inter_token_latency_seconds"].get(labels, (None, 0, 0))[2]
         firsts = [len(next(chunk for chunk in request_chunks if chunk.token_ids).token_ids) for request_chunks in chunks]
         assert itl_count == sum(MAX_TOKENS - first for first in firsts) if name == "ar" else 0 < itl_count <= 2 * (MAX_TOKENS - 1)
         if name == "ar":
-            assert set(firsts) <= {1, COHORT_PLAIN_TOKENS}  # alone: the first token on its own
+            first_step = EngineArgs.model_fields["first_step_tokens"].default
+            assert set(firsts) <= {1, first_step}  # alone: the first token on its own
         accepted_lengths = [a for s in stats for a in s.accepted_lengths]
         if name in ("ar", "ensemble"):
             assert labels not in families.get("specserve_spec_decode_num_drafts", {})

@@ -4,7 +4,9 @@ run ``ar`` in cohorts against the reference loop, tests/actors/coordination/test
 
 from __future__ import annotations
 
-from actors.coordination.policy import COHORT_PLAIN_TOKENS, plain_tokens, set_plain_tokens
+from types import SimpleNamespace
+
+from actors.coordination.policy import COHORT_PLAIN_TOKENS, first_token_due, plain_tokens, set_plain_tokens
 from verifiers.adaptive import AdaptiveGammaSettings
 from verifiers.machines.autoregressive import AutoregressiveMachine
 from verifiers.machines.base import AR_TOKENS_PER_ITERATION
@@ -48,3 +50,21 @@ def test_sd_plain_steps_draw_more_only_where_the_choice_weighs_step_costs():
     assert machine.plain_tokens == COHORT_PLAIN_TOKENS and machine._plain_needs()[0].count == COHORT_PLAIN_TOKENS
     set_plain_tokens(machine, 1)
     assert machine.plain_tokens == AR_TOKENS_PER_ITERATION
+
+
+def test_the_step_tokens_setting_sets_a_step_of_severals_draws():
+    machine = AutoregressiveMachine("target", max_new_tokens=40)
+    machine.committed.append(7)
+    set_plain_tokens(machine, 16, tokens=3)
+    assert plain_tokens(16, 3) == 3 and machine.needs()[0].count == 3
+    set_plain_tokens(machine, 1, tokens=3)  # alone: unchanged by the setting
+    assert machine.needs()[0].count == AR_TOKENS_PER_ITERATION
+
+
+def test_a_first_token_is_due_once_the_prompt_is_in_and_no_token_was_made():
+    request = SimpleNamespace(prefilling={"target"}, machine=AutoregressiveMachine("target", max_new_tokens=4))
+    assert not first_token_due(request)  # still prefilling
+    request.prefilling = set()
+    assert first_token_due(request)
+    request.machine.committed.append(3)
+    assert not first_token_due(request)

@@ -26,7 +26,7 @@ from actors.coordination.step_costs import (
 )
 from benchmarks.served.runners import LocalActorHandle
 from verifiers.adaptive import expected_tokens
-from actors.coordination.policy import COHORT_PROBE_EVERY, EXPLORE_EVERY
+from actors.coordination.policy import COHORT_PROBE_EVERY, COHORT_PROBE_EVERY_MAX, EXPLORE_EVERY
 from tests.actors.fake_models import FAKE_MODELS, FunctionModelWorker, fake_group_config, run_in_process
 from tests.verifiers.test_adaptive import LONG_BLOCKS_WIN, PLAIN_WINS, SHORT_BLOCKS_WIN
 from tests.verifiers.tiny_models import chi_square_pvalue, target_law
@@ -337,10 +337,34 @@ def test_a_cohort_steps_in_the_faster_mode_and_probes_the_other():
         cohort.running.append(request)
     scheduler.policy.mode_rates.observe("plain", 3, 12, 0.1)  # 120 tok/s
     scheduler.policy.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
-    modes = [scheduler.policy.decide(cohort).mode for _ in range(2 * (COHORT_PROBE_EVERY + 1))]
-    assert modes.count("plain") == 2 and modes.count("speculative") == 2 * COHORT_PROBE_EVERY
-    assert modes[COHORT_PROBE_EVERY] == "plain"  # the probe after COHORT_PROBE_EVERY speculative steps
+    modes = [scheduler.policy.decide(cohort).mode for _ in range(4 * COHORT_PROBE_EVERY + 3)]
+    assert [i for i, mode in enumerate(modes) if mode == "plain"] == [COHORT_PROBE_EVERY, 3 * COHORT_PROBE_EVERY + 1]
+    # the first probe after COHORT_PROBE_EVERY speculative steps, the next after twice as many: each confirmed
+    assert cohort.probe_every == 4 * COHORT_PROBE_EVERY
     assert scheduler.policy.decide(type(cohort)(index=9, running=cohort.running[:1])).mode == "any"  # alone
+
+
+def test_probes_back_off_while_they_confirm_and_start_over_when_the_faster_mode_changes():
+    coordinator = _coordinator(goodput=True)
+    policy = coordinator.scheduler.policy
+    cohort = coordinator.scheduler.cohorts[0]
+    for seed in range(3):
+        request = _state(coordinator, seed)
+        policy.admit(request)
+        cohort.running.append(request)
+    policy.mode_rates.observe("plain", 3, 12, 0.1)  # 120 tok/s
+    policy.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
+    probes = 0
+    for _ in range(2000):
+        if policy.decide(cohort).mode == "plain":
+            probes += 1
+    assert cohort.probe_every == COHORT_PROBE_EVERY_MAX  # 16, 32, 64, 128, then every 128
+    assert probes < 2000 / COHORT_PROBE_EVERY / 2
+    while cohort.probe_steps_left or cohort.probed_from:  # not in a probe
+        policy.decide(cohort)
+    for _ in range(MODE_WINDOW):  # plain now measured faster: the next decision steps plain, and starts over
+        policy.mode_rates.observe("plain", 3, 100, 0.1)
+    assert policy.decide(cohort).mode == "plain" and cohort.probe_every == COHORT_PROBE_EVERY
 
 
 def test_the_policy_returns_its_decision_and_the_machines_read_that_one():
@@ -406,3 +430,24 @@ def test_every_explore_every_th_speculative_step_drafts_a_neighbour_of_the_best_
     assert 1 < best < len(policy.cost_model.costs("draft", "target", batch=3, gamma_max=8).verify_s)
     assert blocks[EXPLORE_EVERY - 1] == best + 1 and blocks[2 * EXPLORE_EVERY - 1] == best - 1
     assert all(block == best for i, block in enumerate(blocks) if (i + 1) % EXPLORE_EVERY)
+
+
+def test_a_step_giving_a_request_its_first_token_draws_fewer_and_does_not_stand_for_its_mode():
+    """engine.first_step_tokens: a newcomer's first chunk after few draws; that short step's yield
+    is not taken as its mode's rate."""
+    coordinator = _coordinator(goodput=True)
+    scheduler = coordinator.scheduler
+    cohort = scheduler.cohorts[0]
+    for seed in range(3):
+        request = _state(coordinator, seed)
+        scheduler.policy.admit(request)
+        cohort.running.append(request)
+    scheduler.policy.mode_rates.observe("plain", 3, 24, 0.1)  # plain measured faster
+    scheduler.policy.mode_rates.observe("speculative", 3, 9, 0.1)
+    decision = scheduler._schedule(cohort)
+    assert decision.mode == "plain" and not decision.representative
+    assert all(r.machine.plain_tokens == scheduler.first_step_tokens < scheduler.policy.step_tokens for r in cohort.running)
+    for request in cohort.running:  # each has its first token: the next step draws step_tokens
+        request.machine.committed.append(1)
+    decision = scheduler._schedule(cohort)
+    assert decision.representative and all(r.machine.plain_tokens == scheduler.policy.step_tokens for r in cohort.running)
