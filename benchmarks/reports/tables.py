@@ -38,7 +38,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (STRATEGY_SECTION, ()),
     ("Served load", ("serve-load-", "suite-", "predictions")),
     ("Engine", ("engine-load-", "long-prompt-")),
-    ("Ensembles", ("ensemble-", "suite-default-se")),
+    ("Ensembles", ("ensemble-",)),
     ("Peers", ("vllm-", "forward-profile-vs-vllm")),
     ("Micro-benchmarks", ("forward-", "verify-", "grammar-", "ray-overhead", "real-shape")),
 )

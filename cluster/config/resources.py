@@ -87,12 +87,10 @@ class PlacementArgs(Frozen):
     )
     cpu_affinity: Literal["auto", "spare", "off"] | CoreLists = Field(
         "off",
-        description="CPU cores the workers run on. 'off': none bound. 'spare' (a shared host): without GPUs, when `specserve "
-        "serve` started Ray and cores outnumber torch_threads, the other processes (Ray, Serve, the coordinator) "
-        "keep off the last torch_threads cores, spared for the target's worker; workers run on any core. 'auto' "
-        "(a host to itself): 'spare', and the target's worker bound to those cores. A mapping model -> core ids "
-        "({target: [1]}): the worker hosting listed models runs on the union of their cores (GPU workers too), "
-        "other processes on the rest. Binding unavailable: a warning, nothing bound.",
+        description="CPU cores the workers run on. off: none bound. spare (a shared host; no GPUs, Ray started by "
+        "`specserve serve`): other processes keep off the last torch_threads cores, left to the target's worker. auto (a "
+        "host to itself): spare, and the target's worker bound to them. A map model -> core ids ({target: [1]}): that "
+        "worker on those cores, other processes on the rest. Binding unavailable: a warning.",
     )
 
     @field_validator("cpu_affinity", mode="before")
