@@ -210,6 +210,9 @@ def _tokens(chunks) -> list[int]:
 @pytest.mark.parametrize("method", ["block", "greedy_block"])
 def test_costs_choose_plain_steps_and_blocks_and_greedy_output_is_the_targets(method):
     coordinator = _coordinator(goodput=True)
+    # _ScheduledCosts is a schedule by cost call; engine.first_step_tokens' short first steps add
+    # calls and shift it. This test is about what the costs choose: first steps draw as many as the rest.
+    coordinator.scheduler.first_step_tokens = coordinator.scheduler.policy.step_tokens
     results = _run(coordinator, [_request(seed, method, temperature=0.0, max_tokens=24) for seed in range(4)])
     expected, _ = autoregressive_generate(FAKE_MODELS["target"], PROMPT, 24, temperature=0.0,
                                           generator=torch.Generator().manual_seed(0))
