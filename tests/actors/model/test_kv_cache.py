@@ -39,9 +39,9 @@ def write(cache: PagedKVCache, slots: list[int], columns: list[list[int]], seed:
 def test_storage_is_zero_and_one_pool_of_blocks():
     """Storage is [2, layers, heads, blocks * block size + 1 (trash), dim] zeros; no block is held."""
     cache = small_cache(max_slots=2)
-    assert cache.num_blocks == 2 * 3 and cache.storage.shape == (2, LAYERS, HEADS, 6 * BLOCK + 1, DIM)
+    assert cache.num_blocks == 2 * 3 and cache.storage.shape == (2, LAYERS, HEADS, 7 * BLOCK, DIM)
     assert not cache.storage.any()
-    assert cache.layers[1].keys.shape == (HEADS, 6 * BLOCK + 1, DIM)
+    assert cache.layers[1].keys.shape == (HEADS, 7 * BLOCK, DIM)
     assert cache.get_max_length() == CAPACITY  # column CAPACITY writes the trash row
     assert cache.block_counts() == {"total": 6, "free": 6, "used": 0, "cached": 0}
 
