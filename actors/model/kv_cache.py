@@ -11,7 +11,8 @@ count, whole blocks at a time (:meth:`PagedKVCache.copy_prefix`), and copied on 
 Before a forward the caller :meth:`~PagedKVCache.bind` s the rows' slots ``[B]``, their write
 columns ``[B, L]`` and the key length ``T_kv``; each attention layer then calls ``update``,
 which scatters the new keys/values to their rows and returns ``[B, H, T_kv, D]`` gathered
-through the block tables.
+through the block tables: whole blocks at a time (one index per row, head and block, each
+copying ``block_size`` rows), then narrowed to ``T_kv`` columns (a strided view).
 
 The gathered keys/values of a layer are read by that layer's attention only, so every layer
 gathers into the same two reused buffers instead of fresh tensors. A fresh multi-megabyte
@@ -58,12 +59,12 @@ class PagedKVLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor:
-        """This layer's keys, ``[kv_heads, blocks * block_size + 1, head_dim]``."""
+        """This layer's keys, ``[kv_heads, (blocks + 1) * block_size, head_dim]``."""
         return self.cache.storage[0, self.layer_idx]
 
     @property
     def values(self) -> torch.Tensor:
-        """This layer's values, ``[kv_heads, blocks * block_size + 1, head_dim]``."""
+        """This layer's values, ``[kv_heads, (blocks + 1) * block_size, head_dim]``."""
         return self.cache.storage[1, self.layer_idx]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -99,14 +100,14 @@ class KVBlocksExhaustedError(RuntimeError):
 class PagedKVCache(Cache):
     """Key/value storage in fixed-size blocks shared by every sequence ("slot") of one model.
 
-    Storage is ``[2 (keys, values), layers, kv_heads, num_blocks * block_size + 1, head_dim]``:
-    one row per token of every block, plus one trash row that padded tokens write to and nothing
-    reads. Slot ``s``'s column ``c`` lives in row ``table[s, c // block_size] * block_size +
-    c % block_size``; a column whose block is not allocated reads the (finite) trash row, which
-    masks hide. Blocks are allocated when a forward or a copy writes their first column, shared
-    by reference count (:meth:`copy_prefix`) and copied before a write to a shared one
-    (copy-on-write); :meth:`truncate` frees the blocks past a length (rollback). A freed slot
-    keeps its blocks (its stale contents, which prefix caching reads) until the pool runs dry:
+    Storage is ``[2 (keys, values), layers, kv_heads, (num_blocks + 1) * block_size, head_dim]``:
+    one row per token of every block, plus one trash block whose first row (the trash row) padded
+    tokens write to and nothing attends. Slot ``s``'s column ``c`` lives in row ``table[s, c //
+    block_size] * block_size + c % block_size``; a column whose block is not allocated reads the
+    (finite) trash block, which masks hide. Blocks are allocated when a forward or a copy writes
+    their first column, shared by reference count (:meth:`copy_prefix`) and copied before a
+    write to a shared one (copy-on-write); :meth:`truncate` frees the blocks past a length
+    (rollback). A freed slot keeps its blocks (its stale contents, which prefix caching reads) until the pool runs dry:
     then the blocks of the least recently freed slots go back first. Zero-initialised (never
     ``torch.empty``: a NaN key poisons sdpa even at a masked position).
     """
@@ -137,9 +138,10 @@ class PagedKVCache(Cache):
         self.dtype = dtype
         self.device = torch.device(device)
         self.heads, self.head_dim = kv_heads, head_dim
-        self.trash = self.num_blocks * block_size  # the trash row
-        self.storage = torch.zeros((2, num_layers, kv_heads, self.trash + 1, head_dim), dtype=dtype,
-                                   device=self.device)  # [2, layers, H, num_blocks * block_size + 1, D]
+        self.trash = self.num_blocks * block_size  # the trash row: the first of the trash block
+        self._rows_per_head = self.trash + block_size
+        self.storage = torch.zeros((2, num_layers, kv_heads, self._rows_per_head, head_dim), dtype=dtype,
+                                   device=self.device)  # [2, layers, H, (num_blocks + 1) * block_size, D]
         # Block tables: -1 where a slot holds no block. The device copy is what forwards index.
         self._tables = [[-1] * self.blocks_per_slot for _ in range(max_slots)]
         self.block_tables = torch.full((max_slots, self.blocks_per_slot), -1, dtype=torch.long,
@@ -149,7 +151,7 @@ class PagedKVCache(Cache):
         self._free = list(range(max_slots))  # heap of free slots
         self._allocated: set[int] = set()
         self._released: dict[int, None] = {}  # free slots holding blocks, least recently freed first
-        self._gather_buffer = torch.empty((2, 0), dtype=dtype, device=self.device)  # [2, B * H * T_kv * D]
+        self._gather_buffer = torch.empty((2, 0), dtype=dtype, device=self.device)  # [2, B * H * n_blocks * block_size * D]
         #: Called when no block is free and no freed slot holds one: takes an open slot's blocks
         #: back (a preempted session, :mod:`actors.worker.engine`) -> whether it did.
         self.reclaim: Callable[[], bool] | None = None
@@ -176,7 +178,7 @@ class PagedKVCache(Cache):
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of the block pool (the storage but its trash row)."""
+        """Bytes of the block pool (the storage but its trash block)."""
         return self.storage[:, :, :, : self.trash].numel() * self.storage.element_size()
 
     # -- slots ------------------------------------------------------------------------------
@@ -384,7 +386,7 @@ class PagedKVCache(Cache):
         self._slots = slots.to(self.device)  # [B]
         self._write_columns = write_columns.to(self.device)  # [B, L]
         self.kv_length = kv_length
-        self._write_index, self._read_index = self._bind_indices()  # [layers, 2 B L H], [B H T_kv]
+        self._write_index, self._read_index = self._bind_indices()  # [layers, 2 B L H], [B H n_blocks]
 
     def bind_run(self, slot: int, start: int, length: int) -> None:
         """Set up a forward of one row in ``slot`` whose ``length`` new tokens go to columns
@@ -414,18 +416,20 @@ class PagedKVCache(Cache):
 
     def _bind_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``storage.view(-1, D)`` the bound rows write, per layer in ``[2 (keys,
-        values), B, L, H]`` order ``[layers, 2 B L H]``, and the rows of one layer's
-        ``[H * rows, D]`` view they read, in ``[B, H, T_kv]`` order ``[B H T_kv]``."""
-        layers, rows = len(self.layers), self.trash + 1
-        heads = torch.arange(self.heads, device=self.device) * rows  # [H]
+        values), B, L, H]`` order ``[layers, 2 B L H]``, and the blocks of one layer's
+        ``[H * (num_blocks + 1), block_size * D]`` view they read (the trash block where a slot
+        holds none), in ``[B, H, n_blocks]`` order ``[B H n_blocks]``, ``n_blocks`` covering ``T_kv``."""
+        layers, rows = len(self.layers), self._rows_per_head
+        heads = torch.arange(self.heads, device=self.device)  # [H]
         written = self._physical(self._slots, self._write_columns)  # [B, L]
-        within_layer = written[:, :, None] + heads  # [B, L, H]
+        within_layer = written[:, :, None] + heads * rows  # [B, L, H]
         layer_offsets = (torch.arange(2, device=self.device)[None, :] * layers
                          + torch.arange(layers, device=self.device)[:, None]) * (self.heads * rows)  # [layers, 2]
         write_index = (layer_offsets[:, :, None, None, None] + within_layer).view(layers, -1)
-        kv_columns = torch.arange(self.kv_length, device=self.device).expand(self._slots.shape[0], -1)  # [B, T_kv]
-        read = self._physical(self._slots, kv_columns)  # [B, T_kv]
-        return write_index, (read[:, None, :] + heads[:, None]).view(-1)
+        blocks = self.block_tables[self._slots, : -(-self.kv_length // self.block_size)]  # [B, n_blocks]
+        blocks = torch.where(blocks >= 0, blocks, self.num_blocks)  # the trash block where none is held
+        read = blocks[:, None, :] + (heads * (self.num_blocks + 1))[:, None]  # [B, H, n_blocks]
+        return write_index, read.reshape(-1)
 
     def unbind(self) -> None:
         """Forget the bound rows (``update`` then refuses to run)."""
@@ -449,18 +453,20 @@ class PagedKVCache(Cache):
         written = torch.stack((key_states.transpose(1, 2), value_states.transpose(1, 2))).to(self.dtype)
         self.storage.view(-1, self.head_dim).index_copy_(
             0, self._write_index[layer_idx], written.view(-1, self.head_dim))
-        read = []
+        read, width = [], self.block_size * self.head_dim
         for kind, gathered in enumerate(self._gather_views(self._slots.shape[0])):
-            layer = self.storage[kind, layer_idx].view(-1, self.head_dim)  # [H * rows, D]
-            torch.index_select(layer, 0, self._read_index, out=gathered.view(-1, self.head_dim))
-            read.append(gathered)  # [B, H, T_kv, D]
+            layer = self.storage[kind, layer_idx].view(-1, width)  # [H * (num_blocks + 1), block_size * D]
+            torch.index_select(layer, 0, self._read_index, out=gathered.view(-1, width))
+            read.append(gathered[:, :, : self.kv_length])  # [B, H, T_kv, D]
         return read[0], read[1]
 
     def _gather_views(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values views ``[B, H, T_kv, D]`` into the reused gather buffer (valid until
-        the next layer's ``update``: only that layer's attention reads them)."""
-        shape = (batch, self.heads, self.kv_length, self.head_dim)
-        size = batch * self.heads * self.kv_length * self.head_dim
+        """Keys and values views ``[B, H, n_blocks * block_size, D]`` into the reused gather
+        buffer, ``n_blocks`` covering ``T_kv`` (valid until the next layer's ``update``: only that
+        layer's attention reads them)."""
+        columns = -(-self.kv_length // self.block_size) * self.block_size
+        shape = (batch, self.heads, columns, self.head_dim)
+        size = batch * self.heads * columns * self.head_dim
         if self._gather_buffer.shape[1] < size:  # doubling: contexts grow a column per decoded token
             grown = max(size, 2 * self._gather_buffer.shape[1])
             self._gather_buffer = torch.empty((2, grown), dtype=self.dtype, device=self.device)

@@ -28,6 +28,10 @@ from verifiers.randomness import TorchRandomSource
 
 logger = logging.getLogger(__name__)
 
+#: How long the state of a reaped session is kept for its request to come back: the longest
+#: ``limits.request_timeout_s``, which bounds how long the coordinator holds a request paused.
+PARKED_TTL_S = 86400.0
+
 
 class SessionNotFoundError(KeyError):
     """The session does not exist (never opened, released, failed, or expired)."""
@@ -99,13 +103,20 @@ class Session:
 class SessionStore:
     """Sessions by id, each with a slot from ``slots`` (an :class:`actors.worker.prefix_cache.PrefixCache`:
     a new session starts with the longest prefix of its prompt the worker already holds), and an
-    idle reaper thread freeing sessions unused for ``idle_timeout_s``."""
+    idle reaper thread freeing the slots of sessions unused for ``idle_timeout_s``.
+
+    A reaped session is *parked*, not forgotten: its slot goes back (its prefix cached) but its
+    committed context and random streams stay, since its request may only be paused by the
+    coordinator (preempted for KV blocks) while it waits to run again. Its next call resumes it
+    on a new slot, which recomputes what no cached prefix holds and draws the tokens it would
+    have drawn. A parked session is dropped when released or after :data:`PARKED_TTL_S`."""
 
     def __init__(self, slots: Any, idle_timeout_s: float, name: str):
         self.slots = slots
         self.idle_timeout_s = float(idle_timeout_s)
         self.name = name
         self._sessions: dict[str, Session] = {}
+        self._parked: dict[str, tuple[Session, float]] = {}  # reaped: (session, time.monotonic() when parked)
         self.lock = threading.RLock()
 
     def open(
@@ -116,7 +127,7 @@ class SessionStore:
         import torch
 
         with self.lock:
-            if session_id in self._sessions:
+            if session_id in self._sessions or session_id in self._parked:
                 raise ValueError(f"session {session_id!r} already open on {self.name}")
             if not prompt_ids:
                 raise ValueError("prompt_ids must not be empty")
@@ -131,18 +142,32 @@ class SessionStore:
     def get(self, session_id: str) -> Session:
         with self.lock:
             session = self._sessions.get(session_id)
+            if session is None and session_id in self._parked:
+                session = self._resume(session_id)
             if session is None:
                 raise SessionNotFoundError(f"no session {session_id!r} on worker {self.name!r}")
             session.last_used = time.monotonic()
             return session
 
+    def _resume(self, session_id: str) -> Session:
+        """Reopen parked ``session_id`` on a slot holding the longest cached prefix of its context
+        (columns past it are recomputed by its next call: its pending tokens)."""
+        session, _ = self._parked.pop(session_id)
+        live = ((other.slot, other.context[: other.base]) for other in self._sessions.values())
+        session.slot, session.base = self.slots.open(session.context, live)
+        session.chains = []
+        self._sessions[session_id] = session
+        logger.info("%s: resumed parked session %s (%d of %d tokens cached)", self.name, session_id,
+                    session.base, len(session.context))
+        return session
+
     def release(self, session_id: str) -> bool:
-        """Free a session and its slot; True if it existed."""
+        """Free a session and its slot (or forget a parked one); True if it existed."""
         with self.lock:
             session = self._sessions.pop(session_id, None)
             if session is not None:
                 self.slots.release(session.slot, session.context[: session.base])
-            return session is not None
+            return session is not None or self._parked.pop(session_id, None) is not None
 
     def idle(self, before: float) -> list[Session]:
         """Open sessions last used before ``before`` (``time.monotonic``), least recently used first."""
@@ -157,13 +182,24 @@ class SessionStore:
         with self.lock:
             return len(self._sessions)
 
+    def parked(self) -> list[str]:
+        """Ids of the parked (reaped, resumable) sessions."""
+        with self.lock:
+            return sorted(self._parked)
+
     def reap_idle(self) -> list[str]:
-        """Free sessions idle for longer than ``idle_timeout_s``; returns their ids."""
+        """Park the sessions idle for longer than ``idle_timeout_s`` (their slots freed, see the
+        class doc) and drop those parked for longer than :data:`PARKED_TTL_S`; returns the ids parked."""
         now = time.monotonic()
         with self.lock:
             expired = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout_s]
             for session_id in expired:
-                self.release(session_id)
+                session = self._sessions.pop(session_id)
+                self.slots.release(session.slot, session.context[: session.base])
+                session.slot, session.base, session.chains = -1, 0, []
+                self._parked[session_id] = (session, now)
+            for session_id in [sid for sid, (_, when) in self._parked.items() if now - when > PARKED_TTL_S]:
+                del self._parked[session_id]
         if expired:
-            logger.warning("%s: freed %d idle sessions: %s", self.name, len(expired), expired)
+            logger.warning("%s: freed the slots of %d idle sessions (parked, resumable): %s", self.name, len(expired), expired)
         return expired

@@ -69,6 +69,37 @@ def test_a_dry_pool_preempts_an_idle_session_which_recomputes_the_same_tokens(ti
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_reaped_idle_session_resumes_with_the_same_tokens(tiny_checkpoints, prefix_caching):
+    """A paused (preempted) request's sessions may sit idle past ``session_idle_timeout_s``: the
+    reaper frees the slot but parks the session's context and random streams, and its next call
+    resumes it (recomputing what no cached prefix holds) with the tokens of a session never reaped."""
+    generator = torch.Generator().manual_seed(7)
+    prompt = torch.randint(1, 200, (40,), generator=generator).tolist()
+    threads = torch.get_num_threads()
+    runs = {}
+    try:
+        for reap in (False, True):
+            worker = ModelWorker(_spec(tiny_checkpoints["target"]), max_model_len=MAX_MODEL_LEN,
+                                 prefix_caching=prefix_caching)
+            opened = OpenSession(tuple(prompt), RowSampling(temperature=1.0), {"sample": 3})
+            first = worker.run_step([WorkItem("s", Sample("target", (), 2), open=opened)])[0][0]
+            assert first.error is None, first.error
+            tokens = first.value.tokens[0].tolist()
+            if reap:
+                worker.engine.sessions.idle_timeout_s = 0.0
+                assert worker.reap_idle_sessions() == ["s"]
+                assert worker.engine.sessions.ids() == [] and worker.engine.sessions.parked() == ["s"]
+                assert worker.backend.cache.allocated == frozenset()  # its slot went back
+            outcome = worker.run_step([WorkItem("s", Sample("target", tuple(tokens), 3))])[0][0]
+            assert outcome.error is None, outcome.error
+            assert worker.engine.sessions.ids() == ["s"] and worker.engine.sessions.parked() == []
+            runs[reap] = tokens + outcome.value.tokens[0].tolist()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(runs[True]) == 5 and runs[True] == runs[False]
+
+
 def _serve(tiny_checkpoints, kv_blocks: int | None, requests: list[GenerationRequest]) -> tuple[list[list], int, dict]:
     """Serve ``requests`` at once in-process over workers whose pools hold ``kv_blocks`` blocks
     each (None: no budget) -> (every request's chunks, the coordinator's preemptions, what

@@ -37,18 +37,18 @@ def write(cache: PagedKVCache, slots: list[int], columns: list[list[int]], seed:
 
 
 def test_storage_is_zero_and_one_pool_of_blocks():
-    """Storage is [2, layers, heads, blocks * block size + 1 (trash), dim] zeros; no block is held."""
+    """Storage is [2, layers, heads, (blocks + 1 trash block) * block size, dim] zeros; no block is held."""
     cache = small_cache(max_slots=2)
-    assert cache.num_blocks == 2 * 3 and cache.storage.shape == (2, LAYERS, HEADS, 6 * BLOCK + 1, DIM)
+    assert cache.num_blocks == 2 * 3 and cache.storage.shape == (2, LAYERS, HEADS, 7 * BLOCK, DIM)
     assert not cache.storage.any()
-    assert cache.layers[1].keys.shape == (HEADS, 6 * BLOCK + 1, DIM)
+    assert cache.layers[1].keys.shape == (HEADS, 7 * BLOCK, DIM)
     assert cache.get_max_length() == CAPACITY  # column CAPACITY writes the trash row
     assert cache.block_counts() == {"total": 6, "free": 6, "used": 0, "cached": 0}
 
 
 def test_update_scatters_per_row_and_gathers_through_the_tables():
     """Each row's new keys land in its own blocks; update returns [B, H, T_kv, D]; padding
-    writes the trash row; columns no block backs read as the trash row."""
+    writes the trash row; columns no block backs read the trash block (finite)."""
     cache = small_cache()
     slots = [cache.allocate() for _ in range(3)]
     cache.bind(torch.tensor([slots[2], slots[0]]), torch.tensor([[1, 3], [0, CAPACITY]]), kv_length=4)
@@ -60,10 +60,30 @@ def test_update_scatters_per_row_and_gathers_through_the_tables():
     assert torch.equal(out_keys[1, :, 0], keys[1, :, 0])
     assert torch.equal(cache.layers[0].keys[:, cache.trash], keys[1, :, 1])  # padding -> trash row
     assert torch.equal(out_keys[1, :, 2], keys[1, :, 1])  # slot 0 holds no block under column 2: trash
+    assert not out_keys[1, :, 3].any()  # the trash block's second row: never written
     assert cache.held_blocks(slots[2]) == 2 and cache.held_blocks(slots[0]) == 1 and cache.held_blocks(slots[1]) == 0
     cache.unbind()
     with pytest.raises(RuntimeError, match="bind"):
         cache.update(keys, keys, 0)
+
+
+@pytest.mark.parametrize("kv_length", range(1, CAPACITY + 1))
+def test_gathered_blocks_equal_each_columns_row_at_every_length(kv_length):
+    """Whole blocks gathered per row and narrowed to ``T_kv`` hold, for every row and column, what
+    :meth:`PagedKVCache.read_columns` reads there (shared, copied and unheld blocks alike)."""
+    cache = small_cache()
+    slots = [cache.allocate() for _ in range(3)]
+    write(cache, slots, [[0, 1, 2, 3, 4], [0, 1, 2, CAPACITY, CAPACITY], [5, 4, 3, 2, 1]], seed=3)
+    cache.copy_prefix(slots[0], slots[1], 3)  # one shared block, one copied
+    cache.truncate(slots[2], 2)  # rows past column 2 read the trash block
+    cache.bind(torch.tensor([slots[1], slots[2], slots[0]]), torch.full((3, 1), CAPACITY), kv_length=kv_length)
+    for layer in range(LAYERS):
+        keys, values = cache.update(torch.zeros(3, HEADS, 1, DIM), torch.zeros(3, HEADS, 1, DIM), layer)
+        assert keys.shape == values.shape == (3, HEADS, kv_length, DIM)
+        for row, slot in enumerate([slots[1], slots[2], slots[0]]):
+            expected = cache.read_columns(slot, range(kv_length))[:, layer]  # [2, H, T_kv, D]
+            assert torch.equal(keys[row], expected[0]) and torch.equal(values[row], expected[1])
+    cache.unbind()
 
 
 def test_allocate_and_free_slots():

@@ -198,6 +198,8 @@ def test_idle_sessions_are_reaped(worker):
         _run(worker, WorkItem("busy", Sample("target", (), 1)))  # touching a session keeps it alive
         assert worker.reap_idle_sessions() == ["idle"]
         assert worker.engine.sessions.ids() == ["busy"]
+        assert worker.engine.sessions.parked() == ["idle"]  # resumable until released
+        assert worker.release("idle") and worker.engine.sessions.parked() == []
     finally:
         worker.engine.sessions.idle_timeout_s = 600
         worker.release("busy")
