@@ -298,6 +298,16 @@ def _state(coordinator, seed: int):
     return coordinator.preparer.request_state(request, coordinator.preparer.plan(request), list(PROMPT), 6, 64)
 
 
+def _admitted_cohort(coordinator, requests: int = 3):
+    """The first cohort, running ``requests`` block requests the policy admitted (seeds 0..)."""
+    cohort = coordinator.scheduler.cohorts[0]
+    for seed in range(requests):
+        request = _state(coordinator, seed)
+        coordinator.scheduler.policy.admit(request)
+        cohort.running.append(request)
+    return cohort
+
+
 def test_a_new_auto_request_starts_from_the_groups_acceptance():
     """With goodput on, requests admitted after the pair was verified often enough start from the
     board's rate (fixed at admission, before their first draft); the first ones from the settings' prior."""
@@ -350,11 +360,7 @@ def test_a_cohort_steps_in_the_faster_mode_and_probes_the_other():
 def test_probes_back_off_while_they_confirm_and_start_over_when_the_faster_mode_changes():
     coordinator = _coordinator(goodput=True)
     policy = coordinator.scheduler.policy
-    cohort = coordinator.scheduler.cohorts[0]
-    for seed in range(3):
-        request = _state(coordinator, seed)
-        policy.admit(request)
-        cohort.running.append(request)
+    cohort = _admitted_cohort(coordinator)
     policy.mode_rates.observe("plain", 3, 12, 0.1)  # 120 tok/s
     policy.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
     probes = 0
@@ -396,11 +402,7 @@ def test_a_speculative_probe_after_plain_steps_runs_two_steps_and_only_the_secon
     yield is not the mode's (counted, it kept a cohort plain where speculative steps were faster)."""
     coordinator = _coordinator(goodput=True)
     policy = coordinator.scheduler.policy
-    cohort = coordinator.scheduler.cohorts[0]
-    for seed in range(3):
-        request = _state(coordinator, seed)
-        policy.admit(request)
-        cohort.running.append(request)
+    cohort = _admitted_cohort(coordinator)
     policy.mode_rates.observe("plain", 3, 12, 0.05)  # 240 tok/s
     policy.mode_rates.observe("speculative", 3, 9, 0.05)  # 180 tok/s
     decisions = [policy.decide(cohort) for _ in range(COHORT_PROBE_EVERY + 3)]
@@ -423,11 +425,7 @@ def test_every_explore_every_th_speculative_step_drafts_a_neighbour_of_the_best_
         for tokens in (3, 9, 15, 24):
             policy.cost_model.observe_step(3, [_report("draft", 3, 1, 0.001), _report("target", tokens, 1, 0.010 + 0.001 * tokens)],
                                            0.02 + 0.001 * tokens, speculative=True)
-    cohort = coordinator.scheduler.cohorts[0]
-    for seed in range(3):
-        request = _state(coordinator, seed)
-        policy.admit(request)
-        cohort.running.append(request)
+    cohort = _admitted_cohort(coordinator)
     blocks = [policy._cohort_block(cohort) for _ in range(2 * EXPLORE_EVERY)]
     best = blocks[0]
     assert 1 < best < len(policy.cost_model.costs("draft", "target", batch=3, gamma_max=8).verify_s)
@@ -440,11 +438,7 @@ def test_a_step_giving_a_request_its_first_token_draws_fewer_and_does_not_stand_
     is not taken as its mode's rate."""
     coordinator = _coordinator(goodput=True)
     scheduler = coordinator.scheduler
-    cohort = scheduler.cohorts[0]
-    for seed in range(3):
-        request = _state(coordinator, seed)
-        scheduler.policy.admit(request)
-        cohort.running.append(request)
+    cohort = _admitted_cohort(coordinator)
     scheduler.policy.mode_rates.observe("plain", 3, 24, 0.1)  # plain measured faster
     scheduler.policy.mode_rates.observe("speculative", 3, 9, 0.1)
     decision = scheduler._schedule(cohort)
