@@ -19,18 +19,17 @@ matches closely: its acceptance there is optimistic; the costs are real.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import pathlib
 import statistics
 import tempfile
 from typing import Any
 
+from benchmarks.peers import real_size_served
 from benchmarks.peers.real_size import SHAPES, build_checkpoint
 from benchmarks.served.load_cases import LoadCase, ServeLoadSettings
 from benchmarks.served.load_client import LevelPlan, LoadClient
 from benchmarks.served.prompts import PROMPTS_PATH, load_prompts
-from benchmarks.served.serve_load_records import ServeLoadResults
 from benchmarks.served.server_process import MemoryProbe, ServerProcess
 
 logger = logging.getLogger("benchmarks.peers.self_draft")
@@ -64,24 +63,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def serve_config(path: pathlib.Path | str, args: argparse.Namespace) -> dict[str, Any]:
-    """A Ray Serve config: the model as target, its quantized copy as the draft (sharing its worker)."""
+    """A Ray Serve config: the model as target (:func:`benchmarks.peers.real_size_served.serve_config`),
+    its quantized copy as the draft (sharing its worker)."""
     threads = int(args.threads) if str(args.threads).isdigit() else args.threads
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": 8000},
-        "applications": [{
-            "name": "specserve", "route_prefix": "/", "import_path": "cluster.app:build_app",
-            "args": {
-                "models": {"target": {"path": str(path), "role": "target", "dtype": args.dtype},
-                           "draft": {"path": str(path), "role": "draft", "dtype": args.dtype,
-                                     "quantization": args.quantization}},
-                "defaults": {"strategy": "sd", "method": "block", "gamma": args.gamma[0]},
-                "resources": {"placement": "auto", "torch_threads": threads},
-                "limits": {"max_concurrent_requests": max(16, args.concurrency)},
-                "engine": {"max_model_len": args.max_model_len},
-            },
-        }],
-    }
+    config = real_size_served.serve_config(path, args.dtype, threads, args.concurrency, args.max_model_len)
+    app_args = config["applications"][0]["args"]
+    app_args["models"]["draft"] = {"path": str(path), "role": "draft", "dtype": args.dtype,
+                                   "quantization": args.quantization}
+    app_args["defaults"] = {"strategy": "sd", "method": "block", "gamma": args.gamma[0]}
+    app_args["resources"]["placement"] = "auto"
+    return config
 
 
 def cases(gammas: tuple[int, ...]) -> list[LoadCase]:
@@ -107,12 +98,7 @@ def run_rounds(path: pathlib.Path | str, args: argparse.Namespace, out: pathlib.
         memory = MemoryProbe(server.process.pid if server.process else None, settings.worker_class)
         for round_index in range(args.rounds):
             for case in cases(args.gamma):
-                results = ServeLoadResults(settings=settings.model_dump(mode="json"), environment={}, command="",
-                                           levels=[], records=[])
-                run, records = asyncio.run(client.run_level(LevelPlan(case, args.concurrency, args.requests), memory))
-                results.levels.append(run)
-                results.records.extend(records)
-                summary = results.summarize().summaries[-1]
+                summary = client.measure_level(LevelPlan(case, args.concurrency, args.requests), memory)
                 measured[case.label]["tokens_per_s"].append(summary.tokens_per_second)
                 measured[case.label]["block_efficiency"].append(summary.block_efficiency or 1.0)
                 logger.info("round %d %s: %.2f tok/s (%d ok, %d failed), block efficiency %.2f", round_index, case.label,

@@ -19,7 +19,6 @@ efficiency from the responses' ``speculation`` stats.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import pathlib
 import statistics
@@ -29,7 +28,6 @@ from typing import Any
 
 from benchmarks.served.prompts import PROMPTS_PATH, load_prompts
 
-from benchmarks.served.serve_load_records import ServeLoadResults
 from benchmarks.served.load_cases import LoadCase, ServeLoadSettings, serve_load_cases
 from benchmarks.served.load_client import LevelPlan, LoadClient
 from benchmarks.served.serve_load import _api_key
@@ -110,12 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         memory = MemoryProbe(server.process.pid if server.process else None, settings.worker_class)
         for round_index in range(args.rounds):
             for case in cases:
-                results = ServeLoadResults(settings=settings.model_dump(mode="json"), environment={}, command="",
-                                           levels=[], records=[])
-                run, records = asyncio.run(client.run_level(LevelPlan(case, args.concurrency, args.requests), memory))
-                results.levels.append(run)
-                results.records.extend(records)
-                summary = results.summarize().summaries[-1]
+                summary = client.measure_level(LevelPlan(case, args.concurrency, args.requests), memory)
                 rates[case.label].append(summary.tokens_per_second)
                 efficiency[case.label].append(summary.block_efficiency or 0.0)
                 logger.info("round %d %s: %.2f tok/s (%d ok, %d failed), block efficiency %.2f", round_index,

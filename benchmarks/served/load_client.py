@@ -14,7 +14,7 @@ from typing import Any
 from benchmarks.reports.store import load_avg
 from benchmarks.served.load_cases import LoadCase, ServeLoadSettings
 from benchmarks.served.prompts import Prompt
-from benchmarks.served.serve_load_records import LevelRun, RequestRecord
+from benchmarks.served.serve_load_records import LevelRun, LevelSummary, RequestRecord, summarize_level
 from benchmarks.served.server_process import MAX_ERROR_CHARS, MemoryProbe, MetricsProbe, busy_fractions
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,11 @@ class LoadClient:
             target_calls=speculation.get("target_calls"), overlap=overlap,
             drafted_tokens=_drafted_tokens(speculation),
         )
+
+    def measure_level(self, plan: LevelPlan, memory: MemoryProbe) -> LevelSummary:
+        """Run one level and summarize it alone: what a round of interleaved cases reads."""
+        run, records = asyncio.run(self.run_level(plan, memory))
+        return summarize_level(run, records, self.settings.max_tokens)
 
     async def run_level(self, plan: LevelPlan, memory: MemoryProbe) -> tuple[LevelRun, list[RequestRecord]]:
         import httpx
