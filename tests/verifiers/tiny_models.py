@@ -18,6 +18,7 @@ Helpers:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
@@ -84,6 +85,17 @@ class TinyModel:
             masked[int(torch.argmax(logits))] = False  # keep at least one token
             logits = logits.masked_fill(masked, float("-inf"))
         return logits
+
+
+def causal_lm_fn(model) -> Callable[[tuple[int, ...]], torch.Tensor]:
+    """A transformers causal LM as the reference loop's ``ModelFn``: full context -> float64 logits
+    ``[V]`` of its last position (memoized per context)."""
+    @functools.lru_cache(maxsize=None)
+    def logits(context: tuple[int, ...]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([context])).logits[0, -1].double()
+
+    return logits
 
 
 def model_pair(

@@ -29,7 +29,7 @@ from actors.model.eagle3 import (
     save_head,
     target_aux_states,
 )
-from tests.verifiers.tiny_models import target_law
+from tests.verifiers.tiny_models import causal_lm_fn, target_law
 from verifiers.machines.speculative import SpeculativeMachine
 from verifiers.randomness import split_sources
 from verifiers.reference.exact import exact_law, total_variation
@@ -84,7 +84,7 @@ def pair():
 def fns(pair):
     """(head_fn, target_fn) shared by the module's tests (their rows cached once)."""
     target, head = pair
-    return _head_fn(target, head), _target_fn(target)
+    return _head_fn(target, head), causal_lm_fn(target)
 
 
 def _aux(target, tokens: tuple[int, ...]) -> torch.Tensor:
@@ -99,15 +99,6 @@ def _head_fn(target, head):
     def logits(committed: tuple[int, ...], chain: tuple[int, ...]) -> torch.Tensor:
         aux = _aux(target, committed)[:-1]  # [n-1, 3H]: the target has run over all but the last
         return head.chain_logits(torch.tensor(committed), aux, torch.tensor(chain, dtype=torch.long)).double()
-
-    return logits
-
-
-def _target_fn(target):
-    @functools.lru_cache(maxsize=None)
-    def logits(context: tuple[int, ...]) -> torch.Tensor:
-        with torch.no_grad():
-            return target(torch.tensor([context])).logits[0, -1].double()
 
     return logits
 

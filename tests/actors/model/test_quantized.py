@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ from actors.model.quantized import (
     quantize_linear,
     quantize_model,
 )
-from tests.verifiers.tiny_models import speculative_law, target_law
+from tests.verifiers.tiny_models import causal_lm_fn, speculative_law, target_law
 from verifiers.reference.exact import total_variation
 
 EXACT_TOLERANCE = 1e-9
@@ -121,17 +120,6 @@ def _quantized_copy(model, quantization: str):
     clone = copy.deepcopy(model)
     quantize_model(clone, quantization)
     return clone
-
-
-def _row_fn(model):
-    """The model as the reference loop's ``ModelFn``: full context -> float64 logits ``[V]``."""
-
-    @functools.lru_cache(maxsize=None)
-    def logits(context: tuple[int, ...]) -> torch.Tensor:
-        with torch.no_grad():
-            return model(torch.tensor([context])).logits[0, -1].double()
-
-    return logits
 
 
 def test_every_linear_of_the_copy_is_quantized():
@@ -247,7 +235,7 @@ PROMPT = (3, 7)
 def exact_pair():
     """(float rows, int4 rows, int8 rows) of one tiny Llama, as the reference loop's model functions."""
     model = _tiny_llama(16, seed=11)
-    return _row_fn(model), _row_fn(_quantized_copy(model, "int4")), _row_fn(_quantized_copy(model, "int8"))
+    return causal_lm_fn(model), causal_lm_fn(_quantized_copy(model, "int4")), causal_lm_fn(_quantized_copy(model, "int8"))
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
