@@ -366,14 +366,11 @@ class PagedKVCache(Cache):
 
     # -- one forward ------------------------------------------------------------------------
 
-    def bind(
-        self, slots: torch.Tensor, write_columns: torch.Tensor, kv_length: int, first_slot: int | None = None
-    ) -> None:
+    def bind(self, slots: torch.Tensor, write_columns: torch.Tensor, kv_length: int) -> None:
         """Set up the next forward: row ``b`` lives in ``slots[b]`` ``[B]``, writes its new tokens
         to ``write_columns[b]`` ``[B, L]`` (column ``capacity``: the trash row), and reads columns
         ``[0, kv_length)``, gathered through the block tables. Blocks under the written columns
-        are allocated (or copied, when shared) first. ``first_slot`` is accepted and ignored:
-        paged rows are always gathered."""
+        are allocated (or copied, when shared) first."""
         if slots.dim() != 1 or write_columns.dim() != 2 or write_columns.shape[0] != slots.shape[0]:
             raise ValueError(f"bind: need slots [B] and write_columns [B, L], got {tuple(slots.shape)}, "
                              f"{tuple(write_columns.shape)}")

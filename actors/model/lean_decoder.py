@@ -270,7 +270,7 @@ class LeanDecoder:
         for run in (lambda: self(input_ids, positions, masks, cache),
                     lambda: model.get_decoder()(input_ids=input_ids, position_ids=positions, attention_mask=masks,
                                                 past_key_values=cache, use_cache=True).last_hidden_state):
-            cache.bind(torch.zeros(1, dtype=torch.long, device=device), positions, tokens, 0)
+            cache.bind(torch.zeros(1, dtype=torch.long, device=device), positions, tokens)
             try:
                 outputs.append(run().float())  # [1, L, hidden]
             finally:
