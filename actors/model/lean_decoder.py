@@ -35,9 +35,11 @@ runs the same computation with less around it:
   sum. That copy is the one weight held twice (the model's own ``nn.Linear`` weights stay, for
   its own forward, the load-time check and the fall-back): 46.5 MiB for the embedded target.
 * in 16 bits the norms compute as the model's own RMSNorm does (the normalization in float32,
-  rounded, then the weight: :func:`_rms_norm`) and attention is sdpa (scores and softmax in
-  float32 inside the kernel, as the model's own sdpa forward), not :func:`_bmm_attention`, whose
-  16-bit products would round the scores before the softmax.
+  rounded, then the weight: :func:`_rms_norm`) and attention keeps the scores and softmax in
+  float32, as the model's own sdpa forward does: :func:`_bmm_attention` over queries, keys and values
+  upcast to float32 for one new token a row (:data:`BMM_FLOAT32_MAX_LENGTH`; sdpa's 16-bit CPU
+  kernel is 4-9x slower there; its rounding, sums in another order), sdpa for longer rows; never
+  16-bit products, which would round the scores before the softmax.
 
 What that buys on CPU is the Python and dispatch work around the ops, the faster GEMMs and a
 faster attention at 16 rows: the embedded target's forward at context 150 takes 2.9 ms at 1 x 1
@@ -100,6 +102,13 @@ _FULL_PRECISION = frozenset({torch.float32, torch.float64})
 
 #: Whether a quantized copy attends with :func:`_bmm_attention` whatever its dtype.
 BMM_QUANTIZED = True
+#: In 16 bits on CPU, a forward of at most this many new tokens per row (a decode step) attends
+#: as sdpa's CPU kernel computes (:func:`_bmm_attention_rounded`: float32 scores, softmax and
+#: products, the exponentials rounded to 16 bits), in two batched matmuls; longer rows take sdpa.
+#: One query over 100-800 cached keys of the 279M shape: 29-144 us against sdpa's 107-1337 us (one
+#: thread). Rows of several tokens stay on sdpa: their last-place differences (its sums' order),
+#: carried through the layers, reach past one unit of a logit.
+BMM_FLOAT32_MAX_LENGTH = 1
 
 #: transformers model types whose decoder layer is the Llama shape described in the module doc.
 LEAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -198,8 +207,11 @@ class LeanDecoder:
         # Attention as two batched matmuls where they beat sdpa's kernel (CPU; see _bmm_attention); in
         # 16 bits sdpa, whose kernel keeps the scores in float32 as the model's own forward does.
         # A quantized copy (a draft: its rows need only be the ones it samples from) takes them in 16 bits too.
-        self._bmm_attention = self.embed_tokens.weight.device.type == "cpu" and (
-            model.dtype in _FULL_PRECISION or (quantization is not None and BMM_QUANTIZED))
+        on_cpu = self.embed_tokens.weight.device.type == "cpu"
+        self._bmm_attention = on_cpu and (model.dtype in _FULL_PRECISION or (quantization is not None and BMM_QUANTIZED))
+        # 16 bits on CPU otherwise: one new token a row attends in float32 over upcast keys/values
+        # (BMM_FLOAT32_MAX_LENGTH), rounded as sdpa's kernel rounds.
+        self._bmm_float32 = on_cpu and not self._bmm_attention
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -213,30 +225,46 @@ class LeanDecoder:
         cos, sin = self.rotary_emb(hidden, position_ids)  # [B, L, d] each
         rotary = _rotary_factors(cos, sin)
         batch, length = input_ids.shape
-        attend = self._attention_masks(masks)  # per layer kind: the mask attention takes
+        bmm_dtype = self._bmm_dtype(length)
+        attend = self._attention_masks(masks, bmm_dtype)  # per layer kind: the mask attention takes
         for index, layer in enumerate(self.layers):
             query, key, value = self._before_attention(hidden, rotary, *layer.before)  # [B, L, H|H_kv, d]
             keys, values = cache.write_and_gather(index, key.transpose(1, 2), value.transpose(1, 2))  # [B, H_kv, T_kv, d]
-            attended = self._attend(layer.attention, query, keys, values, attend[layer.kind])  # [B, L, H d]
+            attended = self._attend(layer.attention, query, keys, values, attend[layer.kind], bmm_dtype)  # [B, L, H d]
             hidden = _after_attention(hidden, attended, *layer.after)  # [B, L, hidden]
         return _rms_norm(hidden, *self.final_norm)
 
-    def _attention_masks(self, masks: torch.Tensor | dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor | None]:
+    def _bmm_dtype(self, length: int) -> torch.dtype | None:
+        """The dtype :func:`_bmm_attention` computes in for a forward of ``length`` new tokens per
+        row: the model's (float32/float64, a quantized copy), float32 (16 bits, at most
+        :data:`BMM_FLOAT32_MAX_LENGTH` tokens), or None: sdpa."""
+        if self._bmm_attention:
+            return self.embed_tokens.weight.dtype
+        if self._bmm_float32 and length <= BMM_FLOAT32_MAX_LENGTH:
+            return torch.float32
+        return None
+
+    def _attention_masks(self, masks: torch.Tensor | dict[str, torch.Tensor] | None,
+                         bmm_dtype: torch.dtype | None) -> dict[str, torch.Tensor | None]:
         """Each layer kind's bool mask ``[B, 1, L, T_kv]`` in the form :meth:`_attend` takes, built
-        once per forward: for :func:`_bmm_attention`, additive ``[B H_kv, G L, T_kv]`` (None stays None)."""
+        once per forward: for :func:`_bmm_attention` (``bmm_dtype`` set), additive ``[B H_kv, G L, T_kv]``
+        in that dtype (None stays None)."""
         by_kind = masks if isinstance(masks, dict) else {kind: masks for kind in set(self.architecture.layer_types)}
-        if not self._bmm_attention:
+        if bmm_dtype is None:
             return by_kind
-        return {kind: None if mask is None else _additive_grouped_mask(mask, self._shape, self.embed_tokens.weight.dtype)
+        return {kind: None if mask is None else _additive_grouped_mask(mask, self._shape, bmm_dtype)
                 for kind, mask in by_kind.items()}
 
     def _attend(self, module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, bmm_dtype: torch.dtype | None) -> torch.Tensor:
         """Attention of ``query`` ``[B, L, H, d]`` over ``keys`` / ``values`` ``[B, H_kv, T_kv, d]``
-        -> ``[B, L, H d]``: two batched matmuls on CPU (:func:`_bmm_attention`), sdpa elsewhere."""
+        -> ``[B, L, H d]``: two batched matmuls in ``bmm_dtype`` (:func:`_bmm_attention`; the result
+        rounded to the query's dtype), else sdpa."""
         batch, length = query.shape[:2]
-        if self._bmm_attention:
+        if bmm_dtype == query.dtype:
             return _bmm_attention(query, keys, values, mask, module.scaling)
+        if bmm_dtype is not None:
+            return _bmm_attention_rounded(query, keys, values, mask, module.scaling)
         return _sdpa_attention(module, query.transpose(1, 2), keys, values, mask).reshape(batch, length, -1)
 
     def head(self, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -325,6 +353,30 @@ def _bmm_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     else:
         scores = torch.baddbmm(mask, packed, keys_t, alpha=scaling)  # [B H_kv, G L, T_kv]
     attended = torch.bmm(scores.softmax(-1), values.reshape(batch * kv_heads, columns, size))  # [B H_kv, G L, d]
+    return attended.view(batch, heads, length, size).transpose(1, 2).reshape(batch, length, heads * size)
+
+
+def _bmm_attention_rounded(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                           scaling: float) -> torch.Tensor:
+    """:func:`_bmm_attention` of 16-bit ``query`` / ``keys`` / ``values`` computed as sdpa's CPU flash
+    kernel computes them: the scaled scores plus ``mask`` (float32, from :func:`_additive_grouped_mask`),
+    their row maximum, ``exp(score - max)`` and its sum in float32; the exponentials rounded to the
+    16-bit dtype for the product with the values (accumulated in float32), divided by the sum, rounded
+    once. Shapes as :func:`_bmm_attention`; the kernel's result up to the order of its sums (one key
+    block: up to 512 keys; longer contexts it rescales block by block)."""
+    batch, length, heads, size = query.shape
+    kv_heads, columns = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
+    packed = query.transpose(1, 2).reshape(batch * kv_heads, groups * length, size).float()  # [B H_kv, G L, d]
+    keys_t = keys.reshape(batch * kv_heads, columns, size).float().transpose(1, 2)  # [B H_kv, d, T_kv]
+    if mask is None:
+        scores = torch.bmm(packed, keys_t).mul_(scaling)  # [B H_kv, G L, T_kv]
+    else:
+        scores = torch.baddbmm(mask, packed, keys_t, alpha=scaling)  # [B H_kv, G L, T_kv]
+    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [B H_kv, G L, T_kv], unnormalized
+    total = weights.sum(-1, keepdim=True)  # [B H_kv, G L, 1]
+    attended = torch.bmm(weights.to(query.dtype).float(), values.reshape(batch * kv_heads, columns, size).float())
+    attended = attended.div_(total).to(query.dtype)  # [B H_kv, G L, d]
     return attended.view(batch, heads, length, size).transpose(1, 2).reshape(batch, length, heads * size)
 
 

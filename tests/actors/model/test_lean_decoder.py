@@ -98,7 +98,7 @@ def test_lean_logits_equal_transformers(family):
 @pytest.mark.parametrize("family", sorted(LEAN_CASES))
 def test_lean_bfloat16_logits_equal_transformers(family):
     """In bfloat16 the lean path (its GEMMs in oneDNN's layout where the CPU has bf16 kernels, the
-    norms rounded as the model's own, sdpa attention) gives the model's own decoder's logits over
+    norms rounded as the model's own, attention as sdpa's kernel) gives the model's own decoder's logits over
     the same cache and its full forward's, to bf16 rounding; a decode row alone included."""
     model = _model(LEAN_CASES[family]).to(torch.bfloat16)
     reference = _rows_against_full_forward(_backend(_model(LEAN_CASES[family]).to(torch.bfloat16), lean_forward=False),
