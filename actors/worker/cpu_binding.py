@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -31,26 +31,6 @@ def torch_thread_count(setting: int | str | None) -> int:
     if setting == "auto":
         return len(current_cores()) or os.cpu_count() or 1
     return max(1, int(setting or 1))
-
-
-#: The OpenMP environment of a CPU worker's process (:func:`worker_thread_env`): torch's threads
-#: sleep at once when a parallel region ends instead of spinning (libgomp's default). On a host whose
-#: cores the worker shares (the HTTP proxy, the coordinator, the clients, other programs), a spinning
-#: thread holds a core the thread it waits for needs: the 279M bfloat16 decode forward at 2 threads
-#: took 380-2,600 ms under a neighbour's load against 70-190 ms passive (``python -m
-#: benchmarks.peers.real_size``'s engine, one process at a time, interleaved).
-WORKER_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-#: Variables that, set in the environment, leave the OpenMP wait to the operator.
-OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-
-
-def worker_thread_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The environment variables a CPU worker's process starts with (read by OpenMP when torch loads,
-    so they go in its Ray ``runtime_env``): :data:`WORKER_OMP_ENV`, or none where ``environ`` sets any
-    of :data:`OMP_WAIT_VARIABLES`."""
-    if any(environ.get(name) for name in OMP_WAIT_VARIABLES):
-        return {}
-    return dict(WORKER_OMP_ENV)
 
 
 def _thread_ids() -> list[int]:

@@ -21,8 +21,7 @@ neighbours (compare dtypes within a run, never across runs):
    forwards). Per dtype and level it prints tokens/s, the
    time to the first token, the decode forward's median, and that forward's fraction of the
    bandwidth limit: (weight bytes read per forward / forward time) / bandwidth. Medians over
-   rounds; the bfloat16 / float32 speed ratio is the median of each round's own ratio. The command
-   runs itself again with a served CPU worker's OpenMP environment (:func:`with_worker_threads`).
+   rounds; the bfloat16 / float32 speed ratio is the median of each round's own ratio.
 4. **Served** (``--serve specserve,vllm``, optional): ``specserve bench --mode serve-load``'s
    client against ``specserve serve`` with a config holding only this model (``ar``), then the
    same client against vLLM's CPU build from ``--vllm-venv`` (started as
@@ -59,7 +58,7 @@ from typing import Any
 import torch
 
 from benchmarks.served.engine_load import timed_run
-from benchmarks.peers.real_size_served import WORKER_ENV_MARK, served_rounds, served_rows, served_table
+from benchmarks.peers.real_size_served import served_rounds, served_rows, served_table
 from benchmarks.served.prompts import load_prompts
 from actors.worker.cpu_binding import torch_thread_count
 from cluster.config import parse_app_args
@@ -324,21 +323,7 @@ def report(path: pathlib.Path | str, label: str, args: argparse.Namespace) -> tu
     return lines + served_table(rows), rows
 
 
-def with_worker_threads(argv: list[str] | None) -> None:
-    """Run this command again (``exec``) with a served CPU worker's OpenMP environment
-    (:func:`actors.worker.cpu_binding.worker_thread_env`), which OpenMP reads only when torch loads: the
-    engine alone then waits between parallel regions as the served worker does. Nothing where it is
-    set already, or where the command was called as a function (``argv`` given)."""
-    from actors.worker.cpu_binding import worker_thread_env
-
-    env = worker_thread_env()
-    if env and argv is None:
-        env[WORKER_ENV_MARK] = ",".join(env)
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.peers.real_size", *sys.argv[1:]], os.environ | env)
-
-
 def main(argv: list[str] | None = None) -> int:
-    with_worker_threads(argv)
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     for noisy in ("actors", "cluster", "transformers"):

@@ -21,8 +21,6 @@ from benchmarks.served.prompts import load_prompts
 logger = logging.getLogger("benchmarks.peers.real_size")
 
 COMMAND = "python -m benchmarks.peers.real_size"
-#: Names the variables :func:`benchmarks.peers.real_size.with_worker_threads` set (kept off vLLM).
-WORKER_ENV_MARK = "SPECSERVE_REAL_SIZE_WORKER_ENV"
 
 
 def serve_config(path: pathlib.Path | str, dtype: str, threads: int | str, max_concurrency: int, max_model_len: int) -> dict:
@@ -84,13 +82,6 @@ def serve_vllm(path: pathlib.Path | str, dtype: str, levels: list[int], args: ar
             command = super().command()
             command[command.index("--dtype") + 1] = dtype
             return command
-
-        def environment(self) -> dict[str, str]:
-            """vLLM's environment, without the OpenMP variables this benchmark set for specserve's engine."""
-            env = super().environment()
-            for name in env.pop(WORKER_ENV_MARK, "").split(","):
-                env.pop(name, None)
-            return env
 
     out.mkdir(parents=True, exist_ok=True)
     settings = serve_settings(levels, args)

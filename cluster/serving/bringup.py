@@ -25,7 +25,6 @@ from typing import Any
 
 from actors.coordination.coordinator import Coordinator
 from actors.worker.bursts import BURST_CONTROL_GROUP
-from actors.worker.cpu_binding import worker_thread_env
 from actors.worker.device_worker import DeviceWorker, HostedModel
 from actors.coordination.metrics import COORDINATOR_NAMESPACE, GroupIdentity
 from actors.worker.model_worker import ModelWorker
@@ -241,8 +240,6 @@ def start_model_group(
         options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": -1, "max_task_retries": 0}
         if custom:
             options["resources"] = custom
-        if not gpus and (thread_env := worker_thread_env()):  # OpenMP reads it when torch loads: before __init__
-            options["runtime_env"] = {"env_vars": thread_env}
         options.update(_scheduling(placement_group, first_bundle + index))
         worker_args = dict(max_sessions=worker_sessions(config), prefix_caching=config.prefix_caching,
                            kv_cache_memory=config.kv_cache_memory, max_model_len=config.max_model_len,
