@@ -200,6 +200,9 @@ class LeanDecoder:
         # A quantized copy (a draft: its rows need only be the ones it samples from) takes them in 16 bits too.
         self._bmm_attention = self.embed_tokens.weight.device.type == "cpu" and (
             model.dtype in _FULL_PRECISION or (quantization is not None and BMM_QUANTIZED))
+        #: Layers whose INPUTS each forward keeps per token in the cache (``cache.write_aux``, ``[B, L,
+        #: len * hidden]`` in this order): an EAGLE-3 head's aux states (:mod:`actors.model.eagle3_serving`).
+        self.aux_layers: tuple[int, ...] = ()
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -214,11 +217,16 @@ class LeanDecoder:
         rotary = _rotary_factors(cos, sin)
         batch, length = input_ids.shape
         attend = self._attention_masks(masks)  # per layer kind: the mask attention takes
+        aux: dict[int, torch.Tensor] = {}  # the inputs of the aux layers, [B, L, hidden] each
         for index, layer in enumerate(self.layers):
+            if index in self.aux_layers:
+                aux[index] = hidden
             query, key, value = self._before_attention(hidden, rotary, *layer.before)  # [B, L, H|H_kv, d]
             keys, values = cache.write_and_gather(index, key.transpose(1, 2), value.transpose(1, 2))  # [B, H_kv, T_kv, d]
             attended = self._attend(layer.attention, query, keys, values, attend[layer.kind])  # [B, L, H d]
             hidden = _after_attention(hidden, attended, *layer.after)  # [B, L, hidden]
+        if aux:
+            cache.write_aux(torch.cat([aux[i] for i in self.aux_layers], dim=-1))  # [B, L, len * hidden]
         return _rms_norm(hidden, *self.final_norm)
 
     def _attention_masks(self, masks: torch.Tensor | dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor | None]:

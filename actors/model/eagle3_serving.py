@@ -1,0 +1,316 @@
+"""An EAGLE-3 head served as a draft model, in its target's worker.
+
+A model entry whose checkpoint is an EAGLE-3 head (``config.json``'s ``architectures``, see
+:mod:`actors.model.eagle3`) is a draft like any other to the rest of the group: it has its own
+:class:`actors.worker.engine.WorkerEngine`, sessions and random streams, and every rule that takes
+a draft verifies what it samples. Its backend is :class:`Eagle3Backend`, which needs its target in
+the same process (a :class:`actors.worker.device_worker.DeviceWorker` hosting both, or the
+in-process runner): bring-up hands it the models loaded before it (:func:`hosting`), and a head
+with no target there is refused naming ``resources.placement``.
+
+What it reads: the target's backend keeps the inputs of the head's aux layers per (slot, column)
+next to its keys/values (:meth:`actors.model.backends.SlotBackend.keep_aux`: the lean decoder writes
+them, the paged cache moves them with the columns). A committed token at position ``p >= 1`` of a
+head session reads ``fc`` of the target's aux states at position ``p - 1`` of the same request (the
+target session of the same id): the linear part of the target's slot, or the verified chain that
+agrees with the committed tokens, found read-only as the target's next ``sync`` will keep it. A
+drafted token (position past the committed context) reads the head's own pre-norm output at the
+column before it in its chain. Position 0 (a one-token prompt) reads zeros and no later position
+sees it; the head session never keeps a drafted chain (``Session.keep_chains``): the accepted
+tokens are fed again, reading the target's states, as :meth:`actors.model.eagle3.Eagle3Head.chain_logits`
+defines. Where the target has not run a committed position yet (a prompt's first step, a session
+that was preempted) its states are computed by the target's own forward over the committed
+tokens, without a cache (counted in :attr:`Eagle3Backend.recomputed_positions`). The rows are a function of the
+committed tokens and the chain alone, so the output law stays the target's
+(``tests/actors/model/test_eagle3_serving.py`` checks the served rows against ``chain_logits``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import heapq
+import json
+import logging
+import pathlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from actors.model.batch import RowWork
+from actors.model.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Error, _rotate, load_head, target_aux_states
+
+logger = logging.getLogger(__name__)
+
+#: The models loaded so far in this process's worker (name -> ModelWorker): an EAGLE-3 head's target.
+_HOSTED: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("eagle3_hosted", default=None)
+
+
+def is_eagle3_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a local directory whose ``config.json`` names an EAGLE-3 architecture."""
+    config = pathlib.Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        architectures = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    return bool(set(architectures) & set(EAGLE3_ARCHITECTURES))
+
+
+@contextlib.contextmanager
+def hosting(models: dict[str, Any]) -> Iterator[None]:
+    """While loading a worker's models: ``models`` (name -> ModelWorker, filled as they load) is
+    where an EAGLE-3 head finds its target."""
+    token = _HOSTED.set(models)
+    try:
+        yield
+    finally:
+        _HOSTED.reset(token)
+
+
+def hosted_target(name: str, path: str) -> Any:
+    """The target ModelWorker loaded in this worker before the head ``name``; :class:`Eagle3Error`
+    naming the field when there is none."""
+    models = _HOSTED.get() or {}
+    targets = [worker for worker in models.values() if getattr(worker.spec, "role", None) == "target"]
+    if len(targets) != 1:
+        raise Eagle3Error(f"models.{name}: an EAGLE-3 head ({path}) runs in its target's worker, which hosts "
+                          f"{'no target' if not targets else 'several targets'} here: place models.{name} with the target "
+                          f"(resources.placement: the same device id, or auto)")
+    return targets[0]
+
+
+class Eagle3Backend:
+    """The slot backend of an EAGLE-3 head (see the module doc): its one layer's keys/values and
+    its pre-norm outputs per (slot, column), in dense per-slot tensors allocated on first use."""
+
+    #: Sessions on this backend never keep a drafted chain (:attr:`actors.worker.sessions.Session.keep_chains`).
+    keeps_chains = False
+    forward_overhead_tokens = 8
+
+    def __init__(self, head: Any, target: Any, name: str):
+        self.head, self.target = head, target  # target: its ModelWorker (engine, backend, spec)
+        self.name = name
+        target_backend = target.engine.backend
+        self.device = target_backend.device
+        self.vocab_size = int(head.config.vocab_size)
+        self.max_context = int(target_backend.max_context)
+        self.capacity = int(target_backend.capacity)
+        self.max_slots = int(target_backend.max_slots)
+        config = head.config
+        self._kv_shape = (config.num_kv_heads, self.capacity, config.head_dim)
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self.slot_bytes = (2 * config.num_kv_heads * config.head_dim + config.hidden_size) * self.capacity * dtype_bytes
+        self.forward_path = (f"an EAGLE-3 head over {target.spec.name}'s aux states (layers "
+                             f"{list(config.aux_layers)}, lean decoder)")
+        self._reset_slots()
+        self.sessions: Any = None  # this head's SessionStore (attach_engine)
+        self.recomputed_positions = 0  # committed positions whose target states were recomputed
+
+    @classmethod
+    def load(cls, spec: Any) -> Eagle3Backend:
+        """The head of model entry ``spec`` over its target hosted in this process (:func:`hosting`),
+        whose backend starts keeping the head's aux states; :class:`Eagle3Error` naming both when
+        the head was made for another target, or naming the field when it cannot be served here."""
+        if getattr(spec, "quantization", None) is not None:
+            raise Eagle3Error(f"models.{spec.name}.quantization: {spec.path} is an EAGLE-3 head, served as loaded; drop "
+                              f"quantization")
+        target = hosted_target(spec.name, spec.path)
+        backend = target.engine.backend
+        model = backend.model
+        head = load_head(spec.path, model, head_name=f"models.{spec.name} ({spec.path})",
+                         target_name=f"models.{target.spec.name} ({target.spec.path})", dtype=model.dtype)
+        try:
+            backend.keep_aux(head.config.aux_layers)
+        except ValueError as error:
+            raise Eagle3Error(f"models.{spec.name}: an EAGLE-3 head needs its target's aux states: {error}") from None
+        head.to(backend.device)
+        logger.info("%s: an EAGLE-3 head over %s (aux layers %s, draft vocabulary %d)", spec.name, target.spec.name,
+                    list(head.config.aux_layers), head.config.draft_vocab_size)
+        return cls(head, target, spec.name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.fc.weight.dtype
+
+    def attach_engine(self, engine: Any) -> None:
+        """The head's own engine: its sessions tell a slot's committed context."""
+        self.sessions = engine.sessions
+
+    # -- slots ------------------------------------------------------------------------------
+    def _reset_slots(self) -> None:
+        self._free = list(range(self.max_slots))
+        self._allocated: set[int] = set()
+        self._storage: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def resize_slots(self, slots: int) -> None:
+        """Hold ``slots`` slots from now on (no session open)."""
+        if self._allocated:
+            raise RuntimeError("resize_slots with sessions open")
+        self.max_slots = int(slots)
+        self._reset_slots()
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"{self.name}: all {self.max_slots} slots are allocated")
+        slot = heapq.heappop(self._free)
+        self._allocated.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._allocated.discard(slot)
+        heapq.heappush(self._free, slot)
+
+    def free_slots(self) -> list[int]:
+        return sorted(self._free)
+
+    def held_columns(self, slot: int) -> int:
+        """0: a head's columns are not shared with a new session (no prefix caching)."""
+        return 0
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Nothing: no prefix is shared (:meth:`held_columns`)."""
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Nothing to give back: a slot's storage is dense."""
+
+    def _slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slot ``slot``'s keys, values ``[kv_heads, capacity, d]`` and pre-norm outputs ``[capacity, H]``."""
+        if slot not in self._storage:
+            keys = torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device)
+            features = torch.zeros((self.capacity, self.head.config.hidden_size), dtype=self.dtype, device=self.device)
+            self._storage[slot] = (keys, torch.zeros_like(keys), features)
+        return self._storage[slot]
+
+    def copy_columns(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the keys/values and pre-norm outputs of columns ``src`` to ``dst``."""
+        keys, values, features = self._slot(slot)
+        source, target = list(src), list(dst)
+        keys[:, target], values[:, target], features[target] = keys[:, source], values[:, source], features[source]
+
+    # -- one forward ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[RowWork]) -> list[torch.Tensor]:
+        """Per row float32 logits ``[len(row.keep), V]`` over the target's vocabulary (``-inf``
+        outside the draft vocabulary), in ``row.keep`` order."""
+        return [self._row(row) for row in rows]
+
+    def _row(self, row: RowWork) -> torch.Tensor:
+        session = self.sessions.at_slot(row.slot) if self.sessions is not None else None
+        if session is None:
+            raise ValueError(f"{self.name}: no session on slot {row.slot}")
+        committed = len(session.context)
+        predecessors = [self._predecessor(row, i) for i in range(len(row))]
+        features = self._committed_features(session, row)  # {token index: [H]}
+        waves = self._waves(row, committed, predecessors)
+        prenorm = [None] * len(row)
+        keys, values, stored = self._slot(row.slot)
+        for wave in waves:
+            wave_features = torch.stack([features[i] if i in features else stored[predecessors[i]] for i in wave])  # [Lw, H]
+            out = self._layer(row, wave, wave_features, keys, values)  # [Lw, H]
+            stored[[row.columns[i] for i in wave]] = out
+            for i, value in zip(wave, out):
+                prenorm[i] = value
+        kept = torch.stack([prenorm[i] for i in row.keep])  # [N_keep, H]
+        return self.head.target_logits(kept).float()  # [N_keep, V]
+
+    @staticmethod
+    def _predecessor(row: RowWork, index: int) -> int:
+        """The column before token ``index``'s in what it sees (its chain's previous token, or the
+        prefix's last column); -1 for none."""
+        column = row.columns[index]
+        seen = [c for c in row.attend[index] if c < column]
+        return max(seen) if seen else row.prefix_length - 1
+
+    def _waves(self, row: RowWork, committed: int, predecessors: list[int]) -> list[list[int]]:
+        """Token indices in dependency order: a drafted token whose predecessor this row writes
+        runs after it (a committed token reads the target's states: the first wave)."""
+        written = {column: i for i, column in enumerate(row.columns)}
+        level: dict[int, int] = {}
+        for i, position in enumerate(row.positions):
+            before = written.get(predecessors[i])
+            level[i] = 0 if position < committed or before is None or before >= i else level[before] + 1
+        return [[i for i in range(len(row)) if level[i] == wave] for wave in range(max(level.values()) + 1)]
+
+    def _committed_features(self, session: Any, row: RowWork) -> dict[int, torch.Tensor]:
+        """``fc`` of the target's aux states at ``p - 1`` for each committed token at position ``p``
+        (zeros at position 0) -> {token index: ``[H]``}."""
+        context = session.context
+        wanted = {i: p for i, p in enumerate(row.positions) if p < len(context)}
+        if not wanted:
+            return {}
+        before = sorted({p - 1 for p in wanted.values() if p >= 1})
+        aux = self._target_aux(session.session_id, context, before)  # [len(before), 3 Ht]
+        fused = self.head.fc(aux.to(self.dtype)) if before else None  # [len(before), H]
+        index = {q: k for k, q in enumerate(before)}
+        zeros = torch.zeros(self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        return {i: fused[index[p - 1]] if p >= 1 else zeros for i, p in wanted.items()}
+
+    def _target_aux(self, session_id: str, context: Sequence[int], positions: list[int]) -> torch.Tensor:
+        """The target's aux states at committed ``positions`` of ``context`` -> ``[len, 3 Ht]``: read
+        from its session's slot where it ran them, else its own forward over the context."""
+        if not positions:
+            return torch.empty(0)
+        target = self.target.engine.sessions.peek(session_id)
+        columns = [_target_column(target, context, q) for q in positions]
+        cache = self.target.engine.backend.cache
+        if all(c is not None for c in columns) and all(c < cache.held_columns(target.slot) for c in columns):
+            return cache.read_aux(target.slot, columns)
+        self.recomputed_positions += len(positions)
+        model = self.target.engine.backend.model
+        tokens = torch.tensor([list(context[: max(positions) + 1])], device=self.device)  # [1, n]
+        states = target_aux_states(model, tokens, self.head.config.aux_layers)[0]  # [n, 3 Ht]
+        return states[positions]
+
+    def _layer(self, row: RowWork, wave: list[int], features: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor) -> torch.Tensor:
+        """The head's layer over tokens ``wave`` of ``row``: their keys/values written to their
+        columns, attention over what each sees (never column 0 but from itself) -> pre-norm ``[Lw, H]``."""
+        head, config = self.head, self.head.config
+        layer = head.midlayer
+        device = self.device
+        tokens = torch.tensor([row.token_ids[i] for i in wave], device=device)  # [Lw]
+        positions = torch.tensor([[row.positions[i] for i in wave]], device=device)  # [1, Lw]
+        columns = [row.columns[i] for i in wave]
+        embeds = layer.input_layernorm(head.embed_tokens(tokens).to(features.dtype))  # [Lw, H]
+        x = torch.cat((embeds, layer.hidden_norm(features)), dim=-1)[None]  # [1, Lw, 2H]
+        attention, length = layer.self_attn, len(wave)
+        q = attention.q_proj(x).view(1, length, config.num_heads, config.head_dim).transpose(1, 2)  # [1, h, Lw, d]
+        k = attention.k_proj(x).view(1, length, config.num_kv_heads, config.head_dim).transpose(1, 2)  # [1, kvh, Lw, d]
+        v = attention.v_proj(x).view(1, length, config.num_kv_heads, config.head_dim).transpose(1, 2)
+        q, k = _rotate(q, positions, config.rope_theta), _rotate(k, positions, config.rope_theta)
+        keys[:, columns], values[:, columns] = k[0], v[0]
+        total = max(row.end_column, max(columns) + 1)
+        mask = torch.zeros((length, total), dtype=torch.bool)  # [Lw, T]
+        for n, i in enumerate(wave):
+            mask[n, : row.prefix_length] = True
+            mask[n, list(row.attend[i])] = True
+            if row.columns[i] != 0:
+                mask[n, 0] = False
+        groups = config.num_heads // config.num_kv_heads
+        seen_keys = keys[None, :, :total].repeat_interleave(groups, dim=1)  # [1, h, T, d]
+        seen_values = values[None, :, :total].repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, seen_keys, seen_values, attn_mask=mask.to(device)[None, None])  # [1, h, Lw, d]
+        hidden = features + attention.o_proj(out.transpose(1, 2).reshape(length, -1))  # [Lw, H]
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _target_column(target: Any, context: Sequence[int], position: int) -> int | None:
+    """The column of the target session ``target``'s slot holding committed ``position`` of
+    ``context`` (its linear part, or the verified chain that agrees with ``context``), None where
+    the target has not run it."""
+    if target is None:
+        return None
+    if position < target.base:
+        return position
+    if not target.chains or target.base != target.chain_start:
+        return None
+    depth = position - target.base
+    wanted = list(context[target.base : position + 1])
+    for k, chain in enumerate(target.chains):
+        if len(chain) > depth and list(chain[: depth + 1]) == wanted:
+            return target.chain_start + k * target.chain_stride + depth
+    return None
