@@ -19,9 +19,10 @@ column before it in its chain. Position 0 (a one-token prompt) reads zeros and n
 sees it; the head session never keeps a drafted chain (``Session.keep_chains``): the accepted
 tokens are fed again, reading the target's states, as :meth:`actors.model.eagle3.Eagle3Head.chain_logits`
 defines. Where the target has not run a committed position yet (a prompt's first step, a session
-that was preempted) its states are computed by the target's own forward over the committed
-tokens, without a cache (counted in :attr:`Eagle3Backend.recomputed_positions`). The rows are a function of the
-committed tokens and the chain alone, so the output law stays the target's
+that was preempted) the target's own forward runs the committed tokens in a slot of its prefix
+cache, parked there after, so that the target session that opens next on them reuses them
+(:meth:`Eagle3Backend._prefill_target`; counted in :attr:`Eagle3Backend.recomputed_positions`). The
+rows are a function of the committed tokens and the chain alone, so the output law stays the target's
 (``tests/actors/model/test_eagle3_serving.py`` checks the served rows against ``chain_logits``).
 """
 
@@ -39,8 +40,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from actors.model.batch import RowWork
-from actors.model.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Error, _rotate, load_head, target_aux_states
+from actors.model.batch import RowWork, linear_row
+from actors.model.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Error, _rotate, load_head
+from actors.model.lean_decoder import _ONEDNN, ONEDNN_DTYPES, _linear, _onednn_weight
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,8 @@ class Eagle3Backend:
         self.slot_bytes = (2 * config.num_kv_heads * config.head_dim + config.hidden_size) * self.capacity * dtype_bytes
         self.forward_path = (f"an EAGLE-3 head over {target.spec.name}'s aux states (layers "
                              f"{list(config.aux_layers)}, lean decoder)")
+        self._gemms = _packed_gemms(head, self.device)
+        self._draft_ids = torch.arange(config.draft_vocab_size, device=self.device) + head.d2t  # [Vd]: target ids
         self._reset_slots()
         self.sessions: Any = None  # this head's SessionStore (attach_engine)
         self.recomputed_positions = 0  # committed positions whose target states were recomputed
@@ -215,7 +219,10 @@ class Eagle3Backend:
             for i, value in zip(wave, out):
                 prenorm[i] = value
         kept = torch.stack([prenorm[i] for i in row.keep])  # [N_keep, H]
-        return self.head.target_logits(kept).float()  # [N_keep, V]
+        draft = _linear(self.head.norm(kept), self._gemms["lm_head"], None).float()  # [N_keep, Vd]
+        rows = draft.new_full((len(row.keep), self.vocab_size), float("-inf"))  # [N_keep, V]
+        rows[:, self._draft_ids] = draft  # Eagle3Head.target_logits
+        return rows
 
     @staticmethod
     def _predecessor(row: RowWork, index: int) -> int:
@@ -244,7 +251,7 @@ class Eagle3Backend:
             return {}
         before = sorted({p - 1 for p in wanted.values() if p >= 1})
         aux = self._target_aux(session.session_id, context, before)  # [len(before), 3 Ht]
-        fused = self.head.fc(aux.to(self.dtype)) if before else None  # [len(before), H]
+        fused = _linear(aux.to(self.dtype), self._gemms["fc"], None) if before else None  # [len(before), H]
         index = {q: k for k, q in enumerate(before)}
         zeros = torch.zeros(self.head.config.hidden_size, dtype=self.dtype, device=self.device)
         return {i: fused[index[p - 1]] if p >= 1 else zeros for i, p in wanted.items()}
@@ -254,16 +261,29 @@ class Eagle3Backend:
         from its session's slot where it ran them, else its own forward over the context."""
         if not positions:
             return torch.empty(0)
-        target = self.target.engine.sessions.peek(session_id)
-        columns = [_target_column(target, context, q) for q in positions]
-        cache = self.target.engine.backend.cache
-        if all(c is not None for c in columns) and all(c < cache.held_columns(target.slot) for c in columns):
-            return cache.read_aux(target.slot, columns)
-        self.recomputed_positions += len(positions)
-        model = self.target.engine.backend.model
-        tokens = torch.tensor([list(context[: max(positions) + 1])], device=self.device)  # [1, n]
-        states = target_aux_states(model, tokens, self.head.config.aux_layers)[0]  # [n, 3 Ht]
-        return states[positions]
+        engine = self.target.engine
+        with engine.sessions.lock:  # the target's slots as no step of it changes them
+            target = engine.sessions.peek(session_id)
+            columns = [_target_column(target, context, q) for q in positions]
+            cache = engine.backend.cache
+            if all(c is not None for c in columns) and all(c < cache.held_columns(target.slot) for c in columns):
+                return cache.read_aux(target.slot, columns)
+            self.recomputed_positions += len(positions)
+            return self._prefill_target(engine, context[: max(positions) + 2])[positions]
+
+    def _prefill_target(self, engine: Any, tokens: Sequence[int]) -> torch.Tensor:
+        """The target's aux states ``[n - 1, 3 Ht]`` of ``tokens[:-1]`` (``n`` tokens), from its own
+        forward in a slot of its prefix cache (what the cache holds of them reused), parked there
+        afterwards: the target session that opens on these tokens next (a new request's first step)
+        reuses those keys/values instead of computing them again (prefix caching)."""
+        prefix = list(tokens[:-1])
+        slot, reused = engine.prefix_cache.open(list(tokens))
+        try:
+            if reused < len(prefix):
+                engine.backend.forward([linear_row(slot, reused, prefix[reused:], reused, keep=[len(prefix) - reused - 1])])
+            return engine.backend.cache.read_aux(slot, range(len(prefix)))
+        finally:
+            engine.prefix_cache.release(slot, prefix)
 
     def _layer(self, row: RowWork, wave: list[int], features: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor) -> torch.Tensor:
@@ -277,10 +297,11 @@ class Eagle3Backend:
         columns = [row.columns[i] for i in wave]
         embeds = layer.input_layernorm(head.embed_tokens(tokens).to(features.dtype))  # [Lw, H]
         x = torch.cat((embeds, layer.hidden_norm(features)), dim=-1)[None]  # [1, Lw, 2H]
-        attention, length = layer.self_attn, len(wave)
-        q = attention.q_proj(x).view(1, length, config.num_heads, config.head_dim).transpose(1, 2)  # [1, h, Lw, d]
-        k = attention.k_proj(x).view(1, length, config.num_kv_heads, config.head_dim).transpose(1, 2)  # [1, kvh, Lw, d]
-        v = attention.v_proj(x).view(1, length, config.num_kv_heads, config.head_dim).transpose(1, 2)
+        length, inner, kv = len(wave), config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        q, k, v = _linear(x, self._gemms["qkv"], None).split((inner, kv, kv), dim=-1)  # [1, Lw, h d | kvh d]
+        q = q.reshape(1, length, config.num_heads, config.head_dim).transpose(1, 2)  # [1, h, Lw, d]
+        k = k.reshape(1, length, config.num_kv_heads, config.head_dim).transpose(1, 2)  # [1, kvh, Lw, d]
+        v = v.reshape(1, length, config.num_kv_heads, config.head_dim).transpose(1, 2)
         q, k = _rotate(q, positions, config.rope_theta), _rotate(k, positions, config.rope_theta)
         keys[:, columns], values[:, columns] = k[0], v[0]
         total = max(row.end_column, max(columns) + 1)
@@ -294,8 +315,21 @@ class Eagle3Backend:
         seen_keys = keys[None, :, :total].repeat_interleave(groups, dim=1)  # [1, h, T, d]
         seen_values = values[None, :, :total].repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, seen_keys, seen_values, attn_mask=mask.to(device)[None, None])  # [1, h, Lw, d]
-        hidden = features + attention.o_proj(out.transpose(1, 2).reshape(length, -1))  # [Lw, H]
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = features + _linear(out.transpose(1, 2).reshape(length, -1), self._gemms["o_proj"], None)  # [Lw, H]
+        gate, up = _linear(layer.post_attention_layernorm(hidden), self._gemms["gate_up"], None).chunk(2, dim=-1)  # [Lw, I]
+        return hidden + _linear(F.silu(gate) * up, self._gemms["down_proj"], None)
+
+
+def _packed_gemms(head: Any, device: Any) -> dict[str, torch.Tensor]:
+    """The head's GEMM weights as the lean decoder runs them (:func:`actors.model.lean_decoder._linear`):
+    q/k/v in one, gate/up in one, in oneDNN's layout where it has kernels for the dtype on this CPU."""
+    layer = head.midlayer
+    reorder = _ONEDNN and torch.device(device).type == "cpu" and head.fc.weight.dtype in ONEDNN_DTYPES
+    linears = {"fc": [head.fc], "qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+               "o_proj": [layer.self_attn.o_proj], "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj],
+               "down_proj": [layer.mlp.down_proj], "lm_head": [head.lm_head]}
+    return {name: _onednn_weight(torch.cat([linear.weight.detach() for linear in group]).contiguous(), reorder)
+            for name, group in linears.items()}
 
 
 def _target_column(target: Any, context: Sequence[int], position: int) -> int | None:
