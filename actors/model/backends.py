@@ -200,10 +200,13 @@ class SlotBackend:
         if self.lean is None:
             raise ValueError(f"{self.name} runs {self.forward_path}: only the lean decoder keeps the aux states an "
                              f"EAGLE-3 head reads (engine.lean_forward: true, a Llama-shaped target)")
+        width = len(layers) * int(self.model.config.hidden_size)
+        if not self.aux_layers:  # a slot's share of the worker's KV budget (actors.worker.device_worker)
+            self.slot_bytes += self.capacity * width * self.cache.storage.element_size()
         self.aux_layers = tuple(int(i) for i in layers)
         self.lean.aux_layers = self.aux_layers
         self.decode_graphs = None  # a captured graph would not write them
-        self.cache.enable_aux(len(self.aux_layers) * int(self.model.config.hidden_size))
+        self.cache.enable_aux(width)
 
     def allocate(self) -> int:
         """A free cache slot for a new session."""

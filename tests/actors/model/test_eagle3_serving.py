@@ -162,11 +162,27 @@ def test_a_head_for_another_target_is_refused_at_load_naming_both(tiny):
         _workers({"target": {"path": str(root / "target"), "role": "target"}, "draft": {"path": HEAD, "role": "draft"}})
 
 
-def test_a_quantized_head_is_refused_naming_the_field(tiny):
-    _, _, root = tiny
-    with pytest.raises(Eagle3Error, match=r"models\.draft\.quantization"):
-        _workers({"target": {"path": str(root / "target"), "role": "target"},
-                  "draft": {"path": str(root / "head"), "role": "draft", "quantization": "int8"}})
+#: Total variation of a quantized tiny head's rows from the float head's (random weights of
+#: std 0.3 at width 64: int4's groups of 32 move them most; measured 0.01 and 0.29).
+MAX_QUANTIZED_TV = {"int8": 0.05, "int4": 0.5}
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_head_serves_rows_near_the_float_heads_law(tiny, quantization):
+    """``quantization`` on a head: its GEMMs weight-only int8 / int4 (the law stays the target's:
+    verification takes any rows, and the enumeration above covers whatever rows the head gives);
+    its rows stay near the float head's."""
+    target, _, root = tiny
+    workers = _workers({"target": {"path": str(root / "target"), "role": "target"},
+                        "draft": {"path": str(root / "head"), "role": "draft", "quantization": quantization}})
+    draft = workers["draft"].engine
+    assert f"weight-only {quantization}" in draft.backend.forward_path
+    spec = OpenSession(PROMPT, RowSampling(temperature=1.0), seeds={"sample": 1})
+    sampled = draft.run_step([WorkItem("s", Sample("draft", (), 2, return_logits=True), open=spec)])[1][0]
+    head_fn = _head_fn(target, draft.backend.head)
+    for i, row in enumerate(sampled.logits[0]):
+        expected = torch.softmax(head_fn(PROMPT, tuple(sampled.tokens[0, :i].tolist())), -1)
+        assert 0.5 * (torch.softmax(row.double(), -1) - expected).abs().sum() < MAX_QUANTIZED_TV[quantization]
 
 
 def test_placement_puts_a_head_in_its_targets_worker(tiny):
@@ -226,3 +242,18 @@ def test_a_deployment_with_the_shipped_head_generates_exactly():
     assert results["sampled-0"][0] == results["sampled-1"][0] and len(results["sampled-0"][0]) == 24
     prompt_tokens = 8  # "def main(" is fewer tokens: a bound on a prompt's positions
     assert backend.recomputed_positions <= prompt_tokens * len(requests)
+
+
+def test_a_device_worker_loads_the_head_after_its_target_and_splits_the_kv_budget(tiny):
+    """Listed first, the head still loads after its target; one KV budget sizes both models' slots."""
+    from actors.model.eagle3_serving import Eagle3Backend
+    from actors.worker.device_worker import DeviceWorker
+
+    _, _, root = tiny
+    specs = parse_app_args({"models": {"draft": {"path": str(root / "head"), "role": "draft"},
+                                       "target": {"path": str(root / "target"), "role": "target"}}}).freeze().models
+    worker = DeviceWorker(specs, max_sessions=4, kv_cache_memory=4 * 2**20)
+    head, target = worker.models["draft"].backend, worker.models["target"].backend
+    assert worker.names == ["draft", "target"] and isinstance(head, Eagle3Backend)
+    assert head.max_slots == target.max_slots > 1 and target.cache.aux is not None
+    assert target.cache.aux.shape[1] == 3 * 64  # three aux layers of the target's width
