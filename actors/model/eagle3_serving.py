@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from actors.model.batch import RowWork, linear_row
-from actors.model.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Error, _rotate, load_head
+from actors.model.batch import RowWork, RunAttend, linear_row
+from actors.model.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Error, load_head
 from actors.model.lean_decoder import _ONEDNN, ONEDNN_DTYPES, _linear, _onednn_weight
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class Eagle3Backend:
         self.forward_path = (f"an EAGLE-3 head over {target.spec.name}'s aux states (layers {list(config.aux_layers)}"
                              f"{', weight-only ' + quantization if quantization else ''})")
         self._gemms = _packed_gemms(head, self.device, quantization)
+        self._cos, self._sin = _rotary_table(config, self.capacity, self.dtype, self.device)  # [capacity, d] each
         self._draft_ids = torch.arange(config.draft_vocab_size, device=self.device) + head.d2t  # [Vd]: target ids
         self._reset_slots()
         self.sessions: Any = None  # this head's SessionStore (attach_engine)
@@ -216,7 +217,7 @@ class Eagle3Backend:
             for i, value in zip(wave, out):
                 prenorm[i] = value
         kept = torch.stack([prenorm[i] for i in row.keep])  # [N_keep, H]
-        draft = _linear(self.head.norm(kept), self._gemms["lm_head"], None).float()  # [N_keep, Vd]
+        draft = _linear(_norm(self.head.norm, kept), self._gemms["lm_head"], None).float()  # [N_keep, Vd]
         rows = draft.new_full((len(row.keep), self.vocab_size), float("-inf"))  # [N_keep, V]
         rows[:, self._draft_ids] = draft  # Eagle3Head.target_logits
         return rows
@@ -292,29 +293,93 @@ class Eagle3Backend:
         tokens = torch.tensor([row.token_ids[i] for i in wave], device=device)  # [Lw]
         positions = torch.tensor([[row.positions[i] for i in wave]], device=device)  # [1, Lw]
         columns = [row.columns[i] for i in wave]
-        embeds = layer.input_layernorm(head.embed_tokens(tokens).to(features.dtype))  # [Lw, H]
-        x = torch.cat((embeds, layer.hidden_norm(features)), dim=-1)[None]  # [1, Lw, 2H]
+        embeds = _norm(layer.input_layernorm, head.embed_tokens(tokens).to(features.dtype))  # [Lw, H]
+        x = torch.cat((embeds, _norm(layer.hidden_norm, features)), dim=-1)[None]  # [1, Lw, 2H]
         length, inner, kv = len(wave), config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         q, k, v = _linear(x, self._gemms["qkv"], None).split((inner, kv, kv), dim=-1)  # [1, Lw, h d | kvh d]
         q = q.reshape(1, length, config.num_heads, config.head_dim).transpose(1, 2)  # [1, h, Lw, d]
         k = k.reshape(1, length, config.num_kv_heads, config.head_dim).transpose(1, 2)  # [1, kvh, Lw, d]
         v = v.reshape(1, length, config.num_kv_heads, config.head_dim).transpose(1, 2)
-        q, k = _rotate(q, positions, config.rope_theta), _rotate(k, positions, config.rope_theta)
-        keys[:, columns], values[:, columns] = k[0], v[0]
+        cos, sin = self._cos[positions[0]][None, None], self._sin[positions[0]][None, None]  # [1, 1, Lw, d]
+        q, k = _rotate_with(q, cos, sin), _rotate_with(k, cos, sin)
+        if columns == list(range(columns[0], columns[0] + length)):
+            keys[:, columns[0] : columns[0] + length], values[:, columns[0] : columns[0] + length] = k[0], v[0]
+        else:
+            keys[:, columns], values[:, columns] = k[0], v[0]
         total = max(row.end_column, max(columns) + 1)
+        seen = _seen_run(row, wave[0]) if length == 1 else None
+        if seen is not None:  # one token seeing one run of columns: attention over it, no mask
+            out = F.scaled_dot_product_attention(q, keys[None, :, seen[0] : seen[1]], values[None, :, seen[0] : seen[1]],
+                                                 enable_gqa=config.num_heads != config.num_kv_heads)  # [1, h, 1, d]
+            return self._after_attention(out, features)
         mask = torch.zeros((length, total), dtype=torch.bool)  # [Lw, T]
         for n, i in enumerate(wave):
             mask[n, : row.prefix_length] = True
-            mask[n, list(row.attend[i])] = True
+            if isinstance(row.attend, RunAttend):
+                first_start, first_end, second_start, second_end = row.attend.runs(i)
+                mask[n, first_start:first_end] = True
+                mask[n, second_start:second_end] = True
+            else:
+                mask[n, list(row.attend[i])] = True
             if row.columns[i] != 0:
                 mask[n, 0] = False
         groups = config.num_heads // config.num_kv_heads
-        seen_keys = keys[None, :, :total].repeat_interleave(groups, dim=1)  # [1, h, T, d]
-        seen_values = values[None, :, :total].repeat_interleave(groups, dim=1)
+        seen_keys, seen_values = keys[None, :, :total], values[None, :, :total]  # [1, kvh, T, d]
+        if groups > 1:
+            seen_keys, seen_values = seen_keys.repeat_interleave(groups, dim=1), seen_values.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, seen_keys, seen_values, attn_mask=mask.to(device)[None, None])  # [1, h, Lw, d]
-        hidden = features + _linear(out.transpose(1, 2).reshape(length, -1), self._gemms["o_proj"], None)  # [Lw, H]
-        gate, up = _linear(layer.post_attention_layernorm(hidden), self._gemms["gate_up"], None).chunk(2, dim=-1)  # [Lw, I]
-        return hidden + _linear(F.silu(gate) * up, self._gemms["down_proj"], None)
+        return self._after_attention(out, features)
+
+    def _after_attention(self, out: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """o_proj and the residual, then the MLP: ``out [1, h, Lw, d]``, ``features [Lw, H]`` -> pre-norm ``[Lw, H]``."""
+        layer = self.head.midlayer
+        hidden = features + _linear(out.transpose(1, 2).reshape(features.shape[0], -1), self._gemms["o_proj"], None)
+        gate, up = _linear(_norm(layer.post_attention_layernorm, hidden), self._gemms["gate_up"], None).chunk(2, dim=-1)
+        return hidden + _linear(F.silu(gate) * up, self._gemms["down_proj"], None)  # [Lw, H]
+
+
+def _seen_run(row: RowWork, index: int) -> tuple[int, int] | None:
+    """The columns token ``index`` of ``row`` sees as one run ``[start, end)`` (column 0 left out
+    but for the token at column 0), or None when they are not one run."""
+    end = row.prefix_length
+    if isinstance(row.attend, RunAttend):
+        first_start, first_end, second_start, second_end = row.attend.runs(index)
+        for start, stop in ((first_start, first_end), (second_start, second_end)):
+            if stop > start:
+                if start != end:
+                    return None
+                end = stop
+    else:
+        for column in row.attend[index]:
+            if column != end:
+                return None
+            end += 1
+    start = 0 if row.columns[index] == 0 else 1
+    return (start, end) if end > start else None
+
+
+def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """The head's RMSNorm ``norm`` of ``x [..., H]`` (:class:`actors.model.eagle3._RMSNorm`): one
+    ``F.rms_norm`` in float32, the module's own formula in other dtypes."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], norm.weight, norm.eps)
+    return norm(x)
+
+
+def _rotary_table(config: Any, positions: int, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos / sin of :func:`actors.model.eagle3._rotate` at positions ``0 .. positions - 1``, each
+    ``[positions, d]`` (the same float64 angles, rounded to ``dtype``)."""
+    dim = config.head_dim
+    inverse = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim))  # [d/2]
+    angles = torch.arange(positions, device=device).double()[:, None] * inverse  # [P, d/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [P, d]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`actors.model.eagle3._rotate` of ``x [B, heads, L, d]`` with its cos / sin ``[.., L, d]``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _packed_gemms(head: Any, device: Any, quantization: str | None = None) -> dict[str, Any]:
