@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from actors.model.batch import RowWork, RunAttend, linear_row
+from actors.model.batch import RowWork, RunAttend, is_causal_run, linear_row
 from actors.model.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Error, load_head
 from actors.model.lean_decoder import _ONEDNN, ONEDNN_DTYPES, _linear, _onednn_weight
 
@@ -205,18 +205,23 @@ class Eagle3Backend:
         if session is None:
             raise ValueError(f"{self.name}: no session on slot {row.slot}")
         committed = len(session.context)
-        predecessors = [self._predecessor(row, i) for i in range(len(row))]
+        predecessors = [self._predecessor(row, i) if p >= committed else -1 for i, p in enumerate(row.positions)]
         features = self._committed_features(session, row)  # {token index: [H]}
         waves = self._waves(row, committed, predecessors)
-        prenorm = [None] * len(row)
         keys, values, stored = self._slot(row.slot)
-        for wave in waves:
-            wave_features = torch.stack([features[i] if i in features else stored[predecessors[i]] for i in wave])  # [Lw, H]
-            out = self._layer(row, wave, wave_features, keys, values)  # [Lw, H]
-            stored[[row.columns[i] for i in wave]] = out
-            for i, value in zip(wave, out):
-                prenorm[i] = value
-        kept = torch.stack([prenorm[i] for i in row.keep])  # [N_keep, H]
+        if len(waves) == 1 and len(features) == len(row):  # committed tokens only (the pending row): one forward
+            out = self._layer(row, waves[0], torch.stack([features[i] for i in range(len(row))]), keys, values)  # [L, H]
+            _write_columns(stored, row.columns, out)
+            kept = out[list(row.keep)]  # [N_keep, H]
+        else:
+            prenorm = [None] * len(row)
+            for wave in waves:
+                wave_features = torch.stack([features[i] if i in features else stored[predecessors[i]] for i in wave])
+                out = self._layer(row, wave, wave_features, keys, values)  # [Lw, H]
+                _write_columns(stored, [row.columns[i] for i in wave], out)
+                for i, value in zip(wave, out):
+                    prenorm[i] = value
+            kept = torch.stack([prenorm[i] for i in row.keep])  # [N_keep, H]
         draft = _linear(_norm(self.head.norm, kept), self._gemms["lm_head"], None).float()  # [N_keep, Vd]
         rows = draft.new_full((len(row.keep), self.vocab_size), float("-inf"))  # [N_keep, V]
         rows[:, self._draft_ids] = draft  # Eagle3Head.target_logits
@@ -302,15 +307,19 @@ class Eagle3Backend:
         v = v.reshape(1, length, config.num_kv_heads, config.head_dim).transpose(1, 2)
         cos, sin = self._cos[positions[0]][None, None], self._sin[positions[0]][None, None]  # [1, 1, Lw, d]
         q, k = _rotate_with(q, cos, sin), _rotate_with(k, cos, sin)
-        if columns == list(range(columns[0], columns[0] + length)):
-            keys[:, columns[0] : columns[0] + length], values[:, columns[0] : columns[0] + length] = k[0], v[0]
-        else:
-            keys[:, columns], values[:, columns] = k[0], v[0]
+        _write_columns(keys, columns, k[0], dim=1)
+        _write_columns(values, columns, v[0], dim=1)
         total = max(row.end_column, max(columns) + 1)
         seen = _seen_run(row, wave[0]) if length == 1 else None
         if seen is not None:  # one token seeing one run of columns: attention over it, no mask
             out = F.scaled_dot_product_attention(q, keys[None, :, seen[0] : seen[1]], values[None, :, seen[0] : seen[1]],
                                                  enable_gqa=config.num_heads != config.num_kv_heads)  # [1, h, 1, d]
+            return self._after_attention(out, features)
+        if length == len(row) and is_causal_run(row):  # token i sees [0, c + i]: the causal block, column 0 left out
+            mask = torch.ones((length, total), dtype=torch.bool).tril(total - length)  # [L, T]
+            mask[int(row.columns[0] == 0):, 0] = False
+            out = F.scaled_dot_product_attention(q, keys[None, :, :total], values[None, :, :total], attn_mask=mask[None, None],
+                                                 enable_gqa=config.num_heads != config.num_kv_heads)  # [1, h, L, d]
             return self._after_attention(out, features)
         mask = torch.zeros((length, total), dtype=torch.bool)  # [Lw, T]
         for n, i in enumerate(wave):
@@ -336,6 +345,15 @@ class Eagle3Backend:
         hidden = features + _linear(out.transpose(1, 2).reshape(features.shape[0], -1), self._gemms["o_proj"], None)
         gate, up = _linear(_norm(layer.post_attention_layernorm, hidden), self._gemms["gate_up"], None).chunk(2, dim=-1)
         return hidden + _linear(F.silu(gate) * up, self._gemms["down_proj"], None)  # [Lw, H]
+
+
+def _write_columns(storage: torch.Tensor, columns: Sequence[int], values: torch.Tensor, dim: int = 0) -> None:
+    """``storage``'s ``columns`` along ``dim`` set to ``values`` (a slice where they are consecutive)."""
+    columns = list(columns)
+    if columns == list(range(columns[0], columns[0] + len(columns))):
+        storage.narrow(dim, columns[0], len(columns)).copy_(values)
+    else:
+        storage.index_copy_(dim, torch.tensor(columns, device=storage.device), values)
 
 
 def _seen_run(row: RowWork, index: int) -> tuple[int, int] | None:
