@@ -5,7 +5,8 @@ this process, closed-loop clients, request i on prompt i mod 18 with seed i, tem
 :class:`~benchmarks.served.runners.LocalRunner` per proposer, all loaded first, then ``--rounds``
 rounds that run each proposer's ``--requests`` requests in turn, so that every proposer sees the
 same host load. Prints per proposer the median tokens/s over the rounds, the median of its
-per-round ratio to the draft model's, and the block efficiency (generated tokens per target call).
+per-round ratio to the draft model's, and the block efficiency (generated tokens per target call);
+``--record`` keeps the last two.
 
     python -m benchmarks.served.eagle3_served --rounds 5 --requests 18
     python -m benchmarks.served.eagle3_served --rounds 5 --requests 18 --record eagle3-served
@@ -24,8 +25,8 @@ from benchmarks.served.runners import LocalRunner
 from cluster.config import load_app_args
 
 #: (label, deploy file, the draft's quantization) of each proposer; the first is the baseline.
-PROPOSERS = (("embedded draft model", "deploy/default.yaml", None), ("EAGLE-3 head", "deploy/eagle3.yaml", None),
-             ("EAGLE-3 head, int8", "deploy/eagle3.yaml", "int8"), ("EAGLE-3 head, int4", "deploy/eagle3.yaml", "int4"))
+PROPOSERS = (("draft model", "deploy/default.yaml", None), ("head", "deploy/eagle3.yaml", None),
+             ("head int8", "deploy/eagle3.yaml", "int8"), ("head int4", "deploy/eagle3.yaml", "int4"))
 
 
 def group_args(config: str, quantization: str | None, gamma: int) -> Any:
@@ -72,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label in runners:
         ratio = statistics.median(a / b for a, b in zip(rates[label], rates[baseline]))
-        rows.append({"proposer": label, "block efficiency": round(statistics.median(efficiency[label]), 3),
-                     "tok/s": round(statistics.median(rates[label]), 1), "x draft model": round(ratio, 2)})
-        print(f"{label}: median {rows[-1]['tok/s']} tok/s, {ratio:.2f}x the draft model (median of per-round ratios), "
-              f"block efficiency {rows[-1]['block efficiency']}")
+        rows.append({"proposer": label, "block eff.": round(statistics.median(efficiency[label]), 3),
+                     "x draft": round(ratio, 2)})
+        print(f"{label}: median {statistics.median(rates[label]):.1f} tok/s, {ratio:.2f}x the draft model (median of "
+              f"per-round ratios), block efficiency {rows[-1]['block eff.']}")
     if args.record:
         _record(args, argv, rows)
     return 0
@@ -92,9 +93,8 @@ def _record(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[st
     words = sys.argv[1:] if argv is None else argv
     command = "python -m benchmarks.served.eagle3_served " + " ".join(shlex.quote(w) for w in words)
     clients = f"{args.concurrency} client{'s' if args.concurrency > 1 else ''}"
-    title = f"EAGLE-3 head served against the draft model (engine alone, sd block gamma {args.gamma}, {clients})"
-    notes = f"Medians of {args.rounds} interleaved rounds; ratios per round."
-    print(f"recorded {update(make_record(args.record, title, command, rows, notes=notes, section='Engine'))}")
+    title = f"EAGLE-3 head served (sd block gamma {args.gamma}, {clients})"
+    print(f"recorded {update(make_record(args.record, title, command, rows, section='Engine'))}")
 
 
 if __name__ == "__main__":

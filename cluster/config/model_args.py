@@ -16,8 +16,7 @@ Quantization = Literal["int8", "int4"]
 class ModelArgs(Frozen):
     """One model of the group; each runs in its own ModelWorker actor."""
 
-    path: str = Field(..., min_length=1, description="Hub id, local checkpoint directory, or embedded:<name>; a draft may be "
-                      "an EAGLE-3 head (embedded:eagle3), run in its target's worker.")
+    path: str = Field(..., min_length=1, description="Hub id, local checkpoint directory, or embedded:<name>.")
     role: ModelRole = Field(
         ...,
         description="target (the verifier, also ar's baseline), draft (the sd/multi_draft proposer) or member (an ensemble "
