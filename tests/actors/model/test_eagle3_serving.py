@@ -257,3 +257,24 @@ def test_a_device_worker_loads_the_head_after_its_target_and_splits_the_kv_budge
     assert worker.names == ["draft", "target"] and isinstance(head, Eagle3Backend)
     assert head.max_slots == target.max_slots > 1 and target.cache.aux is not None
     assert target.cache.aux.shape[1] == 3 * 64  # three aux layers of the target's width
+
+
+def test_a_ray_group_hosts_the_head_with_its_target_and_generates_as_ar(ray_session):
+    """Through Ray (bring-up, placement auto): the head joins its target's DeviceWorker; greedy sd with
+    it gives ar's tokens, a solo burst calling the hosted head in process included."""
+    from actors.worker.device_worker import HostedModel
+    from cluster.serving.bringup import start_model_group
+    from tests.actors.coordination.test_coordinator_reference import _request, run_requests
+
+    group = start_model_group({"models": {"target": {"path": "embedded:target", "role": "target"},
+                                          "draft": {"path": "embedded:eagle3", "role": "draft"}},
+                               "resources": {"cpus_per_model": 0.25, "torch_threads": 1}})
+    try:
+        assert isinstance(group.workers["draft"], HostedModel)
+        requests = [_request(0, speculation, prompt=(264, 14, 199), max_tokens=16, temperature=0.0)
+                    for speculation in ({"strategy": "ar"}, {"strategy": "sd", "method": "block", "gamma": 4})]
+        ar, sd = ([t for chunk in chunks for t in chunk.token_ids] for chunks in run_requests(group, requests[:1])
+                  + run_requests(group, requests[1:]))
+        assert sd == ar and len(ar) == 16
+    finally:
+        group.shutdown()
