@@ -316,7 +316,7 @@ class Eagle3Backend:
                                                  enable_gqa=config.num_heads != config.num_kv_heads)  # [1, h, 1, d]
             return self._after_attention(out, features)
         if length == len(row) and is_causal_run(row):  # token i sees [0, c + i]: the causal block, column 0 left out
-            mask = torch.ones((length, total), dtype=torch.bool).tril(total - length)  # [L, T]
+            mask = torch.ones((length, total), dtype=torch.bool, device=device).tril(total - length)  # [L, T]
             mask[int(row.columns[0] == 0):, 0] = False
             out = F.scaled_dot_product_attention(q, keys[None, :, :total], values[None, :, :total], attn_mask=mask[None, None],
                                                  enable_gqa=config.num_heads != config.num_kv_heads)  # [1, h, L, d]
