@@ -20,6 +20,8 @@ from __future__ import annotations
 import pathlib
 
 EMBEDDED_MODELS: tuple[str, ...] = ("target", "draft", "partner", "partner2")
+#: Embedded checkpoints that are no causal LM of their own: ``eagle3``, the EAGLE-3 head of ``target``.
+EMBEDDED_HEADS: tuple[str, ...] = ("eagle3",)
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_ROOT = pathlib.Path(__file__).resolve().parent / "embedded"
 
@@ -30,9 +32,9 @@ def embedded_model_path(name: str) -> pathlib.Path:
     Raises:
         ValueError: if ``name`` is not one of :data:`EMBEDDED_MODELS`.
     """
-    if name not in EMBEDDED_MODELS:
+    if name not in EMBEDDED_MODELS + EMBEDDED_HEADS:
         raise ValueError(
-            f"unknown embedded model {name!r}; expected one of {', '.join(EMBEDDED_MODELS)}"
+            f"unknown embedded model {name!r}; expected one of {', '.join(EMBEDDED_MODELS + EMBEDDED_HEADS)}"
         )
     return EMBEDDED_ROOT / name
 
@@ -55,6 +57,7 @@ def resolve_model_path(spec: str) -> str:
 
 
 __all__ = [
+    "EMBEDDED_HEADS",
     "EMBEDDED_MODELS",
     "EMBEDDED_PREFIX",
     "EMBEDDED_ROOT",

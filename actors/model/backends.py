@@ -122,6 +122,7 @@ class SlotBackend:
                           if self.architecture.has_sliding_layers else None)
         # engine.cuda_graphs: one-token decodes of a lone row replay a CUDA graph (actors.model.decode_graphs)
         self.decode_graphs = decode_graphs(self, cuda_graphs)
+        self.aux_layers: tuple[int, ...] = ()  # layers whose inputs the cache keeps (keep_aux)
 
     @classmethod
     def load(
@@ -185,10 +186,27 @@ class SlotBackend:
         self.cache = PagedKVCache.from_config(self.model.config, capacity=self.capacity, max_slots=self.max_slots,
                                               dtype=self.model.dtype, device=self.device)
         self.cache.reclaim = reclaim
+        if self.aux_layers:
+            self.keep_aux(self.aux_layers)
         self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, self.device)
                           if self.architecture.has_sliding_layers else None)
-        if self.decode_graphs is not None:  # the graphs read the old storage's addresses
+        if self.decode_graphs is not None and not self.aux_layers:  # the graphs read the old storage's addresses
             self.decode_graphs = decode_graphs(self, True)
+
+    def keep_aux(self, layers: Sequence[int]) -> None:
+        """Keep the inputs of ``layers`` (an EAGLE-3 head's aux states, :mod:`actors.model.eagle3_serving`)
+        per (slot, column) from now on, next to the keys/values; the lean decoder writes them, so a
+        backend running its model's own decoder refuses (ValueError saying why)."""
+        if self.lean is None:
+            raise ValueError(f"{self.name} runs {self.forward_path}: only the lean decoder keeps the aux states an "
+                             f"EAGLE-3 head reads (engine.lean_forward: true, a Llama-shaped target)")
+        width = len(layers) * int(self.model.config.hidden_size)
+        if not self.aux_layers:  # a slot's share of the worker's KV budget (actors.worker.device_worker)
+            self.slot_bytes += self.capacity * width * self.cache.storage.element_size()
+        self.aux_layers = tuple(int(i) for i in layers)
+        self.lean.aux_layers = self.aux_layers
+        self.decode_graphs = None  # a captured graph would not write them
+        self.cache.enable_aux(width)
 
     def allocate(self) -> int:
         """A free cache slot for a new session."""

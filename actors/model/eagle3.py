@@ -39,11 +39,9 @@ vocabulary: the draft vocabulary's logits scattered through ``d2t``, ``-inf`` (p
 elsewhere. The rows are a function of the committed tokens and the chain alone, so every rule that
 takes a draft model verifies them and the output law stays the target's.
 
-Not served yet. The hook it needs: the target's forward (lean decoder and its own) keeping the
-inputs of the aux layers per (slot, column), moved with the columns it keeps (``copy_columns``,
-``copy_prefix``); a proposer hosted in the target's worker that, for a ``Sample``, runs
-:meth:`Eagle3Head.prefill` / :meth:`Eagle3Head.extend` over its own small cache on the target
-session's aux states of the committed tokens (all but the last, which the target has not run).
+Served as a draft model in its target's worker by :mod:`actors.model.eagle3_serving`: the target's
+lean decoder keeps the inputs of the aux layers per (slot, column) in its paged cache, and the
+head's backend runs :meth:`Eagle3Head.layer`'s computation over its own cache on them.
 """
 
 from __future__ import annotations

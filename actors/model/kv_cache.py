@@ -155,7 +155,28 @@ class PagedKVCache(Cache):
         #: Called when no block is free and no freed slot holds one: takes an open slot's blocks
         #: back (a preempted session, :mod:`actors.worker.engine`) -> whether it did.
         self.reclaim: Callable[[], bool] | None = None
+        #: Per-token states kept next to the keys/values (an EAGLE-3 head's aux states of the target,
+        #: :meth:`enable_aux`): ``[(num_blocks + 1) * block_size, width]``, the rows of the KV storage.
+        self.aux: torch.Tensor | None = None
         self.unbind()
+
+    def enable_aux(self, width: int, dtype: torch.dtype | None = None) -> None:
+        """Keep ``width`` floats per token next to its keys/values (:meth:`write_aux`, :meth:`read_aux`):
+        moved with the columns (:meth:`copy_columns`, :meth:`copy_prefix`, copy-on-write) as they are."""
+        self.aux = torch.zeros((self._rows_per_head, int(width)), dtype=dtype or self.dtype, device=self.device)
+
+    def write_aux(self, states: torch.Tensor) -> None:
+        """Write ``states`` ``[B, L, width]`` of the bound rows to their bound columns (see :meth:`bind`)."""
+        if self.aux is None or self._slots is None:
+            raise RuntimeError("write_aux: no aux storage (enable_aux) or no rows bound")
+        rows = self._physical(self._slots, self._write_columns)  # [B, L]
+        self.aux.index_copy_(0, rows.reshape(-1), states.reshape(-1, self.aux.shape[1]).to(self.aux.dtype))
+
+    def read_aux(self, slot: int, columns: Sequence[int]) -> torch.Tensor:
+        """The aux states of ``slot``'s ``columns`` -> ``[len(columns), width]`` (a copy)."""
+        if self.aux is None:
+            raise RuntimeError("read_aux: no aux storage (enable_aux)")
+        return self.aux.index_select(0, torch.tensor(self._rows(slot, columns), dtype=torch.long, device=self.device))
 
     @classmethod
     def from_config(cls, config: Any, **kwargs: Any) -> PagedKVCache:
@@ -305,6 +326,8 @@ class PagedKVCache(Cache):
     def _copy_rows(self, src_block: int, dst_block: int, rows: int) -> None:
         src, dst = src_block * self.block_size, dst_block * self.block_size
         self.storage[:, :, :, dst : dst + rows] = self.storage[:, :, :, src : src + rows]
+        if self.aux is not None:
+            self.aux[dst : dst + rows] = self.aux[src : src + rows]
 
     def _rows(self, slot: int, columns: Sequence[int]) -> list[int]:
         """Storage rows of ``slot``'s ``columns`` (the trash row where no block backs one)."""
@@ -360,9 +383,12 @@ class PagedKVCache(Cache):
             return
         source = torch.tensor(self._rows(slot, src), dtype=torch.long, device=self.device)  # [n]
         values = self.storage.index_select(3, source)  # [2, layers, H, n, D]: read before any write
+        aux = None if self.aux is None else self.aux.index_select(0, source)  # [n, width]
         self._writable(slot, set(dst))
         target = torch.tensor(self._rows(slot, dst), dtype=torch.long, device=self.device)  # [n]
         self.storage.index_copy_(3, target, values)
+        if aux is not None:
+            self.aux.index_copy_(0, target, aux)
 
     # -- one forward ------------------------------------------------------------------------
 

@@ -212,6 +212,9 @@ class LeanDecoder:
         # 16 bits on CPU otherwise: one new token a row attends in float32 over upcast keys/values
         # (BMM_FLOAT32_MAX_LENGTH), rounded as sdpa's kernel rounds.
         self._bmm_float32 = on_cpu and not self._bmm_attention
+        #: Layers whose INPUTS each forward keeps per token in the cache (``cache.write_aux``, ``[B, L,
+        #: len * hidden]`` in this order): an EAGLE-3 head's aux states (:mod:`actors.model.eagle3_serving`).
+        self.aux_layers: tuple[int, ...] = ()
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -227,11 +230,16 @@ class LeanDecoder:
         batch, length = input_ids.shape
         bmm_dtype = self._bmm_dtype(length)
         attend = self._attention_masks(masks, bmm_dtype)  # per layer kind: the mask attention takes
+        aux: dict[int, torch.Tensor] = {}  # the inputs of the aux layers, [B, L, hidden] each
         for index, layer in enumerate(self.layers):
+            if index in self.aux_layers:
+                aux[index] = hidden
             query, key, value = self._before_attention(hidden, rotary, *layer.before)  # [B, L, H|H_kv, d]
             keys, values = cache.write_and_gather(index, key.transpose(1, 2), value.transpose(1, 2))  # [B, H_kv, T_kv, d]
             attended = self._attend(layer.attention, query, keys, values, attend[layer.kind], bmm_dtype)  # [B, L, H d]
             hidden = _after_attention(hidden, attended, *layer.after)  # [B, L, hidden]
+        if aux:
+            cache.write_aux(torch.cat([aux[i] for i in self.aux_layers], dim=-1))  # [B, L, len * hidden]
         return _rms_norm(hidden, *self.final_norm)
 
     def _bmm_dtype(self, length: int) -> torch.dtype | None:

@@ -34,6 +34,7 @@ from typing import Any
 from actors.worker.bursts import BurstRecord
 from actors.worker.cpu_binding import bind_process
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP
+from actors.model.eagle3_serving import hosting, is_eagle3_checkpoint
 from actors.model.kv_budget import KVCacheBudgetError, budget_bytes, worker_kv_cache_memory
 from actors.messages import ItemOutcome, OpenSession, WorkerInfo, WorkItem
 from actors.worker.model_worker import ModelWorker, resolve_source
@@ -93,11 +94,12 @@ class DeviceWorker:
             bind_process(cpu_cores, f"worker {'+'.join(self.names)}")
         self.models: dict[str, ModelWorker] = {}
         budget = None
-        for spec in specs:
-            worker = worker_cls(spec, idle_timeout_s, max_sessions, prefix_caching, max_model_len=max_model_len,
-                                max_tokens_per_step=max_tokens_per_step, kv_cache_memory=kv_cache_memory,
-                                shared_kv_budget=True)
-            self.models[spec.name] = worker
+        with hosting(self.models):  # an EAGLE-3 head finds its target among the models loaded before it
+            for spec in sorted(specs, key=lambda spec: is_eagle3_checkpoint(spec.path)):
+                worker = worker_cls(spec, idle_timeout_s, max_sessions, prefix_caching, max_model_len=max_model_len,
+                                    max_tokens_per_step=max_tokens_per_step, kv_cache_memory=kv_cache_memory,
+                                    shared_kv_budget=True)
+                self.models[spec.name] = worker
             budget = worker_kv_cache_memory(kv_cache_memory, worker.device)
         if budget is not None:  # after every model's weights are loaded
             self._split_kv_budget(budget)

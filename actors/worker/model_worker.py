@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from actors.model.backends import SlotBackend
+from actors.model.eagle3_serving import Eagle3Backend, is_eagle3_checkpoint
 from actors.worker.bursts import BurstRecord, BurstStops, run_burst
 from actors.worker.allocator import keep_freed_memory
 from actors.worker.cpu_binding import bind_process, current_cores, torch_thread_count
@@ -142,6 +143,8 @@ class ModelWorker:
         self.engine = WorkerEngine(on_simulated_device(self._load_backend(), spec), spec.name, idle_timeout_s,
                                    prefix_caching=prefix_caching, max_tokens_per_step=max_tokens_per_step)
         self.engine.on_device_broken = self.device_broken
+        if hasattr(self.engine.backend, "attach_engine"):  # an EAGLE-3 head reads its sessions' contexts
+            self.engine.backend.attach_engine(self.engine)
         self.tokenizer_identity = load_tokenizer_identity(spec.path)  # checked against the group's at start-up
         self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
         self._reaper.start()
@@ -172,6 +175,8 @@ class ModelWorker:
 
     def _load_backend(self) -> Any:
         spec = self.spec  # dtype None: the checkpoint's on a GPU, float32 on CPU
+        if is_eagle3_checkpoint(spec.path):  # a head over its target in this process (actors.model.eagle3_serving)
+            return Eagle3Backend.load(spec)
         return SlotBackend.load(
             spec.path, dtype=spec.dtype, revision=spec.revision, device=self.device, max_context=spec.max_context,
             max_slots=self.max_sessions, scratch_columns=SCRATCH_COLUMNS,

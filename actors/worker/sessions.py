@@ -66,6 +66,9 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     tokens_fed: int = 0
     forward_calls: int = 0
+    #: Whether a drafted chain the new context agrees with is kept (False: an EAGLE-3 head, whose
+    #: committed positions read the target's states, not its own, :mod:`actors.model.eagle3_serving`).
+    keep_chains: bool = True
 
     def generated(self) -> list[int]:
         """The committed tokens after the prompt (what penalties count)."""
@@ -83,7 +86,7 @@ class Session:
         chain's entries next to the linear part."""
         self.context.extend(int(t) for t in append)
         self.base = min(self.base, len(self.context))
-        if self.chains and self.base == self.chain_start:
+        if self.chains and self.base == self.chain_start and self.keep_chains:
             self._keep_best_chain(copy_columns)
         self.chains = []
         self.base = min(self.base, len(self.context) - 1)
@@ -135,7 +138,8 @@ class SessionStore:
             prompt = [int(t) for t in prompt_ids]
             live = ((other.slot, other.context[: other.base]) for other in self._sessions.values())
             slot, reused = self.slots.open(prompt, live, reuse=reuse)
-            session = Session(session_id, slot, prompt, sampling, sources, prompt_length=len(prompt), base=reused)
+            session = Session(session_id, slot, prompt, sampling, sources, prompt_length=len(prompt), base=reused,
+                              keep_chains=getattr(getattr(self.slots, "backend", None), "keeps_chains", True))
             self._sessions[session_id] = session
             return session
 
@@ -160,6 +164,16 @@ class SessionStore:
         logger.info("%s: resumed parked session %s (%d of %d tokens cached)", self.name, session_id,
                     session.base, len(session.context))
         return session
+
+    def peek(self, session_id: str) -> Session | None:
+        """The open session ``session_id`` or None, leaving it as it is (not resumed, not touched)."""
+        with self.lock:
+            return self._sessions.get(session_id)
+
+    def at_slot(self, slot: int) -> Session | None:
+        """The open session on cache slot ``slot``, or None."""
+        with self.lock:
+            return next((session for session in self._sessions.values() if session.slot == slot), None)
 
     def release(self, session_id: str) -> bool:
         """Free a session and its slot (or forget a parked one); True if it existed."""

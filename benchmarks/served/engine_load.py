@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.model import backends
+from actors.model.eagle3_serving import Eagle3Backend
 from actors.request_schema import GenerationRequest, SamplingParams
 from benchmarks.served.prompts import load_prompts
 from benchmarks.served.runners import LocalRunner
@@ -52,8 +53,22 @@ def count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) -
             (len(rows), sum(len(row) for row in rows), time.perf_counter() - started))
         return out
 
+    head_forward = Eagle3Backend.forward
+
+    def head_counted(self: Any, rows: Any) -> Any:  # an EAGLE-3 head (actors.model.eagle3_serving)
+        started = time.perf_counter()
+        out = head_forward(self, rows)
+        stats[(self.name, "head")].append((len(rows), sum(len(row) for row in rows), time.perf_counter() - started))
+        return out
+
     backends.SlotBackend.forward = counted
-    return lambda: setattr(backends.SlotBackend, "forward", forward)
+    Eagle3Backend.forward = head_counted
+
+    def restore() -> None:
+        backends.SlotBackend.forward = forward
+        Eagle3Backend.forward = head_forward
+
+    return restore
 
 
 async def run_clients(runner: LocalRunner, prompts: list[str], speculation: dict[str, Any],

@@ -179,6 +179,7 @@ class LocalRunner:
 
     def __init__(self, group_args: Any, *, temperature: float):
         from actors.coordination.coordinator import Coordinator
+        from actors.model.eagle3_serving import hosting, is_eagle3_checkpoint
         from actors.worker.model_worker import ModelWorker
 
         from cluster.serving.bringup import worker_sessions
@@ -186,13 +187,14 @@ class LocalRunner:
         config = group_args.freeze()
         self.temperature = temperature
         # The worker settings production passes (cluster.serving.bringup): slots, KV budget and context.
-        self.workers = {m.name: LocalActorHandle(ModelWorker(m, config.session_idle_timeout_s,
-                                                             max_sessions=worker_sessions(config),
-                                                             prefix_caching=config.prefix_caching,
-                                                             kv_cache_memory=config.kv_cache_memory,
-                                                             max_model_len=config.max_model_len,
-                                                             max_tokens_per_step=config.max_tokens_per_step))
-                        for m in config.models}
+        loaded: dict[str, ModelWorker] = {}
+        with hosting(loaded):  # one process: an EAGLE-3 head's target is loaded before it
+            for m in sorted(config.models, key=lambda m: is_eagle3_checkpoint(m.path)):
+                loaded[m.name] = ModelWorker(m, config.session_idle_timeout_s, max_sessions=worker_sessions(config),
+                                             prefix_caching=config.prefix_caching, kv_cache_memory=config.kv_cache_memory,
+                                             max_model_len=config.max_model_len,
+                                             max_tokens_per_step=config.max_tokens_per_step)
+        self.workers = {m.name: LocalActorHandle(loaded[m.name]) for m in config.models}
         self.coordinator = Coordinator(self.workers, config)
         self.loop = asyncio.new_event_loop()
 

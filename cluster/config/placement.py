@@ -120,7 +120,28 @@ def resolve_placement(config: GroupConfig, gpus: int | None = None) -> GroupConf
         workers, rule = [[name] for name, _ in models], "placement auto: a worker per model (GPUs or nodes set by hand)"
     else:
         workers, rule = configured_workers(config.placement, models, gpus)
+    workers = heads_with_their_target(config, workers)
     return config.model_copy(update={"workers": tuple(tuple(w) for w in workers), "placement_rule": rule})
+
+
+def heads_with_their_target(config: GroupConfig, workers: list[list[str]]) -> list[list[str]]:
+    """``workers`` with each EAGLE-3 head (a draft whose checkpoint is one, :mod:`actors.model.eagle3_serving`)
+    in its target's worker, where it reads the target's states: moved there by ``placement: auto``;
+    a placement set by hand that parts them is refused naming ``resources.placement``."""
+    from actors.model.eagle3_serving import is_eagle3_checkpoint
+
+    target = next((model.name for model in config.models if model.role == "target"), None)
+    heads = [model.name for model in config.models if model.role == "draft" and is_eagle3_checkpoint(model.path)]
+    for head in heads:
+        host = next(worker for worker in workers if head in worker)
+        if target is None or target in host:
+            continue
+        if config.placement != "auto":
+            raise ConfigError(f"resources.placement: models.{head} is an EAGLE-3 head, which runs in its target's worker; "
+                              f"place it with models.{target} (the same device id, or auto)")
+        host.remove(head)
+        next(worker for worker in workers if target in worker).append(head)
+    return [worker for worker in workers if worker]
 
 
 def check_cluster_gpus(config: GroupConfig, gpus: int | None = None) -> None:

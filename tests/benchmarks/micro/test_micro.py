@@ -50,6 +50,13 @@ def test_engine_load_with_a_quantized_self_draft_reports_block_efficiency(capsys
     assert 1.0 <= float(re.search(r"block efficiency ([\d.]+) \(generated tokens per target call", out).group(1)) <= 5.0
 
 
+def test_engine_load_with_an_eagle3_head_counts_its_forwards(capsys):
+    args = ["--config", "deploy/eagle3.yaml", "--strategy", "sd", "--concurrency", "1", "--requests", "1", "--max-tokens", "6"]
+    assert engine_load.main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"sd at concurrency 1: 6 tokens in", out) and re.search(r"draft head: \d+ forwards", out)
+
+
 def test_quantized_gemm_times_every_kernel(capsys):
     assert quantized_gemm.main(["--shapes", "32x64", "--rows", "1,2", "--repeats", "1", "--inner", "1", "--copies", "2",
                                  "--fp32-kernels"]) == 0
