@@ -10,15 +10,19 @@ CPU the copy shares its target's worker and is built from its loaded weights,
 ``--requests`` completions of ``--max-tokens`` tokens each (temperature 1, EOS ignored, serve-load's
 prompts and client), in the same order. Prints each case's median tokens/s, the median over rounds
 of its ratio to ``ar`` of the same round and its block efficiency (tokens per target forward, from
-the responses' ``speculation`` stats). Random weights give near-uniform rows, which a quantized copy
-matches closely: its acceptance there is optimistic; the costs are real.
+the responses' ``speculation`` stats), then where a generated token's time goes (ms per token,
+summed over the rounds from the same stats: the draft's forwards, the target's forwards, the
+verification, and the rest: rows, scheduling, calls and output). Random weights give near-uniform
+rows, which a quantized copy matches closely: its acceptance there is optimistic; the costs are real.
 
     python -m benchmarks.peers.self_draft --shape 279m --dtype bfloat16 --quantization int4 --gamma 4 --rounds 5
+    python -m benchmarks.peers.self_draft --quantization w8a8 --gamma 3,4 --rounds 4 --requests 2
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import pathlib
 import statistics
@@ -30,6 +34,7 @@ from benchmarks.peers.real_size import SHAPES, build_checkpoint
 from benchmarks.served.load_cases import LoadCase, ServeLoadSettings
 from benchmarks.served.load_client import LevelPlan, LoadClient
 from benchmarks.served.prompts import PROMPTS_PATH, load_prompts
+from benchmarks.served.serve_load_records import RequestRecord, summarize_level
 from benchmarks.served.server_process import MemoryProbe, ServerProcess
 
 logger = logging.getLogger("benchmarks.peers.self_draft")
@@ -47,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--shape", choices=sorted(SHAPES), default="279m", help="Build this random Llama (default 279m).")
     source.add_argument("--model", default=None, help="A checkpoint directory of yours instead of --shape.")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    parser.add_argument("--quantization", default="int4", choices=("int8", "int4"), help="The draft copy's weights.")
+    parser.add_argument("--quantization", default="int4", choices=("int8", "int4", "w8a8"), help="The draft copy's weights.")
     parser.add_argument("--gamma", type=_gammas, default=(4,), help="sd's block; comma-separated: one case each.")
     parser.add_argument("--concurrency", type=int, default=1, help="Closed-loop clients.")
     parser.add_argument("--rounds", type=int, default=5, help="Interleaved rounds (ratios are their median).")
@@ -91,14 +96,18 @@ def run_rounds(path: pathlib.Path | str, args: argparse.Namespace, out: pathlib.
     config_path = out / "serve.yaml"
     config_path.write_text(yaml.safe_dump(serve_config(path, args)))
     server = ServerProcess(config_path, out / "server.log", settings.start_timeout_s)
-    measured = {case.label: {"tokens_per_s": [], "block_efficiency": []} for case in cases(args.gamma)}
+    measured = {case.label: {"tokens_per_s": [], "block_efficiency": [], **{part: [] for part in SPLIT_PARTS}}
+                for case in cases(args.gamma)}
     try:
         server.start("/")
         client = LoadClient(server.url, "specserve", settings, load_prompts(PROMPTS_PATH, None), None)
         memory = MemoryProbe(server.process.pid if server.process else None, settings.worker_class)
         for round_index in range(args.rounds):
             for case in cases(args.gamma):
-                summary = client.measure_level(LevelPlan(case, args.concurrency, args.requests), memory)
+                run, records = asyncio.run(client.run_level(LevelPlan(case, args.concurrency, args.requests), memory))
+                summary = summarize_level(run, records, args.max_tokens)
+                for part, seconds in split_seconds(records).items():
+                    measured[case.label][part].append(seconds)
                 measured[case.label]["tokens_per_s"].append(summary.tokens_per_second)
                 measured[case.label]["block_efficiency"].append(summary.block_efficiency or 1.0)
                 logger.info("round %d %s: %.2f tok/s (%d ok, %d failed), block efficiency %.2f", round_index, case.label,
@@ -106,6 +115,29 @@ def run_rounds(path: pathlib.Path | str, args: argparse.Namespace, out: pathlib.
     finally:
         server.stop()
     return measured
+
+
+#: The parts of a token's time (:func:`split_seconds`): the responses' stats, and their tokens.
+SPLIT_PARTS = ("draft_s", "target_s", "verify_s", "coordination_s", "tokens")
+
+
+def split_seconds(records: list[RequestRecord]) -> dict[str, float]:
+    """Seconds the completed requests spent in each part of :data:`SPLIT_PARTS` (their stats'
+    ``time_*_s``; the coordination part is the rest of each request's time), and their tokens."""
+    done = [record for record in records if record.ok and record.times_s]
+    totals = {part: sum(record.times_s.get(part, 0.0) for record in done) for part in SPLIT_PARTS[:-1]}
+    return totals | {"tokens": float(sum(record.completion_tokens for record in done))}
+
+
+def split_rows(measured: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
+    """Per case: ms per generated token in each part, over every round."""
+    table = []
+    for label, values in measured.items():
+        tokens = sum(values["tokens"])
+        if tokens:
+            table.append({"case": label, **{f"{part[:-2]} ms/token": round(1e3 * sum(values[part]) / tokens, 2)
+                                            for part in SPLIT_PARTS[:-1]}})
+    return table
 
 
 def rows(measured: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -140,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     for row in table:
         print(f"| {row['case']} | {row['tok/s']:.2f} | {row['x ar']} | {row['block_efficiency']:.2f} |")
+    split = {row.pop("case"): row for row in split_rows(measured)}
+    for label, row in zip(measured, table):  # the same order
+        row.update(split.get(label, {}))
+    print("\n| case | draft ms/token | target ms/token | verify ms/token | rest ms/token |")
+    print("|---|---|---|---|---|")
+    for row in table:
+        print(f"| {row['case']} | " + " | ".join(str(row.get(f"{part[:-2]} ms/token", "-")) for part in SPLIT_PARTS[:-1]) + " |")
     if args.record:
         print(f"recorded {record(args, table)}")
     return 0
