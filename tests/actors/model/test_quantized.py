@@ -77,15 +77,20 @@ def test_quantized_linear_is_within_its_error_bound(quantization, out_features, 
 
 
 def test_w8a8_quantizes_each_row_on_its_own_grid():
-    """Two rows 1000x apart in size: each gives what it gives alone (its own grid, whatever its
-    neighbours), so a draft's rows do not depend on the rows batched with them."""
+    """Rows 1000x apart in size: batched, each gives what it gives in any other batch (its own grid,
+    whatever its neighbours), so a draft's rows do not depend on the rows batched with them; a row
+    alone has the grid of its own values, as precise."""
     linear = _linear(32, 64, bias=True)
     module = quantize_linear(linear, "w8a8")
     inputs = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)) * torch.tensor([[1000.0], [1.0], [-3.0]])  # [3, in]
     with torch.no_grad():
-        together = module(inputs)  # [3, out]
+        together, expected = module(inputs), F.linear(inputs, linear.weight, linear.bias)  # [3, out]
+        assert torch.equal(together[1:], module(inputs[1:]))
+        assert torch.equal(together[::2], module(inputs[::2]))
         for row in range(3):
-            assert torch.equal(together[row : row + 1], module(inputs[row : row + 1])), row
+            alone = module(inputs[row : row + 1])  # [1, out]
+            for got in (together[row], alone[0]):
+                assert float((got - expected[row]).norm() / expected[row].norm()) < 0.02, row
 
 
 def test_quantized_linear_keeps_leading_dims_and_dtype():
