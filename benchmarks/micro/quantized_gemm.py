@@ -52,6 +52,8 @@ COMMAND = "python -m benchmarks.micro.quantized_gemm"
 #: ``--forward``: cached tokens per row, and the quantized copies timed.
 FORWARD_CONTEXT = 150
 FORWARD_COPIES = ("int8", "int4", "w8a8")
+#: The kernels a record keeps (the columns of a whole forward's rows).
+RECORDED = ("bf16-onednn", "int8", "int4", "w8a8")
 
 
 COLUMNS = ("fp32", "fp32-onednn", "bf16", "bf16-onednn", "int8", "int4", "int4-g128", "w8a8")
@@ -176,10 +178,13 @@ def record(case: str, args: argparse.Namespace, gemms: list[dict[str, Any]], for
             skip = not skip and "=" not in word
             continue
         words.append(word)
-    rows = [{"case": f"{row['weight (out x in)']}, {row['rows']} row(s)",
-             **{key: value for key, value in row.items() if key.endswith(" us")}} for row in gemms]
-    rows += [{"case": f"forward: {row['forward']}", "ms": row["ms"], "x target 1 x 1": row["x target 1 x 1"]}
-             for row in forwards]
+    rows = [{"case": f"{row['weight (out x in)']}, {row['rows']} row{'s' if row['rows'] > 1 else ''}, us",
+             **{name: row.get(f"{name} us") for name in RECORDED}} for row in gemms]
+    if forwards:  # the target's forward under bf16-onednn (what it runs), each copy's under its kernel
+        by_name = {row["forward"].split()[0]: row for row in forwards if row["forward"].endswith("1 x 1")}
+        for unit, key in (("ms", "ms"), ("x bf16", "x target 1 x 1")):
+            rows.append({"case": f"279M forward, 1 x 1, {unit}",
+                         **{name: by_name.get("bf16" if name == "bf16-onednn" else name, {}).get(key) for name in RECORDED}})
     notes = (f"One torch thread; products: us, medians of {args.repeats} interleaved rounds over {args.copies} weights "
              f"each (from memory), quantized modules fed {args.inputs}; forwards: ms, context {FORWARD_CONTEXT}. "
              "Other jobs shared the host.")

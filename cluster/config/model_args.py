@@ -33,10 +33,9 @@ class ModelArgs(Frozen):
     )
     quantization: Quantization | None = Field(
         None,
-        description="A draft only: every linear layer weight-only quantized at load, int8 (a scale per output row) or int4 (a"
-        " scale and offset per 32 inputs), with torch's CPU kernels, or w8a8 (int8 weights and per-row int8 activations,"
-        " fbgemm's dynamic linear, x86); path: the target's own, for a quantized copy"
-        " of the target as its proposer (the law stays the target's). CPU workers only. Unset: as loaded.",
+        description="A draft only: its linears quantized at load with torch's CPU kernels: int8 or int4 weights (a scale per"
+        " row; int4: a scale and offset per 32 inputs) or w8a8 (int8 weights and activations, x86). path: the target's own"
+        " for a quantized copy as proposer (the law stays the target's). CPU workers only. Unset: as loaded.",
     )
 
     @model_validator(mode="after")
