@@ -29,6 +29,7 @@ import statistics
 import tempfile
 from typing import Any
 
+from actors.model.quantized import QUANTIZATIONS
 from benchmarks.peers import real_size_served
 from benchmarks.peers.real_size import SHAPES, build_checkpoint
 from benchmarks.served.load_cases import LoadCase, ServeLoadSettings
@@ -46,13 +47,22 @@ def _gammas(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part)
 
 
+def _quantizations(text: str) -> tuple[str, ...]:
+    names = tuple(part for part in text.split(",") if part)
+    unknown = [name for name in names if name not in QUANTIZATIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--quantization: {unknown or text!r}; expected some of {list(QUANTIZATIONS)}")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--shape", choices=sorted(SHAPES), default="279m", help="Build this random Llama (default 279m).")
     source.add_argument("--model", default=None, help="A checkpoint directory of yours instead of --shape.")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    parser.add_argument("--quantization", default="int4", choices=("int8", "int4", "w8a8"), help="The draft copy's weights.")
+    parser.add_argument("--quantization", type=_quantizations, default=("int4",),
+                        help=f"The draft copy's weights, one of {list(QUANTIZATIONS)}; comma-separated: one server run each.")
     parser.add_argument("--gamma", type=_gammas, default=(4,), help="sd's block; comma-separated: one case each.")
     parser.add_argument("--concurrency", type=int, default=1, help="Closed-loop clients.")
     parser.add_argument("--rounds", type=int, default=5, help="Interleaved rounds (ratios are their median).")
@@ -64,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--record", default=None, metavar="CASE", help="Write the table into the results store.")
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else None
+    args.quantizations, args.quantization = args.quantization, args.quantization[0]
     return args
 
 
@@ -93,6 +104,7 @@ def run_rounds(path: pathlib.Path | str, args: argparse.Namespace, out: pathlib.
 
     settings = ServeLoadSettings(concurrency=(args.concurrency,), strategies=("ar", "sd"), max_tokens=args.max_tokens,
                                  requests_per_level=args.requests, temperature=1.0, bare_limit=False)
+    out.mkdir(parents=True, exist_ok=True)
     config_path = out / "serve.yaml"
     config_path.write_text(yaml.safe_dump(serve_config(path, args)))
     server = ServerProcess(config_path, out / "server.log", settings.start_timeout_s)
@@ -160,21 +172,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="self-draft-"))
     out.mkdir(parents=True, exist_ok=True)
-    if args.model is not None:
-        measured = run_rounds(args.model, args, out)
-    else:
-        with tempfile.TemporaryDirectory(prefix="self-draft-model-") as root:
-            measured = run_rounds(build_checkpoint(SHAPES[args.shape], pathlib.Path(root), f"llama-{args.shape}"), args, out)
-    table = rows(measured, args)
+    table = []
+    with tempfile.TemporaryDirectory(prefix="self-draft-model-") as root:
+        path = args.model or build_checkpoint(SHAPES[args.shape], pathlib.Path(root), f"llama-{args.shape}")
+        for quantization in args.quantizations:  # one server each, its own ar
+            run_args = argparse.Namespace(**(vars(args) | {"quantization": quantization}))
+            run = run_rounds(path, run_args, out / quantization)
+            run_table = rows(run, run_args)
+            split = {row.pop("case"): row for row in split_rows(run)}
+            for label, row in zip(run, run_table):  # the same order
+                row.update(split.get(label, {}))
+                if label == "ar" and len(args.quantizations) > 1:
+                    row["case"] = f"ar ({quantization} run)"
+            table += run_table
     print(f"\n{args.shape if args.model is None else args.model}, {args.dtype}, {args.concurrency} client(s), "
           f"{args.rounds} rounds x {args.requests} requests of {args.max_tokens} tokens")
     print("| case | tok/s (median) | x ar (median of rounds) | block efficiency |")
     print("|---|---|---|---|")
     for row in table:
         print(f"| {row['case']} | {row['tok/s']:.2f} | {row['x ar']} | {row['block_efficiency']:.2f} |")
-    split = {row.pop("case"): row for row in split_rows(measured)}
-    for label, row in zip(measured, table):  # the same order
-        row.update(split.get(label, {}))
     print("\n| case | draft ms/token | target ms/token | verify ms/token | rest ms/token |")
     print("|---|---|---|---|---|")
     for row in table:
@@ -205,10 +221,11 @@ def record(args: argparse.Namespace, table: list[dict[str, Any]]) -> pathlib.Pat
 
     label = args.shape if args.model is None else pathlib.Path(args.model).name
     clients = "one client" if args.concurrency == 1 else f"{args.concurrency} clients"
-    notes = (f"One worker: the {args.dtype} target and its {args.quantization} copy (built from its weights, lean "
+    copies = " / ".join(args.quantizations)
+    notes = (f"One worker: the {args.dtype} target and its {copies} copy (built from its weights, lean "
              f"decoder). {args.max_tokens} tokens, T = 1, {args.requests} requests a case a round, {args.rounds} "
-             "interleaved rounds. Random weights give near-uniform rows: acceptance is optimistic.")
-    return update(make_record(args.record, f"{label} random Llama: sd with its {args.quantization} "
+             "interleaved rounds; x ar: over its own run's ar. Random weights give near-uniform rows: acceptance is optimistic.")
+    return update(make_record(args.record, f"{label} random Llama: sd with its {copies} "
                               f"copy against ar, served, {clients}", public_command(args), table, notes=notes,
                               section="Peers"))
 
