@@ -178,16 +178,20 @@ def record(case: str, args: argparse.Namespace, gemms: list[dict[str, Any]], for
             skip = not skip and "=" not in word
             continue
         words.append(word)
-    rows = [{"case": f"{row['weight (out x in)']}, {row['rows']} row{'s' if row['rows'] > 1 else ''}, us",
-             **{name: row.get(f"{name} us") for name in RECORDED}} for row in gemms]
+    by_shape: dict[str, list[dict[str, Any]]] = {}
+    for row in gemms:
+        by_shape.setdefault(row["weight (out x in)"].replace(" ", ""), []).append(row)
+    counts = "/".join(str(row["rows"]) for row in gemms[:len(gemms) // max(1, len(by_shape))])
+    rows = [{"case": f"{shape}, {counts} rows, us",
+             **{name: " / ".join(f"{row[f'{name} us']:.0f}" for row in shape_rows) for name in RECORDED}}
+            for shape, shape_rows in by_shape.items()]
     if forwards:  # the target's forward under bf16-onednn (what it runs), each copy's under its kernel
         by_name = {row["forward"].split()[0]: row for row in forwards if row["forward"].endswith("1 x 1")}
-        for unit, key in (("ms", "ms"), ("x bf16", "x target 1 x 1")):
-            rows.append({"case": f"279M forward, 1 x 1, {unit}",
-                         **{name: by_name.get("bf16" if name == "bf16-onednn" else name, {}).get(key) for name in RECORDED}})
-    notes = (f"One torch thread; products: us, medians of {args.repeats} interleaved rounds over {args.copies} weights "
-             f"each (from memory), quantized modules fed {args.inputs}; forwards: ms, context {FORWARD_CONTEXT}. "
-             "Other jobs shared the host.")
+        rows.append({"case": "279M forward, 1 x 1, ms (x bf16)", **{
+            name: f"{by_name[key]['ms']:.1f} ({by_name[key]['x target 1 x 1']:.2f})"
+            for name, key in zip(RECORDED, ("bf16", *RECORDED[1:])) if key in by_name}})
+    notes = (f"One thread; medians of {args.repeats} interleaved rounds, {args.copies} weights a kernel (from memory), "
+             f"modules fed {args.inputs}; forwards: context {FORWARD_CONTEXT}.")
     return update(make_record(case, "Quantized matmuls against the bf16 GEMM, and a 279M Llama's copies' forwards",
                               " ".join([COMMAND, *words]), rows, notes=notes, section="Micro-benchmarks"))
 

@@ -131,6 +131,8 @@ def run_rounds(path: pathlib.Path | str, args: argparse.Namespace, out: pathlib.
 
 #: The parts of a token's time (:func:`split_seconds`): the responses' stats, and their tokens.
 SPLIT_PARTS = ("draft_s", "target_s", "verify_s", "coordination_s", "tokens")
+#: The table's column of each part (ms per generated token).
+SPLIT_COLUMNS = {"draft_s": "draft ms", "target_s": "target ms", "verify_s": "verify ms", "coordination_s": "rest ms"}
 
 
 def split_seconds(records: list[RequestRecord]) -> dict[str, float]:
@@ -147,7 +149,7 @@ def split_rows(measured: dict[str, dict[str, list[float]]]) -> list[dict[str, An
     for label, values in measured.items():
         tokens = sum(values["tokens"])
         if tokens:
-            table.append({"case": label, **{f"{part[:-2]} ms/token": round(1e3 * sum(values[part]) / tokens, 2)
+            table.append({"case": label, **{SPLIT_COLUMNS[part]: round(1e3 * sum(values[part]) / tokens, 1)
                                             for part in SPLIT_PARTS[:-1]}})
     return table
 
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| case | draft ms/token | target ms/token | verify ms/token | rest ms/token |")
     print("|---|---|---|---|---|")
     for row in table:
-        print(f"| {row['case']} | " + " | ".join(str(row.get(f"{part[:-2]} ms/token", "-")) for part in SPLIT_PARTS[:-1]) + " |")
+        print(f"| {row['case']} | " + " | ".join(str(row.get(column, "-")) for column in SPLIT_COLUMNS.values()) + " |")
     if args.record:
         print(f"recorded {record(args, table)}")
     return 0
@@ -222,9 +224,9 @@ def record(args: argparse.Namespace, table: list[dict[str, Any]]) -> pathlib.Pat
     label = args.shape if args.model is None else pathlib.Path(args.model).name
     clients = "one client" if args.concurrency == 1 else f"{args.concurrency} clients"
     copies = " / ".join(args.quantizations)
-    notes = (f"One worker: the {args.dtype} target and its {copies} copy (built from its weights, lean "
-             f"decoder). {args.max_tokens} tokens, T = 1, {args.requests} requests a case a round, {args.rounds} "
-             "interleaved rounds; x ar: over its own run's ar. Random weights give near-uniform rows: acceptance is optimistic.")
+    notes = (f"One worker: the {args.dtype} target and its {' or '.join(args.quantizations)} copy (built from its weights). "
+             f"{args.max_tokens} tokens, T = 1, {args.requests} requests a case a round, {args.rounds} interleaved rounds; "
+             "x ar: over its own run's ar; ms: per token, from the responses' stats. Random weights: acceptance is optimistic.")
     return update(make_record(args.record, f"{label} random Llama: sd with its {copies} "
                               f"copy against ar, served, {clients}", public_command(args), table, notes=notes,
                               section="Peers"))
