@@ -1,4 +1,4 @@
-"""A weight-only quantized copy of a model: the target's own weights as a cheaper proposer.
+"""A quantized copy of a model (weight-only int8 / int4, or w8a8): the target's own weights as a cheaper proposer.
 
 A deployment names a quantized copy of its target as its draft model (``models.<name>.quantization``,
 :class:`cluster.config.ModelArgs`): the same checkpoint, loaded again and every ``nn.Linear`` of
@@ -14,6 +14,12 @@ weight-only matmul with the kernels torch ships for CPU:
   multiples of 16 (zero rows are padded on and cut off the product) and the input columns in
   multiples of the group size: a layer whose input is not is kept in ``int8`` (the load's log line
   counts each kind).
+
+* ``w8a8`` (:class:`W8A8Linear`): int8 weights as ``int8``, and the activations quantized to 8 bits
+  at each call by fbgemm's dynamic linear (``torch.ops.quantized.linear_dynamic``, x86): at one row
+  on one thread the fastest of the three (the int4 kernel is compute-bound there, this one reads
+  its int8 weights at about a core's memory bandwidth; ``python -m benchmarks.micro.quantized_gemm
+  --shapes 279m --inputs bfloat16``); its error bound adds a step of each activation's grid.
 
 Each weight element is off by at most half its scale, so an output ``y_n`` is off by at most
 ``sum_k |x_k| * scale_{n,k} / 2``, plus the rounding of the product's inputs and output to
@@ -171,7 +177,8 @@ class W8A8Linear(torch.nn.Module):
     client) is quantized on the grid of its own values; several rows are each divided by their largest
     magnitude (the product multiplied back) and a row holding -1 and 1 goes along, so that the
     call's grid is 255 steps over [-1, 1]: each row on its own symmetric grid, the same whichever
-    rows it is batched with.
+    rows it is batched with (a lone row's products may differ from its batched ones by a step of
+    its grid: a seeded draft alone and in a batch may then differ; the law never does).
     At one row on an AVX512-VNNI core 1.5-2x faster than the int4 kernel and 3x than bf16
     (``python -m benchmarks.micro.quantized_gemm``)."""
 

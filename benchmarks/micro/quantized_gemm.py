@@ -178,21 +178,21 @@ def record(case: str, args: argparse.Namespace, gemms: list[dict[str, Any]], for
             skip = not skip and "=" not in word
             continue
         words.append(word)
-    by_shape: dict[str, list[dict[str, Any]]] = {}
+    by_rows: dict[int, list[dict[str, Any]]] = {}
     for row in gemms:
-        by_shape.setdefault(row["weight (out x in)"].replace(" ", ""), []).append(row)
-    counts = "/".join(str(row["rows"]) for row in gemms[:len(gemms) // max(1, len(by_shape))])
-    rows = [{"case": f"{shape}, {counts} rows, us",
-             **{name: " / ".join(f"{row[f'{name} us']:.0f}" for row in shape_rows) for name in RECORDED}}
-            for shape, shape_rows in by_shape.items()]
+        by_rows.setdefault(row["rows"], []).append(row)
+    shapes = (f"Its {len(PRESETS[args.shapes].split(','))} shapes" if args.shapes in PRESETS else
+              "Shapes " + ", ".join(row["weight (out x in)"].replace(" ", "") for row in gemms if row["rows"] == gemms[0]["rows"]))
+    counts = " / ".join(str(count) for count in by_rows)
+    rows = [{"case": f"GEMMs, {counts} rows, us",
+             **{name: " / ".join(f"{sum(row[f'{name} us'] for row in shape_rows):.0f}" for shape_rows in by_rows.values())
+                for name in RECORDED}}]
     if forwards:  # the target's forward under bf16-onednn (what it runs), each copy's under its kernel
         by_name = {row["forward"].split()[0]: row for row in forwards if row["forward"].endswith("1 x 1")}
-        rows.append({"case": "279M forward, 1 x 1, ms (x bf16)", **{
-            name: f"{by_name[key]['ms']:.1f} ({by_name[key]['x target 1 x 1']:.2f})"
-            for name, key in zip(RECORDED, ("bf16", *RECORDED[1:])) if key in by_name}})
-    notes = (f"One thread; medians of {args.repeats} interleaved rounds, {args.copies} weights a kernel (from memory), "
-             f"modules fed {args.inputs}; forwards: context {FORWARD_CONTEXT}.")
-    return update(make_record(case, "Quantized matmuls against the bf16 GEMM, and a 279M Llama's copies' forwards",
+        rows.append({"case": "forward, 1 x 1, ms", **{name: round(by_name[key]["ms"], 1)
+                                                        for name, key in zip(RECORDED, ("bf16", *RECORDED[1:])) if key in by_name}})
+    notes = f"{shapes}; one thread; medians of {args.repeats} rounds, {args.copies} weights a kernel; {args.inputs} inputs."
+    return update(make_record(case, "Quantized GEMMs and forwards against bf16, 279M Llama",
                               " ".join([COMMAND, *words]), rows, notes=notes, section="Micro-benchmarks"))
 
 

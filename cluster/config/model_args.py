@@ -33,9 +33,8 @@ class ModelArgs(Frozen):
     )
     quantization: Quantization | None = Field(
         None,
-        description="A draft only (path: the target's own for a quantized copy as proposer; the law stays the target's): its"
-        " linears quantized at load, int8 or int4 weights (int4: a scale and offset per 32 inputs) or w8a8 (int8 weights and"
-        " activations, x86). CPU workers only. Unset: as loaded.",
+        description="A draft only: int8 / int4 weights or w8a8 (int8 weights and activations, x86) linears, built at"
+        " load; path: the target's own for a copy of it as proposer. CPU workers only. Unset: as loaded.",
     )
 
     @model_validator(mode="after")
