@@ -71,6 +71,16 @@ MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KERNEL_DTYPE = torch.bfloat16
 
 
+#: The activations' dtype of a copy whose kernels take it natively (w8a8: fbgemm's float32 in and
+#: out): its lean decoder computes in it, its KV cache holds it (no conversion around each GEMM).
+ACTIVATION_DTYPES = {"w8a8": torch.float32}
+
+
+def activation_dtype(quantization: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a ``quantization`` copy of a ``model_dtype`` model computes and caches in."""
+    return ACTIVATION_DTYPES.get(quantization, model_dtype)
+
+
 class QuantizationError(ValueError):
     """A quantization the loader cannot build (unknown name, unsupported dtype or kernel)."""
 

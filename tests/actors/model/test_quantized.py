@@ -238,6 +238,41 @@ def test_a_copy_of_a_loaded_model_is_built_from_its_weights_and_leaves_it_alone(
     assert not torch.allclose(rows(copy), before, atol=1e-4, rtol=1e-4)  # quantized: not the target's rows
 
 
+def test_a_w8a8_copy_of_a_bf16_model_computes_and_caches_in_float32(tmp_path):
+    """fbgemm's kernel takes and gives float32: a w8a8 copy of a bfloat16 model runs its lean decoder
+    and holds its KV cache in float32 (no conversion around each GEMM); the target stays bf16, the
+    int4 copy too; the copy's cache forward equals its own one-shot forward."""
+    from actors.model import backends
+    from actors.model.backends import SlotBackend
+    from actors.model.batch import linear_row
+
+    backends._LOADED_MODELS.clear()
+    path = tmp_path / "bf16"
+    _tiny_llama(96, seed=6).to(torch.bfloat16).save_pretrained(path)
+    options = dict(dtype="bfloat16", max_slots=2, scratch_columns=8)
+    target = SlotBackend.load(str(path), **options)
+    copy = SlotBackend.load(str(path), quantization="w8a8", **options)
+    int4 = SlotBackend.load(str(path), quantization="int4", **options)
+    assert copy.model is target.model and copy.lean is not None and copy.lean.dtype == torch.float32
+    assert copy.kv_dtype == copy.cache.dtype == torch.float32
+    assert target.kv_dtype == target.cache.dtype == int4.kv_dtype == torch.bfloat16
+    tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def rows(backend, splits):
+        slot, out, start = backend.allocate(), [], 0
+        for end in splits:
+            out.append(backend.forward([linear_row(slot, start, tokens[start:end], start, list(range(end - start)))])[0])
+            start = end
+        backend.free(slot)
+        return torch.cat(out)  # [12, V]
+
+    stepwise, whole = rows(copy, (9, 10, 12)), rows(copy, (12,))
+    assert torch.allclose(stepwise[:9], whole[:9], atol=1e-5, rtol=1e-5)  # the same rows: per-row grids
+    assert 0 < float((stepwise[9:] - whole[9:]).abs().max()) < 0.2  # row 9 went alone, on its own grid (10, 11 read it)
+    expected = rows(target, (12,)).double().softmax(-1)
+    assert float(0.5 * (stepwise.double().softmax(-1) - expected).abs().sum(-1).max()) < 0.1  # near the target's (0.05 measured)
+
+
 def test_a_quantized_copy_on_a_gpu_or_in_float64_is_refused(tiny_checkpoint):
     from actors.model.backends import SlotBackend
 
