@@ -58,8 +58,9 @@ A weight-only quantized copy of a model (``quantization``, :mod:`actors.model.qu
 path too, over the model's own embeddings, norms and rotary module (one copy in memory, shared
 with the model it copies): each packed GEMM weight (q/k/v, gate/up, o, down, the head) becomes an
 int8 / int4 module built from the float weights (:func:`actors.model.quantized.quantized_gemm`), and
-the model's own weights are left untouched. Its load-time check allows the quantization's error
-(:data:`QUANTIZED_SELF_CHECK_TOLERANCE`).
+the model's own weights are left untouched; a copy whose kernels take another dtype (w8a8: float32)
+computes and caches in it (:data:`actors.model.quantized.ACTIVATION_DTYPES`). Its load-time check
+allows the quantization's error (:data:`QUANTIZED_SELF_CHECK_TOLERANCE`).
 """
 
 from __future__ import annotations
