@@ -98,9 +98,11 @@ class SlotBackend:
         # The context a request may use here: max_model_len, at most the model's own.
         self.max_context = context_limit(int(max_context or _config_context(model.config)), max_model_len, name)
         self.capacity = self.max_context + scratch_columns  # columns per slot
+        # The KV cache's dtype: the model's, or a quantized copy's activations' (actors.model.quantized.ACTIVATION_DTYPES).
+        self.kv_dtype = getattr(lean[0], "dtype", model.dtype) if lean else model.dtype
         # Slots: as many as the KV budget holds (actors.model.kv_budget); max_slots when there is none.
         self.max_slots, self.slot_bytes, num_blocks = plan_kv_slots(
-            model.config, model=name, max_model_len=self.max_context, capacity=self.capacity, dtype=model.dtype,
+            model.config, model=name, max_model_len=self.max_context, capacity=self.capacity, dtype=self.kv_dtype,
             device=device, kv_cache_memory=kv_cache_memory, default_slots=max_slots,
             sliding=self.architecture.has_sliding_layers,
         )
@@ -116,7 +118,7 @@ class SlotBackend:
         self.lean_failures = LeanFailures()  # failed lean forwards (actors.model.device_health)
         # The block pool is allocated up front: the worker's memory is known at start-up.
         self.cache = PagedKVCache.from_config(model.config, capacity=self.capacity, max_slots=self.max_slots,
-                                              num_blocks=num_blocks, dtype=model.dtype, device=device)
+                                              num_blocks=num_blocks, dtype=self.kv_dtype, device=device)
         # Sliding-window layers mask by key position, which a column does not tell (chains).
         self.positions = (ColumnPositions(self.max_slots, self.capacity + 1, device)
                           if self.architecture.has_sliding_layers else None)
@@ -184,7 +186,7 @@ class SlotBackend:
         reclaim = self.cache.reclaim
         self.cache = None  # the old storage is freed before the new one is allocated
         self.cache = PagedKVCache.from_config(self.model.config, capacity=self.capacity, max_slots=self.max_slots,
-                                              dtype=self.model.dtype, device=self.device)
+                                              dtype=self.kv_dtype, device=self.device)
         self.cache.reclaim = reclaim
         if self.aux_layers:
             self.keep_aux(self.aux_layers)
@@ -357,7 +359,9 @@ class SlotBackend:
                 hidden = self.lean(input_ids, position_ids, attention_mask, self.cache)
                 self.lean_failures.succeeded(BATCHED)
                 return hidden, True
-            except Exception as error:  # noqa: BLE001 - the model's own decoder rewrites the same columns
+            except Exception as error:  # the model's own decoder rewrites the same columns (or, a copy of its own dtype, raises)
+                if self.kv_dtype != self.model.dtype:  # a copy caching in its own dtype: the model's decoder cannot
+                    raise
                 self._lean_failed(error, BATCHED)
         output = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                               past_key_values=self.cache, use_cache=True)

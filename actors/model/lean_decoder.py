@@ -60,8 +60,9 @@ A weight-only quantized copy of a model (``quantization``, :mod:`actors.model.qu
 path too, over the model's own embeddings, norms and rotary module (one copy in memory, shared
 with the model it copies): each packed GEMM weight (q/k/v, gate/up, o, down, the head) becomes an
 int8 / int4 module built from the float weights (:func:`actors.model.quantized.quantized_gemm`), and
-the model's own weights are left untouched. Its load-time check allows the quantization's error
-(:data:`QUANTIZED_SELF_CHECK_TOLERANCE`).
+the model's own weights are left untouched; a copy whose kernels take another dtype (w8a8: float32)
+computes and caches in it (:data:`actors.model.quantized.ACTIVATION_DTYPES`). Its load-time check
+allows the quantization's error (:data:`QUANTIZED_SELF_CHECK_TOLERANCE`).
 """
 
 from __future__ import annotations
@@ -182,13 +183,15 @@ class LeanDecoder:
         self.architecture = architecture
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
-        self.final_norm = (decoder.norm.weight, float(decoder.norm.variance_epsilon))
+        # The activations' (and the KV cache's) dtype: the model's, or a quantized copy's kernels' own.
+        self.dtype = _activation_dtype(quantization, model.dtype)
+        self.final_norm = (decoder.norm.weight.to(self.dtype), float(decoder.norm.variance_epsilon))
         # oneDNN's layout for the layers' GEMMs: on CPU in ONEDNN_DTYPES (see the module doc).
         self.quantization = quantization
         self.onednn = (_ONEDNN and self.embed_tokens.weight.device.type == "cpu" and model.dtype in ONEDNN_DTYPES
                        and quantization is None)
         gemm = _gemm_fn(self.onednn, quantization)
-        self.layers = [_pack_layer(layer, kind, gemm, share=quantization is None)
+        self.layers = [_pack_layer(layer, kind, gemm, share=quantization is None, dtype=self.dtype)
                        for layer, kind in zip(decoder.layers, architecture.layer_types)]
         head = model.get_output_embeddings()
         self._head = head if type(head) is torch.nn.Linear else None
@@ -224,7 +227,7 @@ class LeanDecoder:
         ``[B, 1, L, T_kv]`` bool mask or one per layer kind; None: every token sees every bound
         column, a one-token row of a model without sliding layers), ``cache`` bound to the rows ->
         the final-normed hidden states ``[B, L, hidden]``; every layer's new keys/values are written."""
-        hidden = self.embed_tokens(input_ids)  # [B, L, hidden]
+        hidden = self.embed_tokens(input_ids).to(self.dtype)  # [B, L, hidden]
         cos, sin = self.rotary_emb(hidden, position_ids)  # [B, L, d] each
         rotary = _rotary_factors(cos, sin)
         batch, length = input_ids.shape
@@ -244,10 +247,10 @@ class LeanDecoder:
 
     def _bmm_dtype(self, length: int) -> torch.dtype | None:
         """The dtype :func:`_bmm_attention` computes in for a forward of ``length`` new tokens per
-        row: the model's (float32/float64, a quantized copy), float32 (16 bits, at most
+        row: the activations' (float32/float64, a quantized copy's), float32 (16 bits, at most
         :data:`BMM_FLOAT32_MAX_LENGTH` tokens), or None: sdpa."""
         if self._bmm_attention:
-            return self.embed_tokens.weight.dtype
+            return self.dtype
         if self._bmm_float32 and length <= BMM_FLOAT32_MAX_LENGTH:
             return torch.float32
         return None
@@ -295,20 +298,20 @@ class LeanDecoder:
         from actors.model.layer_masks import layer_masks
 
         device = self.embed_tokens.weight.device
-        cache = PagedKVCache.from_config(model.config, capacity=tokens, max_slots=1,
-                                         dtype=self.embed_tokens.weight.dtype, device=device)
         generator = torch.Generator().manual_seed(0)
         input_ids = torch.randint(0, self.embed_tokens.num_embeddings, (1, tokens), generator=generator).to(device)
         positions = torch.arange(tokens, device=device)[None]  # [1, L]
         causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()[None, None]  # [1, 1, L, L]
         masks = layer_masks(self.architecture, causal, positions, positions, self.embed_tokens.weight.dtype)
         outputs = []
-        for run in (lambda: self(input_ids, positions, masks, cache),
-                    lambda: model.get_decoder()(input_ids=input_ids, position_ids=positions, attention_mask=masks,
-                                                past_key_values=cache, use_cache=True).last_hidden_state):
+        for dtype, run in ((self.dtype, lambda cache: self(input_ids, positions, masks, cache)),
+                           (model.dtype, lambda cache: model.get_decoder()(
+                               input_ids=input_ids, position_ids=positions, attention_mask=masks, past_key_values=cache,
+                               use_cache=True).last_hidden_state)):
+            cache = PagedKVCache.from_config(model.config, capacity=tokens, max_slots=1, dtype=dtype, device=device)
             cache.bind(torch.zeros(1, dtype=torch.long, device=device), positions, tokens)
             try:
-                outputs.append(run().float())  # [1, L, hidden]
+                outputs.append(run(cache).float())  # [1, L, hidden]
             finally:
                 cache.unbind()
         lean, own = outputs
@@ -519,7 +522,17 @@ def _pack(linears: list[torch.nn.Linear], share: bool = True) -> tuple[torch.Ten
     return weight, bias
 
 
-def _pack_layer(layer: Any, kind: str, gemm: Callable[..., tuple[Any, torch.Tensor | None]], share: bool = True) -> _LeanLayer:
+def _activation_dtype(quantization: str | None, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a decoder of ``dtype`` computes in: its own, or a quantized copy's kernels' own."""
+    if quantization is None:
+        return dtype
+    from actors.model.quantized import activation_dtype
+
+    return activation_dtype(quantization, dtype)
+
+
+def _pack_layer(layer: Any, kind: str, gemm: Callable[..., tuple[Any, torch.Tensor | None]], share: bool = True,
+                dtype: torch.dtype | None = None) -> _LeanLayer:
     """One layer's :class:`_LeanLayer`; its four GEMM weights as ``gemm`` makes them (:func:`_gemm_fn`)."""
     attention, mlp = layer.self_attn, layer.mlp
     qkv_weight, qkv_bias = gemm(*_pack([attention.q_proj, attention.k_proj, attention.v_proj], share))
@@ -533,11 +546,12 @@ def _pack_layer(layer: Any, kind: str, gemm: Callable[..., tuple[Any, torch.Tens
         qk_norm_weight = torch.cat([q_norm.weight.detach().expand(heads, -1),
                                     k_norm.weight.detach().expand(kv_heads, -1)])  # [H + H_kv, d]
         head_eps = float(q_norm.variance_epsilon)
-    before = (layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon), qkv_weight,
-              qkv_bias, qk_norm_weight, head_eps)
+    cast = (lambda weight: weight) if dtype is None else (lambda weight: weight.to(dtype))  # the norms' weights
+    before = (cast(layer.input_layernorm.weight.detach()), float(layer.input_layernorm.variance_epsilon), qkv_weight,
+              qkv_bias, None if qk_norm_weight is None else cast(qk_norm_weight), head_eps)
     o_weight, o_bias = gemm(attention.o_proj.weight.detach(), _detached(attention.o_proj.bias))
     down_weight, down_bias = gemm(mlp.down_proj.weight.detach(), _detached(mlp.down_proj.bias))
-    after = (o_weight, o_bias, layer.post_attention_layernorm.weight.detach(),
+    after = (o_weight, o_bias, cast(layer.post_attention_layernorm.weight.detach()),
              float(layer.post_attention_layernorm.variance_epsilon), gate_up_weight, gate_up_bias, down_weight, down_bias)
     return _LeanLayer(attention=attention, before=before, after=after, kind=kind)
 

@@ -1,4 +1,4 @@
-"""A weight-only quantized copy of a model: the target's own weights as a cheaper proposer.
+"""A quantized copy of a model (weight-only int8 / int4, or w8a8): the target's own weights as a cheaper proposer.
 
 A deployment names a quantized copy of its target as its draft model (``models.<name>.quantization``,
 :class:`cluster.config.ModelArgs`): the same checkpoint, loaded again and every ``nn.Linear`` of
@@ -14,6 +14,12 @@ weight-only matmul with the kernels torch ships for CPU:
   multiples of 16 (zero rows are padded on and cut off the product) and the input columns in
   multiples of the group size: a layer whose input is not is kept in ``int8`` (the load's log line
   counts each kind).
+
+* ``w8a8`` (:class:`W8A8Linear`): int8 weights as ``int8``, and the activations quantized to 8 bits
+  at each call by fbgemm's dynamic linear (``torch.ops.quantized.linear_dynamic``, x86): at one row
+  on one thread the fastest of the three (the int4 kernel is compute-bound there, this one reads
+  its int8 weights at about a core's memory bandwidth; ``python -m benchmarks.micro.quantized_gemm
+  --shapes 279m --inputs bfloat16``); its error bound adds a step of each activation's grid.
 
 Each weight element is off by at most half its scale, so an output ``y_n`` is off by at most
 ``sum_k |x_k| * scale_{n,k} / 2``, plus the rounding of the product's inputs and output to
@@ -35,7 +41,9 @@ that shares its target's process is built from the target's loaded weights
 from __future__ import annotations
 
 import logging
+import pathlib
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -44,7 +52,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 #: The quantizations a model entry may name (``models.<name>.quantization``).
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "w8a8")
 #: Input columns sharing one int4 scale and offset (the kernel takes 32, 64, 128 or 256; 32 is the
 #: most accurate).
 INT4_GROUP_SIZE = 32
@@ -61,6 +69,16 @@ MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: --shapes 2816x1024 --rows 1 --fp32-kernels``): the inputs are rounded to bfloat16 for the
 #: product and the product is returned in the inputs' dtype.
 KERNEL_DTYPE = torch.bfloat16
+
+
+#: The activations' dtype of a copy whose kernels take it natively (w8a8: fbgemm's float32 in and
+#: out): its lean decoder computes in it, its KV cache holds it (no conversion around each GEMM).
+ACTIVATION_DTYPES = {"w8a8": torch.float32}
+
+
+def activation_dtype(quantization: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a ``quantization`` copy of a ``model_dtype`` model computes and caches in."""
+    return ACTIVATION_DTYPES.get(quantization, model_dtype)
 
 
 class QuantizationError(ValueError):
@@ -145,10 +163,78 @@ class Int4Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
 
 
+def _has_vnni() -> bool:
+    """Whether this CPU has 8-bit dot products (AVX512-VNNI or AVX-VNNI), where fbgemm's int8 GEMM
+    takes full 8-bit activations without saturating its 16-bit intermediate sums (Linux flags)."""
+    try:
+        flags = pathlib.Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+#: fbgemm's ``reduce_range`` for :class:`W8A8Linear`: activations in 7 bits where the CPU has no VNNI.
+W8A8_REDUCE_RANGE = not _has_vnni()
+#: The quantized engines whose dynamic int8 linear :class:`W8A8Linear` calls.
+W8A8_ENGINES = ("x86", "fbgemm")
+
+
+class W8A8Linear(torch.nn.Module):
+    """``nn.Linear`` with int8 weights, one scale per output row (as :class:`Int8Linear`), whose
+    inputs are quantized to 8 bits at each call: fbgemm's dynamic linear
+    (``torch.ops.quantized.linear_dynamic``; float32 in and out, int32 sums). fbgemm takes one
+    activation grid per call, spanning the call's values and 0: a row alone (a draft step at one
+    client) is quantized on the grid of its own values; several rows are each divided by their largest
+    magnitude (the product multiplied back) and a row holding -1 and 1 goes along, so that the
+    call's grid is 255 steps over [-1, 1]: each row on its own symmetric grid, the same whichever
+    rows it is batched with (a lone row's products may differ from its batched ones by a step of
+    its grid: a seeded draft alone and in a batch may then differ; the law never does).
+    At one row on an AVX512-VNNI core 1.5-2x faster than the int4 kernel and 3x than bf16
+    (``python -m benchmarks.micro.quantized_gemm``)."""
+
+    def __init__(self, linear: Any):
+        super().__init__()
+        engine = torch.backends.quantized.engine
+        if engine not in W8A8_ENGINES:
+            raise QuantizationError(f"quantization 'w8a8': needs torch's x86 / fbgemm quantized engine; this torch runs {engine!r}")
+        weight = linear.weight.detach().float()  # [out, in]
+        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [out]
+        codes = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [out, in]
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("scales", scale)  # [out]
+        self.register_buffer("weight_int8", codes)  # [out, in], for the error bound and the record
+        with warnings.catch_warnings():  # torch marks its quantized tensor types deprecated (2.13 ships them)
+            warnings.simplefilter("ignore")
+            quantized = torch._make_per_channel_quantized_tensor(codes, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
+            self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        # One row holding -1 and 1, sent along with every call: the call's grid spans [-1, 1] whatever the rows.
+        self.register_buffer("_grid_row", torch.zeros(1, self.in_features).index_fill_(1, torch.tensor([0]), 1.0)
+                             .index_fill_(1, torch.tensor([min(1, self.in_features - 1)]), -1.0))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``inputs`` ``[..., in]`` -> ``[..., out]``."""
+        flat = inputs.reshape(-1, self.in_features).float()  # [N, in]
+        if flat.shape[0] == 1:  # a row alone (a draft step): the call's grid is its own, and no op around the call
+            out = torch.ops.quantized.linear_dynamic(flat, self._packed, W8A8_REDUCE_RANGE)  # [1, out]
+        else:
+            norm = flat.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # [N, 1]
+            normed = torch.cat((flat / norm, self._grid_row))  # [N + 1, in], each row in [-1, 1], the grid spanning both
+            out = torch.ops.quantized.linear_dynamic(normed, self._packed, W8A8_REDUCE_RANGE)[:-1].mul_(norm)  # [N, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(inputs.dtype).view(*inputs.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row scales, int8 activations"
+
+
 def quantize_linear(linear: Any, quantization: str) -> torch.nn.Module:
-    """The weight-only quantized module for ``linear`` (an ``int4`` layer whose input columns are
-    not a multiple of :data:`INT4_GROUP_SIZE` comes back as :class:`Int8Linear`)."""
+    """The quantized module for ``linear``: weight-only int8 / int4, or ``w8a8`` (an ``int4`` layer
+    whose input columns are not a multiple of :data:`INT4_GROUP_SIZE` comes back as :class:`Int8Linear`)."""
     check_quantization(quantization, linear.weight.dtype)
+    if quantization == "w8a8":
+        return W8A8Linear(linear)
     if quantization == "int4" and linear.in_features % INT4_GROUP_SIZE == 0:
         return Int4Linear(linear)
     return Int8Linear(linear)
@@ -190,6 +276,8 @@ def linear_error_bound(inputs: torch.Tensor, module: torch.nn.Module, weight: to
     inputs and the output rounded to :data:`KERNEL_DTYPE` (unit roundoff ``u``), and a float32
     accumulation's slack: with ``a = |x| @ (step / 2)^T`` and ``m = |x| @ |w|^T``,
     ``(a + u (m + a)) (1 + u) + u m + 1e-5 m``."""
+    if isinstance(module, W8A8Linear):
+        return _w8a8_error_bound(inputs, module, weight)
     if isinstance(module, Int8Linear):
         step = module.scales.float()[:, None].expand(module.out_features, module.in_features)  # [out, in]
     elif isinstance(module, Int4Linear):
@@ -202,3 +290,25 @@ def linear_error_bound(inputs: torch.Tensor, module: torch.nn.Module, weight: to
     quantized = F.linear(magnitude, step.double() / 2.0)  # [..., out]
     product = F.linear(magnitude, weight.abs().double())  # [..., out]
     return (quantized + unit * (product + quantized)) * (1 + unit) + unit * product + 1e-5 * product
+
+
+def _w8a8_error_bound(inputs: torch.Tensor, module: W8A8Linear, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`linear_error_bound` of a :class:`W8A8Linear`: ``x w - x' w'`` is at most
+    ``|x - x'| |w'| + |x| |w - w'|``; an activation of a row is off by at most one step of its
+    8-bit grid (half a step rounding, half a step where the grid's zero point is rounded; 255
+    steps over [-1, 1] times the row's largest magnitude, or over a lone row's values), a weight by half its
+    row's scale; then float32 slack and the output's rounding to the inputs' dtype."""
+    flat = inputs.reshape(-1, module.in_features).double()  # [N, in]
+    levels = 127.0 if W8A8_REDUCE_RANGE else 255.0
+    if flat.shape[0] == 1:  # the row's own grid, over its values and 0
+        norm, grid = torch.ones(1, 1, dtype=torch.float64), (flat.max().clamp_min(0.0) - flat.min().clamp_max(0.0)) / levels
+    else:  # 255 steps over [-1, 1], times the row's largest magnitude
+        norm, grid = flat.abs().amax(dim=1, keepdim=True), 2.0 / levels  # [N, 1]
+    step = module.scales.double()[:, None]  # [out, 1]
+    dequantized = module.weight_int8.double() * step  # [out, in]
+    activation = (grid * norm) * dequantized.abs().sum(dim=1)  # [N, out]
+    quantized = activation + F.linear(flat.abs(), (step / 2.0).expand(-1, module.in_features))  # [N, out]
+    product = F.linear(flat.abs(), weight.abs().double())  # [N, out]
+    unit = torch.finfo(inputs.dtype).eps / 2
+    bound = quantized + (unit + 1e-5) * (product + quantized)
+    return bound.view(*inputs.shape[:-1], module.out_features)

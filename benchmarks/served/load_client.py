@@ -107,6 +107,8 @@ class LoadClient:
             usage_completion_tokens=(final.get("usage") or {}).get("completion_tokens"),
             target_calls=speculation.get("target_calls"), overlap=overlap,
             drafted_tokens=_drafted_tokens(speculation),
+            times_s={key[len("time_"):]: float(value) for key, value in speculation.items()
+                     if key.startswith("time_") and isinstance(value, (int, float))} or None,
         )
 
     def measure_level(self, plan: LevelPlan, memory: MemoryProbe) -> LevelSummary:

@@ -69,6 +69,7 @@ class RequestRecord:
     usage_completion_tokens: int | None = None  # the server's count (final chunk's usage)
     target_calls: int | None = None  # the server's speculation stats, when streamed
     drafted_tokens: int | None = None  # the server's stats: tokens drafted over the request's iterations
+    times_s: dict[str, float] | None = None  # the server's stats: seconds in draft, target, verify, coordination
     overlap: bool | None = None  # the server's args.engine.overlap (None: not recorded)
 
     @property

@@ -10,7 +10,7 @@ from cluster.config.base import Frozen
 
 ModelRole = Literal["target", "draft", "member"]
 DType = Literal["float32", "float16", "bfloat16"]
-Quantization = Literal["int8", "int4"]
+Quantization = Literal["int8", "int4", "w8a8"]
 
 
 class ModelArgs(Frozen):
@@ -33,9 +33,8 @@ class ModelArgs(Frozen):
     )
     quantization: Quantization | None = Field(
         None,
-        description="A draft only: every linear layer weight-only quantized at load, int8 (a scale per output row) or int4 (a"
-        " scale and offset per 32 inputs), with torch's CPU kernels; path: the target's own, for a quantized copy"
-        " of the target as its proposer (the law stays the target's). CPU workers only. Unset: as loaded.",
+        description="A draft only: int8 / int4 weights or w8a8 (int8 weights and activations, x86) linears, built at"
+        " load; path: the target's own for a copy of it as proposer. CPU workers only. Unset: as loaded.",
     )
 
     @model_validator(mode="after")

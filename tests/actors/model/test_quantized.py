@@ -27,6 +27,7 @@ from actors.model.quantized import (
     Int4Linear,
     Int8Linear,
     QuantizationError,
+    W8A8Linear,
     check_quantization,
     linear_error_bound,
     quantize_linear,
@@ -51,13 +52,16 @@ def _linear(out_features: int, in_features: int, *, bias: bool, dtype: torch.dty
     return torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+KINDS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 @pytest.mark.parametrize(("out_features", "in_features", "bias"), [(48, 64, False), (37, 96, True), (300, 128, False)])
 @pytest.mark.parametrize("rows", [1, 16])
 def test_quantized_linear_is_within_its_error_bound(quantization, out_features, in_features, bias, rows):
     linear = _linear(out_features, in_features, bias=bias, seed=out_features)
     module = quantize_linear(linear, quantization)
-    assert type(module) is (Int8Linear if quantization == "int8" else Int4Linear)
+    assert type(module) is KINDS[quantization]
     inputs = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))  # [rows, in]
     with torch.no_grad():
         expected = F.linear(inputs.double(), linear.weight.double(),
@@ -67,13 +71,31 @@ def test_quantized_linear_is_within_its_error_bound(quantization, out_features, 
     error = (got.double() - expected).abs()
     bound = linear_error_bound(inputs, module, linear.weight.detach())
     assert (error <= bound).all(), float((error - bound).max())
-    # And close in norm: int8 ~ 1/127 of a row's range per weight, int4 ~ 1/15 of a group's.
-    assert float(error.norm() / expected.norm()) < {"int8": 0.01, "int4": 0.12}[quantization]
+    # And close in norm: int8 ~ 1/127 of a row's range per weight, int4 ~ 1/15 of a group's; w8a8 the
+    # int8 weights and ~1/255 of a row's range per activation.
+    assert float(error.norm() / expected.norm()) < {"int8": 0.01, "int4": 0.12, "w8a8": 0.02}[quantization]
+
+
+def test_w8a8_quantizes_each_row_on_its_own_grid():
+    """Rows 1000x apart in size: batched, each gives what it gives in any other batch (its own grid,
+    whatever its neighbours), so a draft's rows do not depend on the rows batched with them; a row
+    alone has the grid of its own values, as precise."""
+    linear = _linear(32, 64, bias=True)
+    module = quantize_linear(linear, "w8a8")
+    inputs = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)) * torch.tensor([[1000.0], [1.0], [-3.0]])  # [3, in]
+    with torch.no_grad():
+        together, expected = module(inputs), F.linear(inputs, linear.weight, linear.bias)  # [3, out]
+        assert torch.equal(together[1:], module(inputs[1:]))
+        assert torch.equal(together[::2], module(inputs[::2]))
+        for row in range(3):
+            alone = module(inputs[row : row + 1])  # [1, out]
+            for got in (together[row], alone[0]):
+                assert float((got - expected[row]).norm() / expected[row].norm()) < 0.02, row
 
 
 def test_quantized_linear_keeps_leading_dims_and_dtype():
     linear = _linear(32, 64, bias=True, dtype=torch.bfloat16)
-    for quantization in ("int8", "int4"):
+    for quantization in ("int8", "int4", "w8a8"):
         module = quantize_linear(linear, quantization)
         inputs = torch.randn(2, 3, 64, dtype=torch.bfloat16)  # [B, L, in]
         with torch.no_grad():
@@ -96,7 +118,7 @@ def test_int4_pads_its_output_rows_to_the_kernels_multiple():
 
 
 def test_bad_quantizations_are_refused_naming_the_field():
-    with pytest.raises(QuantizationError, match=r"quantization: unknown quantization 'int3'.*'int8', 'int4'"):
+    with pytest.raises(QuantizationError, match=r"quantization: unknown quantization 'int3'.*'int8', 'int4', 'w8a8'"):
         check_quantization("int3")
     with pytest.raises(QuantizationError, match="float64"):
         check_quantization("int8", torch.float64)
@@ -165,7 +187,7 @@ def tiny_checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 def test_slot_backend_loads_a_quantized_copy_and_its_cache_forward_is_its_own(tiny_checkpoint, quantization):
     from actors.model.backends import SlotBackend
     from actors.model.batch import linear_row
@@ -183,7 +205,7 @@ def test_slot_backend_loads_a_quantized_copy_and_its_cache_forward_is_its_own(ti
     assert torch.allclose(torch.cat([prefill, step]), full, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 def test_a_copy_of_a_loaded_model_is_built_from_its_weights_and_leaves_it_alone(tiny_checkpoint, quantization):
     """Loaded after its target in one process (a draft sharing its target's worker), the copy reads
     no checkpoint: the target's model object, its own quantized GEMMs in the lean decoder; its rows
@@ -216,6 +238,41 @@ def test_a_copy_of_a_loaded_model_is_built_from_its_weights_and_leaves_it_alone(
     assert not torch.allclose(rows(copy), before, atol=1e-4, rtol=1e-4)  # quantized: not the target's rows
 
 
+def test_a_w8a8_copy_of_a_bf16_model_computes_and_caches_in_float32(tmp_path):
+    """fbgemm's kernel takes and gives float32: a w8a8 copy of a bfloat16 model runs its lean decoder
+    and holds its KV cache in float32 (no conversion around each GEMM); the target stays bf16, the
+    int4 copy too; the copy's cache forward equals its own one-shot forward."""
+    from actors.model import backends
+    from actors.model.backends import SlotBackend
+    from actors.model.batch import linear_row
+
+    backends._LOADED_MODELS.clear()
+    path = tmp_path / "bf16"
+    _tiny_llama(96, seed=6).to(torch.bfloat16).save_pretrained(path)
+    options = dict(dtype="bfloat16", max_slots=2, scratch_columns=8)
+    target = SlotBackend.load(str(path), **options)
+    copy = SlotBackend.load(str(path), quantization="w8a8", **options)
+    int4 = SlotBackend.load(str(path), quantization="int4", **options)
+    assert copy.model is target.model and copy.lean is not None and copy.lean.dtype == torch.float32
+    assert copy.kv_dtype == copy.cache.dtype == torch.float32
+    assert target.kv_dtype == target.cache.dtype == int4.kv_dtype == torch.bfloat16
+    tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def rows(backend, splits):
+        slot, out, start = backend.allocate(), [], 0
+        for end in splits:
+            out.append(backend.forward([linear_row(slot, start, tokens[start:end], start, list(range(end - start)))])[0])
+            start = end
+        backend.free(slot)
+        return torch.cat(out)  # [12, V]
+
+    stepwise, whole = rows(copy, (9, 10, 12)), rows(copy, (12,))
+    assert torch.allclose(stepwise[:9], whole[:9], atol=1e-5, rtol=1e-5)  # the same rows: per-row grids
+    assert 0 < float((stepwise[9:] - whole[9:]).abs().max()) < 0.2  # row 9 went alone, on its own grid (10, 11 read it)
+    expected = rows(target, (12,)).double().softmax(-1)
+    assert float(0.5 * (stepwise.double().softmax(-1) - expected).abs().sum(-1).max()) < 0.1  # near the target's (0.05 measured)
+
+
 def test_a_quantized_copy_on_a_gpu_or_in_float64_is_refused(tiny_checkpoint):
     from actors.model.backends import SlotBackend
 
@@ -233,23 +290,23 @@ PROMPT = (3, 7)
 
 @pytest.fixture(scope="module")
 def exact_pair():
-    """(float rows, int4 rows, int8 rows) of one tiny Llama, as the reference loop's model functions."""
+    """(float rows, int4 rows, int8 rows, w8a8 rows) of one tiny Llama, as the reference loop's model functions."""
     model = _tiny_llama(16, seed=11)
-    return causal_lm_fn(model), causal_lm_fn(_quantized_copy(model, "int4")), causal_lm_fn(_quantized_copy(model, "int8"))
+    return causal_lm_fn(model), *(causal_lm_fn(_quantized_copy(model, kind)) for kind in ("int4", "int8", "w8a8"))
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 @pytest.mark.parametrize("method", SINGLE_DRAFT)
 def test_the_quantized_copy_as_draft_is_exact(exact_pair, quantization, method):
-    target_fn, int4_fn, int8_fn = exact_pair
-    draft_fn = int8_fn if quantization == "int8" else int4_fn
+    target_fn, *copies = exact_pair
+    draft_fn = copies[("int4", "int8", "w8a8").index(quantization)]
     law = speculative_law(draft_fn, target_fn, PROMPT, LAW_TOKENS, gamma=LAW_GAMMA, method=method, top_k=LAW_TOP_K)
     assert total_variation(law, target_law(target_fn, PROMPT, LAW_TOKENS, top_k=LAW_TOP_K)) < EXACT_TOLERANCE
 
 
 def test_two_quantized_drafts_are_exact_under_multi_draft_verification(exact_pair):
     """Multi-draft (SpecTr K-SEQ, K = 2 i.i.d. drafts of the int8 copy): the float model's law."""
-    target_fn, _, int8_fn = exact_pair
+    target_fn, _, int8_fn, _ = exact_pair
     law = speculative_law(int8_fn, target_fn, PROMPT, 2, gamma=LAW_GAMMA, method="spectr", num_drafts=2, top_k=LAW_TOP_K)
     assert total_variation(law, target_law(target_fn, PROMPT, 2, top_k=LAW_TOP_K)) < EXACT_TOLERANCE
 
@@ -258,7 +315,7 @@ def test_two_quantized_drafts_are_exact_under_multi_draft_verification(exact_pai
 def test_negative_control_the_verifier_handed_the_drafts_rows_as_the_targets(exact_pair, method):
     """The harness sees a wrong law: verifying against the int4 copy's own rows emits its law,
     which is measurably not the model's."""
-    target_fn, int4_fn, _ = exact_pair
+    target_fn, int4_fn, _, _ = exact_pair
     law = speculative_law(int4_fn, int4_fn, PROMPT, LAW_TOKENS, gamma=LAW_GAMMA, method=method, top_k=LAW_TOP_K)
     expected = target_law(target_fn, PROMPT, LAW_TOKENS, top_k=LAW_TOP_K)
     assert total_variation(law, target_law(int4_fn, PROMPT, LAW_TOKENS, top_k=LAW_TOP_K)) < EXACT_TOLERANCE

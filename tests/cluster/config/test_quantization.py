@@ -18,7 +18,7 @@ def _args(**draft) -> dict:
                        "draft": {"path": "embedded:target", "role": "draft", **draft}}}
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 def test_a_draft_may_be_a_quantized_copy_of_the_target(quantization):
     group = parse_app_args(_args(quantization=quantization)).freeze()
     draft, target = group.model("draft"), group.model("target")
@@ -31,7 +31,7 @@ def test_quantization_is_unset_by_default():
 
 
 def test_an_unknown_quantization_is_refused_naming_the_field():
-    with pytest.raises(ConfigError, match=r"models\.draft\.quantization = 'fp8': Input should be 'int8' or 'int4'"):
+    with pytest.raises(ConfigError, match=r"models\.draft\.quantization = 'fp8': Input should be 'int8', 'int4' or 'w8a8'"):
         parse_app_args(_args(quantization="fp8"))
 
 
