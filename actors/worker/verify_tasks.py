@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from actors.model.batch import RowWork, RunAttend
-from actors.worker.rows import RowRequest, shared_vocab
+from actors.worker.rows import RowRequest, row_dtype, shared_vocab
 from actors.worker.sessions import Session
 from actors.worker.tasks import Task
 from verifiers.blocks import block_inputs, block_key, verified_row, verify_blocks
@@ -87,9 +87,10 @@ class ScoreVerifyTask(Task):
     def row_requests(self, logits: torch.Tensor) -> list[RowRequest]:
         """The first half of :meth:`take`: the rows to make from this row's ``logits [1 + K*gamma, V]``
         (the engine makes every task's of a step together, :func:`actors.worker.rows.rows_together`):
-        the target's ``[K, gamma+1, V]``, then, unless the proposal is model-free, the draft's
-        ``[K, gamma, V]``, recomputed bit for bit from its logits by the same transform it sampled
-        with (same request sampling parameters and penalty contexts, same code)."""
+        the target's ``[K, gamma+1, V]``, then, unless the proposal is model-free or carries the rows
+        it was drawn from (:meth:`carried_rows`), the draft's ``[K, gamma, V]``, recomputed bit for bit
+        from its logits by the same transform it sampled with (same request sampling parameters and
+        penalty contexts, same code)."""
         session = self.session
         drafts = self.proposal.tokens.tolist()  # [K][gamma]
         num_drafts, gamma = len(drafts), len(drafts[0])
@@ -101,9 +102,21 @@ class ScoreVerifyTask(Task):
             chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
             target_logits = torch.cat([first, chained], dim=1)  # [K, gamma+1, V]
         requests = [RowRequest(session, target_logits, [draft[:j] for draft in drafts for j in range(gamma + 1)])]
-        if self.proposal.logits is not None:
+        if self.proposal.logits is not None and self.carried_rows() is None:
             requests.append(RowRequest(session, self.proposal.logits, [draft[:j] for draft in drafts for j in range(gamma)]))
         return requests
+
+    def carried_rows(self) -> torch.Tensor | None:
+        """The draft's rows ``[K, gamma, V]`` as its proposal carries them (drawn in this process:
+        :attr:`Sampled.rows`), where they are the rows :meth:`row_requests` would make from its
+        logits (same precision and vocabulary: the same transform of the same logits); else None."""
+        rows, logits = self.proposal.rows, self.proposal.logits
+        if rows is None or logits is None:
+            return None
+        vocab = shared_vocab(self.session, logits).shape[-1]
+        if rows.dtype != row_dtype(self.session.sampling.precision) or tuple(rows.shape) != (*logits.shape[:-1], vocab):
+            return None
+        return rows
 
     def rows_taken(self, rows: list[torch.Tensor]) -> None:
         """The second half of :meth:`take`: ``rows`` (those of :meth:`row_requests`) into the rule's
@@ -115,7 +128,7 @@ class ScoreVerifyTask(Task):
             draft_probs = one_hot_rows(self.proposal.tokens.to(target_probs.device), target_probs.shape[-1],
                                        target_probs.dtype)  # [K, gamma, V]
         else:
-            draft_probs = rows[1]  # [K, gamma, V]
+            draft_probs = rows[1] if len(rows) > 1 else self.carried_rows()  # [K, gamma, V]
         self.inputs = block_inputs(self.spec, self.proposal.tokens, draft_probs, target_probs)
         self.verify_s += time.perf_counter() - started
         if self.batch_key is None:
