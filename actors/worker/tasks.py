@@ -141,7 +141,7 @@ class SampleTask(Task):
         summary = Sampled(tokens, logits if self.need.report_logits else None, logprobs=logprobs)
         if not self.need.return_logits:
             return summary, Sampled(tokens)
-        return summary, Sampled(tokens, logits, rows=torch.stack(self.position_rows, dim=1))  # rows [K, n, V]
+        return summary, Sampled(tokens, logits, rows=tuple(self.position_rows))  # n rows [K, V]
 
 
 class PreDraftTask(Task):

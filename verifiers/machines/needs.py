@@ -132,14 +132,15 @@ class Sampled:
     """tokens: [K, n] int64; logits: [K, n, V] (what token i of draft k was drawn from, through
     the request's ``logits_to_probs``) or None when not asked for.
 
-    rows: [K, n, V] the very probability rows the tokens were drawn from (those ``logits`` give),
+    rows: the very probability rows the tokens were drawn from (those ``logits`` give), n rows
+    ``[K, V]``, one per position,
     for a verifier in the same process, which then reads them instead of making them again; a
     payload that leaves the process carries its logits only (the field's ``travels`` is False)."""
 
     tokens: torch.Tensor
     logits: torch.Tensor | None = None
     logprobs: list[DrawLogprob] | None = None  # draft 0's draws, when asked for
-    rows: torch.Tensor | None = field(default=None, compare=False, repr=False, metadata={"travels": False})
+    rows: tuple[torch.Tensor, ...] | None = field(default=None, compare=False, repr=False, metadata={"travels": False})
 
 
 @dataclass(frozen=True)
