@@ -62,12 +62,14 @@ def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
 
 
 def _reduce_fields(value: Any) -> tuple[Any, ...]:
-    return _rebuild, (type(value), tuple(to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    """A field whose metadata says it does not travel (``{"travels": False}``) arrives as None."""
+    return _rebuild, (type(value), tuple(to_wire(getattr(value, f.name)) if f.metadata.get("travels", True) else None
+                                         for f in dataclasses.fields(value)))
 
 
 def pickle_through_wire(*classes: type) -> None:
     """Pickle instances of these dataclasses (all fields ``init`` fields, which may hold
-    tensors) field by field through :func:`to_wire`. Registered per exact class, as ``copyreg``
+    tensors) field by field through :func:`to_wire` (None for a field that does not travel). Registered per exact class, as ``copyreg``
     registrations are."""
     for cls in classes:
         if not dataclasses.is_dataclass(cls):

@@ -127,16 +127,20 @@ def penalized_probs(
     prompt: Sequence[int] = (),
     generated: Sequence[Sequence[int]] | None = None,
     dtype: torch.dtype = torch.float64,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """``logits [..., V]`` -> the rows sampled from, in ``dtype``: penalties (when active;
     ``generated`` holds one context per row of the flattened leading dimensions), then
-    :func:`verifiers.sampling.logits_to_probs` (with the penalties' ``min_p``)."""
+    :func:`verifiers.sampling.logits_to_probs` (with the penalties' ``min_p``; ``overwrite``: the
+    logits are the caller's scratch, as there)."""
     if penalties.active:
         shape = logits.shape
         if generated is None:
             raise ValueError("penalties need the generated context of every row")
         logits = penalize(logits.reshape(-1, shape[-1]), penalties, prompt, generated, dtype).reshape(shape)
-    return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=penalties.min_p, dtype=dtype)
+        overwrite = True  # the penalized logits are a copy of this call's own
+    return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=penalties.min_p, dtype=dtype,
+                           overwrite=overwrite)
 
 
 def _row_counts(contexts: Sequence[Sequence[int]], vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -108,23 +108,42 @@ def categorical_together(draws: list[tuple[RandomSource, torch.Tensor]]) -> list
                and probs.dtype == dtype for source, probs in draws):
         return [source.categorical(probs) for source, probs in draws]
     counts = [probs.shape[0] for _, probs in draws]
-    flat = cat_adjacent([_flat_rows(probs) for _, probs in draws])  # [sum k_i, V]
     uniform = torch.cat([source.uniforms(count) for (source, _), count in zip(draws, counts)])  # [sum k_i, 1]
-    return list(torch.split(_inverse_cdf(flat, uniform), counts))
+    tokens, start = [], 0
+    for run in adjacent_runs([_flat_rows(probs) for _, probs in draws]):  # no copy of rows already side by side
+        flat = cat_adjacent(run)  # [n, V]
+        tokens.append(_inverse_cdf(flat, uniform[start: start + len(flat)]))
+        start += len(flat)
+    return list(torch.split(torch.cat(tokens), counts))
+
+
+def adjacent_runs(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut where one does not lie right after the one before in the same
+    storage (each run is what :func:`cat_adjacent` joins without a copy)."""
+    runs = [[tensors[0]]]
+    for previous, tensor in zip(tensors, tensors[1:]):
+        if _follows(previous, tensor):
+            runs[-1].append(tensor)
+        else:
+            runs.append([tensor])
+    return runs
+
+
+def _follows(previous: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether contiguous ``tensor`` starts where contiguous ``previous`` ends, in one storage, with
+    the same dtype, device and row shape."""
+    return (previous.is_contiguous() and tensor.is_contiguous() and tensor.dtype == previous.dtype
+            and tensor.device == previous.device and tensor.shape[1:] == previous.shape[1:]
+            and tensor.storage_offset() == previous.storage_offset() + previous.numel()
+            and tensor.untyped_storage().data_ptr() == previous.untyped_storage().data_ptr())
 
 
 def cat_adjacent(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(tensors)`` along dim 0; a view, without a copy, when the tensors already lie one
-    after the other in one storage (the rows a step makes together, ``actors.worker.rows.rows_together``)."""
+    after the other in one storage (the rows a step makes together, ``actors.worker.rows.rows_together``),
+    a single contiguous tensor included. Callers only read it."""
     first = tensors[0]
-    offset = first.storage_offset()
-    adjacent = first.is_contiguous()
-    for tensor in tensors:
-        adjacent = (adjacent and tensor.is_contiguous() and tensor.dtype == first.dtype and tensor.device == first.device
-                    and tensor.shape[1:] == first.shape[1:] and tensor.storage_offset() == offset
-                    and tensor.untyped_storage().data_ptr() == first.untyped_storage().data_ptr())
-        offset += tensor.numel()
-    if not adjacent or len(tensors) == 1:
+    if not (first.is_contiguous() and all(_follows(previous, tensor) for previous, tensor in zip(tensors, tensors[1:]))):
         return torch.cat(tensors)
     return first.as_strided((sum(len(tensor) for tensor in tensors), *first.shape[1:]), first.stride())
 

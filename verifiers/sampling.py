@@ -43,22 +43,30 @@ ROW_DTYPES = (torch.float64, torch.float32)
 
 def logits_to_probs(
     logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-    dtype: torch.dtype = torch.float64,
+    dtype: torch.dtype = torch.float64, overwrite: bool = False,
 ) -> torch.Tensor:
     """``logits [..., V]`` -> probability rows ``[..., V]`` in ``dtype`` (one of
     :data:`ROW_DTYPES`; see the module docstring).
 
-    Does not modify ``logits``.
+    Does not modify ``logits`` unless ``overwrite`` (a caller's own contiguous scratch in ``dtype``,
+    which then holds the rows). Each step works in place on a tensor of its own (the values are
+    those of the out-of-place operations, bit for bit: the same kernels, element by element).
     """
     _check_sampling_args(temperature, top_k, top_p, min_p)
-    logits = _checked_logits(logits, dtype)  # [..., V] in dtype (a copy)
+    given = logits
+    logits = _checked_logits(logits, dtype)  # [..., V] in dtype
     if temperature == 0:
         return _argmax_one_hot(logits)
-    scaled = logits if temperature == 1 else logits / float(temperature)  # [..., V]; x / 1 is x, bit for bit
-    if top_k > 0 and top_k < scaled.shape[-1]:
-        kth_largest = torch.topk(scaled, top_k, dim=-1).values[..., -1:]  # [..., 1]
-        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)  # [..., V]
+    owned = (overwrite or logits is not given) and logits.is_contiguous()  # ours to write over
+    if temperature != 1:  # x / 1 is x, bit for bit
+        logits = logits.div_(float(temperature)) if owned else logits / float(temperature)  # [..., V]
+        owned = True
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill_(logits < kth_largest, float("-inf")) if owned else \
+            logits.masked_fill(logits < kth_largest, float("-inf"))
+        owned = True
+    probs = _softmax(logits, owned)  # [..., V]
     if min_p > 0.0:
         floor = min_p * probs.amax(dim=-1, keepdim=True)  # [..., 1]
         probs = probs.masked_fill(probs < floor, 0.0)
@@ -96,6 +104,15 @@ def _check_sampling_args(temperature: float, top_k: int, top_p: float, min_p: fl
         raise TypeError(f"min_p must be a number, got {type(min_p).__name__}")
     if not (0.0 <= min_p <= 1.0):
         raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {min_p}")
+
+
+def _softmax(logits: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``torch.softmax`` over the last dim; ``in_place``: into ``logits`` itself (contiguous), the
+    same kernel row by row (max, then exp and sum, then the scale, element for element), so the
+    same values without a second ``[..., V]`` tensor."""
+    if not in_place:
+        return torch.softmax(logits, dim=-1)
+    return torch._softmax(logits, -1, False, out=logits)
 
 
 def _checked_logits(logits: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:

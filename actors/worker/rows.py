@@ -122,7 +122,7 @@ def _transform_together(requests: Sequence[RowRequest], members: list[int], rows
         stacked[offsets[-1]: offsets[-1] + len(logits)].copy_(logits)  # the dtype conversion .to(dtype) does
         offsets.append(offsets[-1] + len(logits))
     probs = penalized_probs(stacked, temperature=temperature, top_k=top_k, top_p=top_p,
-                            penalties=Penalties(min_p=min_p), dtype=dtype)  # [N, V]
+                            penalties=Penalties(min_p=min_p), dtype=dtype, overwrite=True)  # [N, V], in stacked
     for i, request, start, end in zip(members, requests, offsets, offsets[1:]):
         rows[i] = probs[start:end].reshape(*request.logits.shape[:-1], vocab)
 

@@ -72,6 +72,7 @@ class SampleTask(Task):
         self.need = need
         self.drafts: list[list[int]] = [[] for _ in range(need.num_drafts)]
         self.position_logits: list[torch.Tensor] = []
+        self.position_rows: list[torch.Tensor] = []  # [K, V] each: what the payload's tokens were drawn from
         self.logprobs: list = []  # draft 0's draws, when the need asks for them
         self.source = session.source(need.stream)
 
@@ -122,6 +123,8 @@ class SampleTask(Task):
         """The second half of :meth:`take`: the tokens ``[K]`` drawn from this position's ``rows``."""
         if self.need.logprobs is not None:
             self.logprobs.append(token_logprob(rows[0], int(tokens[0]), self.need.logprobs))
+        if self.need.return_logits:
+            self.position_rows.append(rows)
         for draft, token in zip(self.drafts, tokens.tolist()):
             draft.append(int(token))
 
@@ -136,7 +139,9 @@ class SampleTask(Task):
             return Sampled(tokens, logprobs=logprobs), None
         logits = torch.stack(self.position_logits, dim=1)  # [K, n, V]
         summary = Sampled(tokens, logits if self.need.report_logits else None, logprobs=logprobs)
-        return summary, Sampled(tokens, logits if self.need.return_logits else None)
+        if not self.need.return_logits:
+            return summary, Sampled(tokens)
+        return summary, Sampled(tokens, logits, rows=tuple(self.position_rows))  # n rows [K, V]
 
 
 class PreDraftTask(Task):

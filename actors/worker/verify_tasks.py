@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from actors.model.batch import RowWork, RunAttend
-from actors.worker.rows import RowRequest, shared_vocab
+from actors.worker.rows import RowRequest, row_dtype, shared_vocab
 from actors.worker.sessions import Session
 from actors.worker.tasks import Task
 from verifiers.blocks import block_inputs, block_key, verified_row, verify_blocks
@@ -43,8 +43,10 @@ class ScoreVerifyTask(Task):
         self.source = session.source(need.stream)
         self.result: Verified | None = None
         #: Once the rows are taken and until verified: (draft tokens, draft rows, target rows) in
-        #: the rule's batch layout (``[1, gamma]``, ``[1, gamma, V]``, ``[1, gamma+1, V]`` single-draft).
-        self.inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: the rule's batch layout (``[1, gamma]``, ``[1, gamma, V]``, ``[1, gamma+1, V]`` single-draft);
+        #: the draft rows None while carried ones wait to be put together (:attr:`draft_rows`).
+        self.inputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+        self.draft_rows: tuple[torch.Tensor, ...] | None = None  # carried, one [K, V] per position
 
     @property
     def active(self) -> bool:
@@ -87,9 +89,10 @@ class ScoreVerifyTask(Task):
     def row_requests(self, logits: torch.Tensor) -> list[RowRequest]:
         """The first half of :meth:`take`: the rows to make from this row's ``logits [1 + K*gamma, V]``
         (the engine makes every task's of a step together, :func:`actors.worker.rows.rows_together`):
-        the target's ``[K, gamma+1, V]``, then, unless the proposal is model-free, the draft's
-        ``[K, gamma, V]``, recomputed bit for bit from its logits by the same transform it sampled
-        with (same request sampling parameters and penalty contexts, same code)."""
+        the target's ``[K, gamma+1, V]``, then, unless the proposal is model-free or carries the rows
+        it was drawn from (:meth:`carried_rows`), the draft's ``[K, gamma, V]``, recomputed bit for bit
+        from its logits by the same transform it sampled with (same request sampling parameters and
+        penalty contexts, same code)."""
         session = self.session
         drafts = self.proposal.tokens.tolist()  # [K][gamma]
         num_drafts, gamma = len(drafts), len(drafts[0])
@@ -101,9 +104,22 @@ class ScoreVerifyTask(Task):
             chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
             target_logits = torch.cat([first, chained], dim=1)  # [K, gamma+1, V]
         requests = [RowRequest(session, target_logits, [draft[:j] for draft in drafts for j in range(gamma + 1)])]
-        if self.proposal.logits is not None:
+        if self.proposal.logits is not None and self.carried_rows() is None:
             requests.append(RowRequest(session, self.proposal.logits, [draft[:j] for draft in drafts for j in range(gamma)]))
         return requests
+
+    def carried_rows(self) -> tuple[torch.Tensor, ...] | None:
+        """The draft's rows as its proposal carries them (drawn in this process: :attr:`Sampled.rows`,
+        ``gamma`` rows ``[K, V]``, one per position), where they are the rows :meth:`row_requests`
+        would make from its logits (same precision and vocabulary: the same transform of the same
+        logits); else None."""
+        rows, logits = self.proposal.rows, self.proposal.logits
+        if rows is None or logits is None or len(rows) != logits.shape[1]:
+            return None
+        shape, dtype = (logits.shape[0], shared_vocab(self.session, logits).shape[-1]), row_dtype(self.session.sampling.precision)
+        if any(row.dtype != dtype or tuple(row.shape) != shape for row in rows):
+            return None
+        return tuple(rows)
 
     def rows_taken(self, rows: list[torch.Tensor]) -> None:
         """The second half of :meth:`take`: ``rows`` (those of :meth:`row_requests`) into the rule's
@@ -114,8 +130,11 @@ class ScoreVerifyTask(Task):
         if self.proposal.logits is None:  # a model-free proposal: one-hot rows
             draft_probs = one_hot_rows(self.proposal.tokens.to(target_probs.device), target_probs.shape[-1],
                                        target_probs.dtype)  # [K, gamma, V]
-        else:
+        elif len(rows) > 1:
             draft_probs = rows[1]  # [K, gamma, V]
+        else:  # carried: put together once, by verify_together for a batched rule
+            self.draft_rows = self.carried_rows()
+            draft_probs = None if block_key(self.need.method, self.spec, (self.proposal.tokens,)) else self.stacked_draft_rows()
         self.inputs = block_inputs(self.spec, self.proposal.tokens, draft_probs, target_probs)
         self.verify_s += time.perf_counter() - started
         if self.batch_key is None:
@@ -133,10 +152,16 @@ class ScoreVerifyTask(Task):
         """Verify this block by itself on the request's verification stream, and commit."""
         self.finish(*self.verified_alone())
 
+    def stacked_draft_rows(self) -> torch.Tensor:
+        """The carried draft rows (:meth:`carried_rows`) as one ``[K, gamma, V]`` tensor."""
+        return torch.stack(self.draft_rows, dim=1)
+
     def verified_alone(self) -> tuple[Any, int]:
         """The verifier's result of this block by itself (on the request's verification stream)
         and its row in it, to :meth:`finish`."""
         started = time.perf_counter()
+        if self.inputs[1] is None:
+            self.inputs = block_inputs(self.spec, self.inputs[0], self.stacked_draft_rows(), self.inputs[2])
         result = verify_blocks(self.spec, [self.inputs], [self.source], state=self.session.verify_state)
         self.verify_s += time.perf_counter() - started
         return result, 0
@@ -150,7 +175,7 @@ class ScoreVerifyTask(Task):
         session.chain_start, session.chain_stride = session.base, draft_tokens.shape[-1]
         session.chains = draft_tokens.tolist()
         session.context.extend(self.result.emitted)
-        self.inputs = None
+        self.inputs, self.draft_rows = None, None
 
     def outcome(self) -> tuple[Any, Any]:
         return self.result, None
@@ -203,8 +228,31 @@ def verify_together(tasks: Sequence[ScoreVerifyTask]) -> list[tuple[Any, int]]:
     if len(tasks) == 1:
         return [tasks[0].verified_alone()]
     started = time.perf_counter()
+    if any(task.inputs[1] is None for task in tasks):
+        draft_rows_together(tasks)
     result = verify_blocks(tasks[0].spec, [task.inputs for task in tasks], [task.source for task in tasks])
     share = (time.perf_counter() - started) / len(tasks)
     for task in tasks:
         task.verify_s += share
     return [(result, row) for row in range(len(tasks))]
+
+
+def draft_rows_together(tasks: Sequence[ScoreVerifyTask]) -> None:
+    """The draft rows of single-draft blocks verified together, in ONE ``[B, gamma, V]`` tensor
+    (carried rows copied in once, position by position), each task's a view of its batch row, so
+    :func:`verifiers.blocks.verify_blocks` stacks them without another copy."""
+    first = tasks[0].inputs[2]  # [1, gamma+1, V]
+    if any(task.inputs[2].dtype != first.dtype or (task.inputs[1] is not None and task.inputs[1].dtype != first.dtype)
+           for task in tasks):  # rows of another precision: each block's own
+        for task in tasks:
+            if task.inputs[1] is None:
+                task.inputs = (task.inputs[0], task.stacked_draft_rows(), task.inputs[2])
+        return
+    together = torch.empty(len(tasks), first.shape[1] - 1, first.shape[2], dtype=first.dtype)  # [B, gamma, V]
+    for b, task in enumerate(tasks):
+        if task.inputs[1] is None:
+            for position, row in enumerate(task.draft_rows):  # [1, V] each
+                together[b, position].copy_(row[0])
+        else:
+            together[b].copy_(task.inputs[1][0])
+        task.inputs = (task.inputs[0], together[b: b + 1], task.inputs[2])

@@ -45,6 +45,7 @@ TIMED: tuple[tuple[str, str, str], ...] = (
     ("rows", "actors.worker.rows", "session_rows"),
     ("draws", "actors.worker.step", "categorical_together"),
     ("verification", "actors.worker.verify_tasks", "verify_blocks"),
+    ("verification", "actors.worker.verify_tasks", "draft_rows_together"),
     ("verification", "actors.worker.verify_tasks", "verify_rows"),
     ("transport", "actors.worker.step", "to_host"),
 )

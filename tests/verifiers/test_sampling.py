@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verifiers.reference.exact import exact_law
-from verifiers.sampling import logits_to_probs, sample_token
+from verifiers.sampling import _nucleus, logits_to_probs, sample_token
 
 INF = float("inf")
 
@@ -89,6 +89,34 @@ def test_input_is_not_modified():
     logits_to_probs(logits, temperature=0.5, top_k=2, top_p=0.9)
     logits_to_probs(logits, temperature=0.0)
     assert torch.equal(logits, before)
+
+
+def out_of_place_rows(logits: torch.Tensor, temperature: float, top_k: int, min_p: float, top_p: float) -> torch.Tensor:
+    """The transform as out-of-place float64 operations, each step a new tensor."""
+    scaled = logits.to(torch.float64)
+    scaled = scaled if temperature == 1 else scaled / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        scaled = scaled.masked_fill(scaled < torch.topk(scaled, top_k, dim=-1).values[..., -1:], float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if min_p:
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return _nucleus(probs, top_p) if top_p < 1 else probs
+
+
+@pytest.mark.parametrize("vocab", [3, 4096, 151_936])
+@pytest.mark.parametrize(("temperature", "top_k", "min_p", "top_p"), [(1.0, 0, 0.0, 1.0), (0.7, 0, 0.0, 1.0),
+                                                                      (1.3, 5, 0.1, 0.9), (1.0, 2, 0.0, 1.0)])
+def test_rows_made_in_place_are_the_out_of_place_rows_bit_for_bit(vocab, temperature, top_k, min_p, top_p):
+    """Float32 logits (converted: a copy of the call's own) and ``overwrite`` scratch are worked on in
+    place; the rows are those of the out-of-place operations, bit for bit."""
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab)) * 3  # [4, V] float32
+    settings = dict(temperature=temperature, top_k=top_k, min_p=min_p, top_p=top_p)
+    expected = out_of_place_rows(logits, **settings)  # [4, V] float64
+    scratch = logits.double()
+    assert torch.equal(logits_to_probs(logits, **settings), expected)
+    assert torch.equal(logits_to_probs(logits.double(), **settings), expected)
+    assert torch.equal(logits_to_probs(scratch, overwrite=True, **settings), expected)
 
 
 @pytest.mark.parametrize(

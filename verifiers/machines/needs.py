@@ -7,7 +7,7 @@ executor makes for it, in order (:mod:`verifiers.machines` describes the contrac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 import torch
@@ -130,11 +130,17 @@ DrawLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 @dataclass(frozen=True)
 class Sampled:
     """tokens: [K, n] int64; logits: [K, n, V] (what token i of draft k was drawn from, through
-    the request's ``logits_to_probs``) or None when not asked for."""
+    the request's ``logits_to_probs``) or None when not asked for.
+
+    rows: the very probability rows the tokens were drawn from (those ``logits`` give), n rows
+    ``[K, V]``, one per position,
+    for a verifier in the same process, which then reads them instead of making them again; a
+    payload that leaves the process carries its logits only (the field's ``travels`` is False)."""
 
     tokens: torch.Tensor
     logits: torch.Tensor | None = None
     logprobs: list[DrawLogprob] | None = None  # draft 0's draws, when asked for
+    rows: tuple[torch.Tensor, ...] | None = field(default=None, compare=False, repr=False, metadata={"travels": False})
 
 
 @dataclass(frozen=True)
