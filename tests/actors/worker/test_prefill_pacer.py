@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.worker.prefill_pacer import FIRST_PACED_TOKENS, MIN_PACED_TOKENS, PrefillPacer, paced
+from actors.worker.prefill_pacer import FIRST_PACED_TOKENS, MIN_PACED_TOKENS, WINDOW, PrefillPacer, paced, theil_sen
 
 
 def test_no_pacing_without_other_rows_or_before_a_decode_step_is_measured():
@@ -45,14 +45,56 @@ def test_one_outlier_moves_the_estimates_little():
     for step_s in (0.1, 0.1, 3.0):  # a step the busy host stretched
         pacer.observe(step_s, other_tokens=8)
     for prefill_s in (0.064, 0.064, 5.0):
-        pacer.observe(0.2, other_tokens=8, prefill_tokens=64, prefill_s=prefill_s)
+        pacer.observe(0.1 + prefill_s, other_tokens=8, prefill_tokens=64, prefill_s=prefill_s)
     assert pacer.allowed(other_tokens=8) == 25
+
+
+def test_steps_that_carry_chunks_teach_the_decode_time_outside_them():
+    """Chunks back to back: the decode figure follows the streams (whose steps grow with their
+    context) through the time the chunks' steps take outside their forwards."""
+    pacer = PrefillPacer(stretch=0.25)
+    pacer.observe(0.100, other_tokens=8)
+    for _ in range(WINDOW):
+        pacer.observe(0.300 + 0.050, other_tokens=8, prefill_tokens=50, prefill_s=0.050)  # 1 ms a token
+    assert pacer.decode_step_s == pytest.approx(0.300)
+    assert pacer.allowed(other_tokens=8) == 75  # 0.25 x 300 ms / 1 ms
+
+
+def test_the_chunk_shrinks_as_the_context_it_attends_to_grows():
+    """Seconds per token 1 ms + 1 us per earlier position: the chunk whose n tokens cost
+    n (1 ms + 1 us (context + n / 2)) = stretch x decode, read at the chunk's own context."""
+    pacer = PrefillPacer(stretch=0.5)
+    pacer.observe(0.100, other_tokens=8)
+    for mid in (50, 200, 350, 500, 650, 800):
+        prefill_s = 50 * (0.001 + 1e-6 * mid)
+        pacer.observe(0.100 + prefill_s, other_tokens=8, prefill_tokens=50, prefill_s=prefill_s, prefill_context=mid)
+    assert pacer.token_s_at(650) == pytest.approx(0.00165)
+    # n (0.001 + 1e-6 (c + n / 2)) = 0.05: n = 48.8 at context 0, 30.9 at context 600
+    assert pacer.allowed(other_tokens=8, context=0) in (47, 48)
+    assert pacer.allowed(other_tokens=8, context=600) in (30, 31)
+
+
+def test_the_cost_line_shrugs_off_one_outlier():
+    points = [(float(x), 1.0 + 0.01 * x) for x in range(0, 800, 100)] + [(350.0, 50.0)]
+    intercept, slope = theil_sen(points)
+    assert slope == pytest.approx(0.01, rel=0.2) and intercept == pytest.approx(1.0, abs=0.5)
+    assert theil_sen([(10.0, 2.0), (20.0, 1.0)]) == (2.0, 0.0)  # too close for a slope: the median alone
+    assert theil_sen([]) is None
 
 
 def test_steps_without_other_rows_teach_nothing():
     pacer = PrefillPacer()
     pacer.observe(5.0, other_tokens=0, prefill_tokens=512, prefill_s=5.0)
     assert pacer.decode_step_s is None and pacer.token_s is None
+
+
+def test_a_prompt_cut_short_is_fed_in_even_chunks():
+    """250 tokens at most 100 a step: 84, 83, 83, not 100, 100, 50."""
+    fed, chunks = 0, []
+    while fed < 250:
+        chunks.append(paced([250 - fed], 100, [250 - fed])[0])
+        fed += chunks[-1]
+    assert chunks == [84, 83, 83]
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """The long-prompt latency benchmark runs end to end with its model shrunk (vocabulary 4,352,
-context 1,024): a row per budget, with stream gaps measured while the long prompts ran."""
+context 1,024): a row per budget, with stream gaps measured while the long prompts ran, and the
+baseline at the same stream positions without them (alone)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,6 @@ def test_long_prompt_itl_prints_a_row_per_budget(monkeypatch, capsys):
     args = ["--streams", "2", "--decode-tokens", "40", "--long-prompts", "1", "--long-tokens", "300",
             "--budgets", "off,64", "--quiet-s", "0"]
     assert long_prompt_itl.main(args) == 0
-    rows = re.findall(r"^\| (off|64) \| (\d+) \| \d+ \| \d+ \| \d+ \| (?:\d+|-) \| (?:[\d.]+|-) \| [\d.]+ \|$",
+    rows = re.findall(r"^\| (off|64) \| (\d+) \| \d+ \| \d+ \| \d+ \| (?:\d+|-) \| (?:[\d.]+|-) \| (?:\d+|-) \| (?:[\d.]+|-) \| [\d.]+ \|$",
                       capsys.readouterr().out, re.M)
     assert [budget for budget, _ in rows] == ["off", "64"] and all(int(count) > 0 for _, count in rows)
