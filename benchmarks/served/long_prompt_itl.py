@@ -8,7 +8,8 @@ context) or, with ``--model embedded``, the embedded target: ``--streams`` ar re
 ``--decode-tokens`` tokens each; ``--quiet-s`` after every stream has its first tokens,
 ``--long-prompts`` requests with ``--long-tokens``-token prompts arrive one after another (one
 token each), or every ``--arrival-s`` seconds. For each budget in ``--budgets`` (``off``: larger
-than any prompt, so every prompt is prefilled in one forward; ``N:static``: N without pacing),
+than any prompt, so every prompt is prefilled in one forward; ``N:static``: N without pacing;
+``N:STRETCH``: N paced to another stretch than the engine's),
 run ``--rounds`` times in turn: the gaps between the chunks a running stream receives (each chunk
 carries the tokens of one step) while the long prompts are in the engine, median and p99; the p99
 of the same streams' gaps at the same stream positions in a run without long prompts (alone; each
@@ -59,17 +60,21 @@ class Measured:
     firsts: list[float]
 
 
-def _budget(text: str, context: int) -> tuple[int, bool]:
-    """(``engine.max_tokens_per_step``, paced) of a ``--budgets`` entry."""
+def _budget(text: str, context: int) -> tuple[int, float | None]:
+    """(``engine.max_tokens_per_step``, the pacing stretch: None for the engine's own) of a
+    ``--budgets`` entry."""
     if text == "off":
-        return max(NO_CHUNKING, context), False
+        return max(NO_CHUNKING, context), UNPACED
     value, _, kind = text.partition(":")
-    if kind not in ("", "static"):
-        raise ValueError(f"--budgets: {text!r} is not N, N:static or off")
-    return int(value), kind == ""
+    if kind == "static":
+        return int(value), UNPACED
+    try:
+        return int(value), float(kind) if kind else None
+    except ValueError:
+        raise ValueError(f"--budgets: {text!r} is not N, N:static, N:STRETCH or off") from None
 
 
-def _runner(target: str, budget: int, paced: bool, streams: int, context: int) -> LocalRunner:
+def _runner(target: str, budget: int, stretch: float | None, streams: int, context: int) -> LocalRunner:
     runner = LocalRunner(parse_app_args({
         "models": {"target": {"path": target, "role": "target", "dtype": "float32"}},
         "defaults": {"strategy": "ar"},
@@ -77,9 +82,9 @@ def _runner(target: str, budget: int, paced: bool, streams: int, context: int) -
         "limits": {"max_concurrent_requests": streams + 4},
         "engine": {"max_model_len": context, "max_tokens_per_step": budget, "kv_cache_memory": 2 * 2**30},
     }), temperature=1.0)
-    if not paced:
+    if stretch is not None:
         for handle in runner.workers.values():
-            handle._instance.engine.prefill_pacer = PrefillPacer(stretch=UNPACED)
+            handle._instance.engine.prefill_pacer = PrefillPacer(stretch=stretch)
     return runner
 
 
@@ -166,7 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quiet-s", type=float, default=1.0, help="Seconds the streams run alone before the long prompts.")
     parser.add_argument("--model", choices=("real_shape", "embedded"), default="real_shape")
     parser.add_argument("--budgets", default="off,512",
-                        help="engine.max_tokens_per_step values (off: no chunking; N:static: N without pacing).")
+                        help="engine.max_tokens_per_step values (off: no chunking; N:static: N without pacing; "
+                        "N:STRETCH: N paced to STRETCH).")
     parser.add_argument("--rounds", type=int, default=1, help="Runs of each budget, interleaved (gaps pooled).")
     parser.add_argument("--out", default=None, help="Also write the table here (markdown).")
     parser.add_argument("--record", default=None, metavar="CASE",
