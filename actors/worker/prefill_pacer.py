@@ -5,22 +5,22 @@ longer than a step of those rows alone, and every running stream's chunk waits f
 static budget (``engine.max_tokens_per_step``) bounds a chunk in tokens, whatever a token costs
 on this model and device; :class:`PrefillPacer` bounds it in time: while other rows run, a step's
 prefill chunks together get the tokens that add about :data:`PREFILL_STRETCH` of a decode step's
-measured time, at the measured seconds per prefill token (at least :data:`MIN_PACED_TOKENS`, so
-every prompt moves on). A step with no other rows (nothing to stall) keeps the static budget.
+time (at least :data:`MIN_PACED_TOKENS`, so every prompt moves on). A step with no other rows
+(nothing to stall) keeps the static budget.
 
-Both figures are learned from this worker's own steps, robust to the one step a busy host
-stretched: the decode steps' seconds, the median of a recent window (steps with other rows; those
-that carried chunks count their time outside the chunks' forwards, so the figure follows the
-streams' growing context while chunks run back to back), and the seconds per prefill token as a
-function of the context the chunk attends to (a chunk's attention grows with the prompt fed
-before it: on the embedded target a token at context 650 costs ~1.4x one at context 0): a line
-through the recent chunks' (mid-context, seconds per token), its slope the median of the pairwise
-slopes (Theil-Sen), read at the next chunk's own mid-context. With a forward's fixed cost ``a``
-and ``b`` a token, chunks of ``n`` tokens measure ``a / n + b`` a token, so the chunk that follows
-is ``stretch * decode / (a / n + b)``: this converges to the ``n`` with ``a + b n = stretch *
-decode`` (a forward the stretch affords) whenever ``a`` is below it. A prompt's chunks are evened
-out (:func:`paced`): no small last chunk whose fixed cost skews the line. Chunking leaves the
-tokens unchanged (:mod:`actors.worker.engine`), so pacing changes timings only.
+What a prefill token costs is learned from this worker's own steps, in decode steps: each step
+that carries chunks measures its prefill forwards' seconds per token against its own time outside
+them (the decode rows' share), so a host or device that slows down or speeds up moves both alike,
+and the streams' steps, which grow with their context, are followed as they grow. The cost grows
+with the context the chunk attends to (on the embedded target a token at context 650 costs ~1.4x
+one at context 0), so it is a line through the recent chunks' (mid-context, cost), its slope the
+median of the pairwise slopes (Theil-Sen: the one step a busy host stretched moves it little),
+read at the next chunk's own mid-context. With a forward's fixed cost ``a`` and ``b`` a token,
+chunks of ``n`` tokens measure ``a / n + b`` a token, so the chunk that follows is ``stretch *
+decode / (a / n + b)``: this converges to the ``n`` with ``a + b n = stretch * decode`` (a forward
+the stretch affords) whenever ``a`` is below it. A prompt's chunks are evened out
+(:func:`paced`): no small last chunk whose fixed cost skews the line. Chunking leaves the tokens
+unchanged (:mod:`actors.worker.engine`), so pacing changes timings only.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ WINDOW = 8
 #: Recent prefill chunks the token cost line is fitted to.
 CHUNK_WINDOW = 16
 
+#: A step that carried chunks teaches their cost when its other rows took at least this share of
+#: a decode step (a step giving a newcomer its first token draws fewer tokens: no measure of one).
+MIN_DECODE_SHARE = 0.5
+
 #: Chunks whose mid-contexts differ by less than this give no slope (their difference is noise).
 MIN_CONTEXT_SPREAD = 32
 
@@ -59,22 +63,17 @@ class PrefillPacer:
             raise ValueError(f"stretch must be > 0, got {stretch}")
         self.stretch = float(stretch)
         self._decode_s: deque[float] = deque(maxlen=WINDOW)  # seconds of recent steps outside prefill forwards
-        self._chunks: deque[tuple[float, float]] = deque(maxlen=CHUNK_WINDOW)  # (mid-context, seconds per token)
+        self._chunks: deque[tuple[float, float]] = deque(maxlen=CHUNK_WINDOW)  # (mid-context, decode steps a token)
 
     @property
     def decode_step_s(self) -> float | None:
-        """The median of the recent decode steps' seconds; None before any."""
+        """The median of the recent steps' seconds outside prefill forwards; None before any."""
         return _median(self._decode_s)
 
-    @property
-    def token_s(self) -> float | None:
-        """The seconds per prefill token of a chunk at context 0 (:meth:`token_s_at`); None before any."""
-        return self.token_s_at(0.0)
-
-    def token_s_at(self, mid_context: float) -> float | None:
-        """The seconds per token of a prefill chunk whose tokens attend to ``mid_context`` earlier
-        positions on average (the context before it plus half its own tokens): the line through
-        the recent chunks (:func:`theil_sen`); None before any chunk was measured."""
+    def token_cost_at(self, mid_context: float) -> float | None:
+        """What a prefill token costs, in decode steps, in a chunk whose tokens attend to
+        ``mid_context`` earlier positions on average (the context before it plus half its own
+        tokens): the line through the recent chunks (:func:`theil_sen`); None before any chunk."""
         line = theil_sen(self._chunks)
         if line is None:
             return None
@@ -85,29 +84,29 @@ class PrefillPacer:
         """Prefill tokens a step whose other rows feed ``other_tokens`` may carry, the first chunk
         in line following ``context`` prompt tokens already fed; None: no pacing (no other rows,
         or no decode step measured yet)."""
-        decode_s = self.decode_step_s
-        if other_tokens <= 0 or decode_s is None:
+        if other_tokens <= 0 or self.decode_step_s is None:
             return None
         if not self._chunks:
             return FIRST_PACED_TOKENS
-        budget_s = self.stretch * decode_s
-        tokens = budget_s / self.token_s_at(context)
+        tokens = self.stretch / self.token_cost_at(context)
         for _ in range(3):  # the chunk's own tokens add to its mid-context: a few fixed-point rounds
-            tokens = budget_s / self.token_s_at(context + tokens / 2)
+            tokens = self.stretch / self.token_cost_at(context + tokens / 2)
         return max(MIN_PACED_TOKENS, int(tokens))
 
     def observe(self, step_s: float, other_tokens: int, prefill_tokens: int = 0, prefill_s: float = 0.0,
                 prefill_context: float = 0.0) -> None:
         """A step of ``step_s`` seconds whose other rows fed ``other_tokens`` tokens, and whose
         forwards that carried ``prefill_tokens`` prefill tokens (at mid-context ``prefill_context``,
-        token-weighted) took ``prefill_s`` seconds (steps without other rows teach nothing:
-        nothing waited)."""
-        if other_tokens <= 0:
+        token-weighted) took ``prefill_s`` seconds. Steps without other rows teach nothing (nothing
+        waited); a chunk's cost is learned against a step whose other rows took at least
+        :data:`MIN_DECODE_SHARE` of a decode step (not a newcomer's short first step)."""
+        decode_s = step_s - prefill_s
+        if other_tokens <= 0 or decode_s <= 0:
             return
-        if step_s - prefill_s > 0:
-            self._decode_s.append(step_s - prefill_s)
-        if prefill_tokens > 0:
-            self._chunks.append((float(prefill_context), prefill_s / prefill_tokens))
+        typical = self.decode_step_s
+        self._decode_s.append(decode_s)
+        if prefill_tokens > 0 and decode_s >= MIN_DECODE_SHARE * (typical or decode_s):
+            self._chunks.append((float(prefill_context), prefill_s / prefill_tokens / decode_s))
 
 
 def theil_sen(points: Iterable[tuple[float, float]]) -> tuple[float, float] | None:

@@ -20,11 +20,11 @@ def test_the_chunk_adds_the_stretch_of_a_decode_step_at_the_measured_token_cost(
     pacer = PrefillPacer(stretch=0.25)
     for _ in range(3):
         pacer.observe(0.100, other_tokens=8)
-    pacer.observe(0.200, other_tokens=8, prefill_tokens=64, prefill_s=0.064)  # 1 ms a prefill token
-    assert pacer.token_s == pytest.approx(0.001)
+    pacer.observe(0.164, other_tokens=8, prefill_tokens=64, prefill_s=0.064)  # 1 ms a prefill token
+    assert pacer.token_cost_at(0) == pytest.approx(0.01)  # a hundredth of a decode step
     assert pacer.allowed(other_tokens=8) == 25  # 0.25 x 100 ms / 1 ms
     for _ in range(2):  # very slow tokens: the floor holds
-        pacer.observe(2.0, other_tokens=8, prefill_tokens=25, prefill_s=2.0)
+        pacer.observe(2.1, other_tokens=8, prefill_tokens=25, prefill_s=2.0)
     assert pacer.allowed(other_tokens=8) == MIN_PACED_TOKENS
 
 
@@ -60,6 +60,26 @@ def test_steps_that_carry_chunks_teach_the_decode_time_outside_them():
     assert pacer.allowed(other_tokens=8) == 75  # 0.25 x 300 ms / 1 ms
 
 
+def test_a_host_that_slows_down_slows_the_chunks_and_the_decode_steps_alike():
+    """A token's cost is learned against the decode time of its own step: halve the host's speed
+    for everything and the chunk stays the same size."""
+    fast, slow = PrefillPacer(stretch=0.5), PrefillPacer(stretch=0.5)
+    for pacer, speed in ((fast, 1.0), (slow, 2.0)):
+        pacer.observe(0.1 * speed, other_tokens=8)
+        for _ in range(4):
+            pacer.observe(speed * (0.1 + 0.05), other_tokens=8, prefill_tokens=50, prefill_s=speed * 0.05)
+    assert fast.allowed(other_tokens=8) == slow.allowed(other_tokens=8) == 50
+
+
+def test_a_short_first_token_step_teaches_no_chunk_cost():
+    """A step that gave a newcomer its first token ran few decode forwards beside its chunk: the
+    chunk against that short time would look four times dearer."""
+    pacer = PrefillPacer(stretch=0.5)
+    for decode_s in (0.1, 0.1, 0.025, 0.025):
+        pacer.observe(decode_s + 0.05, other_tokens=8, prefill_tokens=50, prefill_s=0.05)
+    assert pacer.token_cost_at(0) == pytest.approx(0.01)  # not 0.04: half the chunks against a quarter step
+
+
 def test_the_chunk_shrinks_as_the_context_it_attends_to_grows():
     """Seconds per token 1 ms + 1 us per earlier position: the chunk whose n tokens cost
     n (1 ms + 1 us (context + n / 2)) = stretch x decode, read at the chunk's own context."""
@@ -68,7 +88,7 @@ def test_the_chunk_shrinks_as_the_context_it_attends_to_grows():
     for mid in (50, 200, 350, 500, 650, 800):
         prefill_s = 50 * (0.001 + 1e-6 * mid)
         pacer.observe(0.100 + prefill_s, other_tokens=8, prefill_tokens=50, prefill_s=prefill_s, prefill_context=mid)
-    assert pacer.token_s_at(650) == pytest.approx(0.00165)
+    assert pacer.token_cost_at(650) == pytest.approx(0.0165)  # 1.65 ms in decode steps of 100 ms
     # n (0.001 + 1e-6 (c + n / 2)) = 0.05: n = 48.8 at context 0, 30.9 at context 600
     assert pacer.allowed(other_tokens=8, context=0) in (47, 48)
     assert pacer.allowed(other_tokens=8, context=600) in (30, 31)
@@ -85,7 +105,7 @@ def test_the_cost_line_shrugs_off_one_outlier():
 def test_steps_without_other_rows_teach_nothing():
     pacer = PrefillPacer()
     pacer.observe(5.0, other_tokens=0, prefill_tokens=512, prefill_s=5.0)
-    assert pacer.decode_step_s is None and pacer.token_s is None
+    assert pacer.decode_step_s is None and pacer.token_cost_at(0) is None
 
 
 def test_a_prompt_cut_short_is_fed_in_even_chunks():
