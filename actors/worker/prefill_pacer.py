@@ -133,14 +133,16 @@ def _median(values: Collection[float]) -> float | None:
 
 def paced(grants: list[int], allowed: int | None, remaining: list[int] | None = None) -> list[int]:
     """``grants`` (each prompt's chunk, in line order) cut so that together they feed at most
-    ``allowed`` tokens, first come first served; None: unchanged. With ``remaining`` (the tokens
-    each prompt has left to feed), a prompt cut short gets an even share of what it has left
-    over the chunks it still needs, so its last chunk is no small remainder."""
+    ``allowed`` tokens, first come first served; a prompt after the first gets nothing from a
+    leftover below :data:`MIN_PACED_TOKENS` (a few tokens cost a forward's fixed cost, or pad the
+    decode rows' forward); None: unchanged. With ``remaining`` (the tokens each prompt has left to
+    feed), a prompt cut short gets an even share of what it has left over the chunks it still
+    needs, so its last chunk is no small remainder."""
     if allowed is None:
         return list(grants)
     out = []
     for index, grant in enumerate(grants):
-        grant = min(grant, allowed)
+        grant = min(grant, allowed) if index == 0 or allowed >= MIN_PACED_TOKENS else 0
         if remaining is not None and 0 < grant < remaining[index]:
             chunks = -(-remaining[index] // grant)  # the chunks it needs at this size
             grant = -(-remaining[index] // chunks)

@@ -124,6 +124,8 @@ def test_a_prompt_cut_short_is_fed_in_even_chunks():
         ([300, 200], 50, [50, 0]),
         ([30, 200], 50, [30, 20]),
         ([0, 200], 16, [0, 16]),
+        ([290, 200], 300, [290, 0]),  # 10 left: below MIN_PACED_TOKENS, no forward for them
+        ([10, 200], 12, [10, 0]),
     ],
 )
 def test_paced_cuts_the_grants_in_line_order(grants, allowed, expected):
