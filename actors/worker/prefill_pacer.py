@@ -28,10 +28,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Iterable
 
-#: A step carrying prefill chunks may take this much longer than a decode step (a fraction of it):
-#: running streams' gaps within 1.5x. A quarter fed 828-token prompts on the embedded target in
-#: ~30-token chunks, slower than prompts 1.5 s apart arrived: they queued for seconds.
-PREFILL_STRETCH = 0.5
+#: A step carrying prefill chunks may take this much longer than a decode step (a fraction of it),
+#: so running streams' gaps stay within 1.5x. It is less than 0.5: the decode rows beside a chunk
+#: run ~10% slower (the chunk's forward evicts their caches), and a shared host moves single steps,
+#: so a chunk step paced to 0.5 came out 1.4x its neighbours at the median and 1.7x at worst, one
+#: paced to 0.35 1.3x and 1.5x (long_prompt_itl, embedded target). The price: smaller chunks, a long
+#: prompt's first token later (a quarter fed 828-token prompts in ~30-token chunks, slower than
+#: prompts 1.5 s apart arrived: they queued for seconds).
+PREFILL_STRETCH = 0.35
 
 #: The least tokens a paced step feeds of the prompts in line (the first prompt's chunk).
 MIN_PACED_TOKENS = 16
