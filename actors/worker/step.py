@@ -149,6 +149,7 @@ class Step:
         self.errors: dict[int, str] = {}
         self.lost: set[int] = set()
         self.prefill_tokens = 0  # granted to this step's prefill chunks
+        self.prefill_context = 0.0  # the positions their tokens attend to on average (token-weighted mid-context)
         self.prefill_s = 0.0  # seconds of the forwards that carried them
         for index, item in enumerate(self.items):
             try:
@@ -167,7 +168,7 @@ class Step:
         self.engine.steps += 1
         call_s = time.perf_counter() - started
         others = sum(1 for task in self.tasks if task is not None and not isinstance(task, PrefillTask))
-        self.engine.prefill_pacer.observe(call_s, others, self.prefill_tokens, self.prefill_s)
+        self.engine.prefill_pacer.observe(call_s, others, self.prefill_tokens, self.prefill_s, self.prefill_context)
         return self._outcomes(forward_s, call_s, first_round_s)
 
     def fail(self, i: int, error: Exception) -> None:
@@ -209,11 +210,15 @@ class Step:
                     other_tokens += len(task.row())
                 except Exception:  # noqa: BLE001 - the row fails again, and is reported, in the forward
                     pass
-        grants = prefill_grants(other_tokens, [task.remaining for task in prefills], self.engine.max_tokens_per_step)
-        grants = paced(grants, self.engine.prefill_pacer.allowed(other_tokens))
+        remaining = [task.remaining for task in prefills]
+        grants = prefill_grants(other_tokens, remaining, self.engine.max_tokens_per_step)
+        grants = paced(grants, self.engine.prefill_pacer.allowed(other_tokens, prefills[0].session.base), remaining)
         for task, grant in zip(prefills, grants):
             task.grant = grant
         self.prefill_tokens = sum(grants)
+        if self.prefill_tokens:
+            self.prefill_context = sum(grant * (task.session.base + grant / 2)
+                                       for task, grant in zip(prefills, grants)) / self.prefill_tokens
 
     # ------------------------------------------------------------------ the forwards
     def _run_forwards(self, started: float) -> tuple[float, float]:

@@ -8,11 +8,14 @@ context) or, with ``--model embedded``, the embedded target: ``--streams`` ar re
 ``--decode-tokens`` tokens each; ``--quiet-s`` after every stream has its first tokens,
 ``--long-prompts`` requests with ``--long-tokens``-token prompts arrive one after another (one
 token each), or every ``--arrival-s`` seconds. For each budget in ``--budgets`` (``off``: larger
-than any prompt, so every prompt is prefilled in one forward; ``N:static``: N without pacing),
+than any prompt, so every prompt is prefilled in one forward; ``N:static``: N without pacing;
+``N:STRETCH``: N paced to another stretch than the engine's),
 run ``--rounds`` times in turn: the gaps between the chunks a running stream receives (each chunk
-carries the tokens of one step) while the long prompts are in the engine, median and p99, the p99
-of the gaps of the quiet time before they arrive in the same runs, and each long prompt's time to
-its first token.
+carries the tokens of one step) while the long prompts are in the engine, median and p99; the p99
+of the same streams' gaps at the same stream positions in a run without long prompts (alone; each
+round runs one first), the baseline, since a decode step's cost grows with the streams' context;
+the p99 of the quiet time before the prompts arrive in the same runs (shorter contexts), and each
+long prompt's time to its first token.
 
     python -m benchmarks.served.long_prompt_itl
     python -m benchmarks.served.long_prompt_itl --streams 8 --long-tokens 4000 --budgets off,512
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import pathlib
 import statistics
@@ -45,17 +49,32 @@ EMBEDDED_CONTEXT = 1024
 UNPACED = 1e9  # a pacing stretch no step reaches: the static budget alone
 
 
-def _budget(text: str, context: int) -> tuple[int, bool]:
-    """(``engine.max_tokens_per_step``, paced) of a ``--budgets`` entry."""
+@dataclasses.dataclass
+class Measured:
+    """One run's stream gaps, each (seconds, the stream's tokens before the chunk that ended it):
+    while the long prompts were in the engine, and in the quiet time before; and each long
+    prompt's seconds to its first token."""
+
+    gaps: list[tuple[float, int]]
+    quiet: list[tuple[float, int]]
+    firsts: list[float]
+
+
+def _budget(text: str, context: int) -> tuple[int, float | None]:
+    """(``engine.max_tokens_per_step``, the pacing stretch: None for the engine's own) of a
+    ``--budgets`` entry."""
     if text == "off":
-        return max(NO_CHUNKING, context), False
+        return max(NO_CHUNKING, context), UNPACED
     value, _, kind = text.partition(":")
-    if kind not in ("", "static"):
-        raise ValueError(f"--budgets: {text!r} is not N, N:static or off")
-    return int(value), kind == ""
+    if kind == "static":
+        return int(value), UNPACED
+    try:
+        return int(value), float(kind) if kind else None
+    except ValueError:
+        raise ValueError(f"--budgets: {text!r} is not N, N:static, N:STRETCH or off") from None
 
 
-def _runner(target: str, budget: int, paced: bool, streams: int, context: int) -> LocalRunner:
+def _runner(target: str, budget: int, stretch: float | None, streams: int, context: int) -> LocalRunner:
     runner = LocalRunner(parse_app_args({
         "models": {"target": {"path": target, "role": "target", "dtype": "float32"}},
         "defaults": {"strategy": "ar"},
@@ -63,9 +82,9 @@ def _runner(target: str, budget: int, paced: bool, streams: int, context: int) -
         "limits": {"max_concurrent_requests": streams + 4},
         "engine": {"max_model_len": context, "max_tokens_per_step": budget, "kv_cache_memory": 2 * 2**30},
     }), temperature=1.0)
-    if not paced:
+    if stretch is not None:
         for handle in runner.workers.values():
-            handle._instance.engine.prefill_pacer = PrefillPacer(stretch=UNPACED)
+            handle._instance.engine.prefill_pacer = PrefillPacer(stretch=stretch)
     return runner
 
 
@@ -74,21 +93,23 @@ def _request(name: str, prompt: list[int], max_tokens: int) -> GenerationRequest
                              sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0, ignore_eos=True))
 
 
-async def _measure(runner: LocalRunner, args: argparse.Namespace) -> tuple[list[float], list[float], list[float]]:
-    """(gaps in seconds between consecutive chunks of a running stream that overlap the time the
-    long prompts are in the engine, the gaps of the quiet time before, each long prompt's seconds
-    to its first token)."""
+async def _measure(runner: LocalRunner, args: argparse.Namespace, alone: bool = False) -> Measured:
+    """The gaps in seconds between consecutive chunks of a running stream that overlap the time
+    the long prompts are in the engine, the gaps of the quiet time before, each long prompt's
+    seconds to its first token; ``alone``: no long prompt arrives, every gap counts as quiet."""
     generator = torch.Generator().manual_seed(5)
-    times: list[list[float]] = [[] for _ in range(args.streams)]  # chunk arrival times per stream
+    times: list[list[tuple[float, int]]] = [[] for _ in range(args.streams)]  # per stream: (arrival, tokens before)
     started = asyncio.Event()
 
     async def stream(index: int) -> None:
         prompt = torch.randint(1, 4000, (64,), generator=generator).tolist()
+        received = 0
         async for chunk in runner.coordinator.generate(_request(f"stream-{index}", prompt, args.decode_tokens)):
             if chunk.error:
                 raise RuntimeError(chunk.error)
             if chunk.token_ids:
-                times[index].append(time.perf_counter())
+                times[index].append((time.perf_counter(), received))
+                received += len(chunk.token_ids)
             if all(times):
                 started.set()
 
@@ -107,8 +128,8 @@ async def _measure(runner: LocalRunner, args: argparse.Namespace) -> tuple[list[
         await started.wait()
         await asyncio.sleep(args.quiet_s)
         prompts = [torch.randint(1, 4000, (args.long_tokens,), generator=generator).tolist()
-                   for _ in range(args.long_prompts)]
-        begin = time.perf_counter()
+                   for _ in range(0 if alone else args.long_prompts)]
+        begin = time.perf_counter() if prompts else float("inf")
         if args.arrival_s > 0:
             await asyncio.gather(*(long_prompt(index, prompt) for index, prompt in enumerate(prompts)))
         else:
@@ -117,10 +138,21 @@ async def _measure(runner: LocalRunner, args: argparse.Namespace) -> tuple[list[
         return begin, time.perf_counter()
 
     (begin, end), *_ = await asyncio.gather(long_prompts(), *(stream(i) for i in range(args.streams)))
-    pairs = [(earlier, later) for arrivals in times for earlier, later in zip(arrivals, arrivals[1:])]
-    gaps = [later - earlier for earlier, later in pairs if later >= begin and earlier <= end]
-    quiet = [later - earlier for earlier, later in pairs if later < begin]
-    return gaps, quiet, firsts
+    pairs = [(earlier, later, position) for arrivals in times for (earlier, _), (later, position) in zip(arrivals, arrivals[1:])]
+    gaps = [(later - earlier, position) for earlier, later, position in pairs if later >= begin and earlier <= end]
+    quiet = [(later - earlier, position) for earlier, later, position in pairs if later < begin]
+    return Measured(gaps, quiet, firsts)
+
+
+def alone_gaps(gaps: list[tuple[float, int]], alone: list[tuple[float, int]]) -> list[float]:
+    """The gaps of the streams running alone (``alone``: (gap, the stream's tokens before the
+    chunk that ended it)) at the stream positions that ``gaps`` span: what the same streams'
+    gaps are without the long prompts, at the same context lengths (a decode step's cost grows
+    with its context, so the quiet time before the prompts, at shorter contexts, is no baseline)."""
+    if not gaps:
+        return []
+    low, high = min(position for _, position in gaps), max(position for _, position in gaps)
+    return [gap for gap, position in alone if low <= position <= high]
 
 
 def _p99(values: list[float]) -> float:
@@ -139,7 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quiet-s", type=float, default=1.0, help="Seconds the streams run alone before the long prompts.")
     parser.add_argument("--model", choices=("real_shape", "embedded"), default="real_shape")
     parser.add_argument("--budgets", default="off,512",
-                        help="engine.max_tokens_per_step values (off: no chunking; N:static: N without pacing).")
+                        help="engine.max_tokens_per_step values (off: no chunking; N:static: N without pacing; "
+                        "N:STRETCH: N paced to STRETCH).")
     parser.add_argument("--rounds", type=int, default=1, help="Runs of each budget, interleaved (gaps pooled).")
     parser.add_argument("--out", default=None, help="Also write the table here (markdown).")
     parser.add_argument("--record", default=None, metavar="CASE",
@@ -148,8 +181,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _row(text: str, gaps: list[float], quiet: list[float], firsts: list[float]) -> dict[str, Any]:
-    """One budget's figures (gaps pooled over its rounds), keyed by column."""
+def _row(text: str, runs: list[Measured], alone: list[tuple[float, int]]) -> dict[str, Any]:
+    """One budget's figures (its ``runs``, gaps pooled over its rounds; ``alone``: the gaps of the
+    streams' runs without long prompts), keyed by column."""
+    spans = [run.gaps for run in runs]
+    gaps = [gap for span in spans for gap, _ in span]
+    quiet = [gap for run in runs for gap, _ in run.quiet]
+    baseline = [gap for span in spans for gap in alone_gaps(span, alone)]
+    firsts = [first for run in runs for first in run.firsts]
     if not gaps:
         raise RuntimeError("the streams ended before the long prompts arrived: raise --decode-tokens")
     return {
@@ -157,6 +196,8 @@ def _row(text: str, gaps: list[float], quiet: list[float], firsts: list[float]) 
         "gap p50 ms": round(1e3 * statistics.median(gaps)), "gap p99 ms": round(1e3 * _p99(gaps)),
         "gap max ms": round(1e3 * max(gaps)), "quiet gap p99 ms": round(1e3 * _p99(quiet)) if quiet else None,
         "p99 / quiet p99": round(_p99(gaps) / _p99(quiet), 2) if quiet else None,
+        "alone gap p99 ms": round(1e3 * _p99(baseline)) if baseline else None,
+        "p99 / alone p99": round(_p99(gaps) / _p99(baseline), 2) if baseline else None,
         "long prompt first token, median s": round(statistics.median(firsts), 2),
     }
 
@@ -169,8 +210,8 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 #: The columns the results page shows.
-RECORD_COLUMNS = ["engine.max_tokens_per_step", "gap p50 ms", "gap p99 ms", "p99 / quiet p99",
-                  "long prompt first token, median s"]
+RECORD_COLUMNS = ["engine.max_tokens_per_step", "gap p50 ms", "gap p99 ms", "alone gap p99 ms", "p99 / alone p99",
+                  "p99 / quiet p99", "long prompt first token, median s"]
 
 
 def _record(case: str, command: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -180,8 +221,18 @@ def _record(case: str, command: str, rows: list[dict[str, Any]], args: argparse.
 
     title = (f"Long prompts: {args.streams} streams, {args.long_prompts} prompts of {args.long_tokens:,} tokens "
              f"({args.model.replace('_', '-')} target, engine alone)")
-    notes = f"Quiet: gaps before the long prompts; rounds interleaved. Host load {load_avg()}."
+    notes = (f"Alone: the same streams without the long prompts, at the same stream positions; quiet: gaps before "
+             f"the long prompts (shorter contexts); rounds interleaved. Host load {load_avg()}.")
     print(f"recorded {update(make_record(case, title, command, rows, notes=notes, columns=RECORD_COLUMNS))}")
+
+
+def _run(target: str, budget: str, context: int, args: argparse.Namespace, alone: bool = False) -> Measured:
+    """One run of the streams (and, unless ``alone``, the long prompts) under ``budget``."""
+    runner = _runner(target, *_budget(budget, context), args.streams, context)
+    try:
+        return runner.loop.run_until_complete(_measure(runner, args, alone))
+    finally:
+        runner.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,22 +243,18 @@ def main(argv: list[str] | None = None) -> int:
                f"--long-prompts {args.long_prompts} --arrival-s {args.arrival_s:g} --decode-tokens {args.decode_tokens} "
                f"--budgets {args.budgets} --rounds {args.rounds}")
     budgets = args.budgets.split(",")
-    pooled = {text: ([], [], []) for text in budgets}
+    runs: dict[str, list[Measured]] = {text: [] for text in budgets}
+    alone: list[tuple[float, int]] = []  # the streams' gaps without long prompts, pooled over the rounds
     with tempfile.TemporaryDirectory(prefix="long-prompt-itl-") as root:
         if args.model == "embedded":
             target, context = "embedded:target", EMBEDDED_CONTEXT
         else:
             target, context = str(build_checkpoints(pathlib.Path(root))["target"]), CONTEXT
-        for _ in range(args.rounds):
-            for text in budgets:  # interleaved: each round runs every budget in turn
-                runner = _runner(target, *_budget(text, context), args.streams, context)
-                try:
-                    measured = runner.loop.run_until_complete(_measure(runner, args))
-                finally:
-                    runner.close()
-                for into, values in zip(pooled[text], measured):
-                    into.extend(values)
-    rows = [_row(text, *pooled[text]) for text in budgets]
+        for _ in range(args.rounds):  # interleaved: each round runs the streams alone, then every budget in turn
+            alone.extend(_run(target, budgets[0], context, args, alone=True).quiet)
+            for text in budgets:
+                runs[text].append(_run(target, text, context, args))
+    rows = [_row(text, runs[text], alone) for text in budgets]
     text = "\n".join([f"Command: `{command}`", "", *_table(rows)]) + "\n"
     print(text)
     if args.out:
