@@ -183,12 +183,10 @@ class W8A8Linear(torch.nn.Module):
     """``nn.Linear`` with int8 weights, one scale per output row (as :class:`Int8Linear`), whose
     inputs are quantized to 8 bits at each call: fbgemm's dynamic linear
     (``torch.ops.quantized.linear_dynamic``; float32 in and out, int32 sums). fbgemm takes one
-    activation grid per call, spanning the call's values and 0: a row alone (a draft step at one
-    client) is quantized on the grid of its own values; several rows are each divided by their largest
+    activation grid per call, spanning the call's values and 0: each row is divided by its largest
     magnitude (the product multiplied back) and a row holding -1 and 1 goes along, so that the
-    call's grid is 255 steps over [-1, 1]: each row on its own symmetric grid, the same whichever
-    rows it is batched with (a lone row's products may differ from its batched ones by a step of
-    its grid: a seeded draft alone and in a batch may then differ; the law never does).
+    call's grid is 255 steps over [-1, 1]: each row on its own symmetric grid, the same alone and
+    whichever rows it is batched with (a seeded draft is the same alone and among others).
     At one row on an AVX512-VNNI core 1.5-2x faster than the int4 kernel and 3x than bf16
     (``python -m benchmarks.micro.quantized_gemm``)."""
 
@@ -215,12 +213,9 @@ class W8A8Linear(torch.nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """``inputs`` ``[..., in]`` -> ``[..., out]``."""
         flat = inputs.reshape(-1, self.in_features).float()  # [N, in]
-        if flat.shape[0] == 1:  # a row alone (a draft step): the call's grid is its own, and no op around the call
-            out = torch.ops.quantized.linear_dynamic(flat, self._packed, W8A8_REDUCE_RANGE)  # [1, out]
-        else:
-            norm = flat.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # [N, 1]
-            normed = torch.cat((flat / norm, self._grid_row))  # [N + 1, in], each row in [-1, 1], the grid spanning both
-            out = torch.ops.quantized.linear_dynamic(normed, self._packed, W8A8_REDUCE_RANGE)[:-1].mul_(norm)  # [N, out]
+        norm = flat.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # [N, 1]
+        normed = torch.cat((flat / norm, self._grid_row))  # [N + 1, in], each row in [-1, 1], the grid spanning both
+        out = torch.ops.quantized.linear_dynamic(normed, self._packed, W8A8_REDUCE_RANGE)[:-1].mul_(norm)  # [N, out]
         if self.bias is not None:
             out = out + self.bias
         return out.to(inputs.dtype).view(*inputs.shape[:-1], self.out_features)
@@ -296,14 +291,11 @@ def _w8a8_error_bound(inputs: torch.Tensor, module: W8A8Linear, weight: torch.Te
     """:func:`linear_error_bound` of a :class:`W8A8Linear`: ``x w - x' w'`` is at most
     ``|x - x'| |w'| + |x| |w - w'|``; an activation of a row is off by at most one step of its
     8-bit grid (half a step rounding, half a step where the grid's zero point is rounded; 255
-    steps over [-1, 1] times the row's largest magnitude, or over a lone row's values), a weight by half its
+    steps over [-1, 1] times the row's largest magnitude), a weight by half its
     row's scale; then float32 slack and the output's rounding to the inputs' dtype."""
     flat = inputs.reshape(-1, module.in_features).double()  # [N, in]
     levels = 127.0 if W8A8_REDUCE_RANGE else 255.0
-    if flat.shape[0] == 1:  # the row's own grid, over its values and 0
-        norm, grid = torch.ones(1, 1, dtype=torch.float64), (flat.max().clamp_min(0.0) - flat.min().clamp_max(0.0)) / levels
-    else:  # 255 steps over [-1, 1], times the row's largest magnitude
-        norm, grid = flat.abs().amax(dim=1, keepdim=True), 2.0 / levels  # [N, 1]
+    norm, grid = flat.abs().amax(dim=1, keepdim=True), 2.0 / levels  # [N, 1]: 255 steps over [-1, 1], times the row's largest magnitude
     step = module.scales.double()[:, None]  # [out, 1]
     dequantized = module.weight_int8.double() * step  # [out, in]
     activation = (grid * norm) * dequantized.abs().sum(dim=1)  # [N, out]
