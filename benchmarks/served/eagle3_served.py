@@ -6,7 +6,7 @@ this process, closed-loop clients, request i on prompt i mod 18 with seed i, tem
 rounds that run each proposer's ``--requests`` requests in turn, so that every proposer sees the
 same host load. Prints per proposer the median tokens/s over the rounds, the median of its
 per-round ratio to the draft model's, and the block efficiency (generated tokens per target call);
-``--record`` keeps the last two.
+``--record`` keeps all three.
 
     python -m benchmarks.served.eagle3_served --rounds 5 --requests 18
     python -m benchmarks.served.eagle3_served --rounds 5 --requests 18 --record eagle3-served
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label in runners:
         ratio = statistics.median(a / b for a, b in zip(rates[label], rates[baseline]))
-        rows.append({"proposer": label, "block eff.": round(statistics.median(efficiency[label]), 3),
-                     "x draft": round(ratio, 2)})
+        rows.append({"proposer": label, "tok/s": round(statistics.median(rates[label]), 1),
+                     "block eff.": round(statistics.median(efficiency[label]), 3), "x draft": round(ratio, 2)})
         print(f"{label}: median {statistics.median(rates[label]):.1f} tok/s, {ratio:.2f}x the draft model (median of "
               f"per-round ratios), block efficiency {rows[-1]['block eff.']}")
     if args.record:
@@ -93,7 +93,7 @@ def _record(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[st
     words = sys.argv[1:] if argv is None else argv
     command = "python -m benchmarks.served.eagle3_served " + " ".join(shlex.quote(w) for w in words)
     clients = f"{args.concurrency} client{'s' if args.concurrency > 1 else ''}"
-    title = f"EAGLE-3 head served (sd block gamma {args.gamma}, {clients})"
+    title = f"EAGLE-3 head against the draft model (engine alone, sd block gamma {args.gamma}, {clients})"
     print(f"recorded {update(make_record(args.record, title, command, rows, section='Engine'))}")
 
 
