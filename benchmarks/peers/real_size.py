@@ -372,11 +372,9 @@ def record(args: argparse.Namespace, command: str, rows: list[dict[str, Any]]) -
     from benchmarks.reports.tables import update
 
     label = args.shape if args.model is None else pathlib.Path(args.model).name
-    notes = (f"`ar`, {args.max_tokens} streamed tokens at temperature 1, {args.serve_requests} requests a level, one "
-             f"server at a time, the same client; medians (lowest-highest) of {args.serve_rounds} interleaved rounds; "
-             "x vLLM: the median of each round's ratio. Engine alone: no Ray, no HTTP, medians of "
-             f"{args.rounds} rounds; fraction of limit: weight bytes per decode forward / forward time / the "
-             "bandwidth measured in the same run (a torch sum over 1 GiB, best pass).")
+    notes = (f"`ar`, {args.max_tokens} streamed tokens, T = 1, {args.serve_requests} requests a level, one server at a "
+             f"time, the same client; medians (range) of {args.serve_rounds} interleaved rounds, x vLLM per round. "
+             f"Engine alone: medians of {args.rounds} rounds; fraction: weight bytes / forward time / bandwidth (same run).")
     return update(make_record(args.record, f"A real-size model ({label}, random weights) served: specserve and vLLM's "
                               "CPU build", command, rows, notes=notes, section="Peers"))
 
