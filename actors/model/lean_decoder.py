@@ -14,7 +14,7 @@ runs the same computation with less around it:
   ``q * cos + rotate_half(q) * sin`` with the sign of ``rotate_half`` folded into ``sin``, checked
   against the model module's ``apply_rotary_pos_emb`` at load); the norms are ``F.rms_norm``;
 * on CPU attention is two batched matmuls over the keys/values where they lie, under an additive
-  mask built once per forward (:func:`_bmm_attention`: fewer passes over the cached keys/values than
+  mask built once per forward (:func:`~actors.model.lean_attention.bmm_attention`: fewer passes over the cached keys/values than
   sdpa's flash kernel at a few query positions per row); elsewhere sdpa
   (:func:`actors.model.grouped_attention.grouped_sdpa_forward` for grouped heads); the per-layer
   masks come ready from :func:`actors.model.layer_masks.layer_masks`;
@@ -36,7 +36,7 @@ runs the same computation with less around it:
   its own forward, the load-time check and the fall-back): 46.5 MiB for the embedded target.
 * in 16 bits the norms compute as the model's own RMSNorm does (the normalization in float32,
   rounded, then the weight: :func:`_rms_norm`) and attention keeps the scores and softmax in
-  float32, as the model's own sdpa forward does: :func:`_bmm_attention` over queries, keys and values
+  float32, as the model's own sdpa forward does: :func:`~actors.model.lean_attention.bmm_attention` over queries, keys and values
   upcast to float32 for one new token a row (:data:`BMM_FLOAT32_MAX_LENGTH`; sdpa's 16-bit CPU
   kernel is 4-9x slower there; its rounding, sums in another order), sdpa for longer rows; never
   16-bit products, which would round the scores before the softmax.
@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.model.architectures import Architecture
-from actors.model.grouped_attention import grouped_sdpa_forward
+from actors.model.lean_attention import HeadShape, additive_grouped_mask, bmm_attention, bmm_attention_rounded, sdpa_attention
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +101,10 @@ ONEDNN_DTYPES = frozenset({torch.float32} | ({torch.bfloat16} if _ONEDNN and tor
 #: The dtypes the norms and attention compute in directly (see :func:`_rms_norm`); 16-bit ones round as the model does.
 _FULL_PRECISION = frozenset({torch.float32, torch.float64})
 
-#: Whether a quantized copy attends with :func:`_bmm_attention` whatever its dtype.
+#: Whether a quantized copy attends with :func:`~actors.model.lean_attention.bmm_attention` whatever its dtype.
 BMM_QUANTIZED = True
 #: In 16 bits on CPU, a forward of at most this many new tokens per row (a decode step) attends
-#: as sdpa's CPU kernel computes (:func:`_bmm_attention_rounded`: float32 scores, softmax and
+#: as sdpa's CPU kernel computes (:func:`~actors.model.lean_attention.bmm_attention_rounded`: float32 scores, softmax and
 #: products, the exponentials rounded to 16 bits), in two batched matmuls; longer rows take sdpa.
 #: One query over 100-800 cached keys of the 279M shape: 29-144 us against sdpa's 107-1337 us (one
 #: thread). Rows of several tokens stay on sdpa: their last-place differences (its sums' order),
@@ -124,13 +124,6 @@ class _LeanLayer:
     before: tuple  # norm weight [hidden], eps, q/k/v weight [(H + 2 H_kv) d, hidden], bias, q/k norm weight [H + H_kv, d], eps
     after: tuple  # o weight [hidden, H d], bias, norm weight, eps, gate/up weight [2 I, hidden], bias, down weight, bias
     kind: str
-
-
-@dataclass(frozen=True)
-class _HeadShape:
-    heads: int  # H
-    kv_heads: int  # H_kv
-    head_dim: int  # d
 
 
 def lean_support(model: Any, architecture: Architecture) -> str | None:
@@ -200,14 +193,14 @@ class LeanDecoder:
         self._head_weight, self._head_bias = (None, None) if self._head is None else gemm(
             self._head.weight.detach(), _detached(self._head.bias))
         attention = decoder.layers[0].self_attn
-        shape = _HeadShape(int(model.config.num_attention_heads),
+        shape = HeadShape(int(model.config.num_attention_heads),
                            int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads),
                            int(attention.head_dim))
         # The model's own rotary application (q * cos + rotate_half(q) * sin), from its module.
         self._shape = shape
         _check_rotary(sys.modules[type(attention).__module__].apply_rotary_pos_emb, shape.head_dim)
         self._before_attention = _before_attention_fn(shape)
-        # Attention as two batched matmuls where they beat sdpa's kernel (CPU; see _bmm_attention); in
+        # Attention as two batched matmuls where they beat sdpa's kernel (CPU; see bmm_attention); in
         # 16 bits sdpa, whose kernel keeps the scores in float32 as the model's own forward does.
         # A quantized copy (a draft: its rows need only be the ones it samples from) takes them in 16 bits too.
         on_cpu = self.embed_tokens.weight.device.type == "cpu"
@@ -246,7 +239,7 @@ class LeanDecoder:
         return _rms_norm(hidden, *self.final_norm)
 
     def _bmm_dtype(self, length: int) -> torch.dtype | None:
-        """The dtype :func:`_bmm_attention` computes in for a forward of ``length`` new tokens per
+        """The dtype :func:`~actors.model.lean_attention.bmm_attention` computes in for a forward of ``length`` new tokens per
         row: the activations' (float32/float64, a quantized copy's), float32 (16 bits, at most
         :data:`BMM_FLOAT32_MAX_LENGTH` tokens), or None: sdpa."""
         if self._bmm_attention:
@@ -258,25 +251,25 @@ class LeanDecoder:
     def _attention_masks(self, masks: torch.Tensor | dict[str, torch.Tensor] | None,
                          bmm_dtype: torch.dtype | None) -> dict[str, torch.Tensor | None]:
         """Each layer kind's bool mask ``[B, 1, L, T_kv]`` in the form :meth:`_attend` takes, built
-        once per forward: for :func:`_bmm_attention` (``bmm_dtype`` set), additive ``[B H_kv, G L, T_kv]``
+        once per forward: for :func:`~actors.model.lean_attention.bmm_attention` (``bmm_dtype`` set), additive ``[B H_kv, G L, T_kv]``
         in that dtype (None stays None)."""
         by_kind = masks if isinstance(masks, dict) else {kind: masks for kind in set(self.architecture.layer_types)}
         if bmm_dtype is None:
             return by_kind
-        return {kind: None if mask is None else _additive_grouped_mask(mask, self._shape, bmm_dtype)
+        return {kind: None if mask is None else additive_grouped_mask(mask, self._shape, bmm_dtype)
                 for kind, mask in by_kind.items()}
 
     def _attend(self, module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None, bmm_dtype: torch.dtype | None) -> torch.Tensor:
         """Attention of ``query`` ``[B, L, H, d]`` over ``keys`` / ``values`` ``[B, H_kv, T_kv, d]``
-        -> ``[B, L, H d]``: two batched matmuls in ``bmm_dtype`` (:func:`_bmm_attention`; the result
+        -> ``[B, L, H d]``: two batched matmuls in ``bmm_dtype`` (:func:`~actors.model.lean_attention.bmm_attention`; the result
         rounded to the query's dtype), else sdpa."""
         batch, length = query.shape[:2]
         if bmm_dtype == query.dtype:
-            return _bmm_attention(query, keys, values, mask, module.scaling)
+            return bmm_attention(query, keys, values, mask, module.scaling)
         if bmm_dtype is not None:
-            return _bmm_attention_rounded(query, keys, values, mask, module.scaling)
-        return _sdpa_attention(module, query.transpose(1, 2), keys, values, mask).reshape(batch, length, -1)
+            return bmm_attention_rounded(query, keys, values, mask, module.scaling)
+        return sdpa_attention(module, query.transpose(1, 2), keys, values, mask).reshape(batch, length, -1)
 
     def head(self, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(hidden)`` (``[N, hidden]`` -> ``[N, V]``), through :func:`_linear` over the
@@ -316,79 +309,6 @@ class LeanDecoder:
                 cache.unbind()
         lean, own = outputs
         return float((lean - own).abs().max() / own.abs().max().clamp_min(1e-6))
-
-
-def _sdpa_attention(module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    mask: torch.Tensor | None) -> torch.Tensor:
-    """sdpa of ``query`` ``[B, H, L, d]`` over ``keys`` / ``values`` ``[B, H_kv, T_kv, d]`` under the
-    bool ``mask`` ``[B, 1, L, T_kv]`` (None: every key) -> ``[B, L, H, d]``; grouped heads read in place."""
-    if mask is None:
-        return F.scaled_dot_product_attention(query, keys, values, scale=module.scaling,
-                                              enable_gqa=module.num_key_value_groups > 1).transpose(1, 2)
-    if module.num_key_value_groups > 1:
-        return grouped_sdpa_forward(module, query, keys, values, mask, scaling=module.scaling)[0]
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=module.scaling).transpose(1, 2)
-
-
-def _additive_grouped_mask(mask: torch.Tensor, shape: _HeadShape, dtype: torch.dtype) -> torch.Tensor:
-    """The bool ``mask`` ``[B, 1, L, T_kv]`` (True: attend) as the additive mask of
-    :func:`_bmm_attention`, ``[B H_kv, G L, T_kv]`` (0 where attended, the dtype's lowest value
-    elsewhere, as transformers' own additive masks): query head ``h`` reads key/value head ``h // G``."""
-    batch, _, length, columns = mask.shape
-    groups = shape.heads // shape.kv_heads
-    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-        mask.logical_not(), torch.finfo(dtype).min)  # [B, 1, L, T_kv]
-    return additive.expand(batch, shape.kv_heads * groups, length, columns).reshape(
-        batch * shape.kv_heads, groups * length, columns)
-
-
-def _bmm_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                   scaling: float) -> torch.Tensor:
-    """``softmax(scaling q k^T + mask) v`` as two batched matmuls over the keys/values where they
-    lie (the slot cache's in-place view or the gathered buffer; no copy of them), the query heads
-    of each key/value head packed together (grouped heads read their key/value head once).
-    ``query`` ``[B, L, H, d]``, ``keys`` / ``values`` ``[B, H_kv, T_kv, d]``, ``mask`` from
-    :func:`_additive_grouped_mask` ``[B H_kv, G L, T_kv]`` (None: every key) -> ``[B, L, H d]``.
-
-    On this CPU the products read each row's keys and values once with fewer passes than sdpa's
-    flash kernel, which at a handful of query positions per row runs below its block size: one
-    layer of 16 rows x 1 new token over 150 cached columns, its keys/values read from memory, 0.51 ms
-    against 0.56-0.64 ms with sdpa (``docs/benchmarks.md``)."""
-    batch, length, heads, size = query.shape
-    kv_heads, columns = keys.shape[1], keys.shape[2]
-    groups = heads // kv_heads
-    packed = query.transpose(1, 2).reshape(batch * kv_heads, groups * length, size)  # [B H_kv, G L, d]
-    keys_t = keys.reshape(batch * kv_heads, columns, size).transpose(1, 2)  # [B H_kv, d, T_kv]
-    if mask is None:  # no mask to add: the product scaled after it, as baddbmm's alpha (the same scores)
-        scores = torch.bmm(packed, keys_t).mul_(scaling)  # [B H_kv, G L, T_kv]
-    else:
-        scores = torch.baddbmm(mask, packed, keys_t, alpha=scaling)  # [B H_kv, G L, T_kv]
-    attended = torch.bmm(scores.softmax(-1), values.reshape(batch * kv_heads, columns, size))  # [B H_kv, G L, d]
-    return attended.view(batch, heads, length, size).transpose(1, 2).reshape(batch, length, heads * size)
-
-
-def _bmm_attention_rounded(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                           scaling: float) -> torch.Tensor:
-    """:func:`_bmm_attention` of 16-bit ``query`` / ``keys`` / ``values`` computed as sdpa's CPU flash
-    kernel computes them: the scaled scores plus ``mask`` (float32, from :func:`_additive_grouped_mask`),
-    their row maximum, ``exp(score - max)`` and its sum in float32; the exponentials rounded to the
-    16-bit dtype for the product with the values (accumulated in float32), divided by the sum, rounded
-    once. Shapes as :func:`_bmm_attention`; the kernel's result up to the order of its sums (one key
-    block: up to 512 keys; longer contexts it rescales block by block)."""
-    batch, length, heads, size = query.shape
-    kv_heads, columns = keys.shape[1], keys.shape[2]
-    groups = heads // kv_heads
-    packed = query.transpose(1, 2).reshape(batch * kv_heads, groups * length, size).float()  # [B H_kv, G L, d]
-    keys_t = keys.reshape(batch * kv_heads, columns, size).float().transpose(1, 2)  # [B H_kv, d, T_kv]
-    if mask is None:
-        scores = torch.bmm(packed, keys_t).mul_(scaling)  # [B H_kv, G L, T_kv]
-    else:
-        scores = torch.baddbmm(mask, packed, keys_t, alpha=scaling)  # [B H_kv, G L, T_kv]
-    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [B H_kv, G L, T_kv], unnormalized
-    total = weights.sum(-1, keepdim=True)  # [B H_kv, G L, 1]
-    attended = torch.bmm(weights.to(query.dtype).float(), values.reshape(batch * kv_heads, columns, size).float())
-    attended = attended.div_(total).to(query.dtype)  # [B H_kv, G L, d]
-    return attended.view(batch, heads, length, size).transpose(1, 2).reshape(batch, length, heads * size)
 
 
 def _linear(inputs: torch.Tensor, weight: torch.Tensor | torch.nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
@@ -456,7 +376,7 @@ def _check_rotary(apply_rotary: Callable, head_dim: int) -> None:
         raise ValueError("the model's apply_rotary_pos_emb is not the half-split rotation")
 
 
-def _before_attention_fn(shape: _HeadShape) -> Callable[..., tuple[torch.Tensor, ...]]:
+def _before_attention_fn(shape: HeadShape) -> Callable[..., tuple[torch.Tensor, ...]]:
     """The first half of a layer for one head shape (constants of the graph)."""
     heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
 
