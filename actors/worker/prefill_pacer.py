@@ -79,10 +79,7 @@ class PrefillPacer:
         ``mid_context`` earlier positions on average (the context before it plus half its own
         tokens): the line through the recent chunks (:func:`theil_sen`); None before any chunk."""
         line = theil_sen(self._chunks)
-        if line is None:
-            return None
-        intercept, slope = line
-        return max(intercept + slope * mid_context, 1e-9)
+        return None if line is None else _cost_on(line, mid_context)
 
     def allowed(self, other_tokens: int, context: int = 0) -> int | None:
         """Prefill tokens a step whose other rows feed ``other_tokens`` may carry, the first chunk
@@ -90,11 +87,12 @@ class PrefillPacer:
         or no decode step measured yet)."""
         if other_tokens <= 0 or self.decode_step_s is None:
             return None
-        if not self._chunks:
+        line = theil_sen(self._chunks)  # fitted once, read at each round's mid-context
+        if line is None:
             return FIRST_PACED_TOKENS
-        tokens = self.stretch / self.token_cost_at(context)
+        tokens = self.stretch / _cost_on(line, context)
         for _ in range(3):  # the chunk's own tokens add to its mid-context: a few fixed-point rounds
-            tokens = self.stretch / self.token_cost_at(context + tokens / 2)
+            tokens = self.stretch / _cost_on(line, context + tokens / 2)
         return max(MIN_PACED_TOKENS, int(tokens))
 
     def observe(self, step_s: float, other_tokens: int, prefill_tokens: int = 0, prefill_s: float = 0.0,
@@ -111,6 +109,12 @@ class PrefillPacer:
         self._decode_s.append(decode_s)
         if prefill_tokens > 0 and decode_s >= MIN_DECODE_SHARE * (typical or decode_s):
             self._chunks.append((float(prefill_context), prefill_s / prefill_tokens / decode_s))
+
+
+def _cost_on(line: tuple[float, float], mid_context: float) -> float:
+    """The (intercept, slope) ``line`` read at ``mid_context``, above 0."""
+    intercept, slope = line
+    return max(intercept + slope * mid_context, 1e-9)
 
 
 def theil_sen(points: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
