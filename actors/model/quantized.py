@@ -97,16 +97,23 @@ def check_quantization(quantization: str | None, dtype: torch.dtype | None = Non
                                 f"bfloat16, not {dtype}")
 
 
+def _int8_per_row(linear: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear``'s weight as int8 codes ``[out, in]`` and one float32 scale per output row ``[out]``
+    (its largest magnitude over 127): what :class:`Int8Linear` and :class:`W8A8Linear` hold."""
+    weight = linear.weight.detach().float()  # [out, in]
+    scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [out]
+    return torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
 class Int8Linear(torch.nn.Module):
     """``nn.Linear`` with an int8 weight ``[out, in]`` and one scale per output row (weight-only:
     the input is a float; :data:`KERNEL_DTYPE` inside the product); ``torch.ops.aten._weight_int8pack_mm``."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
-        weight = linear.weight.detach().float()  # [out, in]
-        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [out]
+        codes, scale = _int8_per_row(linear)  # [out, in], [out]
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+        self.register_buffer("weight_int8", codes)
         self.register_buffer("scales", scale.to(KERNEL_DTYPE))  # [out]
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
@@ -195,9 +202,7 @@ class W8A8Linear(torch.nn.Module):
         engine = torch.backends.quantized.engine
         if engine not in W8A8_ENGINES:
             raise QuantizationError(f"quantization 'w8a8': needs torch's x86 / fbgemm quantized engine; this torch runs {engine!r}")
-        weight = linear.weight.detach().float()  # [out, in]
-        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [out]
-        codes = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [out, in]
+        codes, scale = _int8_per_row(linear)  # [out, in], [out]
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("scales", scale)  # [out]
         self.register_buffer("weight_int8", codes)  # [out, in], for the error bound and the record
