@@ -46,7 +46,7 @@ class ScoreVerifyTask(Task):
         #: the rule's batch layout (``[1, gamma]``, ``[1, gamma, V]``, ``[1, gamma+1, V]`` single-draft);
         #: the draft rows None while carried ones wait to be put together (:attr:`draft_rows`).
         self.inputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
-        self.draft_rows: tuple[torch.Tensor, ...] | None = None  # carried, one [K, V] per position
+        self.draft_rows: tuple[torch.Tensor, ...] | None = None  # carried (row_requests), one [K, V] per position
 
     @property
     def active(self) -> bool:
@@ -104,7 +104,8 @@ class ScoreVerifyTask(Task):
             chained = logits[1:].reshape(num_drafts, gamma, -1)  # [K, gamma, V]
             target_logits = torch.cat([first, chained], dim=1)  # [K, gamma+1, V]
         requests = [RowRequest(session, target_logits, [draft[:j] for draft in drafts for j in range(gamma + 1)])]
-        if self.proposal.logits is not None and self.carried_rows() is None:
+        self.draft_rows = self.carried_rows()  # read by rows_taken: carried rows, or the draft's made here
+        if self.proposal.logits is not None and self.draft_rows is None:
             requests.append(RowRequest(session, self.proposal.logits, [draft[:j] for draft in drafts for j in range(gamma)]))
         return requests
 
@@ -130,10 +131,9 @@ class ScoreVerifyTask(Task):
         if self.proposal.logits is None:  # a model-free proposal: one-hot rows
             draft_probs = one_hot_rows(self.proposal.tokens.to(target_probs.device), target_probs.shape[-1],
                                        target_probs.dtype)  # [K, gamma, V]
-        elif len(rows) > 1:
+        elif self.draft_rows is None:
             draft_probs = rows[1]  # [K, gamma, V]
-        else:  # carried: put together once, by verify_together for a batched rule
-            self.draft_rows = self.carried_rows()
+        else:  # carried (row_requests): put together once, by verify_together for a batched rule
             draft_probs = None if block_key(self.need.method, self.spec, (self.proposal.tokens,)) else self.stacked_draft_rows()
         self.inputs = block_inputs(self.spec, self.proposal.tokens, draft_probs, target_probs)
         self.verify_s += time.perf_counter() - started
