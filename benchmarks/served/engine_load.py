@@ -41,34 +41,37 @@ from cluster.config import load_app_args
 
 
 def count_forwards(stats: dict[tuple[str, str], list[tuple[int, int, float]]]) -> Callable[[], None]:
-    """Wrap ``SlotBackend.forward`` to record (rows, tokens, seconds) per model and row kind;
-    returns what puts the original back."""
-    forward = backends.SlotBackend.forward
+    """Wrap ``SlotBackend.forward`` (and an EAGLE-3 head's, :mod:`actors.model.eagle3_serving`) to
+    record (rows, tokens, seconds) per model and row kind; returns what puts the originals back."""
+
+    def model_key(backend: Any, rows: Any) -> tuple[str, str]:
+        kind = "prefill" if max(len(row) for row in rows) > 16 else "short"
+        return backend.model.config.name_or_path.rstrip("/").rsplit("/", 1)[-1], kind
+
+    restores = [_counted(backends.SlotBackend, model_key, stats),
+                _counted(Eagle3Backend, lambda head, rows: (head.name, "head"), stats)]
+
+    def restore_all() -> None:
+        for restore in restores:
+            restore()
+
+    return restore_all
+
+
+def _counted(cls: type, key: Callable[[Any, Any], tuple[str, str]],
+             stats: dict[tuple[str, str], list[tuple[int, int, float]]]) -> Callable[[], None]:
+    """``cls.forward`` wrapped to append (rows, tokens, seconds) under ``key(backend, rows)``;
+    returns what puts it back."""
+    forward = cls.forward
 
     def counted(self: Any, rows: Any) -> Any:
         started = time.perf_counter()
         out = forward(self, rows)
-        kind = "prefill" if max(len(row) for row in rows) > 16 else "short"
-        stats[(self.model.config.name_or_path.rstrip("/").rsplit("/", 1)[-1], kind)].append(
-            (len(rows), sum(len(row) for row in rows), time.perf_counter() - started))
+        stats[key(self, rows)].append((len(rows), sum(len(row) for row in rows), time.perf_counter() - started))
         return out
 
-    head_forward = Eagle3Backend.forward
-
-    def head_counted(self: Any, rows: Any) -> Any:  # an EAGLE-3 head (actors.model.eagle3_serving)
-        started = time.perf_counter()
-        out = head_forward(self, rows)
-        stats[(self.name, "head")].append((len(rows), sum(len(row) for row in rows), time.perf_counter() - started))
-        return out
-
-    backends.SlotBackend.forward = counted
-    Eagle3Backend.forward = head_counted
-
-    def restore() -> None:
-        backends.SlotBackend.forward = forward
-        Eagle3Backend.forward = head_forward
-
-    return restore
+    cls.forward = counted
+    return lambda: setattr(cls, "forward", forward)
 
 
 async def run_clients(runner: LocalRunner, prompts: list[str], speculation: dict[str, Any],
