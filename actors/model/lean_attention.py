@@ -55,17 +55,9 @@ def bmm_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     flash kernel, which at a handful of query positions per row runs below its block size: one
     layer of 16 rows x 1 new token over 150 cached columns, its keys/values read from memory, 0.51 ms
     against 0.56-0.64 ms with sdpa (``docs/benchmarks.md``)."""
-    batch, length, heads, size = query.shape
-    kv_heads, columns = keys.shape[1], keys.shape[2]
-    groups = heads // kv_heads
-    packed = query.transpose(1, 2).reshape(batch * kv_heads, groups * length, size)  # [B H_kv, G L, d]
-    keys_t = keys.reshape(batch * kv_heads, columns, size).transpose(1, 2)  # [B H_kv, d, T_kv]
-    if mask is None:  # no mask to add: the product scaled after it, as baddbmm's alpha (the same scores)
-        scores = torch.bmm(packed, keys_t).mul_(scaling)  # [B H_kv, G L, T_kv]
-    else:
-        scores = torch.baddbmm(mask, packed, keys_t, alpha=scaling)  # [B H_kv, G L, T_kv]
-    attended = torch.bmm(scores.softmax(-1), values.reshape(batch * kv_heads, columns, size))  # [B H_kv, G L, d]
-    return attended.view(batch, heads, length, size).transpose(1, 2).reshape(batch, length, heads * size)
+    scores = _packed_scores(query, keys, mask, scaling)  # [B H_kv, G L, T_kv]
+    attended = torch.bmm(scores.softmax(-1), _packed_values(values))  # [B H_kv, G L, d]
+    return _unpacked(attended, query.shape)
 
 
 def bmm_attention_rounded(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -76,17 +68,37 @@ def bmm_attention_rounded(query: torch.Tensor, keys: torch.Tensor, values: torch
     16-bit dtype for the product with the values (accumulated in float32), divided by the sum, rounded
     once. Shapes as :func:`bmm_attention`; the kernel's result up to the order of its sums (one key
     block: up to 512 keys; longer contexts it rescales block by block)."""
-    batch, length, heads, size = query.shape
-    kv_heads, columns = keys.shape[1], keys.shape[2]
-    groups = heads // kv_heads
-    packed = query.transpose(1, 2).reshape(batch * kv_heads, groups * length, size).float()  # [B H_kv, G L, d]
-    keys_t = keys.reshape(batch * kv_heads, columns, size).float().transpose(1, 2)  # [B H_kv, d, T_kv]
-    if mask is None:
-        scores = torch.bmm(packed, keys_t).mul_(scaling)  # [B H_kv, G L, T_kv]
-    else:
-        scores = torch.baddbmm(mask, packed, keys_t, alpha=scaling)  # [B H_kv, G L, T_kv]
+    scores = _packed_scores(query, keys, mask, scaling, torch.float32)  # [B H_kv, G L, T_kv]
     weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [B H_kv, G L, T_kv], unnormalized
     total = weights.sum(-1, keepdim=True)  # [B H_kv, G L, 1]
-    attended = torch.bmm(weights.to(query.dtype).float(), values.reshape(batch * kv_heads, columns, size).float())
-    attended = attended.div_(total).to(query.dtype)  # [B H_kv, G L, d]
+    attended = torch.bmm(weights.to(query.dtype).float(), _packed_values(values).float())
+    return _unpacked(attended.div_(total).to(query.dtype), query.shape)  # from [B H_kv, G L, d]
+
+
+def _packed_scores(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``scaling q k^T + mask`` with the query heads of each key/value head packed together:
+    ``query`` ``[B, L, H, d]``, ``keys`` ``[B, H_kv, T_kv, d]`` (both converted to ``dtype`` when
+    given) -> ``[B H_kv, G L, T_kv]``."""
+    batch, length, heads, size = query.shape
+    kv_heads, columns = keys.shape[1], keys.shape[2]
+    packed = query.transpose(1, 2).reshape(batch * kv_heads, heads // kv_heads * length, size)  # [B H_kv, G L, d]
+    keys_flat = keys.reshape(batch * kv_heads, columns, size)  # [B H_kv, T_kv, d]
+    if dtype is not None:
+        packed, keys_flat = packed.to(dtype), keys_flat.to(dtype)
+    keys_t = keys_flat.transpose(1, 2)  # [B H_kv, d, T_kv]
+    if mask is None:  # no mask to add: the product scaled after it, as baddbmm's alpha (the same scores)
+        return torch.bmm(packed, keys_t).mul_(scaling)
+    return torch.baddbmm(mask, packed, keys_t, alpha=scaling)
+
+
+def _packed_values(values: torch.Tensor) -> torch.Tensor:
+    """``values`` ``[B, H_kv, T_kv, d]`` -> ``[B H_kv, T_kv, d]``."""
+    batch, kv_heads, columns, size = values.shape
+    return values.reshape(batch * kv_heads, columns, size)
+
+
+def _unpacked(attended: torch.Tensor, query_shape: torch.Size) -> torch.Tensor:
+    """``attended`` ``[B H_kv, G L, d]`` back in the query's order -> ``[B, L, H d]``."""
+    batch, length, heads, size = query_shape
     return attended.view(batch, heads, length, size).transpose(1, 2).reshape(batch, length, heads * size)
