@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from actors.model.batch import RowWork, RunAttend, is_causal_run, linear_row
 from actors.model.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Error, load_head
-from actors.model.lean_decoder import _ONEDNN, ONEDNN_DTYPES, _linear, _onednn_weight
+from actors.model.lean_decoder import _ONEDNN, ONEDNN_DTYPES, _gemm_fn, _linear
 
 logger = logging.getLogger(__name__)
 
@@ -407,7 +407,7 @@ def _packed_gemms(head: Any, device: Any, quantization: str | None = None) -> di
     (:func:`actors.model.quantized.quantized_gemm`: a quarter to an eighth of the bytes a draft step reads)."""
     layer = head.midlayer
     if quantization is not None:
-        from actors.model.quantized import QuantizationError, check_quantization, quantized_gemm
+        from actors.model.quantized import QuantizationError, check_quantization
 
         try:
             check_quantization(quantization, head.fc.weight.dtype)
@@ -419,10 +419,8 @@ def _packed_gemms(head: Any, device: Any, quantization: str | None = None) -> di
     linears = {"fc": [head.fc], "qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
                "o_proj": [layer.self_attn.o_proj], "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj],
                "down_proj": [layer.mlp.down_proj], "lm_head": [head.lm_head]}
-    weights = {name: torch.cat([linear.weight.detach() for linear in group]).contiguous() for name, group in linears.items()}
-    if quantization is not None:
-        return {name: quantized_gemm(weight, None, quantization) for name, weight in weights.items()}
-    return {name: _onednn_weight(weight, reorder) for name, weight in weights.items()}
+    gemm = _gemm_fn(reorder, quantization)  # the lean decoder's: oneDNN's layout, or a quantized module
+    return {name: gemm(torch.cat([linear.weight.detach() for linear in group]), None)[0] for name, group in linears.items()}
 
 
 def _target_column(target: Any, context: Sequence[int], position: int) -> int | None:
