@@ -48,6 +48,7 @@ from actors.coordination.preparation import RequestPreparer
 from actors.coordination.row_transport import RowTransport
 from actors.coordination.scheduler import Scheduler, background_task
 from actors.vocabulary import group_vocabulary, tokenizer_identity
+from actors.worker.bursts import PROBE_GROUP
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +224,8 @@ class Coordinator:
         names = list(self.workers)
 
         async def one(name: str) -> dict[str, float]:
-            return await asyncio.wait_for(self.workers[name].metrics.remote(), timeout=WORKER_METRICS_TIMEOUT_S)
+            probe = self.workers[name].metrics.options(concurrency_group=PROBE_GROUP)
+            return await asyncio.wait_for(probe.remote(), timeout=WORKER_METRICS_TIMEOUT_S)
 
         results = await asyncio.gather(*(one(name) for name in names), return_exceptions=True)
         totals = {name: result for name, result in zip(names, results) if isinstance(result, dict)}

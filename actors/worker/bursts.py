@@ -69,6 +69,12 @@ MAX_BURST_ITERATIONS = 64
 #: The Ray concurrency group of a worker's ``stop_burst``: it runs while the burst's call is busy.
 BURST_CONTROL_GROUP = "burst_control"
 
+#: The Ray concurrency group of a worker's read-only probes (``metrics``, ``num_sessions``) when
+#: ``/v1/status`` and ``/metrics`` ask: they answer while a burst (up to ``engine.burst_ms``) or a
+#: step is busy, instead of waiting for it. ``/health`` keeps the default group: it proves the
+#: worker's own call loop answers.
+PROBE_GROUP = "probes"
+
 #: ``(model, items) -> (outcomes ref, payloads ref)``: submit one call on another model's worker.
 PeerSubmit = Callable[[str, list[WorkItem]], tuple[Any, Any]]
 #: ``refs -> values``: wait for calls' returns (Ray ObjectRefs, or resolved in-process futures).

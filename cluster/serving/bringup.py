@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.coordination.coordinator import Coordinator
-from actors.worker.bursts import BURST_CONTROL_GROUP
+from actors.worker.bursts import BURST_CONTROL_GROUP, PROBE_GROUP
 from actors.worker.device_worker import DeviceWorker, HostedModel
 from actors.coordination.metrics import COORDINATOR_NAMESPACE, GroupIdentity
 from actors.worker.model_worker import ModelWorker
@@ -192,11 +192,12 @@ def worker_sessions(config: GroupConfig) -> int:
 
 def _worker_actor(cls: type, direct_transport: bool = False) -> Any:
     """``cls`` as a Ray actor class whose ``stop_burst`` runs in a concurrency group of its own,
-    beside a busy burst call (:mod:`actors.worker.bursts`, the stop signal); ``direct_transport``:
+    beside a busy burst call (:mod:`actors.worker.bursts`, the stop signal), and whose read-only
+    probes run in another (:data:`~actors.worker.bursts.PROBE_GROUP`); ``direct_transport``:
     its calls may return tensors over Ray Direct Transport (``engine.row_transport``)."""
     import ray
 
-    return ray.remote(concurrency_groups={BURST_CONTROL_GROUP: 1}, enable_tensor_transport=direct_transport)(cls)
+    return ray.remote(concurrency_groups={BURST_CONTROL_GROUP: 1, PROBE_GROUP: 1}, enable_tensor_transport=direct_transport)(cls)
 
 
 def start_model_group(

@@ -49,6 +49,7 @@ from ray.util.placement_group import get_current_placement_group
 
 from actors.request_schema import GenerationChunk, InvalidRequestError
 from actors.coordination.metrics import GroupIdentity
+from actors.worker.bursts import PROBE_GROUP
 from cluster import grpc_service
 from cluster.config import GroupConfig, SpecServeArgs, parse_app_args, resolve_api_key
 from cluster.serving.errors import (
@@ -261,7 +262,8 @@ class SpecServeIngress(GrpcMethods):
         try:
             self._http_auth(http_request)
             description = await self.request_path.coordinator.describe.remote()
-            sessions = await asyncio.gather(*(self._group.workers[name].num_sessions.remote() for name in names))
+            sessions = await asyncio.gather(*(self._group.workers[name].num_sessions.options(
+                concurrency_group=PROBE_GROUP).remote() for name in names))
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP error response
             return _http_error(unwrap_task_error(error), request_id, what="status request")
         return JSONResponse(
