@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.worker.bursts import BurstRecord
-from actors.worker.cpu_binding import bind_process
+from actors.worker.cpu_binding import bind_process, release_openmp_team
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP
 from actors.model.eagle3_serving import hosting, is_eagle3_checkpoint
 from actors.model.kv_budget import KVCacheBudgetError, budget_bytes, worker_kv_cache_memory
@@ -103,6 +103,8 @@ class DeviceWorker:
             budget = worker_kv_cache_memory(kv_cache_memory, worker.device)
         if budget is not None:  # after every model's weights are loaded
             self._split_kv_budget(budget)
+            if worker.device == "cpu":  # the new caches' fill ran here: end this thread's OpenMP team again
+                release_openmp_team()
 
     def _split_kv_budget(self, kv_cache_memory: int | float) -> None:
         first = self.models[self.names[0]]

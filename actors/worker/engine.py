@@ -42,6 +42,7 @@ import torch
 
 from actors.messages import ItemOutcome, OpenSession, Prefill, RowSampling, WorkItem
 from actors.model.device_health import DeviceBrokenError
+from actors.worker.cpu_binding import follow_torch_threads
 from actors.worker.prefill_pacer import PrefillPacer
 from actors.worker.prefix_cache import PrefixCache
 from actors.worker.sessions import SessionStore
@@ -165,6 +166,7 @@ class WorkerEngine:
         """Run this worker's call of one step; returns (outcomes aligned with ``items``, payloads
         aligned with ``items``). ``source_payloads[i][j]`` is the payload of item j of the i-th
         source call."""
+        follow_torch_threads()  # Ray may run this call on any of its threads (actors.worker.cpu_binding)
         with self.sessions.lock:
             started = time.perf_counter()
             try:

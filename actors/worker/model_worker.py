@@ -30,7 +30,8 @@ from actors.model.backends import SlotBackend
 from actors.model.eagle3_serving import Eagle3Backend, is_eagle3_checkpoint
 from actors.worker.bursts import BurstRecord, BurstStops, run_burst
 from actors.worker.allocator import keep_freed_memory
-from actors.worker.cpu_binding import bind_process, current_cores, torch_thread_count
+from actors.worker.cpu_binding import (bind_process, current_cores, release_openmp_team, set_torch_threads,
+                                      torch_thread_count)
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
 from actors.messages import FailedSource, ItemOutcome, KVPool, OpenSession, WorkerInfo, WorkItem
@@ -135,7 +136,7 @@ class ModelWorker:
         if self.device == "cpu":
             # resources.torch_threads; "auto": the cores of this process's mask, read after binding above
             threads = getattr(spec, "torch_threads", 1)
-            torch.set_num_threads(torch_thread_count(threads))
+            set_torch_threads(torch_thread_count(threads))  # applied again in each thread that runs a step
             logger.info("worker %s: %d torch thread(s) (resources.torch_threads %s)", spec.name, torch.get_num_threads(), threads)
         self.max_sessions = int(max_sessions)
         if shared_kv_budget and worker_kv_cache_memory(kv_cache_memory, self.device) is not None:
@@ -154,6 +155,8 @@ class ModelWorker:
         self._links_lock = threading.Lock()
         self._burst_stops = BurstStops()  # written by stop_burst, in its own concurrency group
         self._held_rows = HeldRows()  # rows kept back for take_rows (actors.worker.row_transport)
+        if self.device == "cpu":  # steps run on another thread: end this one's OpenMP team (cpu_binding)
+            release_openmp_team()
 
     # ------------------------------------------------------------------ set-up
     def _pick_device(self) -> str:
