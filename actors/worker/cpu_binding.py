@@ -80,6 +80,30 @@ def follow_torch_threads() -> None:
         _threads_following.add(thread)
 
 
+class ForwardThreads:
+    """The torch thread count of each CPU forward (``resources.one_thread_below``): ``threads`` for a
+    forward whose work (tokens x ``parameters``) reaches ``one_thread_below``, one thread below it.
+    A small forward's OpenMP regions are short, so the hand-offs to a helper cost more than its core
+    saves, and that core serves Ray, the coordinator and HTTP meanwhile: on the embedded family
+    (2 cores), ``sd`` at one client served 190-209 tok/s on two threads and 242-253 on one, ``ar``
+    at 16 clients 697-758 on two and 560-667 on one (``specserve bench --mode serve-load``)."""
+
+    def __init__(self, threads: int, parameters: int, one_thread_below: int):
+        self.threads = threads
+        self.parameters = parameters
+        self.one_thread_below = one_thread_below
+
+    def count(self, tokens: int) -> int:
+        """The threads of a forward of ``tokens`` tokens."""
+        if self.threads <= 1 or not self.parameters or tokens * self.parameters >= self.one_thread_below:
+            return self.threads
+        return 1
+
+    def apply(self, tokens: int) -> None:
+        """Set the calling thread's torch thread count for a forward of ``tokens`` tokens."""
+        torch.set_num_threads(self.count(tokens))
+
+
 #: The OpenMP runtimes whose ``omp_pause_resource_all`` :func:`release_openmp_team` calls.
 OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
 

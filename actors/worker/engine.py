@@ -42,7 +42,7 @@ import torch
 
 from actors.messages import ItemOutcome, OpenSession, Prefill, RowSampling, WorkItem
 from actors.model.device_health import DeviceBrokenError
-from actors.worker.cpu_binding import follow_torch_threads
+from actors.worker.cpu_binding import ForwardThreads, follow_torch_threads
 from actors.worker.prefill_pacer import PrefillPacer
 from actors.worker.prefix_cache import PrefixCache
 from actors.worker.sessions import SessionStore
@@ -70,6 +70,7 @@ class WorkerEngine:
         self.sessions = SessionStore(self.prefix_cache, idle_timeout_s, name)
         self.steps = 0
         self.rows_per_forward: list[int] = []  # recent batch sizes (for metrics)
+        self.forward_threads: ForwardThreads | None = None  # a CPU worker's threads per forward (cpu_binding)
         # Cumulative since the worker started (monotonic; read at scrape time, see metrics()).
         self.forward_seconds_total = 0.0
         self.step_seconds_total = 0.0

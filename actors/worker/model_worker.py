@@ -30,8 +30,8 @@ from actors.model.backends import SlotBackend
 from actors.model.eagle3_serving import Eagle3Backend, is_eagle3_checkpoint
 from actors.worker.bursts import BurstRecord, BurstStops, run_burst
 from actors.worker.allocator import keep_freed_memory
-from actors.worker.cpu_binding import (bind_process, current_cores, release_openmp_team, set_torch_threads,
-                                      torch_thread_count)
+from actors.worker.cpu_binding import (ForwardThreads, bind_process, current_cores, release_openmp_team,
+                                      set_torch_threads, torch_thread_count)
 from actors.worker.engine import DEFAULT_MAX_TOKENS_PER_STEP, WorkerEngine
 from actors.model.kv_budget import worker_kv_cache_memory
 from actors.messages import FailedSource, ItemOutcome, KVPool, OpenSession, WorkerInfo, WorkItem
@@ -144,6 +144,9 @@ class ModelWorker:
         self.engine = WorkerEngine(on_simulated_device(self._load_backend(), spec), spec.name, idle_timeout_s,
                                    prefix_caching=prefix_caching, max_tokens_per_step=max_tokens_per_step)
         self.engine.on_device_broken = self.device_broken
+        if self.device == "cpu":
+            self.engine.forward_threads = ForwardThreads(torch.get_num_threads(), self._parameter_count(),
+                                                         getattr(spec, "one_thread_below", 0))
         if hasattr(self.engine.backend, "attach_engine"):  # an EAGLE-3 head reads its sessions' contexts
             self.engine.backend.attach_engine(self.engine)
         self.tokenizer_identity = load_tokenizer_identity(spec.path)  # checked against the group's at start-up
@@ -159,6 +162,14 @@ class ModelWorker:
             release_openmp_team()
 
     # ------------------------------------------------------------------ set-up
+    def _parameter_count(self) -> int:
+        """The parameters of this worker's model, packed quantized weights (buffers) included; 0 where
+        its backend holds no torch module."""
+        model = getattr(self.engine.backend, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            return 0
+        return sum(t.numel() for t in model.parameters()) + sum(t.numel() for t in model.buffers())
+
     def _pick_device(self) -> str:
         gpu_ids = self._gpu_ids()
         if gpu_ids and torch.cuda.is_available():

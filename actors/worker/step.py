@@ -254,6 +254,8 @@ class Step:
         engine = self.engine
         logits: dict[int, torch.Tensor] = {}
         for group in forward_groups(rows, engine.backend.forward_overhead_tokens):
+            if engine.forward_threads is not None:  # resources.one_thread_below (actors.worker.cpu_binding)
+                engine.forward_threads.apply(sum(len(rows[i]) for i in group))
             started = time.perf_counter()
             logits.update(self._forward(group))
             if any(isinstance(self.tasks[i], PrefillTask) for i in group):  # what the pacer learns a token's cost from

@@ -106,6 +106,7 @@ class SpecServeArgs(Frozen):
                 num_gpus=group_gpus if override.gpus is None else override.gpus,
                 num_cpus=resources.cpus_per_model if override.cpus is None else override.cpus,
                 torch_threads=resources.torch_threads,
+                one_thread_below=resources.one_thread_below,
                 resources=override.resources,
                 simulated_device=self.engine.simulated_device.get(name),
                 lean_forward=self.engine.lean_forward,
@@ -139,6 +140,9 @@ class ModelSpec(ModelArgs):
     num_cpus: float = Field(..., ge=0.0, description="CPUs of the worker actor (per_model cpus, else cpus_per_model).")
     torch_threads: TorchThreads = Field(
         ..., description="torch intra-op threads of a CPU worker (resources.torch_threads; 'auto': its cores once bound).")
+    one_thread_below: int = Field(
+        0, ge=0, description="Forwards of less work (tokens x parameters) run on one torch thread "
+        "(resources.one_thread_below); 0: every forward on torch_threads.")
     resources: dict[str, float] = Field(
         ...,
         description="Custom Ray resources of the worker actor and its placement-group bundle (per_model resources); "

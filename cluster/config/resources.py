@@ -87,10 +87,9 @@ class PlacementArgs(Frozen):
     )
     cpu_affinity: Literal["auto", "spare", "off"] | CoreLists = Field(
         "off",
-        description="CPU cores the workers run on. off: none bound. spare (a shared host; no GPUs, Ray started by "
-        "`specserve serve`): other processes keep off the last torch_threads cores, left to the target's worker. auto (a "
-        "host to itself): spare, and the target's worker bound to them. A map model -> core ids ({target: [1]}): that "
-        "worker on those cores, other processes on the rest. Binding unavailable: a warning.",
+        description="CPU cores the workers run on. off: none bound. spare (no GPUs, Ray started by `specserve serve`): "
+        "other processes keep off the last torch_threads cores. auto: spare, and the target's worker bound to them. A "
+        "map model -> core ids ({target: [1]}): that worker there, other processes on the rest.",
     )
 
     @field_validator("cpu_affinity", mode="before")
@@ -119,8 +118,13 @@ class ResourcesArgs(CoordinatorResourceArgs, PlacementArgs):
     torch_threads: TorchThreads = Field(
         1,
         description="torch intra-op threads per CPU model worker: a number, or 'auto': the cores of the worker's affinity "
-        "mask once bound (cpu_affinity). Default 1: 'auto' served fewer tokens/s on a shared 2-core host (`specserve "
-        "bench --mode serve-load`); try it on a host of your own.",
+        "mask once bound (cpu_affinity); forwards below one_thread_below run on one.",
+    )
+    one_thread_below: int = Field(
+        100_000_000,
+        ge=0,
+        description="CPU forwards of less work (tokens x parameters) run on one torch thread, leaving the other cores to "
+        "Ray and HTTP; logits unchanged (tested bit for bit). 0: all on torch_threads.",
     )
     per_model: dict[str, ModelResourceArgs] = Field(
         default_factory=dict, description="Per-model overrides keyed by model name (gpus, cpus, custom resources)."
