@@ -128,19 +128,21 @@ def penalized_probs(
     generated: Sequence[Sequence[int]] | None = None,
     dtype: torch.dtype = torch.float64,
     overwrite: bool = False,
+    checked: bool = False,
 ) -> torch.Tensor:
     """``logits [..., V]`` -> the rows sampled from, in ``dtype``: penalties (when active;
     ``generated`` holds one context per row of the flattened leading dimensions), then
     :func:`verifiers.sampling.logits_to_probs` (with the penalties' ``min_p``; ``overwrite``: the
-    logits are the caller's scratch, as there)."""
+    logits are the caller's scratch, as there; ``checked``: the caller checked the logits
+    (:func:`verifiers.sampling.check_logits`), which penalties, when active, are checked after)."""
     if penalties.active:
         shape = logits.shape
         if generated is None:
             raise ValueError("penalties need the generated context of every row")
         logits = penalize(logits.reshape(-1, shape[-1]), penalties, prompt, generated, dtype).reshape(shape)
-        overwrite = True  # the penalized logits are a copy of this call's own
+        overwrite, checked = True, False  # the penalized logits are a copy of this call's own
     return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=penalties.min_p, dtype=dtype,
-                           overwrite=overwrite)
+                           overwrite=overwrite, checked=checked)
 
 
 def _row_counts(contexts: Sequence[Sequence[int]], vocab: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

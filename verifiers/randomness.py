@@ -85,11 +85,22 @@ def _inverse_cdf(flat: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     search compares in float64, so a uniform never rounds onto a CDF step. Each row's result
     depends on that row and its uniform only (the cumulative sum runs along each row), so rows
     drawn in one call or in many agree."""
-    cdf = torch.cumsum(flat, dim=-1).to(torch.float64)  # [N, V]
-    total = cdf[:, -1:]  # [N, 1]; 1 up to rounding
-    index = torch.searchsorted(cdf, uniform * total, right=True)  # [N, 1]
+    cdf = torch.cumsum(flat, dim=-1)  # [N, V], in the rows' precision
+    point = uniform * cdf[:, -1:].to(torch.float64)  # [N, 1]; the total is 1 up to rounding
+    if cdf.dtype != torch.float64:  # the same count of CDF entries <= it, without a float64 copy of the CDF
+        point = _largest_at_most(point, cdf.dtype)
+    index = torch.searchsorted(cdf, point, right=True)  # [N, 1]
     index = _skip_zero_mass(flat, index.clamp_(max=flat.shape[-1] - 1))
     return index.reshape(-1).to(torch.int64)
+
+
+def _largest_at_most(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest number of ``dtype`` at most each float64 value: an entry ``c`` of ``dtype`` is
+    ``<= values`` exactly when it is ``<=`` this (so a search over ``dtype`` entries counts what a
+    float64 search would)."""
+    rounded = values.to(dtype)
+    return torch.where(rounded.to(torch.float64) > values, torch.nextafter(rounded, rounded.new_tensor(float("-inf"))),
+                       rounded)
 
 
 def categorical_together(draws: list[tuple[RandomSource, torch.Tensor]]) -> list[torch.Tensor]:

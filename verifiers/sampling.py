@@ -43,7 +43,7 @@ ROW_DTYPES = (torch.float64, torch.float32)
 
 def logits_to_probs(
     logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-    dtype: torch.dtype = torch.float64, overwrite: bool = False,
+    dtype: torch.dtype = torch.float64, overwrite: bool = False, checked: bool = False,
 ) -> torch.Tensor:
     """``logits [..., V]`` -> probability rows ``[..., V]`` in ``dtype`` (one of
     :data:`ROW_DTYPES`; see the module docstring).
@@ -51,10 +51,12 @@ def logits_to_probs(
     Does not modify ``logits`` unless ``overwrite`` (a caller's own contiguous scratch in ``dtype``,
     which then holds the rows). Each step works in place on a tensor of its own (the values are
     those of the out-of-place operations, bit for bit: the same kernels, element by element).
+    ``checked``: the caller has passed the logits these were converted from through
+    :func:`check_logits` (finiteness is not checked again).
     """
     _check_sampling_args(temperature, top_k, top_p, min_p)
     given = logits
-    logits = _checked_logits(logits, dtype)  # [..., V] in dtype
+    logits = _checked_logits(logits, dtype, checked)  # [..., V] in dtype
     if temperature == 0:
         return _argmax_one_hot(logits)
     owned = (overwrite or logits is not given) and logits.is_contiguous()  # ours to write over
@@ -115,18 +117,31 @@ def _softmax(logits: torch.Tensor, in_place: bool) -> torch.Tensor:
     return torch._softmax(logits, -1, False, out=logits)
 
 
-def _checked_logits(logits: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def _checked_logits(logits: torch.Tensor, dtype: torch.dtype = torch.float64, checked: bool = False) -> torch.Tensor:
+    """``logits`` in ``dtype``, refused (:func:`check_logits`) unless every row is usable; a
+    widening conversion (float32 -> float64) is exact, so the check reads the narrower tensor."""
     if dtype not in ROW_DTYPES:
         raise ValueError(f"rows are computed in float64 or float32, got {dtype}")
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    widening = logits.is_floating_point() and logits.dtype.itemsize <= dtype.itemsize
+    if widening and not checked:
+        check_logits(logits)
     logits = logits.to(dtype)
+    if not (widening or checked):
+        check_logits(logits)
+    return logits
+
+
+def check_logits(logits: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless every row of floating ``logits [..., V]`` can be sampled from:
+    no NaN, no ``+inf``, not ``-inf`` everywhere."""
     # One reduction covers the three bad cases: amax propagates NaN, is +inf if any entry
     # is, and is -inf only for a row that is -inf everywhere.
     if bool(torch.isfinite(logits.amax(dim=-1)).all()):
-        return logits
+        return
     if bool(torch.isnan(logits).any()):
         raise ValueError("logits contain NaN")
     if bool((logits == float("inf")).any()):

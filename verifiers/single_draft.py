@@ -310,7 +310,11 @@ def _scaled_difference(log_ratio: torch.Tensor, target_rows: torch.Tensor, draft
     and both are invariant to the factor."""
     target_weight = torch.exp(torch.clamp(log_ratio, max=0.0)).unsqueeze(-1)  # [N, 1]
     draft_weight = torch.exp(torch.clamp(-log_ratio, max=0.0)).unsqueeze(-1)  # [N, 1]
-    return target_weight * target_rows - draft_weight * draft_rows
+    # A weight of exactly 1 (one side's always is) scales nothing: its product is skipped, bit for bit.
+    draft_part = draft_rows if bool((draft_weight == 1).all()) else torch.mul(draft_rows, draft_weight)  # [N, V]
+    if bool((target_weight == 1).all()):
+        return torch.sub(target_rows, draft_part)  # [N, V], a new tensor
+    return torch.mul(target_rows, target_weight).sub_(draft_part)  # [N, V], a new tensor
 
 
 def _surpluses(block: _Block, p: torch.Tensor) -> torch.Tensor:
@@ -338,10 +342,18 @@ def _log_capped_ratios(log_token_ratios: torch.Tensor) -> torch.Tensor:
 def _positive_part_rows(difference: torch.Tensor, fallback_rows: torch.Tensor) -> torch.Tensor:
     """``norm(max(difference, 0))`` per row ``[N, V]``; an empty row (no positive mass, which
     has probability 0 of being used in exact arithmetic) becomes ``fallback_rows``. No
-    epsilon is added."""
-    positive = difference.clamp(min=0.0)  # [N, V]
+    epsilon is added. Works in place on ``difference`` (a fresh tensor of the caller's, from
+    :func:`_scaled_difference`), which holds the rows after: the values of the out-of-place
+    clamp, division and selection, bit for bit, without three more ``[N, V]`` tensors."""
+    positive = difference.clamp_(min=0.0)  # [N, V]
     mass = positive.sum(dim=-1, keepdim=True)  # [N, 1]
-    return torch.where(mass > 0, positive / torch.where(mass > 0, mass, 1.0), fallback_rows)
+    has_mass = mass > 0  # [N, 1]
+    if bool(has_mass.all()):
+        return positive.div_(mass)
+    positive.div_(torch.where(has_mass, mass, 1.0))
+    empty = ~has_mass.squeeze(-1)  # [N]
+    positive[empty] = fallback_rows[empty]
+    return positive
 
 
 def _log_path_ratios(block: _Block, target_rows: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
@@ -407,8 +419,10 @@ def _correction_or_bonus_rows(
     rejected_at = num_accepted.clamp(max=block.gamma - 1)  # [B]; rows with full=True are masked below
     log_weight = log_weights[batch_index, rejected_at]  # [B]
     difference = _scaled_difference(log_weight, target_at_tau, block.draft_probs[batch_index, rejected_at])
-    residual = _positive_part_rows(difference, target_at_tau)  # [B, V]
-    return torch.where(full.unsqueeze(1), target_at_tau, residual)
+    rows = _positive_part_rows(difference, target_at_tau)  # [B, V]: the residuals
+    if bool(full.any()):
+        rows[full] = target_at_tau[full]  # the bonus rows
+    return rows
 
 
 def _validated_greedy_state(state: GreedyBlockState | None, block: _Block) -> GreedyBlockState:

@@ -16,6 +16,7 @@ import torch
 
 from actors.worker.sessions import Session
 from verifiers.penalties import Penalties, penalized_probs
+from verifiers.sampling import check_logits
 
 
 def session_rows(session: Session, logits: torch.Tensor, after: list[list[int]],
@@ -118,11 +119,15 @@ def _transform_together(requests: Sequence[RowRequest], members: list[int], rows
     flat = [shared_vocab(request.session, request.logits).reshape(-1, vocab) for request in requests]  # [n_i, V]
     stacked = torch.empty(sum(len(x) for x in flat), vocab, dtype=dtype, device=flat[0].device)  # [N, V]
     offsets = [0]
+    widening = all(logits.dtype.itemsize <= dtype.itemsize for logits in flat)  # an exact conversion
     for logits in flat:
+        if widening:  # checked before the conversion, on the narrower tensor
+            check_logits(logits)
         stacked[offsets[-1]: offsets[-1] + len(logits)].copy_(logits)  # the dtype conversion .to(dtype) does
         offsets.append(offsets[-1] + len(logits))
     probs = penalized_probs(stacked, temperature=temperature, top_k=top_k, top_p=top_p,
-                            penalties=Penalties(min_p=min_p), dtype=dtype, overwrite=True)  # [N, V], in stacked
+                            penalties=Penalties(min_p=min_p), dtype=dtype, overwrite=True,
+                            checked=widening)  # [N, V], in stacked
     for i, request, start, end in zip(members, requests, offsets, offsets[1:]):
         rows[i] = probs[start:end].reshape(*request.logits.shape[:-1], vocab)
 
