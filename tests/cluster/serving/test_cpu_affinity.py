@@ -103,9 +103,7 @@ def test_serving_cores_and_the_recorded_host_cores():
 
 def test_specserve_serve_binds_the_serving_processes_off_the_workers_cores():
     document = read_serve_config(str(DEFAULT_YAML))
-    assert serving_binding(document, (0, 1), gpu_host=False)[0] == (0,)  # the default deployment: spare
-    document["applications"][0]["args"]["resources"]["cpu_affinity"] = "off"
-    assert serving_binding(document, (0, 1), gpu_host=False)[0] is None
+    assert serving_binding(document, (0, 1), gpu_host=False)[0] is None  # the default deployment: off
     document["applications"][0]["args"]["resources"]["cpu_affinity"] = "auto"
     assert serving_binding(document, (0, 1), gpu_host=False)[0] == (0,)
     assert serving_binding(document, (0,), gpu_host=False)[0] is None
