@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -226,8 +225,10 @@ class Scheduler:
         decision = self.policy.decide(cohort)
         tokens = self.policy.step_tokens
         if any(first_token_due(request) for request in cohort.running) and self.first_step_tokens < tokens:
-            tokens = self.first_step_tokens  # a newcomer's first chunk sooner; a short step's yield is not its mode's
-            decision = dataclasses.replace(decision, representative=False)
+            # A newcomer's first chunk sooner. The step's yield still stands for its mode: under
+            # arrivals most steps carry a newcomer (at 16 clients nearly every one), so the steps
+            # without one measured speculation ~15% above what whole runs of it served.
+            tokens = self.first_step_tokens
         for request in list(cohort.running):
             set_plain_tokens(request.machine, len(cohort.running), tokens)
             if request.prefilling:
