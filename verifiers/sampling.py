@@ -126,13 +126,19 @@ def _checked_logits(logits: torch.Tensor, dtype: torch.dtype = torch.float64, ch
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
-    widening = logits.is_floating_point() and logits.dtype.itemsize <= dtype.itemsize
+    widening = widens_exactly(logits.dtype, dtype)
     if widening and not checked:
         check_logits(logits)
     logits = logits.to(dtype)
     if not (widening or checked):
         check_logits(logits)
     return logits
+
+
+def widens_exactly(source: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether converting floating ``source`` values to ``dtype`` keeps every value (float32 or
+    16 bits -> float64, 16 bits -> float32): a check of the values may then read the narrower tensor."""
+    return source.is_floating_point and source.itemsize <= dtype.itemsize
 
 
 def check_logits(logits: torch.Tensor) -> None:

@@ -133,19 +133,21 @@ class ModelWorker:
         self.shared_kv_budget = shared_kv_budget
         self.max_model_len = max_model_len
         self.device = self._pick_device()
+        thread_count = None  # a CPU worker's torch threads
         if self.device == "cpu":
             # resources.torch_threads; "auto": the cores of this process's mask, read after binding above
             threads = getattr(spec, "torch_threads", 1)
-            set_torch_threads(torch_thread_count(threads))  # applied again in each thread that runs a step
-            logger.info("worker %s: %d torch thread(s) (resources.torch_threads %s)", spec.name, torch.get_num_threads(), threads)
+            thread_count = torch_thread_count(threads)
+            set_torch_threads(thread_count)  # applied again in each thread that runs a step
+            logger.info("worker %s: %d torch thread(s) (resources.torch_threads %s)", spec.name, thread_count, threads)
         self.max_sessions = int(max_sessions)
         if shared_kv_budget and worker_kv_cache_memory(kv_cache_memory, self.device) is not None:
             self.max_sessions = 1
         self.engine = WorkerEngine(on_simulated_device(self._load_backend(), spec), spec.name, idle_timeout_s,
                                    prefix_caching=prefix_caching, max_tokens_per_step=max_tokens_per_step)
         self.engine.on_device_broken = self.device_broken
-        if self.device == "cpu":
-            self.engine.forward_threads = ForwardThreads(torch.get_num_threads(), self._parameter_count(),
+        if thread_count is not None:
+            self.engine.forward_threads = ForwardThreads(thread_count, self._parameter_count(),
                                                          getattr(spec, "one_thread_below", 0))
         if hasattr(self.engine.backend, "attach_engine"):  # an EAGLE-3 head reads its sessions' contexts
             self.engine.backend.attach_engine(self.engine)

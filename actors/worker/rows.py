@@ -16,7 +16,7 @@ import torch
 
 from actors.worker.sessions import Session
 from verifiers.penalties import Penalties, penalized_probs
-from verifiers.sampling import check_logits
+from verifiers.sampling import check_logits, widens_exactly
 
 
 def session_rows(session: Session, logits: torch.Tensor, after: list[list[int]],
@@ -119,7 +119,7 @@ def _transform_together(requests: Sequence[RowRequest], members: list[int], rows
     flat = [shared_vocab(request.session, request.logits).reshape(-1, vocab) for request in requests]  # [n_i, V]
     stacked = torch.empty(sum(len(x) for x in flat), vocab, dtype=dtype, device=flat[0].device)  # [N, V]
     offsets = [0]
-    widening = all(logits.dtype.itemsize <= dtype.itemsize for logits in flat)  # an exact conversion
+    widening = all(widens_exactly(logits.dtype, dtype) for logits in flat)
     for logits in flat:
         if widening:  # checked before the conversion, on the narrower tensor
             check_logits(logits)
