@@ -5,7 +5,19 @@ message naming the setting."""
 
 from __future__ import annotations
 
-from cluster.serving.bringup import SERVE_PROXY_READY_TIMEOUT_ENV, SERVE_PROXY_READY_TIMEOUT_S, set_slow_start_defaults
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cluster.serving.bringup import (
+    SERVE_PROXY_READY_TIMEOUT_ENV,
+    SERVE_PROXY_READY_TIMEOUT_S,
+    WORKER_NICENESS_ENV,
+    set_serving_defaults,
+    set_slow_start_defaults,
+)
 from cluster.serving.serve_command import proxy_start_failure
 
 
@@ -16,6 +28,45 @@ def test_slow_start_default_is_set_only_when_absent():
     environ = {SERVE_PROXY_READY_TIMEOUT_ENV: "2.5"}
     set_slow_start_defaults(environ)
     assert environ[SERVE_PROXY_READY_TIMEOUT_ENV] == "2.5"
+
+
+def test_worker_niceness_default_is_set_only_when_absent():
+    environ: dict[str, str] = {}
+    set_serving_defaults(environ)
+    assert environ[WORKER_NICENESS_ENV] == "0"
+    environ = {WORKER_NICENESS_ENV: "15"}
+    set_serving_defaults(environ)
+    assert environ[WORKER_NICENESS_ENV] == "15"
+
+
+#: A fresh interpreter starting its own local Ray through init_ray: an actor's niceness and the driver's.
+_NICENESS_PROBE = """
+import os, ray
+from cluster.serving.bringup import init_ray
+init_ray(num_cpus=1)
+@ray.remote(num_cpus=0)
+class Probe:
+    def niceness(self):
+        return os.nice(0)
+print(ray.get(Probe.remote().niceness.remote()), os.nice(0))
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_a_local_ray_runs_its_workers_at_the_drivers_niceness():
+    """Ray starts actors at niceness 15 by default; a local Ray that init_ray starts runs them at
+    the driver's, and an explicit RAY_worker_niceness wins (19: the lowest priority, whether Ray adds
+    it or sets it). A Ray of its own in a subprocess."""
+    environ = {key: value for key, value in os.environ.items() if key not in (WORKER_NICENESS_ENV, "RAY_ADDRESS")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    for setting in (None, "19"):
+        env = environ if setting is None else {**environ, WORKER_NICENESS_ENV: setting}
+        result = subprocess.run([sys.executable, "-c", _NICENESS_PROBE], env=env, capture_output=True, text=True,
+                                timeout=180, cwd=root)
+        assert result.returncode == 0, result.stderr[-2000:]
+        actor, driver = (int(value) for value in result.stdout.split()[-2:])
+        assert actor == (driver if setting is None else 19)
 
 
 def test_a_proxy_start_failure_names_the_setting(monkeypatch):
