@@ -51,8 +51,7 @@ SERVE_PROXY_READY_TIMEOUT_S = 30.0
 # at niceness 15 and its own daemons, the driver and any client on the host at 0, so on a machine
 # whose cores the model workers fill, whatever else wakes up preempts a forward's threads. A
 # local Ray started here runs its workers at 0, as vLLM's processes run; an explicit setting in
-# the environment wins. Served, 16 clients on this 2-core host: `ar` 707 against 616 tok/s,
-# `sd` auto 722 against 610 (docs/serving.md, "CPU binding").
+# the environment wins. Measured: the `worker-niceness` record (docs/results.md, "Served load").
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 WORKER_NICENESS = 0
 

@@ -6,6 +6,7 @@ message naming the setting."""
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -19,6 +20,8 @@ from cluster.serving.bringup import (
     set_slow_start_defaults,
 )
 from cluster.serving.serve_command import proxy_start_failure
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
 
 
 def test_slow_start_default_is_set_only_when_absent():
@@ -59,11 +62,10 @@ def test_a_local_ray_runs_its_workers_at_the_drivers_niceness():
     the driver's, and an explicit RAY_worker_niceness wins (19: the lowest priority, whether Ray adds
     it or sets it). A Ray of its own in a subprocess."""
     environ = {key: value for key, value in os.environ.items() if key not in (WORKER_NICENESS_ENV, "RAY_ADDRESS")}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     for setting in (None, "19"):
         env = environ if setting is None else {**environ, WORKER_NICENESS_ENV: setting}
         result = subprocess.run([sys.executable, "-c", _NICENESS_PROBE], env=env, capture_output=True, text=True,
-                                timeout=180, cwd=root)
+                                timeout=180, cwd=REPO)
         assert result.returncode == 0, result.stderr[-2000:]
         actor, driver = (int(value) for value in result.stdout.split()[-2:])
         assert actor == (driver if setting is None else 19)
