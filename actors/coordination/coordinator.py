@@ -141,6 +141,7 @@ class Coordinator:
         )
         self.scheduler.calls.transport = RowTransport(getattr(config, "row_transport", "auto"))
         self.worker_infos: dict[str, WorkerInfo] | None = None
+        self._infos_fetch: asyncio.Future | None = None  # the first fetch of the infos, while it runs
         self.vocab_limit: int | None = None  # the group's real tokens (actors.vocabulary), set with the infos
         self._export_task: asyncio.Task | None = None
 
@@ -150,23 +151,36 @@ class Coordinator:
 
     # ------------------------------------------------------------------ info
     async def infos(self) -> dict[str, WorkerInfo]:
-        """Every worker's :class:`WorkerInfo` (fetched once)."""
+        """Every worker's :class:`WorkerInfo` (fetched once: callers that ask while the first fetch
+        runs wait for it, so a burst of first requests makes one round of ``info`` calls and one
+        vocabulary check, not one each; a fetch that failed is retried by the next caller)."""
         if self.worker_infos is None:
-            names = list(self.workers)
-            results = await asyncio.gather(*(self.workers[name].info.remote() for name in names))
-            infos = dict(zip(names, results))
-            # One vocabulary for the group, or refuse (VocabularyMismatchError): bring-up asks for
-            # the infos before it serves, so a mismatched group never starts.
-            self.vocab_limit = group_vocabulary(
-                {name: info.vocab_size for name, info in infos.items()},
-                {name: info.tokenizer for name, info in infos.items()},
-                tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None,
-            )
-            self.scheduler.max_running = running_limit(self.config.max_concurrent_requests, infos)
-            self.scheduler.admission.kv_pools = {name: info.kv_pool for name, info in infos.items()
-                                                 if getattr(info, "kv_pool", None) is not None}
-            self.worker_infos = infos
+            if self._infos_fetch is None or self._infos_fetch.done():
+                self._infos_fetch = asyncio.ensure_future(self._fetch_infos())
+            fetch = self._infos_fetch
+            try:
+                self.worker_infos = await asyncio.shield(fetch)  # a cancelled caller leaves the fetch to the others
+            finally:
+                if fetch.done() and (fetch.cancelled() or fetch.exception() is not None):
+                    self._infos_fetch = None
         return self.worker_infos
+
+    async def _fetch_infos(self) -> dict[str, WorkerInfo]:
+        """Ask every worker for its info; check the group's vocabulary (VocabularyMismatchError:
+        bring-up asks for the infos before it serves, so a mismatched group never starts) and set
+        the limits that follow from the infos."""
+        names = list(self.workers)
+        results = await asyncio.gather(*(self.workers[name].info.remote() for name in names))
+        infos = dict(zip(names, results))
+        self.vocab_limit = group_vocabulary(
+            {name: info.vocab_size for name, info in infos.items()},
+            {name: info.tokenizer for name, info in infos.items()},
+            tokenizer_identity(self.tokenizer) if self.tokenizer is not None else None,
+        )
+        self.scheduler.max_running = running_limit(self.config.max_concurrent_requests, infos)
+        self.scheduler.admission.kv_pools = {name: info.kv_pool for name, info in infos.items()
+                                             if getattr(info, "kv_pool", None) is not None}
+        return infos
 
     async def describe(self) -> dict[str, Any]:
         """Models (name, role, vocabulary, context, device), defaults and limits of the group."""

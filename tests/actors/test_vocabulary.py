@@ -76,3 +76,39 @@ def test_coordinator_refuses_a_group_without_one_vocabulary():
     coordinator = Coordinator(workers, config, export_to_ray=False)
     asyncio.run(coordinator.infos())
     assert coordinator.vocab_limit == 60
+
+
+def test_concurrent_first_requests_fetch_the_infos_once():
+    """A burst of first requests (16 clients at start) waits for one fetch of the workers' infos and
+    one vocabulary check, not one each; a fetch that failed is made again by the next caller."""
+    from actors.coordination.coordinator import Coordinator
+    from tests.actors.fake_models import fake_group_config
+
+    config = fake_group_config()
+    calls = {"info": 0, "fail": True}
+
+    class CountingHandle:
+        def __init__(self, info: WorkerInfo):
+            async def info_call() -> WorkerInfo:
+                calls["info"] += 1
+                await asyncio.sleep(0.01)  # the other callers arrive while it runs
+                if calls["fail"]:
+                    raise ConnectionError("worker not up yet")
+                return info
+
+            self.info = SimpleNamespace(remote=info_call)
+
+    workers = {name: CountingHandle(WorkerInfo(name, role, 60, 128, "cpu")) for name, role in config.roles.items()}
+    coordinator = Coordinator(workers, config, export_to_ray=False)
+
+    async def burst(count: int) -> list:
+        return await asyncio.gather(*(coordinator.infos() for _ in range(count)), return_exceptions=True)
+
+    failed = asyncio.run(burst(16))
+    assert all(isinstance(result, ConnectionError) for result in failed)
+    assert calls["info"] == len(workers)  # one fetch for the 16, failed for all of them
+    calls["fail"] = False
+    answered = asyncio.run(burst(16))
+    assert calls["info"] == 2 * len(workers)  # retried once, for all 16
+    assert all(result is answered[0] for result in answered) and set(answered[0]) == set(workers)
+    assert coordinator.vocab_limit == 60
