@@ -155,20 +155,15 @@ class Coordinator:
         runs wait for it, so a burst of first requests makes one round of ``info`` calls and one
         vocabulary check, not one each; a fetch that failed is retried by the next caller)."""
         if self.worker_infos is None:
-            if self._infos_fetch is None or self._infos_fetch.done():
+            if self._infos_fetch is None or self._infos_fetch.done():  # none yet, or the last one failed
                 self._infos_fetch = asyncio.ensure_future(self._fetch_infos())
-            fetch = self._infos_fetch
-            try:
-                self.worker_infos = await asyncio.shield(fetch)  # a cancelled caller leaves the fetch to the others
-            finally:
-                if fetch.done() and (fetch.cancelled() or fetch.exception() is not None):
-                    self._infos_fetch = None
+            return await asyncio.shield(self._infos_fetch)  # a cancelled caller leaves the fetch to the others
         return self.worker_infos
 
     async def _fetch_infos(self) -> dict[str, WorkerInfo]:
         """Ask every worker for its info; check the group's vocabulary (VocabularyMismatchError:
-        bring-up asks for the infos before it serves, so a mismatched group never starts) and set
-        the limits that follow from the infos."""
+        bring-up asks for the infos before it serves, so a mismatched group never starts), set
+        the limits that follow from the infos, then :attr:`worker_infos`."""
         names = list(self.workers)
         results = await asyncio.gather(*(self.workers[name].info.remote() for name in names))
         infos = dict(zip(names, results))
@@ -180,6 +175,7 @@ class Coordinator:
         self.scheduler.max_running = running_limit(self.config.max_concurrent_requests, infos)
         self.scheduler.admission.kv_pools = {name: info.kv_pool for name, info in infos.items()
                                              if getattr(info, "kv_pool", None) is not None}
+        self.worker_infos = infos  # set before the fetch completes: a done fetch without it failed
         return infos
 
     async def describe(self) -> dict[str, Any]:
